@@ -1,0 +1,74 @@
+"""Environment variables tokenmill reads. No other module reads ``os.environ``.
+
+Each variable is declared once here with its type, default and meaning;
+``tokenmill config show`` and the docs list them from this table.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Generic, TypeVar
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class EnvVar(Generic[T]):
+    name: str
+    parse: Callable[[str], T]
+    default: T
+    description: str
+
+    def get(self) -> T:
+        raw = os.environ.get(self.name)
+        if raw is None or raw == "":
+            return self.default
+        try:
+            return self.parse(raw)
+        except ValueError as exc:
+            raise ValueError(f"environment variable {self.name}={raw!r} is invalid: {exc}") from None
+
+
+def _parse_bool(raw: str) -> bool:
+    lowered = raw.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("expected 1/0, true/false, yes/no or on/off")
+
+
+def _parse_list(raw: str) -> tuple[str, ...]:
+    return tuple(item.strip() for item in raw.split(",") if item.strip())
+
+
+TOKENMILL_CACHE_DIR: EnvVar[Path] = EnvVar(
+    "TOKENMILL_CACHE_DIR",
+    lambda raw: Path(raw).expanduser(),
+    Path("~/.cache/tokenmill").expanduser(),
+    "Where `tokenmill pull` stores downloaded models.",
+)
+TOKENMILL_PLUGINS: EnvVar[tuple[str, ...] | None] = EnvVar(
+    "TOKENMILL_PLUGINS",
+    _parse_list,
+    None,
+    "Comma-separated allowlist of entry-point plugins to load; others are skipped.",
+)
+TOKENMILL_DISABLE_PLUGIN_AUTOLOAD: EnvVar[bool] = EnvVar(
+    "TOKENMILL_DISABLE_PLUGIN_AUTOLOAD",
+    _parse_bool,
+    False,
+    "When true, no entry-point plugin is loaded (built-in plugins still are).",
+)
+TOKENMILL_LOG_LEVEL: EnvVar[str] = EnvVar(
+    "TOKENMILL_LOG_LEVEL", str.upper, "INFO", "Log level of the `tokenmill` command."
+)
+
+ALL_ENV_VARS: tuple[EnvVar, ...] = (
+    TOKENMILL_CACHE_DIR,
+    TOKENMILL_PLUGINS,
+    TOKENMILL_DISABLE_PLUGIN_AUTOLOAD,
+    TOKENMILL_LOG_LEVEL,
+)

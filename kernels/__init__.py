@@ -1,0 +1,1 @@
+"""Triton and CUDA kernels with thin launchers. No engine logic lives here."""
