@@ -1,0 +1,17 @@
+"""Configuration: one frozen section per subsystem, gathered in ``EngineConfig``."""
+
+from tokenmill.config.attention import AttentionConfig
+from tokenmill.config.cache import CacheConfig
+from tokenmill.config.device import DeviceConfig
+from tokenmill.config.engine import ConfigError, EngineConfig, load_config
+from tokenmill.config.model import ModelConfig
+
+__all__ = [
+    "AttentionConfig",
+    "CacheConfig",
+    "ConfigError",
+    "DeviceConfig",
+    "EngineConfig",
+    "ModelConfig",
+    "load_config",
+]

@@ -1,0 +1,99 @@
+"""The attention-backend interface: attention over a paged KV cache.
+
+The model runner flattens every scheduled request of a step into one batch:
+each request contributes ``query_len`` new tokens (a prompt chunk, or one
+decode token) whose K/V are written into cache slots, and whose queries attend
+to all of that request's tokens so far, read through its block table. Prefill,
+chunked prefill and decode of different requests are therefore one call.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """One step's batch layout, shared by every layer. Built by the model runner each step."""
+
+    positions: torch.Tensor  # [num_tokens] int64: position of each new token in its sequence
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32: request i's tokens are [start[i], start[i+1])
+    seq_lens: torch.Tensor  # [num_reqs] int32: tokens of request i in the cache after this step
+    block_tables: torch.Tensor  # [num_reqs, max_num_blocks] int32: request i's block ids, in order
+    slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot (block_id * block_size + offset) per token
+    max_query_len: int
+    max_seq_len: int
+    #: Whatever the backend's ``prepare`` computed for this step (masks, gather indices, ...).
+    backend_state: Any = field(default=None, repr=False)
+
+    @property
+    def num_reqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.slot_mapping.shape[0]
+
+
+@dataclass(frozen=True)
+class AttentionLayerSpec:
+    """What differs between attention layers of one model."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    sliding_window: int | None = None  # attend to at most this many latest tokens (incl. itself)
+
+
+class AttentionBackend(ABC):
+    """Computes attention for all requests of a step over a paged KV cache.
+
+    Built once per engine process, with no arguments. ``prepare`` runs once
+    per step in the engine process before the model's forward; ``forward``
+    runs once per layer per step. Neither may call hooks, block, or keep
+    references to a step's tensors after the step.
+    """
+
+    #: Registered name.
+    name: ClassVar[str]
+    #: Devices this backend runs on.
+    supported_devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
+
+    def kv_cache_shape(
+        self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+    ) -> tuple[int, ...]:
+        """Shape of one layer's KV cache tensor. Called once at start-up.
+
+        The default is ``[2, num_blocks, block_size, num_kv_heads, head_dim]``
+        (keys then values); a backend with another layout overrides this and
+        ``forward`` together.
+        """
+        return (2, num_blocks, block_size, num_kv_heads, head_dim)
+
+    def prepare(self, metadata: AttentionMetadata, block_size: int) -> None:
+        """Precompute what every layer of this step shares into ``metadata.backend_state``.
+
+        Called once per step, before the forward. The default does nothing.
+        """
+
+    @abstractmethod
+    def forward(
+        self,
+        layer: AttentionLayerSpec,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # this layer's cache, shaped by kv_cache_shape
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Write the new tokens' K/V into their slots, then attend; returns [num_tokens, num_heads, head_dim].
+
+        Each query attends causally to its own request's cached tokens at
+        positions ``<= its position`` (and within ``layer.sliding_window``).
+        Called once per layer per step in the engine process.
+        """

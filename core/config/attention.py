@@ -1,0 +1,18 @@
+"""Which attention backend plugin computes attention."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from tokenmill.config.base import ConfigSection, describe
+
+
+class AttentionConfig(ConfigSection):
+    backend: Annotated[
+        str,
+        describe(
+            "Attention backend plugin by name ('torch' is the built-in reference); "
+            "`tokenmill plugins` lists the installed ones.",
+            flag="--attention-backend",
+        ),
+    ] = "torch"

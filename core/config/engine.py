@@ -1,0 +1,156 @@
+"""``EngineConfig``: every section together, and how it is read from TOML and flags."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any
+
+import msgspec
+import msgspec.inspect
+
+from tokenmill.config.attention import AttentionConfig
+from tokenmill.config.base import ConfigSection, describe
+from tokenmill.config.cache import CacheConfig
+from tokenmill.config.device import DeviceConfig
+from tokenmill.config.model import ModelConfig
+
+
+class ConfigError(ValueError):
+    """The config file or a flag is wrong; the message names the setting and the fix."""
+
+
+class EngineConfig(ConfigSection):
+    """A whole runtime: one table per subsystem, plus per-plugin options."""
+
+    model: ModelConfig = msgspec.field(default_factory=ModelConfig)
+    device: DeviceConfig = msgspec.field(default_factory=DeviceConfig)
+    cache: CacheConfig = msgspec.field(default_factory=CacheConfig)
+    attention: AttentionConfig = msgspec.field(default_factory=AttentionConfig)
+    disable_plugins: Annotated[
+        list[str],
+        describe("Plugins (entry point names) not to load.", flag="--disable-plugin"),
+    ] = msgspec.field(default_factory=list)
+    plugins: Annotated[
+        dict[str, dict[str, Any]],
+        describe("Options for each plugin, as `[plugins.NAME]` tables; read by the plugin."),
+    ] = msgspec.field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every setting, defaults included: what `tokenmill config show` prints."""
+        return msgspec.to_builtins(self)
+
+    def to_toml(self) -> str:
+        return _to_toml(self.to_dict())
+
+
+def _deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _lookup(data: Any, path: list[str]) -> Any:
+    for key in path:
+        if not isinstance(data, dict) or key not in data:
+            return None
+        data = data[key]
+    return data
+
+
+def _describe_error(exc: msgspec.ValidationError, data: dict[str, Any], source: str) -> str:
+    # msgspec says "Expected `int` >= 1 - at `$.cache.block_size`"; name the setting as TOML
+    # would and show the value that was given.
+    text, _, where = str(exc).partition(" - at `$.")
+    path = where.rstrip("`").split(".") if where else []
+    unknown = text.startswith("Object contains unknown field ")
+    if unknown:
+        key = text.removeprefix("Object contains unknown field ").strip("`")
+        setting = ".".join([*path, key])
+        valid = _valid_keys(path)
+        return f"{source}: unknown setting {setting!r}; valid settings here: {', '.join(valid)}"
+    setting = ".".join(path)
+    value = _lookup(data, path)
+    given = f" (got {value!r})" if value is not None and not isinstance(value, dict) else ""
+    return f"{source}: invalid setting {setting}: {text}{given}"
+
+
+def _valid_keys(path: list[str]) -> list[str]:
+    """Field names of the section at ``path`` ([] is the top level)."""
+    struct_type: Any = EngineConfig
+    for key in path:
+        fields = {f.name: f.type for f in msgspec.inspect.type_info(struct_type).fields}
+        field_type = fields.get(key)
+        if not isinstance(field_type, msgspec.inspect.StructType):
+            return []
+        struct_type = field_type.cls
+    return sorted(struct_type.__struct_fields__)
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> EngineConfig:
+    """Read a TOML file (optional) and apply ``overrides`` on top (CLI flags win).
+
+    ``overrides`` is nested like the file (``{"cache": {"block_size": 32}}``).
+    Raises ``ConfigError`` with a one-line message naming the file or flag,
+    the setting and what is wrong with it.
+    """
+    data: dict[str, Any] = {}
+    source = "command line"
+    if path is not None:
+        source = str(path)
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    if overrides:
+        data = _deep_merge(data, overrides)
+        if path is not None:
+            source = f"{path} (with command-line flags)"
+    try:
+        return msgspec.convert(data, EngineConfig)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(_describe_error(exc, data, source)) from None
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return msgspec.json.encode(value).decode()  # JSON string escapes are valid TOML
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(item) for item in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in value.items()) + "}"
+    raise TypeError(f"cannot write {type(value).__name__} as TOML")
+
+
+def _toml_key(key: str) -> str:
+    return key if key.replace("_", "").replace("-", "").isalnum() else msgspec.json.encode(key).decode()
+
+
+def _scalar_lines(table: dict[str, Any]) -> list[str]:
+    # TOML has no null: an unset value is written as a comment, so the output still parses.
+    return [
+        f"# {_toml_key(key)} = (unset)" if value is None else f"{_toml_key(key)} = {_toml_value(value)}"
+        for key, value in table.items()
+    ]
+
+
+def _to_toml(data: dict[str, Any]) -> str:
+    """Write a config dict as TOML: top-level settings, one table per section, one per plugin."""
+    top = {k: v for k, v in data.items() if not isinstance(v, dict)}
+    lines = _scalar_lines(top)
+    for section, table in data.items():
+        if isinstance(table, dict) and section != "plugins":
+            lines += ["", f"[{section}]", *_scalar_lines(table)]
+    for plugin, options in data.get("plugins", {}).items():
+        lines += ["", f"[plugins.{_toml_key(plugin)}]", *_scalar_lines(options)]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,43 @@
+"""Which model to run and how to hold its weights."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from tokenmill.config.base import ConfigSection, NonNegativeInt, PositiveInt, describe
+
+DType = Literal["auto", "float32", "float16", "bfloat16"]
+
+
+class ModelConfig(ConfigSection):
+    model: Annotated[
+        str | None,
+        describe(
+            "Model to load: a Hugging Face model directory or a .gguf file. "
+            "Unset means the default model (SmolLM2-135M-Instruct Q4_1), fetched by `tokenmill pull`."
+        ),
+    ] = None
+    tokenizer: Annotated[
+        str | None,
+        describe("Tokenizer directory or .gguf file, when it differs from the model's own."),
+    ] = None
+    weight_format: Annotated[
+        str | None,
+        describe("Weight format plugin to read the model with; unset picks the first that recognises it."),
+    ] = None
+    quantization: Annotated[
+        str,
+        describe("Quantizer plugin for linear layers; 'none' keeps dense weights in `dtype`."),
+    ] = "none"
+    dtype: Annotated[
+        DType,
+        describe(
+            "Compute and weight dtype. 'auto' is float32 on CPU (no fast bf16 there) and the "
+            "checkpoint's float16/bfloat16 (else bfloat16) on GPU."
+        ),
+    ] = "auto"
+    max_model_len: Annotated[
+        PositiveInt | None,
+        describe("Longest sequence (prompt + output) in tokens; unset uses the model's context length."),
+    ] = None
+    seed: Annotated[NonNegativeInt, describe("Seed for the engine's random number generators.")] = 0

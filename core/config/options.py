@@ -1,0 +1,114 @@
+"""Click options derived from the config sections, so every field is also a flag.
+
+A flag is named after its field (``block_size`` → ``--block-size``) unless the
+field's metadata names one. Only flags the user gave become overrides, so the
+TOML file's values survive unless a flag replaces them.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import click
+import msgspec
+import msgspec.inspect as mi
+
+from tokenmill.config.engine import EngineConfig, load_config
+
+
+@dataclass(frozen=True)
+class FlagSpec:
+    flag: str
+    path: tuple[str, ...]  # where the value goes: ("cache", "block_size")
+    type_info: mi.Type
+    description: str
+    default: Any
+
+
+def _unwrap(type_info: mi.Type) -> tuple[mi.Type, str, str | None]:
+    description, flag = "", None
+    if isinstance(type_info, mi.Metadata):
+        description = (type_info.extra_json_schema or {}).get("description", "")
+        flag = (type_info.extra or {}).get("flag")
+        type_info = type_info.type
+    if isinstance(type_info, mi.UnionType):
+        non_null = [t for t in type_info.types if not isinstance(t, mi.NoneType)]
+        if len(non_null) == 1:
+            type_info = non_null[0]
+    if isinstance(type_info, mi.Metadata):  # constraints on the inner type of an optional
+        type_info = type_info.type
+    return type_info, description, flag
+
+
+def _collect(struct_type: type, prefix: tuple[str, ...]) -> list[FlagSpec]:
+    specs: list[FlagSpec] = []
+    for field in mi.type_info(struct_type).fields:  # type: ignore[attr-defined]
+        if isinstance(field.type, mi.StructType):
+            specs += _collect(field.type.cls, (*prefix, field.name))
+            continue
+        type_info, description, flag = _unwrap(field.type)
+        if isinstance(type_info, mi.DictType):
+            continue  # per-plugin tables: TOML only
+        default = None if field.default is msgspec.NODEFAULT else field.default
+        name = flag or "--" + field.name.replace("_", "-")
+        specs.append(FlagSpec(name, (*prefix, field.name), type_info, description, default))
+    return specs
+
+
+def flag_specs() -> list[FlagSpec]:
+    """One spec per config field that has a flag."""
+    specs = _collect(EngineConfig, ())
+    names = [spec.flag for spec in specs]
+    duplicated = {name for name in names if names.count(name) > 1}
+    assert not duplicated, f"config fields share CLI flags {duplicated}; set describe(flag=...)"
+    return specs
+
+
+def _click_option(spec: FlagSpec) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    param_name = "cfg__" + "__".join(spec.path)
+    help_text = spec.description + (f" [default: {spec.default}]" if spec.default not in (None, []) else "")
+    info = spec.type_info
+    if isinstance(info, mi.ListType):
+        return click.option(spec.flag, param_name, multiple=True, help=help_text + " Repeatable.")
+    if isinstance(info, mi.BoolType):
+        return click.option(f"{spec.flag}/--no-{spec.flag[2:]}", param_name, default=None, help=help_text)
+    if isinstance(info, mi.LiteralType):
+        return click.option(spec.flag, param_name, type=click.Choice([str(v) for v in info.values]), help=help_text)
+    click_type = {mi.IntType: int, mi.FloatType: float}.get(type(info), str)
+    return click.option(spec.flag, param_name, type=click_type, help=help_text)
+
+
+def config_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorate a click command: adds ``--config FILE`` and one flag per config field,
+    and passes the resolved ``EngineConfig`` as the ``config`` keyword argument."""
+
+    @functools.wraps(command)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        overrides: dict[str, Any] = {}
+        for key in [k for k in kwargs if k.startswith("cfg__")]:
+            value = kwargs.pop(key)
+            if value is None or value == ():
+                continue
+            *sections, field = key.removeprefix("cfg__").split("__")
+            target = overrides
+            for section in sections:
+                target = target.setdefault(section, {})
+            target[field] = list(value) if isinstance(value, tuple) else value
+        config_file = kwargs.pop("config_file")
+        model = kwargs.pop("model_argument", None)
+        if model is not None:
+            overrides.setdefault("model", {})["model"] = model
+        kwargs["config"] = load_config(config_file, overrides)
+        return command(*args, **kwargs)
+
+    for spec in reversed(flag_specs()):
+        wrapper = _click_option(spec)(wrapper)
+    wrapper = click.option(
+        "--config",
+        "config_file",
+        type=click.Path(dir_okay=False),
+        help="TOML config file; flags given on the command line override it.",
+    )(wrapper)
+    return wrapper

@@ -1,0 +1,91 @@
+"""``CausalLM``: what every architecture plugin provides, and weight loading shared by all."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from tokenmill.attention.backend import AttentionMetadata
+from tokenmill.layers.linear import Linear
+from tokenmill.weights.format import LoadedTensor, WeightsError
+
+logger = logging.getLogger(__name__)
+
+#: Checkpoint tensors that carry no weights we use (buffers older exporters saved).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class CausalLM(nn.Module):
+    """A decoder-only language model over a paged KV cache.
+
+    Built by the model loader as ``cls(arch_config, attention_backend,
+    quantizer, dtype)`` on the meta device, then materialised and filled by
+    ``load_weights``. ``forward`` runs once per step in the engine process.
+    """
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens] int64
+        positions: torch.Tensor,  # [num_tokens] int64
+        kv_caches: list[torch.Tensor],  # one per layer
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Hidden states of every token, [num_tokens, hidden_size]."""
+        raise NotImplementedError
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Float32 logits [num_selected, vocab_size] for the selected hidden states."""
+        raise NotImplementedError
+
+    def load_weights(self, tensors: Iterable[LoadedTensor]) -> None:
+        """Copy checkpoint tensors (Hugging Face names) into the parameters, one at a time.
+
+        Raises ``WeightsError`` naming the file and tensor for a shape
+        mismatch, and naming the missing tensors if any parameter was never loaded.
+        """
+        params = dict(self.named_parameters())
+        linears = {name: module for name, module in self.named_modules() if isinstance(module, Linear)}
+        loaded: set[str] = set()
+        files: set[Path] = set()
+        for item in tensors:
+            files.add(item.file)
+            name = item.name
+            if name.endswith(_IGNORED_SUFFIXES) or self.skip_checkpoint_tensor(name):
+                continue
+            module_name, _, param_name = name.rpartition(".")
+            linear = linears.get(module_name)
+            if linear is not None and param_name in ("weight", "bias"):
+                _check_shape(item, linear.expected_shape(param_name))
+                linear.load_weight(param_name, item.tensor)
+            elif name in params:
+                _check_shape(item, tuple(params[name].shape))
+                params[name].data.copy_(item.tensor)
+            else:
+                raise WeightsError(f"{item.file}: tensor {name!r} does not belong to {type(self).__name__}")
+            loaded.add(name)
+        # A quantizer may store a linear's weight under other names; expect the checkpoint's names.
+        expected = {n for n in params if n.rpartition(".")[0] not in linears}
+        for module_name, linear in linears.items():
+            expected.add(f"{module_name}.weight")
+            if linear.has_bias:
+                expected.add(f"{module_name}.bias")
+        missing = sorted(expected - loaded)
+        if missing:
+            source = ", ".join(str(f) for f in sorted(files)) or "the checkpoint"
+            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            raise WeightsError(f"{source}: missing tensors {shown}")
+
+    def skip_checkpoint_tensor(self, name: str) -> bool:
+        """Whether a checkpoint tensor is deliberately unused (e.g. ``lm_head`` when tied)."""
+        return False
+
+
+def _check_shape(item: LoadedTensor, expected: tuple[int, ...]) -> None:
+    if tuple(item.tensor.shape) != expected:
+        raise WeightsError(
+            f"{item.file}: tensor {item.name!r} has shape {list(item.tensor.shape)}, expected {list(expected)}"
+        )

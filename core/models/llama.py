@@ -1,0 +1,182 @@
+"""The Llama family: Llama (incl. llama3 rope scaling), Mistral, Qwen2, Qwen3, SmolLM.
+
+One implementation serves them all; their differences are fields of
+``ArchitectureConfig`` (biases, q/k norm, sliding windows, tied embeddings).
+Module and parameter names follow Hugging Face's so checkpoints load by name.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.attention.backend import AttentionBackend, AttentionLayerSpec, AttentionMetadata
+from tokenmill.hookspecs import Register, hookimpl
+from tokenmill.layers.linear import Linear
+from tokenmill.layers.norm import RMSNorm
+from tokenmill.layers.quantizer import Quantizer
+from tokenmill.layers.rotary import RotaryEmbedding
+from tokenmill.models.architecture import ArchitectureConfig
+from tokenmill.models.base import CausalLM
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self,
+        config: ArchitectureConfig,
+        layer_index: int,
+        rotary: RotaryEmbedding,
+        backend: AttentionBackend,
+        quantizer: Quantizer,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        heads, kv_heads, head_dim = config.num_attention_heads, config.num_kv_heads, config.head_dim
+        hidden = config.hidden_size
+        self.q_proj = Linear(hidden, heads * head_dim, config.qkv_bias, quantizer, dtype)
+        self.k_proj = Linear(hidden, kv_heads * head_dim, config.qkv_bias, quantizer, dtype)
+        self.v_proj = Linear(hidden, kv_heads * head_dim, config.qkv_bias, quantizer, dtype)
+        self.o_proj = Linear(heads * head_dim, hidden, config.o_proj_bias, quantizer, dtype)
+        self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
+        self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
+        self.spec = AttentionLayerSpec(
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            scale=head_dim**-0.5,
+            sliding_window=config.sliding_windows[layer_index],
+        )
+        self.backend = backend
+        self.rotary = [rotary]  # in a list: shared by all layers, not a child module of each
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = hidden_states.shape[0]
+        spec = self.spec
+        query = self.q_proj(hidden_states).view(num_tokens, spec.num_heads, spec.head_dim)
+        key = self.k_proj(hidden_states).view(num_tokens, spec.num_kv_heads, spec.head_dim)
+        value = self.v_proj(hidden_states).view(num_tokens, spec.num_kv_heads, spec.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            query, key = self.q_norm(query), self.k_norm(key)
+        query, key = self.rotary[0](positions, query, key)
+        out = self.backend.forward(spec, query, key, value, kv_cache, metadata)
+        return self.o_proj(out.reshape(num_tokens, spec.num_heads * spec.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ArchitectureConfig, quantizer: Quantizer, dtype: torch.dtype) -> None:
+        super().__init__()
+        hidden, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = Linear(hidden, inner, bias, quantizer, dtype)
+        self.up_proj = Linear(hidden, inner, bias, quantizer, dtype)
+        self.down_proj = Linear(inner, hidden, bias, quantizer, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self,
+        config: ArchitectureConfig,
+        layer_index: int,
+        rotary: RotaryEmbedding,
+        backend: AttentionBackend,
+        quantizer: Quantizer,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_index, rotary, backend, quantizer, dtype)
+        self.mlp = LlamaMLP(config, quantizer, dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        attn_out = self.self_attn(positions, self.input_layernorm(hidden_states), kv_cache, metadata)
+        hidden_states = hidden_states + attn_out
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class LlamaModel(nn.Module):
+    def __init__(
+        self,
+        config: ArchitectureConfig,
+        backend: AttentionBackend,
+        quantizer: Quantizer,
+        dtype: torch.dtype,
+        max_position: int,
+    ) -> None:
+        super().__init__()
+        self.rotary = RotaryEmbedding(config.rope, config.head_dim, max_position)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, self.rotary, backend, quantizer, dtype) for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+
+class LMHead(nn.Module):
+    """The untied output projection, kept dense (a module so its parameter is ``lm_head.weight``)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype), requires_grad=False)
+
+
+class LlamaForCausalLM(CausalLM):
+    def __init__(
+        self,
+        config: ArchitectureConfig,
+        backend: AttentionBackend,
+        quantizer: Quantizer,
+        dtype: torch.dtype,
+        max_position: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.backend = backend
+        self.model = LlamaModel(
+            config, backend, quantizer, dtype, max_position or config.max_position_embeddings
+        )
+        # The output projection stays dense: quantizing it costs accuracy for little speed.
+        self.lm_head = (
+            None if config.tie_word_embeddings else LMHead(config.vocab_size, config.hidden_size, dtype)
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        hidden_states = self.model.embed_tokens(input_ids)  # [num_tokens, hidden]
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            hidden_states = layer(positions, hidden_states, kv_cache, metadata)
+        return self.model.norm(hidden_states)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden_states, weight).float()
+
+    def skip_checkpoint_tensor(self, name: str) -> bool:
+        return name == "lm_head.weight" and self.lm_head is None
+
+
+@hookimpl
+def tokenmill_register_architectures(register: Register) -> None:
+    for name in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        register(name, "tokenmill.models.llama:LlamaForCausalLM")
