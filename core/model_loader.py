@@ -12,10 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
 from tokenmill.attention.backend import AttentionBackend
 from tokenmill.config import EngineConfig
-from tokenmill.layers.quantizer import Quantizer
 from tokenmill.model_files import resolve_model
 from tokenmill.models.architecture import ArchitectureConfig
 from tokenmill.models.base import CausalLM

@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
 from tokenmill.attention.backend import AttentionMetadata
 from tokenmill.model_loader import LoadedModel
 

@@ -12,12 +12,13 @@ import enum
 import importlib
 import importlib.metadata
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 import pluggy
-
 from tokenmill import envs, hookspecs
+from tokenmill.errors import TokenmillError
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ ESSENTIAL_PLUGINS: tuple[str, ...] = (
 )
 
 
-class Slot(str, enum.Enum):
+class Slot(enum.StrEnum):
     """A place in the runtime that a named implementation fills."""
 
     ARCHITECTURE = "architecture"
@@ -56,7 +57,7 @@ _SLOT_HOOKS: dict[Slot, str] = {
 }
 
 
-class PluginError(Exception):
+class PluginError(TokenmillError):
     """A plugin or a plugin name in the config is wrong; the message says what to change."""
 
 

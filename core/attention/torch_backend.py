@@ -14,7 +14,6 @@ from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
-
 from tokenmill.attention.backend import AttentionBackend, AttentionLayerSpec, AttentionMetadata
 from tokenmill.hookspecs import Register, hookimpl
 

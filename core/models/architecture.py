@@ -12,8 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from tokenmill.errors import TokenmillError
 
-class ArchitectureError(ValueError):
+
+class ArchitectureError(TokenmillError, ValueError):
     """The checkpoint's config cannot be understood; the message names the field."""
 
 

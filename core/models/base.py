@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import torch
-from torch import nn
-
 from tokenmill.attention.backend import AttentionMetadata
 from tokenmill.layers.linear import Linear
 from tokenmill.weights.format import LoadedTensor, WeightsError
+from torch import nn
 
 logger = logging.getLogger(__name__)
 

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from tokenmill.attention.backend import AttentionBackend, AttentionLayerSpec, AttentionMetadata
 from tokenmill.hookspecs import Register, hookimpl
 from tokenmill.layers.linear import Linear
@@ -19,6 +17,7 @@ from tokenmill.layers.quantizer import Quantizer
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.models.architecture import ArchitectureConfig
 from tokenmill.models.base import CausalLM
+from torch import nn
 
 
 class LlamaAttention(nn.Module):

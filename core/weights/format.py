@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Iterator, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
-import torch
+if TYPE_CHECKING:  # torch is imported by the formats when they read tensors, not by plugin discovery
+    import torch
+
+from tokenmill.errors import TokenmillError
 
 
-class WeightsError(ValueError):
+class WeightsError(TokenmillError, ValueError):
     """A weight file is unusable. The message is one line naming the file and, if any, the tensor."""
 
 

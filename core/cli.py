@@ -1,0 +1,86 @@
+"""The ``tokenmill`` command.
+
+Every subcommand turns tokenmill's own exceptions into a one-line message
+and exit status 1; a traceback means a bug.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import click
+from tokenmill import __version__, envs
+from tokenmill.config import EngineConfig
+from tokenmill.config.options import config_options
+from tokenmill.errors import TokenmillError
+
+logger = logging.getLogger(__name__)
+
+
+class _Main(click.Group):
+    """Prints a ``TokenmillError`` as one line (``Error: ...``, exit 1) instead of a traceback."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except TokenmillError as exc:
+            raise click.ClickException(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
+
+
+@click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="tokenmill")
+def main() -> None:
+    """tokenmill: a plugin-based LLM inference runtime."""
+    logging.basicConfig(
+        level=envs.TOKENMILL_LOG_LEVEL.get(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@click.option("--disable-plugin", "disabled", multiple=True, help="Plugin not to load. Repeatable.")
+def plugins(as_json: bool, disabled: tuple[str, ...]) -> None:
+    """List installed plugins, their versions and what they provide."""
+    from tokenmill.plugin_manager import load_plugins
+
+    system = load_plugins(disabled=disabled)
+    if as_json:
+        click.echo(json.dumps([info.__dict__ for info in system.infos], indent=2))
+        return
+    for info in system.infos:
+        status = f"FAILED: {info.error}" if info.error else ""
+        click.echo(f"{info.name} {info.version} ({info.source}) {status}".rstrip())
+        for slot, names in sorted(info.provides.items()):
+            click.echo(f"    {slot}: {', '.join(names)}")
+
+
+@main.group()
+def config() -> None:
+    """Inspect configuration."""
+
+
+@config.command("show")
+@config_options
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of TOML.")
+def config_show(config: EngineConfig, as_json: bool) -> None:
+    """Print the resolved config (file + flags + defaults) as TOML."""
+    if as_json:
+        click.echo(json.dumps(config.to_dict(), indent=2))
+    else:
+        click.echo(config.to_toml(), nl=False)
+
+
+@main.command()
+def pull() -> None:
+    """Fetch the default model (SmolLM2-135M-Instruct Q4_1 GGUF) into the cache."""
+    from tokenmill.model_files import DEFAULT_MODEL
+    from tokenmill.model_files import pull as pull_model
+
+    path = pull_model(DEFAULT_MODEL)
+    click.echo(str(path))
+
+
+if __name__ == "__main__":
+    main()
