@@ -1,0 +1,76 @@
+"""Tiny random models for tests, built in memory from named configs and seeded.
+
+Hugging Face initialises biases to zero and norm weights to one, which would
+let a missing bias or norm go unnoticed; ``make_hf_model`` perturbs every
+parameter so each one changes the logits.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_BASE: dict[str, Any] = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=512,
+    max_position_embeddings=512,
+)
+
+#: name -> (transformers config class name, config overrides)
+TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama-tiny": ("LlamaConfig", {}),
+    "llama-tied": ("LlamaConfig", {"tie_word_embeddings": True}),
+    "llama-bias": ("LlamaConfig", {"attention_bias": True, "mlp_bias": True}),
+    "llama3-rope": (
+        "LlamaConfig",
+        {
+            "rope_theta": 500000.0,
+            # A short original context makes every frequency band (kept, interpolated, scaled) occur.
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        },
+    ),
+    "mistral-tiny": ("MistralConfig", {"sliding_window": 8}),
+    "qwen2-tiny": ("Qwen2Config", {}),
+    "qwen2-sliding": ("Qwen2Config", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
+    "qwen3-tiny": ("Qwen3Config", {"head_dim": 32}),
+}
+
+
+def make_hf_model(name: str, seed: int = 0) -> torch.nn.Module:
+    """A transformers model for ``TINY_CONFIGS[name]``, float32, eval mode, every parameter perturbed."""
+    import transformers
+
+    config_class_name, overrides = TINY_CONFIGS[name]
+    config_class = getattr(transformers, config_class_name)
+    architecture = config_class_name.replace("Config", "ForCausalLM")
+    config = config_class(**{**_BASE, **overrides}, architectures=[architecture])
+    torch.manual_seed(seed)
+    model = getattr(transformers, architecture)._from_config(config, attn_implementation="eager")
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            if param.dim() == 1 and "norm" in param_name:
+                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+            elif param.dim() == 1:
+                param.copy_(0.1 * torch.randn_like(param))
+            else:
+                param.copy_(0.08 * torch.randn_like(param))
+    return model.float().eval()
+
+
+def save_hf_model(name: str, directory: Path, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """Build ``name`` and save it as a Hugging Face directory (safetensors); returns the model."""
+    model = make_hf_model(name, seed)
+    model.to(dtype).save_pretrained(directory)
+    return model.float()
