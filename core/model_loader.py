@@ -17,7 +17,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.model_files import resolve_model
 from tokenmill.models.architecture import ArchitectureConfig
 from tokenmill.models.base import CausalLM
-from tokenmill.plugin_manager import PluginError, PluginSystem, Registry, Slot, get_plugin_system
+from tokenmill.plugin_manager import PluginError, PluginSystem, Registry, Slot, load_plugins
 from tokenmill.weights.format import WeightFormat, WeightsError
 
 logger = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ def select_weight_format(path: Path, registry: Registry, name: str | None) -> We
 
 def load_model(config: EngineConfig, plugins: PluginSystem | None = None) -> LoadedModel:
     """Build the configured model on its device and load its weights."""
-    registry = (plugins or get_plugin_system()).registry
+    registry = (plugins or load_plugins(disabled=config.disable_plugins)).registry
     path = resolve_model(config.model.model)
     weight_format = select_weight_format(path, registry, config.model.weight_format)
     arch = ArchitectureConfig.from_hf_config(weight_format.read_config(path))

@@ -24,6 +24,42 @@ class SequenceChunk:
     block_ids: list[int]  # the request's block table; must cover every token after this step
 
 
+def build_batch(
+    chunks: list[SequenceChunk], block_size: int, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, AttentionMetadata]:
+    """Flatten ``chunks`` into input ids [num_tokens] and the step's attention metadata on ``device``."""
+    query_lens = torch.tensor([len(c.token_ids) for c in chunks], dtype=torch.int32)
+    computed = torch.tensor([c.num_computed_tokens for c in chunks], dtype=torch.int32)
+    seq_lens = computed + query_lens
+    for chunk, seq_len in zip(chunks, seq_lens.tolist(), strict=True):
+        if len(chunk.block_ids) * block_size < seq_len:
+            raise ValueError(f"block table of {len(chunk.block_ids)} blocks cannot hold {seq_len} tokens")
+    query_start_loc = torch.zeros(len(chunks) + 1, dtype=torch.int32)
+    torch.cumsum(query_lens, 0, out=query_start_loc[1:])
+    num_tokens = int(query_start_loc[-1])
+    token_req = torch.repeat_interleave(torch.arange(len(chunks)), query_lens.long())
+    positions = (
+        torch.arange(num_tokens) - query_start_loc[token_req] + computed[token_req]
+    ).long()  # [num_tokens]
+    max_blocks = max(len(c.block_ids) for c in chunks)
+    block_tables = torch.zeros(len(chunks), max_blocks, dtype=torch.int32)  # [num_reqs, max_blocks]
+    for i, chunk in enumerate(chunks):
+        block_tables[i, : len(chunk.block_ids)] = torch.tensor(chunk.block_ids, dtype=torch.int32)
+    token_blocks = block_tables[token_req, positions // block_size].long()
+    slot_mapping = token_blocks * block_size + positions % block_size  # [num_tokens]
+    input_ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long)
+    metadata = AttentionMetadata(
+        positions=positions.to(device),
+        query_start_loc=query_start_loc.to(device),
+        seq_lens=seq_lens.to(device),
+        block_tables=block_tables.to(device),
+        slot_mapping=slot_mapping.to(device),
+        max_query_len=int(query_lens.max()),
+        max_seq_len=int(seq_lens.max()),
+    )
+    return input_ids.to(device), metadata
+
+
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int) -> None:
         self.loaded = loaded
@@ -35,45 +71,11 @@ class ModelRunner:
             torch.zeros(shape, dtype=loaded.dtype, device=loaded.device) for _ in range(arch.num_layers)
         ]  # each [2, num_blocks, block_size, num_kv_heads, head_dim] by default
 
-    def build_batch(self, chunks: list[SequenceChunk]) -> tuple[torch.Tensor, AttentionMetadata]:
-        """Flatten ``chunks`` into input ids and attention metadata on the model's device."""
-        device = self.loaded.device
-        query_lens = torch.tensor([len(c.token_ids) for c in chunks], dtype=torch.int32)
-        computed = torch.tensor([c.num_computed_tokens for c in chunks], dtype=torch.int32)
-        seq_lens = computed + query_lens
-        for chunk, seq_len in zip(chunks, seq_lens.tolist(), strict=True):
-            if len(chunk.block_ids) * self.block_size < seq_len:
-                raise ValueError(f"block table of {len(chunk.block_ids)} blocks cannot hold {seq_len} tokens")
-        query_start_loc = torch.zeros(len(chunks) + 1, dtype=torch.int32)
-        torch.cumsum(query_lens, 0, out=query_start_loc[1:])
-        num_tokens = int(query_start_loc[-1])
-        token_req = torch.repeat_interleave(torch.arange(len(chunks)), query_lens.long())
-        positions = (
-            torch.arange(num_tokens) - query_start_loc[token_req] + computed[token_req]
-        ).long()  # [num_tokens]
-        max_blocks = max(len(c.block_ids) for c in chunks)
-        block_tables = torch.zeros(len(chunks), max_blocks, dtype=torch.int32)  # [num_reqs, max_blocks]
-        for i, chunk in enumerate(chunks):
-            block_tables[i, : len(chunk.block_ids)] = torch.tensor(chunk.block_ids, dtype=torch.int32)
-        token_blocks = block_tables[token_req, positions // self.block_size].long()
-        slot_mapping = token_blocks * self.block_size + positions % self.block_size  # [num_tokens]
-        input_ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long)
-        metadata = AttentionMetadata(
-            positions=positions.to(device),
-            query_start_loc=query_start_loc.to(device),
-            seq_lens=seq_lens.to(device),
-            block_tables=block_tables.to(device),
-            slot_mapping=slot_mapping.to(device),
-            max_query_len=int(query_lens.max()),
-            max_seq_len=int(seq_lens.max()),
-        )
-        return input_ids.to(device), metadata
-
     @torch.inference_mode()
     def execute(self, chunks: list[SequenceChunk], all_logits: bool = False) -> torch.Tensor:
         """Run one step. Returns float32 logits of each chunk's last token [num_reqs, vocab],
         or of every token [num_tokens, vocab] with ``all_logits``."""
-        input_ids, metadata = self.build_batch(chunks)
+        input_ids, metadata = build_batch(chunks, self.block_size, self.loaded.device)
         self.loaded.attention.prepare(metadata, self.block_size)
         hidden = self.loaded.model(input_ids, metadata.positions, self.kv_caches, metadata)
         if not all_logits:

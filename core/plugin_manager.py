@@ -205,7 +205,10 @@ def load_plugins(
         infos.append(PluginInfo(name, "unknown", "extra"))
 
     pm.hook.tokenmill_add_hookspecs(pluginmanager=pm)
-    pm.check_pending()
+    try:
+        pm.check_pending()  # a misspelled hook name fails here, loudly
+    except pluggy.PluginValidationError as exc:
+        raise PluginError(f"plugin {pm.get_name(exc.plugin)!r}: {exc}") from None
 
     registry = Registry()
     info_by_name = {info.name: info for info in infos}
@@ -234,20 +237,3 @@ def load_plugins(
             plugin = pm.get_plugin(info.name)
             info.hooks = sorted(caller.name for caller in pm.get_hookcallers(plugin) or [])
     return PluginSystem(pm, registry, infos)
-
-
-_plugin_system: PluginSystem | None = None
-
-
-def get_plugin_system() -> PluginSystem:
-    """The process's plugin system, loaded with defaults on first use."""
-    global _plugin_system
-    if _plugin_system is None:
-        _plugin_system = load_plugins()
-    return _plugin_system
-
-
-def set_plugin_system(system: PluginSystem | None) -> None:
-    """Install the process's plugin system (start-up code and tests)."""
-    global _plugin_system
-    _plugin_system = system
