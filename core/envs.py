@@ -47,8 +47,8 @@ def _parse_list(raw: str) -> tuple[str, ...]:
 
 TOKENMILL_CACHE_DIR: EnvVar[Path] = EnvVar(
     "TOKENMILL_CACHE_DIR",
-    lambda raw: Path(raw).expanduser(),
-    Path("~/.cache/tokenmill").expanduser(),
+    Path,
+    Path("~/.cache/tokenmill"),
     "Where `tokenmill pull` stores downloaded models.",
 )
 TOKENMILL_PLUGINS: EnvVar[tuple[str, ...] | None] = EnvVar(

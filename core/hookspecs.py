@@ -50,10 +50,10 @@ def tokenmill_register_architectures(register: Register) -> None:
 
     :param register: ``register(name, import_path)``. ``name`` is the
         Hugging Face architecture string found in ``config.json``
-        (``"LlamaForCausalLM"``); the import path names a ``torch.nn.Module``
-        subclass built as ``cls(model_config, attention_backend, quantizer)``
-        that also provides ``load_weights(named_tensors)`` (see
-        ``tokenmill.models.CausalLM``).
+        (``"LlamaForCausalLM"``); the import path names a
+        ``tokenmill.CausalLM`` subclass, built on the meta device as
+        ``cls(arch_config, attention_backend, quantizer, dtype, max_position)``
+        and then filled by its ``load_weights``.
     :return: nothing; every implementation is called.
 
     Called once per process at start-up (front end, engine). Stability: provisional.

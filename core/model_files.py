@@ -60,7 +60,7 @@ def _sha256(path: Path) -> str:
 
 
 def cached_model_path(model: PackagedModel = DEFAULT_MODEL) -> Path:
-    return envs.TOKENMILL_CACHE_DIR.get() / "models" / Path(model.member).name
+    return envs.TOKENMILL_CACHE_DIR.get().expanduser() / "models" / Path(model.member).name
 
 
 def pull(model: PackagedModel = DEFAULT_MODEL) -> Path:
