@@ -1,0 +1,268 @@
+"""GGUF files (llama.cpp): the config rebuilt from metadata, tensors under Hugging Face names.
+
+The file is memory-mapped by ``gguf.GGUFReader``; tensors are decoded one at
+a time (``gguf_tensors``), and llama.cpp's q/k row permutation is undone for the
+``llama`` architecture so that every tensor equals the original checkpoint's.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from tokenmill.weights.format import LoadedTensor, WeightsError
+from tokenmill.weights.gguf_rope import ROPE_FREQS_TENSOR, rope_scaling_from_freqs, rope_scaling_from_metadata
+from tokenmill.weights.gguf_tensors import can_decode, decode, hf_tensor_name, unpermute_qk_rows
+
+if TYPE_CHECKING:
+    import torch
+    from gguf import GGUFReader, ReaderTensor
+
+logger = logging.getLogger(__name__)
+
+GGUF_MAGIC = b"GGUF"
+
+#: GGUF ``general.architecture`` -> (Hugging Face ``model_type``, ``architectures[0]``).
+#: GGUF "llama" also carries Mistral models: their weights and rope are Llama's.
+ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "llama": ("llama", "LlamaForCausalLM"),
+    "mistral": ("mistral", "MistralForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+}
+#: Architectures whose q/k rows llama.cpp's converter permutes.
+_PERMUTED_QK_ARCHS = frozenset({"llama", "mistral"})
+
+_TOKEN_ID_KEYS = {
+    "bos_token_id": "tokenizer.ggml.bos_token_id",
+    "eos_token_id": "tokenizer.ggml.eos_token_id",
+    "pad_token_id": "tokenizer.ggml.padding_token_id",
+}
+
+
+def _error(file: Path, problem: str, tensor: str | None = None) -> WeightsError:
+    where = f"{file}: tensor {tensor!r}" if tensor is not None else str(file)
+    return WeightsError(f"{where}: {' '.join(str(problem).split())}")
+
+
+def _field_value(field: Any) -> Any:
+    """A metadata value as Python: str, int, float, bool, or a list of those."""
+    import numpy as np
+    from gguf import GGUFValueType
+
+    def scalar(part: Any, value_type: GGUFValueType) -> Any:
+        if value_type == GGUFValueType.STRING:
+            return bytes(part).decode("utf-8")
+        if value_type == GGUFValueType.FLOAT32:
+            return float(str(np.float32(part[0])))  # 1e-05, not 9.999999747378752e-06
+        return part[0].item()
+
+    if field.types[0] == GGUFValueType.ARRAY:
+        return [scalar(field.parts[i], field.types[-1]) for i in field.data]
+    return scalar(field.parts[field.data[0]], field.types[0])
+
+
+@dataclass
+class _GGUFFile:
+    """One opened file: its reader plus the values both read_config and iter_tensors need."""
+
+    file: Path
+    reader: GGUFReader
+    arch: str = ""
+    num_heads: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    rope_theta: float = 10000.0
+
+    def get(self, key: str, default: Any = None) -> Any:
+        field = self.reader.fields.get(key)
+        if field is None:
+            return default
+        try:
+            return _field_value(field)
+        except (UnicodeDecodeError, IndexError, ValueError) as exc:
+            raise _error(self.file, f"metadata key {key!r} is unreadable: {type(exc).__name__}: {exc}") from exc
+
+    def require_int(self, key: str) -> int:
+        value = self.get(key)
+        if value is None:
+            raise _error(self.file, f"metadata key {key!r} is missing")
+        if isinstance(value, list):
+            raise _error(self.file, f"metadata key {key!r} has per-layer values, which are not supported")
+        return int(value)
+
+    def tensors(self) -> dict[str, ReaderTensor]:
+        return {tensor.name: tensor for tensor in self.reader.tensors}
+
+    def rope_scaling(self) -> dict[str, Any] | None:
+        """From metadata, or from llama.cpp's ``rope_freqs`` tensor (Llama 3.x); both at once is refused."""
+        from_metadata = rope_scaling_from_metadata(self.get, self.arch)
+        freqs = self.tensors().get(ROPE_FREQS_TENSOR)
+        if freqs is None:
+            return from_metadata
+        try:
+            from_freqs = rope_scaling_from_freqs(decode(freqs).double().numpy(), self.head_dim, self.rope_theta)
+        except (ValueError, RuntimeError, NotImplementedError) as exc:
+            raise _error(self.file, str(exc), ROPE_FREQS_TENSOR) from exc
+        if from_freqs is not None and from_metadata is not None:
+            raise _error(self.file, "rope scaling both in metadata and in this tensor", ROPE_FREQS_TENSOR)
+        return from_freqs or from_metadata
+
+
+class GGUFFormat:
+    """Reads a single-file GGUF model of the Llama family (llama, mistral, qwen2, qwen3)."""
+
+    name: ClassVar[str] = "gguf"
+
+    def __init__(self) -> None:
+        # read_config and iter_tensors open the same file back to back, and parsing
+        # the header (the tokenizer is ~100k strings) takes seconds: keep the last one.
+        self._cached: tuple[tuple[str, int, int], GGUFReader] | None = None
+
+    def can_load(self, path: Path) -> bool:
+        try:
+            with open(path, "rb") as f:
+                return f.read(4) == GGUF_MAGIC
+        except OSError:
+            return False
+
+    def read_config(self, path: Path) -> dict[str, Any]:
+        source = self._open(Path(path), keep=True)
+        arch = source.arch
+        model_type, hf_class = ARCHITECTURES[arch]
+        tensors = source.tensors()
+        config: dict[str, Any] = {
+            "architectures": [hf_class],
+            "model_type": model_type,
+            "hidden_size": source.require_int(f"{arch}.embedding_length"),
+            "intermediate_size": source.require_int(f"{arch}.feed_forward_length"),
+            "num_hidden_layers": source.require_int(f"{arch}.block_count"),
+            "num_attention_heads": source.num_heads,
+            "num_key_value_heads": source.num_kv_heads,
+            "head_dim": source.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": float(source.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+            "rope_theta": source.rope_theta,
+            "max_position_embeddings": source.require_int(f"{arch}.context_length"),
+            "vocab_size": self._vocab_size(source, tensors),
+            "attention_bias": "blk.0.attn_q.bias" in tensors,
+            "mlp_bias": "blk.0.ffn_up.bias" in tensors,
+            "tie_word_embeddings": "output.weight" not in tensors,
+            "torch_dtype": "float32",
+        }
+        rope_scaling = source.rope_scaling()
+        if rope_scaling is not None:
+            config["rope_scaling"] = rope_scaling
+        sliding_window = source.get(f"{arch}.attention.sliding_window")
+        if sliding_window:
+            config["sliding_window"] = int(sliding_window)
+        for hf_key, gguf_key in _TOKEN_ID_KEYS.items():
+            value = source.get(gguf_key)
+            if value is not None:
+                config[hf_key] = int(value)
+        return config
+
+    def iter_tensors(self, path: Path) -> Iterator[LoadedTensor]:
+        source = self._open(Path(path), keep=False)
+        file = source.file
+        qk_heads = {"attn_q": source.num_heads, "attn_k": source.num_kv_heads}
+        is_permuted = source.arch in _PERMUTED_QK_ARCHS
+        # Check every tensor's name and type before decoding any of them.
+        plan: list[tuple[ReaderTensor, str]] = []
+        for tensor in source.reader.tensors:
+            if tensor.name == ROPE_FREQS_TENSOR:
+                source.rope_scaling()  # raises unless read_config can express it as rope_scaling
+                continue
+            hf_name = hf_tensor_name(tensor.name)
+            if hf_name is None:
+                raise _error(file, "no Hugging Face equivalent for this GGUF tensor name", tensor.name)
+            if not can_decode(tensor):
+                raise _error(file, f"unsupported tensor type {tensor.tensor_type.name}", tensor.name)
+            plan.append((tensor, hf_name))
+        logger.debug("%s: %d tensors, architecture %s", file, len(plan), source.arch)
+
+        for tensor, hf_name in plan:
+            value = self._decode(file, tensor)
+            base = tensor.name.split(".")[-2]
+            if is_permuted and base in qk_heads:
+                heads = qk_heads[base]
+                if value.shape[0] % (2 * heads) != 0:
+                    raise _error(file, f"{value.shape[0]} rows do not split into {heads} heads", tensor.name)
+                value = unpermute_qk_rows(value, heads)
+            yield LoadedTensor(hf_name, value, file)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _open(self, file: Path, keep: bool) -> _GGUFFile:
+        """Open ``file`` (reusing the last reader if the file is unchanged); ``keep`` caches the reader."""
+        source = _GGUFFile(file, self._reader(file, keep))
+        arch = source.get("general.architecture")
+        if arch is None:
+            raise _error(file, "metadata key 'general.architecture' is missing")
+        if arch not in ARCHITECTURES:
+            raise _error(file, f"unsupported architecture {arch!r}; supported: {', '.join(ARCHITECTURES)}")
+        source.arch = arch
+        source.num_heads = source.require_int(f"{arch}.attention.head_count")
+        kv_key = f"{arch}.attention.head_count_kv"
+        source.num_kv_heads = source.require_int(kv_key) if kv_key in source.reader.fields else source.num_heads
+        hidden_size = source.require_int(f"{arch}.embedding_length")
+        source.head_dim = int(
+            source.get(f"{arch}.attention.key_length")
+            or source.get(f"{arch}.rope.dimension_count")
+            or hidden_size // source.num_heads
+        )
+        source.rope_theta = float(source.get(f"{arch}.rope.freq_base", 10000.0))
+        return source
+
+    def _reader(self, file: Path, keep: bool) -> GGUFReader:
+        from gguf import GGUFReader
+
+        try:
+            stat = os.stat(file)
+        except OSError as exc:
+            raise _error(file, f"cannot read: {exc.strerror or exc}") from exc
+        key = (str(file.resolve()), stat.st_size, stat.st_mtime_ns)
+        cached, self._cached = self._cached, None
+        if cached is not None and cached[0] == key:
+            reader = cached[1]
+        else:
+            try:
+                reader = GGUFReader(file)
+            except Exception as exc:  # a third-party parser on untrusted bytes: any failure means "corrupt"
+                problem = "not a GGUF file" if not self.can_load(file) else "truncated or corrupt GGUF file"
+                raise _error(file, f"{problem}: {type(exc).__name__}: {exc}") from exc
+            if reader.byte_order != "I":
+                raise _error(file, "GGUF file has the opposite byte order of this machine; not supported")
+            split_count = _GGUFFile(file, reader).get("split.count", 1)
+            if split_count and int(split_count) > 1:
+                raise _error(
+                    file,
+                    f"split GGUF ({split_count} files) is not supported; merge with llama-gguf-split --merge",
+                )
+        if keep:
+            self._cached = (key, reader)
+        return reader
+
+    def _vocab_size(self, source: _GGUFFile, tensors: dict[str, ReaderTensor]) -> int:
+        vocab_size = source.get(f"{source.arch}.vocab_size")
+        if vocab_size is not None:
+            return int(vocab_size)
+        # The embedding's rows are what the model's shapes must match; the token list comes next.
+        embedding = tensors.get("token_embd.weight")
+        if embedding is not None and len(embedding.shape) == 2:
+            return int(embedding.shape[1])
+        tokens = source.reader.fields.get("tokenizer.ggml.tokens")
+        if tokens is not None and len(tokens.data) > 0:
+            return len(tokens.data)
+        raise _error(source.file, "cannot tell the vocabulary size: no vocab_size key, token_embd or token list")
+
+    def _decode(self, file: Path, tensor: ReaderTensor) -> torch.Tensor:
+        try:
+            return decode(tensor)
+        except (ValueError, RuntimeError, NotImplementedError) as exc:
+            problem = f"cannot decode {tensor.tensor_type.name} data: {type(exc).__name__}: {exc}"
+            raise _error(file, problem, tensor.name) from exc
