@@ -17,6 +17,7 @@ __version__ = "0.1.0"
 # name -> module that defines it; imported on first attribute access.
 _LAZY_EXPORTS: dict[str, str] = {
     "AttentionBackend": "tokenmill.attention.backend",
+    "AttentionLayerSpec": "tokenmill.attention.backend",
     "AttentionMetadata": "tokenmill.attention.backend",
     "CausalLM": "tokenmill.models.base",
     "EngineConfig": "tokenmill.config",

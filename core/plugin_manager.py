@@ -25,17 +25,17 @@ logger = logging.getLogger(__name__)
 ENTRY_POINT_GROUP = "tokenmill"
 
 #: Modules of tokenmill itself that implement hooks, loaded like any plugin.
+#: Each is a registration-only module: it imports no torch, so any process can list plugins.
 BUILTIN_PLUGINS: tuple[str, ...] = (
-    "tokenmill.models.llama",
-    "tokenmill.attention.torch_backend",
-    "tokenmill.weights.safetensors_format",
-    "tokenmill.weights.gguf_format",
-    "tokenmill.layers.dense",
+    "tokenmill.models.plugin",
+    "tokenmill.attention.plugin",
+    "tokenmill.weights.plugin",
+    "tokenmill.layers.plugin",
 )
 #: Built-in plugins that ``--disable-plugin`` refuses to disable.
 ESSENTIAL_PLUGINS: tuple[str, ...] = (
-    "tokenmill.attention.torch_backend",
-    "tokenmill.layers.dense",
+    "tokenmill.attention.plugin",
+    "tokenmill.layers.plugin",
 )
 
 

@@ -12,7 +12,11 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SOURCE_ROOTS = {"tokenmill": REPO / "core", "tokenmill.plugins": REPO / "plugins", "tokenmill.kernels": REPO / "kernels"}
+SOURCE_ROOTS = {
+    "tokenmill": REPO / "core",
+    "tokenmill.plugins": REPO / "plugins",
+    "tokenmill.kernels": REPO / "kernels",
+}
 
 
 def _python_blocks(markdown: Path) -> list[str]:
@@ -38,13 +42,30 @@ def test_every_package_folder_is_listed_in_pyproject() -> None:
 @pytest.mark.slow
 def test_wheel_maps_source_folders_to_import_names(tmp_path: Path) -> None:
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "-w", str(tmp_path), str(REPO)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp_path),
+            str(REPO),
+        ],
         check=True,
     )
     (wheel,) = tmp_path.glob("tokenmill-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    for expected in ("tokenmill/__init__.py", "tokenmill/hookspecs.py", "tokenmill/plugins/__init__.py",
-                     "tokenmill/kernels/__init__.py", "tokenmill/models/llama.py", "tokenmill/py.typed"):
+    for expected in (
+        "tokenmill/__init__.py",
+        "tokenmill/hookspecs.py",
+        "tokenmill/plugins/__init__.py",
+        "tokenmill/kernels/__init__.py",
+        "tokenmill/models/llama.py",
+        "tokenmill/py.typed",
+    ):
         assert expected in names
     assert not any(name.startswith(("core/", "tests/")) for name in names)
 
@@ -60,7 +81,7 @@ def test_front_end_modules_do_not_import_torch() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("markdown", ["README.md", "docs/plugins/guide.md"])
+@pytest.mark.parametrize("markdown", ["README.md", "docs/plugins/guide.md", "docs/tokenizer.md"])
 def test_python_blocks_in_docs_run(markdown: str, smollm2_gguf: Path) -> None:
     blocks = _python_blocks(REPO / markdown)
     assert blocks
@@ -73,4 +94,6 @@ def test_generated_reference_pages_are_current() -> None:
     from tokenmill.docgen import generated_pages
 
     for relative, text in generated_pages().items():
-        assert (REPO / "docs" / relative).read_text() == text, f"docs/{relative} is stale: python -m tokenmill.docgen docs"
+        assert (REPO / "docs" / relative).read_text() == text, (
+            f"docs/{relative} is stale: python -m tokenmill.docgen docs"
+        )

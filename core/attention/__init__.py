@@ -1,5 +1,6 @@
-"""Attention over a paged KV cache: the interface; the torch reference lives in ``torch_backend``."""
+"""Attention over a paged KV cache.
 
-from tokenmill.attention.backend import AttentionBackend, AttentionLayerSpec, AttentionMetadata
-
-__all__ = ["AttentionBackend", "AttentionLayerSpec", "AttentionMetadata"]
+``backend`` declares the interface, ``torch_backend`` is the reference
+implementation, ``plugin`` registers it. This package imports nothing on its
+own, so the registration stays free of torch.
+"""

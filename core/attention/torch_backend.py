@@ -15,7 +15,6 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 from tokenmill.attention.backend import AttentionBackend, AttentionLayerSpec, AttentionMetadata
-from tokenmill.hookspecs import Register, hookimpl
 
 
 @dataclass
@@ -95,8 +94,3 @@ class TorchAttentionBackend(AttentionBackend):
             enable_gqa=layer.num_heads != layer.num_kv_heads,
         )  # [num_reqs, heads, max_query_len, dim]
         return out.transpose(1, 2)[state.token_req, state.token_row]
-
-
-@hookimpl
-def tokenmill_register_attention_backends(register: Register) -> None:
-    register("torch", "tokenmill.attention.torch_backend:TorchAttentionBackend")

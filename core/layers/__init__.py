@@ -1,8 +1,4 @@
-"""Building blocks shared by model architectures."""
-
-from tokenmill.layers.linear import Linear
-from tokenmill.layers.norm import RMSNorm
-from tokenmill.layers.quantizer import Quantizer
-from tokenmill.layers.rotary import RotaryEmbedding
-
-__all__ = ["Linear", "Quantizer", "RMSNorm", "RotaryEmbedding"]
+"""Building blocks shared by model architectures: ``Linear`` over a ``Quantizer``,
+``RMSNorm``, rotary embedding. ``plugin`` registers the built-in dense quantizer.
+This package imports nothing on its own, so the registration stays free of torch.
+"""

@@ -6,7 +6,6 @@ from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
-from tokenmill.hookspecs import Register, hookimpl
 from tokenmill.layers.quantizer import Quantizer
 from torch import nn
 
@@ -27,8 +26,3 @@ class DenseQuantizer(Quantizer):
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, layer.weight, layer.bias)
-
-
-@hookimpl
-def tokenmill_register_quantizers(register: Register) -> None:
-    register("none", "tokenmill.layers.dense:DenseQuantizer")

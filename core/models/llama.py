@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from tokenmill.attention.backend import AttentionBackend, AttentionLayerSpec, AttentionMetadata
-from tokenmill.hookspecs import Register, hookimpl
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.quantizer import Quantizer
@@ -173,9 +172,3 @@ class LlamaForCausalLM(CausalLM):
 
     def skip_checkpoint_tensor(self, name: str) -> bool:
         return name == "lm_head.weight" and self.lm_head is None
-
-
-@hookimpl
-def tokenmill_register_architectures(register: Register) -> None:
-    for name in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
-        register(name, "tokenmill.models.llama:LlamaForCausalLM")

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import msgspec
 import pytest
-
 from tokenmill.config import ConfigError, EngineConfig, load_config
 from tokenmill.config.options import flag_specs
 from tokenmill.model_files import DEFAULT_MODEL
@@ -31,7 +30,10 @@ def test_flags_override_file(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("toml", "message"),
     [
-        ("[cache]\nblock_size = 24\n", "invalid setting cache: block_size must be a power of two (8, 16, 32, ...), got 24"),
+        (
+            "[cache]\nblock_size = 24\n",
+            "invalid setting cache: block_size must be a power of two (8, 16, 32, ...), got 24",
+        ),
         ("[cache]\nblock_size = 0\n", "invalid setting cache.block_size: Expected `int` >= 1 (got 0)"),
         ('[model]\ndtype = "int3"\n', "invalid setting model.dtype: Invalid enum value 'int3' (got 'int3')"),
         ('[model]\nmax_model_len = "long"\n', "invalid setting model.max_model_len: Expected `int | null`, got `str`"),

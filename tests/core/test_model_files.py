@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from tokenmill.model_files import DEFAULT_MODEL, ModelNotFoundError, PullError, pull, resolve_model
 
 

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from tests.factories import save_hf_model
 from tokenmill import hookimpl
 from tokenmill.config import load_config
 from tokenmill.model_loader import load_model
 from tokenmill.model_runner import ModelRunner, SequenceChunk
 from tokenmill.plugin_manager import ESSENTIAL_PLUGINS, PluginError, Slot, load_plugins
+
+from tests.factories import save_hf_model
 
 REPO = Path(__file__).resolve().parents[2]
 CONTRIB_PLUGIN = REPO / "contrib" / "tokenmill-eager-attention"
@@ -59,8 +59,8 @@ def test_builtins_register_through_the_same_hooks() -> None:
         registry.names(Slot.ARCHITECTURE)
     )
     builtin = {info.name: info for info in system.infos}
-    assert builtin["tokenmill.attention.torch_backend"].provides == {"attention_backend": ["torch"]}
-    assert builtin["tokenmill.attention.torch_backend"].hooks == ["tokenmill_register_attention_backends"]
+    assert builtin["tokenmill.attention.plugin"].provides == {"attention_backend": ["torch"]}
+    assert builtin["tokenmill.attention.plugin"].hooks == ["tokenmill_register_attention_backends"]
 
 
 def test_contrib_plugin_found_through_its_entry_point(contrib_on_path: Path) -> None:
@@ -163,7 +163,7 @@ def test_conflicting_registrations_name_both_plugins() -> None:
         def tokenmill_register_attention_backends(self, register):
             register("torch", "impostor.module:Backend")
 
-    with pytest.raises(PluginError, match="registered by both 'tokenmill.attention.torch_backend' and 'impostor'"):
+    with pytest.raises(PluginError, match="registered by both 'tokenmill.attention.plugin' and 'impostor'"):
         load_plugins(autoload=False, extra_plugins=[("impostor", Impostor())])
 
 

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-
-from tests.factories import save_hf_model
 from tokenmill.config import load_config
 from tokenmill.model_loader import load_model
 from tokenmill.models.architecture import ArchitectureError
 from tokenmill.weights import WeightsError
+
+from tests.factories import save_hf_model
 
 
 def _load(directory: Path):
@@ -49,7 +49,9 @@ def test_missing_tensor_is_named(checkpoint: Path) -> None:
 
 def test_foreign_tensor_is_named(checkpoint: Path) -> None:
     _rewrite(checkpoint, lambda t: t.update({"vision_tower.patch_embed.weight": torch.zeros(2, 2)}))
-    with pytest.raises(WeightsError, match="tensor 'vision_tower.patch_embed.weight' does not belong to LlamaForCausalLM"):
+    with pytest.raises(
+        WeightsError, match="tensor 'vision_tower.patch_embed.weight' does not belong to LlamaForCausalLM"
+    ):
         _load(checkpoint.parent)
 
 

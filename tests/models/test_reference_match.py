@@ -7,15 +7,14 @@ through the paged KV cache batched with other requests, must match within 1e-4.
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import pytest
 import torch
-
-from tests.factories import TINY_CONFIGS, save_hf_model
 from tokenmill.config import load_config
 from tokenmill.model_loader import load_model
 from tokenmill.model_runner import ModelRunner, SequenceChunk
+
+from tests.factories import TINY_CONFIGS, save_hf_model
 
 TOLERANCE = 1e-4
 BLOCK_SIZE = 4

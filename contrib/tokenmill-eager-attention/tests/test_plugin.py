@@ -3,8 +3,7 @@
 import subprocess
 
 import torch
-
-from tokenmill.attention import AttentionLayerSpec
+from tokenmill import AttentionLayerSpec
 from tokenmill.attention.torch_backend import TorchAttentionBackend
 from tokenmill.model_runner import SequenceChunk, build_batch
 from tokenmill_eager_attention.backend import EagerAttentionBackend

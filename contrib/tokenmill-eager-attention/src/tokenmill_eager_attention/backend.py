@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import torch
-
-from tokenmill import AttentionBackend, AttentionMetadata
-from tokenmill.attention import AttentionLayerSpec
+from tokenmill import AttentionBackend, AttentionLayerSpec, AttentionMetadata
 
 
 class EagerAttentionBackend(AttentionBackend):
