@@ -11,6 +11,7 @@ import logging
 from typing import Any
 
 import click
+
 from tokenmill import __version__, envs
 from tokenmill.config import EngineConfig
 from tokenmill.config.options import config_options

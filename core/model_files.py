@@ -97,6 +97,19 @@ def pull(model: PackagedModel = DEFAULT_MODEL) -> Path:
     return target
 
 
+def resolve_tokenizer(model: str | None, tokenizer: str | None) -> Path:
+    """Where the tokenizer comes from: the config's ``tokenizer`` if set, else the model itself."""
+    if tokenizer is None:
+        return resolve_model(model)
+    path = Path(tokenizer).expanduser()
+    if not path.exists():
+        raise ModelNotFoundError(
+            f"tokenizer {tokenizer!r} not found: give a Hugging Face model directory, a tokenizer.json "
+            "or a .gguf file, or leave tokenizer unset to use the model's own"
+        )
+    return path
+
+
 def resolve_model(model: str | None) -> Path:
     """Turn the config's ``model`` value into a local path.
 

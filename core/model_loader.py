@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
 from tokenmill.attention.backend import AttentionBackend
 from tokenmill.config import EngineConfig
 from tokenmill.model_files import resolve_model
@@ -75,6 +76,8 @@ def load_model(config: EngineConfig, plugins: PluginSystem | None = None) -> Loa
     attention = registry.load(Slot.ATTENTION_BACKEND, config.attention.backend)()
     quantizer = registry.load(Slot.QUANTIZER, config.model.quantization)()
     device = resolve_device(config.device.device)
+    if config.device.num_threads is not None:
+        torch.set_num_threads(config.device.num_threads)
     if device.type not in attention.supported_devices:
         raise PluginError(
             f"attention backend {config.attention.backend!r} does not run on {device.type}; "

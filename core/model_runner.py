@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from tokenmill.attention.backend import AttentionMetadata
 from tokenmill.model_loader import LoadedModel
 

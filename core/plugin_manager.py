@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pluggy
+
 from tokenmill import envs, hookspecs
 from tokenmill.errors import TokenmillError
 

@@ -14,6 +14,7 @@ from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
+
 from tokenmill.attention.backend import AttentionBackend, AttentionLayerSpec, AttentionMetadata
 
 

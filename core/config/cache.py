@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Annotated
 
 import msgspec
+
 from tokenmill.config.base import ConfigSection, describe
 
 

@@ -8,6 +8,7 @@ from typing import Annotated, Any
 
 import msgspec
 import msgspec.inspect
+
 from tokenmill.config.attention import AttentionConfig
 from tokenmill.config.base import ConfigSection, describe
 from tokenmill.config.cache import CacheConfig

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from tokenmill.config.base import ConfigSection, NonNegativeInt, PositiveInt, describe
+from tokenmill.config.base import ConfigSection, PositiveInt, describe
 from tokenmill.model_files import DEFAULT_MODEL
 
 DType = Literal["auto", "float32", "float16", "bfloat16"]
@@ -41,4 +41,3 @@ class ModelConfig(ConfigSection):
         PositiveInt | None,
         describe("Longest sequence (prompt + output) in tokens; unset uses the model's context length."),
     ] = None
-    seed: Annotated[NonNegativeInt, describe("Seed for the engine's random number generators.")] = 0

@@ -15,6 +15,7 @@ from typing import Any
 import click
 import msgspec
 import msgspec.inspect as mi
+
 from tokenmill.config.engine import EngineConfig, load_config
 
 

@@ -6,8 +6,9 @@ from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
-from tokenmill.layers.quantizer import Quantizer
 from torch import nn
+
+from tokenmill.layers.quantizer import Quantizer
 
 
 class DenseQuantizer(Quantizer):

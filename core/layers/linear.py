@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import torch
-from tokenmill.layers.quantizer import Quantizer
 from torch import nn
+
+from tokenmill.layers.quantizer import Quantizer
 
 
 class Linear(nn.Module):

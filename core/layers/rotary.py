@@ -5,8 +5,9 @@ from __future__ import annotations
 import math
 
 import torch
-from tokenmill.models.architecture import RopeConfig
 from torch import nn
+
+from tokenmill.models.architecture import RopeConfig
 
 
 def inverse_frequencies(rope: RopeConfig, rotary_dim: int) -> torch.Tensor:

@@ -7,10 +7,11 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
+from torch import nn
+
 from tokenmill.attention.backend import AttentionMetadata
 from tokenmill.layers.linear import Linear
 from tokenmill.weights.format import LoadedTensor, WeightsError
-from torch import nn
 
 logger = logging.getLogger(__name__)
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from tokenmill.attention.backend import AttentionBackend, AttentionLayerSpec, AttentionMetadata
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.norm import RMSNorm
@@ -16,7 +18,6 @@ from tokenmill.layers.quantizer import Quantizer
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.models.architecture import ArchitectureConfig
 from tokenmill.models.base import CausalLM
-from torch import nn
 
 
 class LlamaAttention(nn.Module):

@@ -27,6 +27,7 @@ import gguf
 import numpy as np
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+
 from tokenmill.tokenizer.source import TokenizerSource
 
 logger = logging.getLogger(__name__)

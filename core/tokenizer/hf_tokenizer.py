@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import tokenizers
+
 from tokenmill.tokenizer.source import TokenizerSource
 
 logger = logging.getLogger(__name__)

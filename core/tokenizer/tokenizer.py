@@ -15,6 +15,7 @@ from typing import Any
 
 import tokenizers
 from tokenizers import AddedToken, processors
+
 from tokenmill.tokenizer.chat_template import ChatTemplate
 from tokenmill.tokenizer.gguf_tokenizer import load_gguf_tokenizer
 from tokenmill.tokenizer.hf_tokenizer import TOKENIZER_FILE, load_hf_tokenizer

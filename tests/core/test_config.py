@@ -7,6 +7,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+
 from tokenmill.config import ConfigError, EngineConfig, load_config
 from tokenmill.config.options import flag_specs
 from tokenmill.model_files import DEFAULT_MODEL

@@ -8,7 +8,15 @@ import sys
 from pathlib import Path
 
 import pytest
-from tokenmill.model_files import DEFAULT_MODEL, ModelNotFoundError, PullError, pull, resolve_model
+
+from tokenmill.model_files import (
+    DEFAULT_MODEL,
+    ModelNotFoundError,
+    PullError,
+    pull,
+    resolve_model,
+    resolve_tokenizer,
+)
 
 
 @pytest.fixture
@@ -52,3 +60,12 @@ def test_resolve_model(cache_dir: Path, tmp_path: Path) -> None:
     assert resolve_model(str(tmp_path)) == tmp_path
     with pytest.raises(ModelNotFoundError, match="model '/no/such/model' not found"):
         resolve_model("/no/such/model")
+
+
+def test_resolve_tokenizer(tmp_path: Path) -> None:
+    assert resolve_tokenizer(str(tmp_path), None) == tmp_path  # the model's own
+    tokenizer_dir = tmp_path / "tok"
+    tokenizer_dir.mkdir()
+    assert resolve_tokenizer(str(tmp_path), str(tokenizer_dir)) == tokenizer_dir
+    with pytest.raises(ModelNotFoundError, match="tokenizer '/no/tok' not found"):
+        resolve_tokenizer(str(tmp_path), "/no/tok")

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from tests.factories import save_hf_model
 from tokenmill import hookimpl
 from tokenmill.config import load_config
 from tokenmill.model_loader import load_model
 from tokenmill.model_runner import ModelRunner, SequenceChunk
 from tokenmill.plugin_manager import ESSENTIAL_PLUGINS, PluginError, Slot, load_plugins
-
-from tests.factories import save_hf_model
 
 REPO = Path(__file__).resolve().parents[2]
 CONTRIB_PLUGIN = REPO / "contrib" / "tokenmill-eager-attention"

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+
+from tests.factories import save_hf_model
 from tokenmill.config import load_config
 from tokenmill.model_loader import load_model
 from tokenmill.models.architecture import ArchitectureError
 from tokenmill.weights import WeightsError
-
-from tests.factories import save_hf_model
 
 
 def _load(directory: Path):

@@ -10,11 +10,11 @@ import random
 
 import pytest
 import torch
+
+from tests.factories import TINY_CONFIGS, save_hf_model
 from tokenmill.config import load_config
 from tokenmill.model_loader import load_model
 from tokenmill.model_runner import ModelRunner, SequenceChunk
-
-from tests.factories import TINY_CONFIGS, save_hf_model
 
 TOLERANCE = 1e-4
 BLOCK_SIZE = 4

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from tokenmill.config import load_config
 from tokenmill.model_loader import load_model
 from tokenmill.model_runner import ModelRunner, SequenceChunk

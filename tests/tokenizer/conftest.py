@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tokenmill.tokenizer import Tokenizer
 
 from tests.tokenizer.synthetic_gguf import write_llama_gguf
+from tokenmill.tokenizer import Tokenizer
 
 # Text the tokenizers must agree on: ASCII, code, CJK, emoji, whitespace runs, digits and special tokens.
 CORPUS = [

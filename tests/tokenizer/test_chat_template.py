@@ -6,6 +6,7 @@ from datetime import datetime
 from typing import Any
 
 import pytest
+
 from tokenmill.tokenizer import ChatTemplate, Tokenizer, render_chat_template
 
 # Llama 3.2 style: system block with date, tools as JSON (indent=4), tool calls and ipython results.

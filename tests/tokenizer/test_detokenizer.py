@@ -5,9 +5,9 @@ from __future__ import annotations
 import random
 
 import pytest
-from tokenmill.tokenizer import IncrementalDetokenizer, Tokenizer
 
 from tests.tokenizer.conftest import CORPUS
+from tokenmill.tokenizer import IncrementalDetokenizer, Tokenizer
 
 REPLACEMENT = "\ufffd"
 STREAM_TEXTS = [

@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tokenmill.tokenizer import Tokenizer
 
 from tests.tokenizer.conftest import CORPUS
 from tests.tokenizer.synthetic_gguf import (
@@ -16,6 +15,7 @@ from tests.tokenizer.synthetic_gguf import (
     write_gpt2_gguf,
     write_llama_gguf,
 )
+from tokenmill.tokenizer import Tokenizer
 
 
 def _assert_same_encoding(ours: Tokenizer, reference: Any, texts: list[str]) -> None:

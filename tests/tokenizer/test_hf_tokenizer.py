@@ -7,9 +7,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tokenmill.tokenizer import Tokenizer
 
 from tests.tokenizer.conftest import CORPUS
+from tokenmill.tokenizer import Tokenizer
 
 CONFIG_TEMPLATE = "{% for m in messages %}config template {{ m['content'] }}{% endfor %}"
 FILE_TEMPLATE = (

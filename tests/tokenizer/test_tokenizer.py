@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 import tokenizers
-from tokenmill.tokenizer import Tokenizer
-from tokenmill.tokenizer.source import TokenizerSource
 
 from tests.tokenizer.conftest import CORPUS
+from tokenmill.tokenizer import Tokenizer
+from tokenmill.tokenizer.source import TokenizerSource
 
 
 def test_importing_the_tokenizer_loads_neither_torch_nor_transformers() -> None:

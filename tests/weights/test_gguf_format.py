@@ -17,7 +17,6 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
 from gguf import GGUFValueType
-from tokenmill.weights import GGUFFormat, WeightFormat, WeightsError
 
 from tests.weights.gguf_util import (
     llama3_rope_freqs,
@@ -26,6 +25,7 @@ from tests.weights.gguf_util import (
     write_llama_gguf,
     write_raw_gguf,
 )
+from tokenmill.weights import GGUFFormat, WeightFormat, WeightsError
 
 transformers = pytest.importorskip("transformers")
 

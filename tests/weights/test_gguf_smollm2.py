@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from tokenmill.weights import GGUFFormat
 
 transformers = pytest.importorskip("transformers")

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import safetensors
 import torch
+
 from tokenmill.weights import LoadedTensor, SafetensorsFormat, WeightsError
 
 transformers = pytest.importorskip("transformers")
