@@ -18,6 +18,7 @@ import torch
 from gguf import GGMLQuantizationType as QType
 from gguf import GGUFValueType
 
+from tests.factories import make_hf_model
 from tests.weights.gguf_util import (
     llama3_rope_freqs,
     permute_like_llama_cpp,
@@ -29,33 +30,18 @@ from tokenmill.weights import GGUFFormat, WeightFormat, WeightsError
 
 transformers = pytest.importorskip("transformers")
 
-TINY = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=512,
-)
-TINY_CONFIGS = {
-    "llama": lambda: transformers.LlamaConfig(**TINY),
-    "llama-tied": lambda: transformers.LlamaConfig(**TINY, tie_word_embeddings=True),
-    "llama-bias": lambda: transformers.LlamaConfig(**TINY, attention_bias=True, mlp_bias=True),
-    "qwen2": lambda: transformers.Qwen2Config(**TINY),  # q/k/v biases
-    "qwen3": lambda: transformers.Qwen3Config(**TINY, head_dim=32),  # q/k norms, head_dim != hidden/heads
+#: Names used here -> the shared tiny configs in tests/factories.py.
+TINY_MODELS = {
+    "llama": "llama-tiny",
+    "llama-tied": "llama-tied",
+    "llama-bias": "llama-bias",
+    "qwen2": "qwen2-tiny",  # q/k/v biases
+    "qwen3": "qwen3-tiny",  # q/k norms, head_dim != hidden/heads
 }
 
 
 def _tiny_model(name: str, seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(TINY_CONFIGS[name]())
-    with torch.no_grad():  # norms start at 1 and biases at 0: randomise them so a mix-up shows
-        for param_name, param in model.named_parameters():
-            if param_name.endswith("norm.weight"):
-                param.uniform_(0.5, 1.5)
-            elif param_name.endswith(".bias"):
-                param.uniform_(-0.5, 0.5)
-    return model.eval()
+    return make_hf_model(TINY_MODELS[name], seed)
 
 
 def _write(model: torch.nn.Module, path: Path, qtype: QType) -> Path:
@@ -115,7 +101,7 @@ def test_tiny_model_matches_transformers(name: str, qtype: QType, tmp_path: Path
             torch.testing.assert_close(tensor, original[tensor_name], atol=2e-3, rtol=0.02)
 
 
-@pytest.mark.parametrize("name", list(TINY_CONFIGS))
+@pytest.mark.parametrize("name", list(TINY_MODELS))
 def test_config_and_tensors_rebuild_the_model(name: str, tmp_path: Path) -> None:
     """read_config + iter_tensors of an F32 file give a model with the original's logits."""
     model = _tiny_model(name)

@@ -11,25 +11,16 @@ import pytest
 import safetensors
 import torch
 
+from tests.factories import make_hf_model
 from tokenmill.weights import LoadedTensor, SafetensorsFormat, WeightsError
 
 transformers = pytest.importorskip("transformers")
 
-TINY_LLAMA = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=512,
-)
 INDEX = "model.safetensors.index.json"
 
 
 def _tiny_llama(dtype: torch.dtype) -> torch.nn.Module:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(**TINY_LLAMA)
-    return transformers.LlamaForCausalLM(config).to(dtype).eval()
+    return make_hf_model("llama-tiny").to(dtype)
 
 
 @pytest.fixture(scope="module")
