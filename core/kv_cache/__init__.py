@@ -1,0 +1,1 @@
+"""The paged KV cache's bookkeeping: blocks, block tables, ref counts, prefix caching."""
