@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 from typing import Any
 
 import click
@@ -81,6 +82,27 @@ def pull() -> None:
 
     path = pull_model(DEFAULT_MODEL)
     click.echo(str(path))
+
+
+@main.command()
+@click.option("--input", "input_path", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="JSONL: one object per line with 'prompt' or 'messages', optional 'id' and sampling fields.")
+@click.option("--output", "output_path", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="JSONL results, appended; ids already there are skipped, so a rerun resumes.")
+@click.option("--no-progress", is_flag=True, help="Hide the progress bar.")
+@config_options
+def generate(config: EngineConfig, input_path: Path, output_path: Path, no_progress: bool) -> None:
+    """Generate for every line of a JSONL file (offline, in this process)."""
+    from tokenmill.batch_generate import run_batch
+    from tokenmill.llm import LLM
+
+    llm = LLM.from_config(config)
+    summary = run_batch(llm, input_path, output_path, use_tqdm=not no_progress)
+    click.echo(
+        f"{summary.num_completed} completed, {summary.num_errors} errors, "
+        f"{summary.num_skipped} already in {output_path}",
+        err=True,
+    )
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ _BASE: dict[str, Any] = dict(
     num_attention_heads=4,
     num_key_value_heads=2,
     vocab_size=512,
-    max_position_embeddings=512,
+    max_position_embeddings=1024,
 )
 
 #: name -> (transformers config class name, config overrides)
@@ -74,3 +74,30 @@ def save_hf_model(name: str, directory: Path, seed: int = 0, dtype: torch.dtype 
     model = make_hf_model(name, seed)
     model.to(dtype).save_pretrained(directory)
     return model.float()
+
+
+def make_engine(model_dir: Path, **sections: dict[str, Any]):  # type: ignore[no-untyped-def]
+    """An in-process ``EngineCore`` on CPU with tiny defaults (block_size 4, 256 blocks)."""
+    from tokenmill.config import load_config
+    from tokenmill.engine import EngineCore
+
+    overrides: dict[str, Any] = {
+        "model": {"model": str(model_dir)},
+        "device": {"device": "cpu"},
+        "cache": {"block_size": 4, "num_kv_blocks": 256},
+    }
+    for section, values in sections.items():
+        overrides[section] = {**overrides.get(section, {}), **values}
+    return EngineCore(load_config(overrides=overrides))
+
+
+def run_to_completion(engine, requests) -> dict[str, list[int]]:  # type: ignore[no-untyped-def]
+    """Add ``EngineCoreRequest``s, step until all finish; returns each request's generated token ids."""
+    tokens: dict[str, list[int]] = {}
+    for request in requests:
+        engine.add_request(request)
+        tokens[request.request_id] = []
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
+    return tokens

@@ -5,6 +5,7 @@ from tokenmill.config.cache import CacheConfig
 from tokenmill.config.device import DeviceConfig
 from tokenmill.config.engine import ConfigError, EngineConfig, load_config
 from tokenmill.config.model import ModelConfig
+from tokenmill.config.scheduler import SchedulerConfig
 
 __all__ = [
     "AttentionConfig",
@@ -13,5 +14,6 @@ __all__ = [
     "DeviceConfig",
     "EngineConfig",
     "ModelConfig",
+    "SchedulerConfig",
     "load_config",
 ]

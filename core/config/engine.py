@@ -14,6 +14,7 @@ from tokenmill.config.base import ConfigSection, describe
 from tokenmill.config.cache import CacheConfig
 from tokenmill.config.device import DeviceConfig
 from tokenmill.config.model import ModelConfig
+from tokenmill.config.scheduler import SchedulerConfig
 from tokenmill.errors import TokenmillError
 
 
@@ -27,6 +28,7 @@ class EngineConfig(ConfigSection):
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     device: DeviceConfig = msgspec.field(default_factory=DeviceConfig)
     cache: CacheConfig = msgspec.field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
     attention: AttentionConfig = msgspec.field(default_factory=AttentionConfig)
     disable_plugins: Annotated[
         list[str],

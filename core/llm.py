@@ -1,0 +1,169 @@
+"""The offline API: ``LLM(model=...).generate(prompts, params)``, the engine loop run in-process."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from tokenmill.config import ConfigError, EngineConfig, load_config
+from tokenmill.config.options import flag_specs
+from tokenmill.engine import EngineCore, now
+from tokenmill.messages import EngineCoreRequest
+from tokenmill.model_files import resolve_tokenizer
+from tokenmill.output_processor import OutputProcessor
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import InvalidRequestError, SamplingParams
+from tokenmill.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+#: A prompt: text, or {"prompt": text} / {"prompt_token_ids": [...]}.
+Prompt = str | dict[str, Any]
+Conversation = list[dict[str, Any]]
+
+
+def config_from_kwargs(config_file: str | Path | None, model: str | None, **settings: Any) -> EngineConfig:
+    """Build an ``EngineConfig`` from flat keyword arguments named like the config fields
+    (``block_size=32``, ``max_num_batched_tokens=512``), on top of an optional TOML file."""
+    paths = {spec.path[-1]: spec.path for spec in flag_specs()}
+    overrides: dict[str, Any] = {}
+    if model is not None:
+        overrides["model"] = {"model": model}
+    for name, value in settings.items():
+        path = paths.get(name)
+        if path is None:
+            raise ConfigError(f"unknown setting {name!r}; valid settings: {', '.join(sorted(paths))}")
+        target = overrides
+        for section in path[:-1]:
+            target = target.setdefault(section, {})
+        target[path[-1]] = value
+    return load_config(config_file, overrides)
+
+
+class LLM:
+    """An engine in this process, with its tokenizer.
+
+    ``LLM(model=None)`` serves the default model; any config field can be given
+    by name (``LLM(model=path, block_size=32, dtype="float32")``), or a TOML
+    file with ``config=``.
+    """
+
+    def __init__(self, model: str | None = None, *, config: str | Path | None = None, **settings: Any) -> None:
+        self._start(config_from_kwargs(config, model, **settings))
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLM:
+        """An ``LLM`` for an already resolved config (the CLI's)."""
+        llm = cls.__new__(cls)
+        llm._start(config)
+        return llm
+
+    def _start(self, config: EngineConfig) -> None:
+        self.config = config
+        self.engine = EngineCore(self.config)
+        tokenizer_path = resolve_tokenizer(self.config.model.model, self.config.model.tokenizer)
+        self.tokenizer = Tokenizer.from_path(tokenizer_path)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        on_finished: Callable[[int, RequestOutput], None] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; returns one ``RequestOutput`` per prompt, in order.
+
+        ``on_finished(i, output)`` is called as soon as prompt ``i`` finishes, so a caller
+        can write results while the rest are still running.
+        """
+        prompt_list = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        encoded = [self._encode(p) for p in prompt_list]
+        return self._run(encoded, sampling_params, use_tqdm, on_finished)
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        encoded = [self.render_chat(c, add_generation_prompt, **template_kwargs) for c in conversations]
+        return self._run(encoded, sampling_params, use_tqdm)
+
+    def render_chat(
+        self, conversation: Conversation, add_generation_prompt: bool = True, **template_kwargs: Any
+    ) -> tuple[str, list[int]]:
+        """The prompt text and token ids the chat template makes of ``conversation``."""
+        text = self.tokenizer.apply_chat_template(
+            conversation, add_generation_prompt=add_generation_prompt, **template_kwargs
+        )
+        assert isinstance(text, str)
+        # The template already wrote BOS and the other special tokens as text.
+        return text, self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        if "prompt" in prompt:
+            return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+        raise InvalidRequestError("a prompt must be a string or a dict with 'prompt' or 'prompt_token_ids'")
+
+    def _run(
+        self,
+        encoded: list[tuple[str | None, list[int]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        use_tqdm: bool,
+        on_finished: Callable[[int, RequestOutput], None] | None = None,
+    ) -> list[RequestOutput]:
+        params_list = _params_per_prompt(sampling_params, len(encoded))
+        processor = OutputProcessor(self.tokenizer)
+        results: dict[str, RequestOutput] = {}
+        request_ids = []
+        for (prompt, token_ids), params in zip(encoded, params_list, strict=True):
+            request_id = str(next(self._ids))
+            self.engine.add_request(
+                EngineCoreRequest(request_id, token_ids, params, list(self.tokenizer.eos_token_ids), now())
+            )
+            results[request_id] = processor.add_request(request_id, prompt, token_ids, params)
+            request_ids.append(request_id)
+        position = {request_id: i for i, request_id in enumerate(request_ids)}
+        with tqdm(total=len(request_ids), desc="generating", unit="req", disable=not use_tqdm) as progress:
+            while self.engine.has_unfinished_requests():
+                step = processor.process(self.engine.step())
+                if step.to_abort:
+                    processor.process(self.engine.abort_requests(step.to_abort))
+                for output in step.updated:
+                    if output.finished and output.request_id in position:
+                        progress.update(1)
+                        if on_finished is not None:
+                            on_finished(position.pop(output.request_id), output)
+                        else:
+                            position.pop(output.request_id)
+        return [results[request_id] for request_id in request_ids]
+
+
+def _params_per_prompt(
+    sampling_params: SamplingParams | Sequence[SamplingParams] | None, count: int
+) -> list[SamplingParams]:
+    if sampling_params is None:
+        return [SamplingParams()] * count
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * count
+    params = list(sampling_params)
+    if len(params) != count:
+        raise InvalidRequestError(f"got {len(params)} SamplingParams for {count} prompts")
+    return params

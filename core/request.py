@@ -1,0 +1,110 @@
+"""``Request``: one sequence's state inside the engine.
+
+A request is a token sequence (prompt, then generated tokens) with a count of
+how many of its tokens have K/V in the cache (``num_computed_tokens``). There
+is no separate prefill or decode mode: each step the scheduler gives a
+request some of its uncomputed tokens, and when a step computes its last
+known token, a new token is sampled and appended.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenmill.messages import TokenLogprobs
+from tokenmill.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2  # waiting again, its blocks freed; recomputes when readmitted
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...]
+    max_model_len: int
+    arrival_time: float
+    priority: int = 0  # lower runs first (and is preempted last); ties go by arrival time
+    cache_salt: str | None = None  # adapter/tenant: requests with different salts share no blocks
+    parent_id: str | None = None  # for completions 1..n-1 of an n > 1 request: the request they fork from
+    index: int = 0  # which of the n completions this is
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache at first admission
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    #: Plugins and engine-side helpers keep per-request state here, never as new attributes.
+    stash: dict[Any, Any] = field(default_factory=dict)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def sort_key(self) -> tuple[int, float, str]:
+        """Scheduling order: priority, then arrival, then id (a total order, for determinism)."""
+        return (self.priority, self.arrival_time, self.request_id)
+
+    def append_token(self, token_id: int, logprobs: TokenLogprobs | None = None) -> None:
+        self.output_token_ids.append(token_id)
+        if logprobs is not None:
+            self.output_logprobs.append(logprobs)
+
+    def check_stop(self) -> RequestStatus | None:
+        """The finished status the last appended token causes, if any (token-level stops only;
+        stop strings are matched on text by the output processor)."""
+        params = self.params
+        num_output = len(self.output_token_ids)
+        last = self.output_token_ids[-1]
+        if num_output >= params.min_tokens:
+            if not params.ignore_eos and last in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if last in params.stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and num_output >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if self.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
