@@ -71,6 +71,16 @@ def parse_line(text: str, line: int) -> BatchItem:
     return BatchItem(str(record.get("id", line)), line, prompt, messages, params)
 
 
+def _drop_partial_last_line(output_path: Path) -> None:
+    """An interrupted run can leave a half-written last line; cut it so appends start on a fresh line."""
+    if not output_path.exists():
+        return
+    data = output_path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        with output_path.open("r+b") as f:
+            f.truncate(data.rfind(b"\n") + 1)
+
+
 def _done_ids(output_path: Path) -> set[str]:
     if not output_path.exists():
         return set()
@@ -79,7 +89,7 @@ def _done_ids(output_path: Path) -> set[str]:
         try:
             done.add(str(json.loads(text)["id"]))
         except (json.JSONDecodeError, KeyError, TypeError):
-            continue  # a line cut short by an interrupted run: that id runs again
+            continue  # not a record of ours: its id, if any, runs again
     return done
 
 
@@ -106,6 +116,7 @@ def _result_record(item: BatchItem, output: RequestOutput) -> dict[str, Any]:
 
 def run_batch(llm: Any, input_path: Path, output_path: Path, use_tqdm: bool = True) -> BatchSummary:
     """Run every new line of ``input_path`` through ``llm`` (a ``tokenmill.LLM``), appending to ``output_path``."""
+    _drop_partial_last_line(output_path)
     done = _done_ids(output_path)
     lines = input_path.read_text().splitlines()
     items: list[BatchItem] = []

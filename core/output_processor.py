@@ -50,8 +50,12 @@ class OutputProcessor:
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 
-    def _completion(self, engine_output: EngineCoreOutput) -> tuple[RequestOutput, SamplingParams, _CompletionState]:
+    def _completion(
+        self, engine_output: EngineCoreOutput
+    ) -> tuple[RequestOutput, SamplingParams, _CompletionState] | None:
         request_id = engine_output.parent_id or engine_output.request_id
+        if request_id not in self._requests:
+            return None  # finished already (a stop string ended it; this is the abort's echo)
         request, params = self._requests[request_id]
         state = self._completions.get(engine_output.request_id)
         if state is None:
@@ -74,7 +78,10 @@ class OutputProcessor:
         step = ProcessedStep()
         updated: dict[str, RequestOutput] = {}
         for engine_output in engine_outputs:
-            request, params, state = self._completion(engine_output)
+            found = self._completion(engine_output)
+            if found is None:
+                continue
+            request, params, state = found
             completion = state.output
             if completion.finished:
                 continue  # already ended by a stop string; the engine's abort echo adds nothing

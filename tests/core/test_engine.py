@@ -38,7 +38,12 @@ def test_greedy_matches_transformers_generate(name: str, tmp_path: Path) -> None
     hf_model = save_hf_model(name, tmp_path)
     engine = make_engine(tmp_path, scheduler={"max_num_batched_tokens": 24})  # forces chunked prefill
     prompts = _prompts([5, 37, 12], seed=7)
-    outputs = run_to_completion(engine, [_request(str(i), p) for i, p in enumerate(prompts)])
+    eos = hf_model.generation_config.eos_token_id
+    eos_ids = eos if isinstance(eos, list) else [eos] if eos is not None else []
+    # min_tokens bans EOS for 64 tokens, exactly what transformers' min_new_tokens does.
+    params = SamplingParams(temperature=0, max_tokens=64, min_tokens=64)
+    requests = [EngineCoreRequest(str(i), p, params, eos_ids, now()) for i, p in enumerate(prompts)]
+    outputs = run_to_completion(engine, requests)
     for i, prompt in enumerate(prompts):
         with torch.no_grad():
             expected = hf_model.generate(torch.tensor([prompt]), max_new_tokens=64, min_new_tokens=64, do_sample=False)[

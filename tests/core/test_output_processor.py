@@ -1,0 +1,105 @@
+"""Detokenization and stop strings on engine outputs, with the default model's real tokenizer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tokenmill.messages import EngineCoreOutput, TokenLogprobs
+from tokenmill.output_processor import OutputProcessor
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.tokenizer import Tokenizer
+
+TEXT = "Hello world, this is the END of it"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_gguf: Path) -> Tokenizer:
+    return Tokenizer.from_path(smollm2_gguf)
+
+
+def _stream(processor: OutputProcessor, request_id: str, token_ids: list[int], finish_reason: str = "length"):
+    """Feed tokens one step at a time, as the engine would; returns every ProcessedStep."""
+    steps = []
+    for position, token_id in enumerate(token_ids):
+        last = position == len(token_ids) - 1
+        output = EngineCoreOutput(request_id, [token_id], finish_reason=finish_reason if last else None)
+        steps.append(processor.process([output]))
+        if steps[-1].to_abort:
+            break
+    return steps
+
+
+def test_text_streams_to_the_full_decode(tokenizer: Tokenizer) -> None:
+    token_ids = tokenizer.encode("Tea 🍵 or 咖啡? Both!")
+    processor = OutputProcessor(tokenizer)
+    request = processor.add_request("r", None, [1], SamplingParams())
+    _stream(processor, "r", token_ids)
+    assert request.outputs[0].text == "Tea 🍵 or 咖啡? Both!"
+    assert request.outputs[0].token_ids == token_ids
+    assert request.finished and request.outputs[0].finish_reason == "length"
+    assert not processor.has_unfinished()
+
+
+def test_stop_string_across_token_boundaries_is_cut_and_aborted(tokenizer: Tokenizer) -> None:
+    token_ids = tokenizer.encode(TEXT)
+    assert tokenizer.convert_ids_to_tokens(token_ids)[5:8] == ["Ġthe", "ĠEND", "Ġof"]
+    processor = OutputProcessor(tokenizer)
+    request = processor.add_request("r", None, [1], SamplingParams(stop=["never", "e END o"]))
+    steps = _stream(processor, "r", token_ids)
+    completion = request.outputs[0]
+    assert completion.text == "Hello world, this is th"
+    assert (completion.finish_reason, completion.stop_reason) == ("stop", "e END o")
+    assert steps[-1].to_abort == ["r"]
+    assert len(steps) == 8  # processing stopped at the token that completed the stop string
+    # The engine's abort echo does not change the finished completion.
+    processor.process([EngineCoreOutput("r", [], finish_reason="abort")])
+    assert completion.finish_reason == "stop" and completion.text == "Hello world, this is th"
+
+
+def test_earliest_stop_string_wins(tokenizer: Tokenizer) -> None:
+    processor = OutputProcessor(tokenizer)
+    request = processor.add_request("r", None, [1], SamplingParams(stop=["of it", "this"]))
+    _stream(processor, "r", tokenizer.encode(TEXT))
+    assert request.outputs[0].text == "Hello world, "
+    assert request.outputs[0].stop_reason == "this"
+
+
+def test_stop_token_id_is_reported(tokenizer: Tokenizer) -> None:
+    token_ids = tokenizer.encode(TEXT)
+    processor = OutputProcessor(tokenizer)
+    request = processor.add_request("r", None, [1], SamplingParams(stop_token_ids=[token_ids[3]]))
+    _stream(processor, "r", token_ids[:4], finish_reason="stop")
+    assert request.outputs[0].finish_reason == "stop"
+    assert request.outputs[0].stop_reason == token_ids[3]
+
+
+def test_n_completions_are_grouped_in_index_order(tokenizer: Tokenizer) -> None:
+    processor = OutputProcessor(tokenizer)
+    request = processor.add_request("r", None, [1], SamplingParams(n=2))
+    a, b = tokenizer.encode(" yes"), tokenizer.encode(" no")
+    processor.process(
+        [
+            EngineCoreOutput("r#1", b, finish_reason="length", parent_id="r", index=1),
+            EngineCoreOutput("r", a[:1]),
+        ]
+    )
+    assert not request.finished
+    processor.process([EngineCoreOutput("r", a[1:], finish_reason="length")])
+    assert [(c.index, c.text) for c in request.outputs] == [(0, " yes"), (1, " no")]
+    assert request.finished and not processor.has_unfinished()
+
+
+def test_logprobs_are_decoded(tokenizer: Tokenizer) -> None:
+    processor = OutputProcessor(tokenizer)
+    request = processor.add_request("r", None, [1], SamplingParams(logprobs=2))
+    hello, world = tokenizer.encode("Hello world")
+    processor.process(
+        [EngineCoreOutput("r", [hello], [TokenLogprobs(hello, -0.5, (hello, world), (-0.5, -1.5))], "length")]
+    )
+    (entry,) = request.outputs[0].logprobs
+    assert {token_id: (lp.logprob, lp.decoded_token) for token_id, lp in entry.items()} == {
+        hello: (-0.5, "Hello"),
+        world: (-1.5, " world"),
+    }
