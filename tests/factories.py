@@ -101,3 +101,37 @@ def run_to_completion(engine, requests) -> dict[str, list[int]]:  # type: ignore
         for output in engine.step():
             tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
     return tokens
+
+
+def make_scheduler(**overrides: Any):  # type: ignore[no-untyped-def]
+    """A ``Scheduler`` over a real ``KVCacheManager`` with tiny numbers: block_size 4, 32 blocks,
+    a 16-token step budget and at most 8 running requests. Pure Python: no model."""
+    from tokenmill.kv_cache.manager import KVCacheManager
+    from tokenmill.scheduler import Scheduler
+
+    settings: dict[str, Any] = dict(
+        num_blocks=32, block_size=4, enable_prefix_caching=True, max_num_batched_tokens=16, max_num_seqs=8
+    )
+    settings.update(overrides)
+    kv_cache = KVCacheManager(settings["num_blocks"], settings["block_size"], settings["enable_prefix_caching"])
+    return Scheduler(kv_cache, settings["max_num_batched_tokens"], settings["max_num_seqs"])
+
+
+def make_requests(n: int, prompt_len: int = 8, max_tokens: int = 4, **fields: Any) -> list:
+    """``n`` greedy requests with distinct prompts, arriving in order."""
+    from tokenmill.request import Request
+    from tokenmill.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return [
+        Request(
+            request_id=f"r{i}",
+            prompt_token_ids=[100 * (i + 1) + t for t in range(prompt_len)],
+            params=params,
+            eos_token_ids=(),
+            max_model_len=1024,
+            arrival_time=float(i),
+            **fields,
+        )
+        for i in range(n)
+    ]

@@ -81,7 +81,9 @@ def test_front_end_modules_do_not_import_torch() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("markdown", ["README.md", "docs/plugins/guide.md", "docs/tokenizer.md", "docs/sampling.md"])
+@pytest.mark.parametrize(
+    "markdown", ["README.md", "docs/plugins/guide.md", "docs/tokenizer.md", "docs/sampling.md", "docs/engine.md"]
+)
 def test_python_blocks_in_docs_run(markdown: str, smollm2_gguf: Path) -> None:
     blocks = _python_blocks(REPO / markdown)
     assert blocks
