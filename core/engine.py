@@ -86,6 +86,7 @@ class EngineCore:
             arrival_time=message.arrival_time,
             priority=message.priority,
             cache_salt=message.cache_salt,
+            enqueued_at=time.monotonic(),
         )
         if message.params.seed is not None:
             request.stash[_GENERATOR] = torch.Generator(self.loaded.device).manual_seed(message.params.seed)
@@ -142,6 +143,10 @@ class EngineCore:
         if not schedule.scheduled:
             return []
         self.runner.copy_blocks(schedule.block_copies)
+        started = time.monotonic()
+        for scheduled in schedule.scheduled:
+            if scheduled.request.queue_time is None:
+                scheduled.request.queue_time = started - scheduled.request.enqueued_at
         chunks = [self._chunk(s) for s in schedule.scheduled]
         sampling = [i for i, s in enumerate(schedule.scheduled) if s.samples_token]
         # The forward always runs: a step of prompt chunks only samples nothing but writes their K/V.
@@ -238,6 +243,8 @@ class EngineCore:
             parent_id=request.parent_id,
             index=request.index,
             num_cached_tokens=request.num_cached_tokens,
+            # Reported once, with the first token, for the queue-time metric.
+            queue_time=request.queue_time if len(request.output_token_ids) == 1 and token_ids else None,
         )
 
 

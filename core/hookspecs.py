@@ -89,6 +89,20 @@ def tokenmill_register_weight_formats(register: Register) -> None:
 
 
 @hookspec
+def tokenmill_register_routing_policies(register: Register) -> None:
+    """Register routing policies: which engine replica serves a request.
+
+    :param register: ``register(name, import_path)``; the import path names a
+        class implementing ``tokenmill.RoutingPolicy``, built with no arguments.
+    :return: nothing; every implementation is called.
+
+    Called once at start-up in the API front end (which never imports torch, so
+    keep the policy's module free of it). Selected by ``server.router``.
+    Stability: provisional.
+    """
+
+
+@hookspec
 def tokenmill_register_quantizers(register: Register) -> None:
     """Register quantizers: how a linear layer's weights are stored and multiplied.
 

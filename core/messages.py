@@ -22,7 +22,7 @@ class TokenLogprobs(msgspec.Struct, array_like=True, frozen=True, gc=False):
     top_logprobs: tuple[float, ...] = ()
 
 
-class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True, gc=False):
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True, gc=False, tag=True):
     """A new request, sent once from the front end to the engine."""
 
     request_id: str
@@ -44,7 +44,56 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     parent_id: str | None = None  # set on completions 1..n-1 of an n > 1 request
     index: int = 0
     num_cached_tokens: int = 0
+    #: Why the engine refused the request (it is then finished with "abort").
+    error: str | None = None
+    #: Seconds the request waited in the engine before its first step; on its first output only.
+    queue_time: float | None = None
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+class AbortRequests(msgspec.Struct, array_like=True, frozen=True, gc=False, tag=True):
+    """Front end -> engine: finish these requests now (client gone, stop string matched)."""
+
+    request_ids: list[str]
+
+
+class Hello(msgspec.Struct, array_like=True, frozen=True, gc=False, tag=True):
+    """Front end -> engine, first message on a connection: the handshake."""
+
+    protocol_version: int
+
+
+class EngineStatsMessage(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    num_prompt_tokens: int
+    num_generation_tokens: int
+
+
+class Ready(msgspec.Struct, array_like=True, frozen=True, gc=False, tag=True):
+    """Engine -> front end, answering ``Hello``: what the engine serves."""
+
+    protocol_version: int
+    model_path: str
+    max_model_len: int
+    max_num_seqs: int
+    error: str | None = None  # set when the handshake is refused (protocol mismatch)
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    """Engine -> front end, after each step and as a heartbeat when idle."""
+
+    outputs: list[EngineCoreOutput]
+    stats: EngineStatsMessage
+
+
+#: What the front end sends to an engine, and what an engine sends back.
+ToEngine = EngineCoreRequest | AbortRequests | Hello
+FromEngine = EngineCoreOutputs | Ready

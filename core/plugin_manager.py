@@ -32,11 +32,13 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "tokenmill.attention.plugin",
     "tokenmill.weights.plugin",
     "tokenmill.layers.plugin",
+    "tokenmill.routing",
 )
 #: Built-in plugins that ``--disable-plugin`` refuses to disable.
 ESSENTIAL_PLUGINS: tuple[str, ...] = (
     "tokenmill.attention.plugin",
     "tokenmill.layers.plugin",
+    "tokenmill.routing",
 )
 
 
@@ -47,6 +49,7 @@ class Slot(enum.StrEnum):
     ATTENTION_BACKEND = "attention_backend"
     WEIGHT_FORMAT = "weight_format"
     QUANTIZER = "quantizer"
+    ROUTER = "router"
 
 
 #: Which registration hook fills which slot.
@@ -55,6 +58,7 @@ _SLOT_HOOKS: dict[Slot, str] = {
     Slot.ATTENTION_BACKEND: "tokenmill_register_attention_backends",
     Slot.WEIGHT_FORMAT: "tokenmill_register_weight_formats",
     Slot.QUANTIZER: "tokenmill_register_quantizers",
+    Slot.ROUTER: "tokenmill_register_routing_policies",
 }
 
 

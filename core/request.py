@@ -59,6 +59,8 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache at first admission
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
+    enqueued_at: float = 0.0  # engine clock (time.monotonic), when add_request queued it
+    queue_time: float | None = None  # seconds from enqueued_at to its first scheduled step
     #: Plugins and engine-side helpers keep per-request state here, never as new attributes.
     stash: dict[Any, Any] = field(default_factory=dict)
 

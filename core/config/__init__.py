@@ -6,6 +6,7 @@ from tokenmill.config.device import DeviceConfig
 from tokenmill.config.engine import ConfigError, EngineConfig, load_config
 from tokenmill.config.model import ModelConfig
 from tokenmill.config.scheduler import SchedulerConfig
+from tokenmill.config.server import ServerConfig
 
 __all__ = [
     "AttentionConfig",
@@ -15,5 +16,6 @@ __all__ = [
     "EngineConfig",
     "ModelConfig",
     "SchedulerConfig",
+    "ServerConfig",
     "load_config",
 ]

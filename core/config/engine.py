@@ -15,6 +15,7 @@ from tokenmill.config.cache import CacheConfig
 from tokenmill.config.device import DeviceConfig
 from tokenmill.config.model import ModelConfig
 from tokenmill.config.scheduler import SchedulerConfig
+from tokenmill.config.server import ServerConfig
 from tokenmill.errors import TokenmillError
 
 
@@ -29,6 +30,7 @@ class EngineConfig(ConfigSection):
     device: DeviceConfig = msgspec.field(default_factory=DeviceConfig)
     cache: CacheConfig = msgspec.field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
+    server: ServerConfig = msgspec.field(default_factory=ServerConfig)
     attention: AttentionConfig = msgspec.field(default_factory=AttentionConfig)
     disable_plugins: Annotated[
         list[str],

@@ -1,0 +1,44 @@
+"""The API server and the engines behind it."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+
+from tokenmill.config.base import ConfigSection, PositiveInt, describe
+
+
+class ServerConfig(ConfigSection):
+    host: Annotated[str, describe("Address the HTTP server listens on.")] = "127.0.0.1"
+    port: Annotated[Annotated[int, msgspec.Meta(ge=0, le=65535)], describe("HTTP port (0 picks a free one).")] = 8000
+    api_key: Annotated[
+        str | None, describe("When set, requests must send `Authorization: Bearer <key>` (else 401).")
+    ] = None
+    served_model_name: Annotated[
+        str | None, describe("Model name clients use; unset uses the model file or folder name.")
+    ] = None
+    max_waiting: Annotated[
+        Annotated[int, msgspec.Meta(ge=0)],
+        describe("Requests allowed to wait beyond those running; more get 429."),
+    ] = 256
+    data_parallel_size: Annotated[
+        PositiveInt, describe("Engine processes to start on this host, each a full model replica.")
+    ] = 1
+    engines: Annotated[
+        list[str],
+        describe(
+            "Addresses of engines already running (`tokenmill engine --listen ADDR`), e.g. tcp://host:5555; "
+            "when given, no local engine is started.",
+            flag="--engine",
+        ),
+    ] = msgspec.field(default_factory=list)
+    router: Annotated[str, describe("Routing policy plugin that picks an engine per request.")] = "round-robin"
+    drain_timeout: Annotated[
+        Annotated[float, msgspec.Meta(ge=0)],
+        describe("On SIGTERM, seconds to let running requests finish before exiting."),
+    ] = 30.0
+    engine_timeout: Annotated[
+        Annotated[float, msgspec.Meta(gt=0)],
+        describe("Seconds without a heartbeat after which an engine counts as dead (its requests get 503)."),
+    ] = 5.0

@@ -1,0 +1,229 @@
+"""The front end's side of the engines: ZeroMQ clients, local engine processes, routing.
+
+Each ``EngineClient`` talks to one engine over a DEALER socket. A receive task
+routes every ``EngineCoreOutput`` to the queue of the request it belongs to; a
+watchdog marks the engine dead when its process exits or its heartbeats stop,
+and then fails every request still waiting on it with ``EngineDeadError``, so
+no caller hangs. ``EngineGroup`` spreads requests over several engines with a
+routing policy. Runs in the asyncio front end; imports no torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from tokenmill.config import EngineConfig
+from tokenmill.errors import TokenmillError
+from tokenmill.messages import (
+    PROTOCOL_VERSION,
+    AbortRequests,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineStatsMessage,
+    Hello,
+    Ready,
+)
+from tokenmill.routing import EngineState, RoutingPolicy
+from tokenmill.transport.serde import decode_from_engine, encode
+
+logger = logging.getLogger(__name__)
+
+_WATCHDOG_INTERVAL_S = 0.2
+
+
+class EngineDeadError(TokenmillError):
+    """The engine serving a request stopped answering (its process died or its heartbeats stopped)."""
+
+
+@dataclass
+class RequestStream:
+    """Where one request's outputs arrive, in order; an ``EngineDeadError`` ends it early."""
+
+    request_id: str
+    queue: asyncio.Queue[EngineCoreOutput | EngineDeadError]
+    client: EngineClient
+
+
+class EngineClient:
+    def __init__(self, address: str, index: int = 0, process: Any = None, heartbeat_timeout: float = 5.0) -> None:
+        self.address = address
+        self.index = index
+        self.process = process  # a multiprocessing.Process for a local engine, else None
+        self.heartbeat_timeout = heartbeat_timeout
+        self.ready: Ready | None = None
+        self.stats: EngineStatsMessage | None = None
+        self.is_dead = False
+        self.death_reason = ""
+        self._streams: dict[str, RequestStream] = {}
+        self._context = zmq.asyncio.Context.instance()
+        self._socket: zmq.asyncio.Socket | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._last_seen = 0.0
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    async def start(self, timeout: float) -> Ready:
+        """Connect, handshake, and start receiving. Raises ``EngineDeadError`` if no engine answers in time."""
+        socket = self._context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.connect(self.address)
+        self._socket = socket
+        await socket.send(encode(Hello(PROTOCOL_VERSION)))
+        deadline = time.monotonic() + timeout
+        while self.ready is None:
+            if self.process is not None and not self.process.is_alive():
+                code = self.process.exitcode
+                raise EngineDeadError(f"engine at {self.address} exited with code {code} while starting")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise EngineDeadError(f"no engine answered at {self.address} within {timeout:.0f} s")
+            if await socket.poll(min(remaining, 0.5) * 1000):
+                message = decode_from_engine(await socket.recv())
+                if isinstance(message, Ready):
+                    if message.error:
+                        raise EngineDeadError(f"engine at {self.address} refused the handshake: {message.error}")
+                    self.ready = message
+        self._last_seen = time.monotonic()
+        self._tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._watchdog())]
+        return self.ready
+
+    def add_request(self, request: EngineCoreRequest) -> RequestStream:
+        if self.is_dead:
+            raise EngineDeadError(f"engine at {self.address} is down: {self.death_reason}")
+        stream = RequestStream(request.request_id, asyncio.Queue(), self)
+        self._streams[request.request_id] = stream
+        assert self._socket is not None
+        self._socket.send(encode(request))  # zmq.asyncio: queued without waiting
+        return stream
+
+    def abort(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self._streams.pop(request_id, None)
+        if request_ids and not self.is_dead and self._socket is not None:
+            self._socket.send(encode(AbortRequests(request_ids)))
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request's queue."""
+        self._streams.pop(request_id, None)
+
+    async def _receive(self) -> None:
+        assert self._socket is not None
+        while True:
+            message = decode_from_engine(await self._socket.recv())
+            self._last_seen = time.monotonic()
+            if not isinstance(message, EngineCoreOutputs):
+                continue
+            self.stats = message.stats
+            for output in message.outputs:
+                stream = self._streams.get(output.parent_id or output.request_id)
+                if stream is not None:
+                    stream.queue.put_nowait(output)
+
+    async def _watchdog(self) -> None:
+        while not self.is_dead:
+            await asyncio.sleep(_WATCHDOG_INTERVAL_S)
+            if self.process is not None and not self.process.is_alive():
+                self._die(f"engine process exited with code {self.process.exitcode}")
+            elif time.monotonic() - self._last_seen > self.heartbeat_timeout:
+                self._die(f"no heartbeat for {self.heartbeat_timeout:.0f} s")
+
+    def _die(self, reason: str) -> None:
+        self.is_dead = True
+        self.death_reason = reason
+        logger.error("engine %d at %s is down: %s", self.index, self.address, reason)
+        for stream in self._streams.values():
+            stream.queue.put_nowait(EngineDeadError(f"the engine serving this request is down: {reason}"))
+        self._streams.clear()
+
+    def state(self) -> EngineState:
+        stats = self.stats
+        return EngineState(
+            index=self.index,
+            is_healthy=not self.is_dead,
+            num_running=stats.num_running if stats else 0,
+            num_waiting=stats.num_waiting if stats else 0,
+            kv_cache_usage=stats.kv_cache_usage if stats else 0.0,
+            num_in_flight=self.num_in_flight,
+        )
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        if self._socket is not None:
+            self._socket.close()
+        if self.process is not None and self.process.is_alive():
+            self.process.terminate()
+            await asyncio.to_thread(self.process.join, 10)
+            if self.process.is_alive():
+                self.process.kill()
+
+
+class EngineGroup:
+    """Every engine the front end serves from, and the policy that picks one per request."""
+
+    def __init__(self, clients: list[EngineClient], policy: RoutingPolicy) -> None:
+        self.clients = clients
+        self.policy = policy
+
+    @property
+    def is_healthy(self) -> bool:
+        return all(not client.is_dead for client in self.clients)
+
+    @property
+    def max_model_len(self) -> int:
+        return min(client.ready.max_model_len for client in self.clients if client.ready)
+
+    @property
+    def max_num_seqs(self) -> int:
+        return sum(client.ready.max_num_seqs for client in self.clients if client.ready)
+
+    @property
+    def num_in_flight(self) -> int:
+        return sum(client.num_in_flight for client in self.clients)
+
+    def add_request(self, request: EngineCoreRequest) -> RequestStream:
+        states = [client.state() for client in self.clients]
+        if not any(state.is_healthy for state in states):
+            reasons = "; ".join(c.death_reason for c in self.clients)
+            raise EngineDeadError(f"no engine is available: {reasons}")
+        return self.clients[self.policy.select(request, states)].add_request(request)
+
+    async def close(self) -> None:
+        await asyncio.gather(*(client.close() for client in self.clients))
+
+
+def start_local_engines(config: EngineConfig, count: int) -> list[EngineClient]:
+    """Start ``count`` engine processes on ipc:// addresses; returns their (unstarted) clients.
+
+    Processes are spawned, not forked: the child starts a fresh interpreter, so
+    the front end never imports torch and never shares state with the engine.
+    """
+    from tokenmill.engine_process import run_engine_process
+
+    context = multiprocessing.get_context("spawn")
+    socket_dir = tempfile.mkdtemp(prefix="tokenmill-")
+    clients = []
+    for index in range(count):
+        address = f"ipc://{os.path.join(socket_dir, f'engine-{index}.sock')}"
+        process = context.Process(
+            target=run_engine_process,
+            args=(config.to_dict(), address, True),
+            name=f"tokenmill-engine-{index}",
+            daemon=True,
+        )
+        process.start()
+        clients.append(EngineClient(address, index, process, config.server.engine_timeout))
+    return clients
