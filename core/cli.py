@@ -14,6 +14,7 @@ from typing import Any
 import click
 
 from tokenmill import __version__, envs
+from tokenmill.bench.cli import bench
 from tokenmill.config import EngineConfig
 from tokenmill.config.options import config_options
 from tokenmill.errors import TokenmillError
@@ -103,6 +104,43 @@ def generate(config: EngineConfig, input_path: Path, output_path: Path, no_progr
         f"{summary.num_skipped} already in {output_path}",
         err=True,
     )
+
+
+@main.command()
+@click.argument("model_argument", metavar="[MODEL]", required=False)
+@config_options
+def serve(config: EngineConfig) -> None:
+    """Serve MODEL (or the config's model) over an OpenAI-compatible HTTP API."""
+    from tokenmill.server.serve import run_server
+
+    raise SystemExit(run_server(config))
+
+
+@main.command()
+@click.option("--listen", required=True, help="Address to serve, e.g. tcp://0.0.0.0:5555 or ipc:///tmp/engine.sock.")
+@click.argument("model_argument", metavar="[MODEL]", required=False)
+@config_options
+def engine(config: EngineConfig, listen: str) -> None:
+    """Run one engine process on LISTEN, for `tokenmill serve --engine LISTEN` on another host."""
+    from tokenmill.engine_process import run_engine_process
+
+    run_engine_process(config.to_dict(), listen)
+
+
+@main.command()
+@click.option("--url", help="A running server (http://HOST:PORT); without it, the model runs in this process.")
+@click.option("--system", help="System prompt.")
+@click.option("--max-tokens", default=512, show_default=True, help="Most tokens per reply.")
+@click.option("--temperature", default=0.7, show_default=True, help="Sampling temperature.")
+@config_options
+def chat(config: EngineConfig, url: str | None, system: str | None, max_tokens: int, temperature: float) -> None:
+    """Talk to the model in the terminal. /reset starts over; /exit (or Ctrl-D) quits."""
+    from tokenmill.chat import run_chat
+
+    run_chat(config, url, system, max_tokens, temperature)
+
+
+main.add_command(bench)
 
 
 if __name__ == "__main__":

@@ -92,6 +92,7 @@ class _EngineServer:
         self.socket = socket
         self.clients: set[bytes] = set()
         self.owners: dict[str, bytes] = {}
+        self.num_unfinished: dict[str, int] = {}  # completions of each request still running (n of them)
         self.last_sent = 0.0
 
     def receive(self, timeout_ms: int) -> None:
@@ -130,6 +131,7 @@ class _EngineServer:
                 self._send(identity, [refusal])
                 return
             self.owners[message.request_id] = identity
+            self.num_unfinished[message.request_id] = message.params.n
         elif isinstance(message, AbortRequests):
             self.send_outputs(self.engine.abort_requests(message.request_ids))
 
@@ -141,8 +143,10 @@ class _EngineServer:
             if identity is None:
                 continue
             by_client.setdefault(identity, []).append(output)
-            if output.finished and output.parent_id is None:
-                self.owners.pop(root, None)
+            if output.finished:
+                self.num_unfinished[root] -= 1
+                if self.num_unfinished[root] <= 0:  # the last of its n completions
+                    del self.owners[root], self.num_unfinished[root]
         for identity, client_outputs in by_client.items():
             self._send(identity, client_outputs)
 

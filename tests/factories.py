@@ -48,14 +48,14 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def make_hf_model(name: str, seed: int = 0) -> torch.nn.Module:
+def make_hf_model(name: str, seed: int = 0, **config_overrides: Any) -> torch.nn.Module:
     """A transformers model for ``TINY_CONFIGS[name]``, float32, eval mode, every parameter perturbed."""
     import transformers
 
     config_class_name, overrides = TINY_CONFIGS[name]
     config_class = getattr(transformers, config_class_name)
     architecture = config_class_name.replace("Config", "ForCausalLM")
-    config = config_class(**{**_BASE, **overrides}, architectures=[architecture])
+    config = config_class(**{**_BASE, **overrides, **config_overrides}, architectures=[architecture])
     torch.manual_seed(seed)
     model = getattr(transformers, architecture)._from_config(config, attn_implementation="eager")
     with torch.no_grad():
@@ -69,9 +69,11 @@ def make_hf_model(name: str, seed: int = 0) -> torch.nn.Module:
     return model.float().eval()
 
 
-def save_hf_model(name: str, directory: Path, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+def save_hf_model(
+    name: str, directory: Path, seed: int = 0, dtype: torch.dtype = torch.float32, **config_overrides: Any
+) -> torch.nn.Module:
     """Build ``name`` and save it as a Hugging Face directory (safetensors); returns the model."""
-    model = make_hf_model(name, seed)
+    model = make_hf_model(name, seed, **config_overrides)
     model.to(dtype).save_pretrained(directory)
     return model.float()
 

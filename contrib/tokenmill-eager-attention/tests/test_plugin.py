@@ -3,10 +3,11 @@
 import subprocess
 
 import torch
+from tokenmill_eager_attention.backend import EagerAttentionBackend
+
 from tokenmill import AttentionLayerSpec
 from tokenmill.attention.torch_backend import TorchAttentionBackend
 from tokenmill.model_runner import SequenceChunk, build_batch
-from tokenmill_eager_attention.backend import EagerAttentionBackend
 
 
 def test_listed_by_tokenmill_plugins():

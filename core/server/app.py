@@ -1,0 +1,414 @@
+"""The OpenAI-compatible HTTP API (Starlette, run by uvicorn).
+
+A request is validated and tokenized here, sent to an engine chosen by the
+routing policy, and its token deltas are turned into text (incremental
+detokenization, stop strings) beside the tokenizer. Errors are OpenAI-shaped
+JSON. A client that goes away aborts its request in the engine, which frees
+its KV blocks. Imports no torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from tokenmill import __version__
+from tokenmill.config import EngineConfig
+from tokenmill.engine_client import EngineDeadError, EngineGroup, RequestStream
+from tokenmill.messages import EngineCoreOutput, EngineCoreRequest
+from tokenmill.output_processor import OutputProcessor
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.server import protocol
+from tokenmill.server.metrics import ServerMetrics
+from tokenmill.server.protocol import ProtocolError
+from tokenmill.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ServerState:
+    config: EngineConfig
+    group: EngineGroup
+    tokenizer: Tokenizer
+    model_name: str
+    metrics: ServerMetrics
+    created: int = field(default_factory=lambda: int(time.time()))
+    is_draining: bool = False
+
+
+class _ClosingStreamingResponse(StreamingResponse):
+    """Closes its generator however the response ends. When a client disconnects, Starlette
+    just stops iterating; closing runs the generators' ``finally`` now (aborting the request and
+    freeing its KV blocks) instead of whenever the garbage collector finalises them."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[union-attr]
+
+
+def _error(exc: ProtocolError) -> JSONResponse:
+    return Response(
+        protocol.error_body(exc.status, exc.message, exc.type, exc.param, exc.code),
+        status_code=exc.status,
+        media_type="application/json",
+    )  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class _Delta:
+    index: int
+    text: str
+    text_offset: int  # where ``text`` starts in the completion
+    token_ids: list[int]
+    logprobs: list[Any] | None
+    finish_reason: str | None
+
+
+@dataclass
+class _Generation:
+    """One request in flight: its engine stream and the text built from it."""
+
+    request_id: str
+    stream: RequestStream
+    processor: OutputProcessor
+    output: RequestOutput
+    params: SamplingParams
+    arrival: float
+    last_token_at: dict[int, float] = field(default_factory=dict)
+    num_tokens: int = 0
+
+
+def _delta(completion: Any, sent_text: dict[int, int], sent_tokens: dict[int, int], holdback: int) -> _Delta | None:
+    """What of ``completion`` is new since the last delta (None if nothing), and mark it sent."""
+    index = completion.index
+    text_start, token_start = sent_text.get(index, 0), sent_tokens.get(index, 0)
+    text_end = len(completion.text) if completion.finished else max(text_start, len(completion.text) - holdback)
+    token_ids = completion.token_ids[token_start:]
+    logprobs = completion.logprobs[token_start:] if completion.logprobs is not None else None
+    reason = completion.finish_reason if completion.finished else None
+    if text_end == text_start and not token_ids and reason is None:
+        return None
+    sent_text[index], sent_tokens[index] = text_end, len(completion.token_ids)
+    return _Delta(index, completion.text[text_start:text_end], text_start, token_ids, logprobs, reason)
+
+
+class OpenAIServer:
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _check_auth(self, request: Request) -> None:
+        key = self.state.config.server.api_key
+        if key is not None and request.headers.get("authorization") != f"Bearer {key}":
+            raise ProtocolError(
+                401, "Incorrect API key provided.", type="invalid_request_error", code="invalid_api_key"
+            )
+
+    def _check_model(self, model: str) -> None:
+        if model != self.state.model_name:
+            raise protocol.model_not_found(model)
+
+    def _check_capacity(self) -> None:
+        if self.state.is_draining:
+            raise ProtocolError(503, "The server is shutting down.", type="server_error", code="shutting_down")
+        if not self.state.group.is_healthy:
+            raise ProtocolError(503, "The engine is unavailable.", type="server_error", code="engine_unavailable")
+        group = self.state.group
+        if group.num_in_flight >= group.max_num_seqs + self.state.config.server.max_waiting:
+            raise ProtocolError(
+                429, "The server is at capacity; retry later.", type="rate_limit_error", code="queue_full"
+            )
+
+    def _start(self, prompt_token_ids: list[int], prompt: str | None, params: SamplingParams, priority: int,
+               prefix: str) -> _Generation:  # fmt: skip
+        self._check_capacity()
+        vocab_size = self.state.tokenizer.vocab_size
+        if any(not 0 <= t < vocab_size for t in prompt_token_ids):
+            raise ProtocolError(400, f"prompt token ids must be in [0, {vocab_size})", param="prompt")
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        arrival = time.monotonic()
+        message = EngineCoreRequest(
+            request_id, prompt_token_ids, params, list(self.state.tokenizer.eos_token_ids), arrival, priority
+        )
+        try:
+            stream = self.state.group.add_request(message)
+        except EngineDeadError as exc:
+            raise ProtocolError(503, str(exc), type="server_error", code="engine_unavailable") from None
+        processor = OutputProcessor(self.state.tokenizer)
+        output = processor.add_request(request_id, prompt, prompt_token_ids, params)
+        return _Generation(request_id, stream, processor, output, params, arrival)
+
+    async def _updates(self, generation: _Generation) -> AsyncIterator[RequestOutput]:
+        """Yield the request's output after every engine delta until it finishes.
+
+        Raises ``ProtocolError`` 503 if the engine dies and 400 if the engine refused the request.
+        """
+        metrics = self.state.metrics
+        client = generation.stream.client
+        try:
+            while True:
+                item = await generation.stream.queue.get()
+                if isinstance(item, EngineDeadError):
+                    metrics.requests_finished.labels(metrics.model, "failed").inc()
+                    raise ProtocolError(503, str(item), type="server_error", code="engine_unavailable")
+                if item.error is not None:
+                    raise ProtocolError(400, item.error)
+                self._observe(generation, item)
+                step = generation.processor.process([item])
+                if step.to_abort:
+                    client.abort(step.to_abort)
+                yield generation.output
+                if generation.output.finished:
+                    self._observe_finished(generation)
+                    return
+        finally:
+            if not generation.output.finished and not client.is_dead:
+                # The client went away (or the handler failed): stop generating and free the blocks.
+                ids = [generation.request_id] + [f"{generation.request_id}#{i}" for i in range(1, generation.params.n)]
+                client.abort(ids)
+                metrics.requests_finished.labels(metrics.model, "aborted").inc()
+            client.release(generation.request_id)
+
+    def _observe(self, generation: _Generation, output: EngineCoreOutput) -> None:
+        metrics = self.state.metrics
+        if output.queue_time is not None:
+            metrics.queue_time.labels(metrics.model).observe(output.queue_time)
+        if output.new_token_ids:
+            now = time.monotonic()
+            metrics.observe_token(now, generation.arrival, generation.last_token_at.get(output.index))
+            generation.last_token_at[output.index] = now
+            generation.num_tokens += len(output.new_token_ids)
+
+    def _observe_finished(self, generation: _Generation) -> None:
+        reasons = {c.finish_reason for c in generation.output.outputs}
+        reason = "stop" if "stop" in reasons else "length" if "length" in reasons else "aborted"
+        self.state.metrics.observe_finished(
+            reason, generation.arrival, time.monotonic(), len(generation.output.prompt_token_ids),
+            generation.num_tokens,
+        )  # fmt: skip
+
+    async def _until_finished(self, request: Request, generation: _Generation) -> RequestOutput:
+        """Consume the whole generation, aborting it if the client disconnects meanwhile."""
+
+        async def consume() -> RequestOutput:
+            async with aclosing(self._updates(generation)) as updates:
+                async for output in updates:
+                    last = output
+            return last
+
+        async def disconnected() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        consumer = asyncio.create_task(consume())
+        watcher = asyncio.create_task(disconnected())
+        done, _ = await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if consumer not in done:
+            consumer.cancel()  # runs _updates' finally: the request is aborted in the engine
+            await asyncio.gather(consumer, return_exceptions=True)
+            raise ProtocolError(499, "client disconnected")
+        watcher.cancel()
+        return consumer.result()
+
+    # ------------------------------------------------------------------ endpoints
+
+    async def completions(self, request: Request) -> Response:
+        try:
+            self._check_auth(request)
+            body = protocol.decode_completion_request(await request.body())
+            self._check_model(body.model)
+            prompt = protocol.completion_prompt(body)
+            if isinstance(prompt, str):
+                prompt_text: str | None = prompt
+                token_ids = self.state.tokenizer.encode(prompt)
+            else:
+                prompt_text, token_ids = None, list(prompt)
+            params = protocol.to_sampling_params(body, len(token_ids), self.state.group.max_model_len)
+            generation = self._start(token_ids, prompt_text, params, body.priority, "cmpl")
+            if body.stream:
+                include_usage = bool(body.stream_options and body.stream_options.include_usage)
+                return _ClosingStreamingResponse(
+                    self._stream_completion(generation, include_usage, body.logprobs), media_type="text/event-stream"
+                )
+            output = await self._until_finished(request, generation)
+            return JSONResponse(
+                protocol.completion_response(
+                    generation.request_id,
+                    self.state.model_name,
+                    self.state.created,
+                    output,
+                    len(token_ids),
+                    self._decode_token,
+                    num_top_logprobs=body.logprobs,
+                )  # fmt: skip
+            )
+        except ProtocolError as exc:
+            return _error(exc)
+
+    async def chat_completions(self, request: Request) -> Response:
+        try:
+            self._check_auth(request)
+            body = protocol.decode_chat_request(await request.body())
+            self._check_model(body.model)
+            messages = protocol.chat_messages(body)
+            try:
+                prompt_text = self.state.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            except ValueError as exc:
+                raise ProtocolError(400, str(exc).splitlines()[0], param="messages") from None
+            assert isinstance(prompt_text, str)
+            token_ids = self.state.tokenizer.encode(prompt_text, add_special_tokens=False)
+            params = protocol.to_sampling_params(body, len(token_ids), self.state.group.max_model_len)
+            generation = self._start(token_ids, prompt_text, params, body.priority, "chatcmpl")
+            top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
+            if body.stream:
+                include_usage = bool(body.stream_options and body.stream_options.include_usage)
+                return _ClosingStreamingResponse(
+                    self._stream_chat(generation, include_usage, top_logprobs), media_type="text/event-stream"
+                )
+            output = await self._until_finished(request, generation)
+            return JSONResponse(
+                protocol.chat_response(
+                    generation.request_id,
+                    self.state.model_name,
+                    self.state.created,
+                    output,
+                    len(token_ids),
+                    self._decode_token,
+                    num_top_logprobs=top_logprobs,
+                )  # fmt: skip
+            )
+        except ProtocolError as exc:
+            return _error(exc)
+
+    def _decode_token(self, token_id: int) -> str:
+        return self.state.tokenizer.decode([token_id])
+
+    async def _stream_text(self, generation: _Generation) -> AsyncIterator[_Delta]:
+        """Per completion, the text that became final since the last delta, with its tokens.
+
+        Text that could be the start of a stop string is held back until it is known not to be one.
+        Token ids and logprobs are sent as they arrive.
+        """
+        holdback = max((len(s) for s in generation.params.stop), default=1) - 1
+        sent_text: dict[int, int] = {}
+        sent_tokens: dict[int, int] = {}
+        done: set[int] = set()
+        async with aclosing(self._updates(generation)) as updates:
+            async for output in updates:
+                for completion in output.outputs:
+                    if completion.index in done:
+                        continue
+                    delta = _delta(completion, sent_text, sent_tokens, holdback)
+                    if delta is not None:
+                        yield delta
+                    if completion.finished:
+                        done.add(completion.index)
+
+    async def _stream_completion(
+        self, generation: _Generation, include_usage: bool, num_top_logprobs: int | None
+    ) -> AsyncIterator[bytes]:
+        model, created = self.state.model_name, self.state.created
+        try:
+            async with aclosing(self._stream_text(generation)) as deltas:
+                async for delta in deltas:
+                    logprobs = None
+                    if delta.logprobs is not None:
+                        logprobs = protocol.completion_logprobs(
+                            delta.token_ids, delta.logprobs, text_offset=delta.text_offset,
+                            num_top_logprobs=num_top_logprobs, tokenizer_decode=self._decode_token,
+                        )  # fmt: skip
+                    chunk = protocol.completion_chunk(
+                        generation.request_id, model, created, delta.index, delta.text, delta.finish_reason, logprobs
+                    )
+                    yield protocol.sse_event(chunk)
+            if include_usage:
+                yield protocol.sse_event(self._usage_chunk(generation, "text_completion"))
+        except ProtocolError as exc:
+            yield protocol.sse_event(protocol.error_dict(exc.status, exc.message, exc.type, exc.param, exc.code))
+        yield protocol.SSE_DONE
+
+    async def _stream_chat(
+        self, generation: _Generation, include_usage: bool, num_top_logprobs: int | None
+    ) -> AsyncIterator[bytes]:
+        model, created, request_id = self.state.model_name, self.state.created, generation.request_id
+        try:
+            for index in range(generation.params.n):
+                role = {"role": "assistant", "content": ""}
+                yield protocol.sse_event(protocol.chat_chunk(request_id, model, created, index, role))
+            async with aclosing(self._stream_text(generation)) as deltas:
+                async for delta in deltas:
+                    if delta.text or delta.token_ids:
+                        logprobs = None
+                        if delta.logprobs is not None:
+                            logprobs = protocol.chat_logprobs(
+                                delta.token_ids, delta.logprobs, num_top_logprobs=num_top_logprobs,
+                                tokenizer_decode=self._decode_token,
+                            )  # fmt: skip
+                        content = {"content": delta.text}
+                        chunk = protocol.chat_chunk(request_id, model, created, delta.index, content, None, logprobs)
+                        yield protocol.sse_event(chunk)
+                    if delta.finish_reason is not None:
+                        chunk = protocol.chat_chunk(request_id, model, created, delta.index, {}, delta.finish_reason)
+                        yield protocol.sse_event(chunk)
+            if include_usage:
+                yield protocol.sse_event(self._usage_chunk(generation, "chat.completion.chunk"))
+        except ProtocolError as exc:
+            yield protocol.sse_event(protocol.error_dict(exc.status, exc.message, exc.type, exc.param, exc.code))
+        yield protocol.SSE_DONE
+
+    def _usage_chunk(self, generation: _Generation, kind: str) -> dict[str, Any]:
+        prompt_tokens = len(generation.output.prompt_token_ids)
+        completion_tokens = sum(len(c.token_ids) for c in generation.output.outputs)
+        return protocol.usage_chunk(
+            generation.request_id, self.state.model_name, self.state.created, kind, prompt_tokens, completion_tokens
+        )
+
+    async def models(self, request: Request) -> Response:
+        try:
+            self._check_auth(request)
+        except ProtocolError as exc:
+            return _error(exc)
+        return JSONResponse(protocol.models_response([self.state.model_name], self.state.created))
+
+    async def health(self, request: Request) -> Response:
+        if self.state.group.is_healthy and not self.state.is_draining:
+            return JSONResponse({"status": "ok"})
+        reasons = [c.death_reason for c in self.state.group.clients if c.is_dead]
+        status = "draining" if self.state.is_draining else "engine down"
+        return JSONResponse({"status": status, "reasons": reasons}, status_code=503)
+
+    async def version(self, request: Request) -> Response:
+        return JSONResponse({"version": __version__})
+
+    async def metrics(self, request: Request) -> Response:
+        return Response(generate_latest(self.state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def build_app(state: ServerState) -> Starlette:
+    server = OpenAIServer(state)
+    routes = [
+        Route("/v1/completions", server.completions, methods=["POST"]),
+        Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
+        Route("/v1/models", server.models, methods=["GET"]),
+        Route("/health", server.health, methods=["GET"]),
+        Route("/version", server.version, methods=["GET"]),
+        Route("/metrics", server.metrics, methods=["GET"]),
+    ]
+    return Starlette(routes=routes)

@@ -1,0 +1,516 @@
+"""The OpenAI-compatible wire format: request schemas, their mapping to SamplingParams, response builders.
+
+Pure functions and msgspec structs, with no I/O and no web framework, so the
+HTTP layer stays thin and all of this is tested without a server. Never
+imports torch: the API front end starts without it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from collections.abc import Callable
+from typing import Any, Literal, TypeVar, cast
+
+import msgspec
+
+from tokenmill.outputs import Logprob, RequestOutput
+from tokenmill.sampling_params import InvalidRequestError, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+MAX_N = 128  # OpenAI's limit; each choice is a sequence in the batch
+MAX_STOP_SEQUENCES = 16  # OpenAI allows 4; more is cheap for us
+MAX_COMPLETION_LOGPROBS = 5  # /v1/completions `logprobs`, as OpenAI
+MAX_TOP_LOGPROBS = 20  # /v1/chat/completions `top_logprobs`, as OpenAI
+_MIN_LOGPROB = -9999.0  # JSON has no -inf, and clients expect a number (vLLM does the same)
+
+# status -> (type, code) when the caller gives none; OpenAI reports 401 and 404 as invalid requests.
+_ERROR_DEFAULTS: dict[int, tuple[str, str | None]] = {
+    400: ("invalid_request_error", None),
+    401: ("invalid_request_error", "invalid_api_key"),
+    404: ("invalid_request_error", "model_not_found"),
+    429: ("rate_limit_error", "rate_limit_exceeded"),
+}
+
+_T = TypeVar("_T")
+
+
+# ---------------------------------------------------------------- errors
+
+
+def _error_defaults(status: int) -> tuple[str, str | None]:
+    return _ERROR_DEFAULTS.get(status, ("server_error" if status >= 500 else "invalid_request_error", None))
+
+
+def error_dict(
+    status: int, message: str, type: str | None = None, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    """OpenAI's error object, ``{"error": {"message", "type", "param", "code"}}``; a stream sends it as an event."""
+    default_type, default_code = _error_defaults(status)
+    return {"error": {"message": message, "type": type or default_type, "param": param, "code": code or default_code}}
+
+
+def error_body(
+    status: int, message: str, type: str | None = None, param: str | None = None, code: str | None = None
+) -> bytes:
+    """error_dict() as the JSON body of an HTTP error response."""
+    return msgspec.json.encode(error_dict(status, message, type, param, code))
+
+
+class ProtocolError(Exception):
+    """A request the API answers with an error; the server sends ``body()`` with ``status``."""
+
+    def __init__(
+        self, status: int, message: str, *, type: str | None = None, param: str | None = None, code: str | None = None
+    ) -> None:
+        super().__init__(message)
+        default_type, default_code = _error_defaults(status)
+        self.status = status
+        self.message = message
+        self.type = type or default_type
+        self.param = param
+        self.code = code or default_code
+
+    def body(self) -> bytes:
+        """This error as the JSON body of the HTTP response."""
+        return error_body(self.status, self.message, self.type, self.param, self.code)
+
+
+def model_not_found(model: str) -> ProtocolError:
+    """The 404 OpenAI sends for a model it does not serve, in its words."""
+    return ProtocolError(404, f"The model `{model}` does not exist or you do not have access to it.", param="model")
+
+
+def _bad(param: str, message: str) -> ProtocolError:
+    return ProtocolError(400, message, param=param)
+
+
+def _unsupported(param: str) -> ProtocolError:
+    return _bad(param, f"{param} is not supported")
+
+
+# ---------------------------------------------------------------- requests
+
+
+class StreamOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    include_usage: bool = False
+    """Send one last chunk with ``usage`` and no choices before ``[DONE]``."""
+
+
+class _RequestBase(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Fields both endpoints share. ``null`` for an optional field means its default, as OpenAI treats it."""
+
+    model: str
+    temperature: float | None = 1.0
+    top_p: float | None = 1.0
+    n: int | None = 1
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    seed: int | None = None
+    user: str | None = None  # accepted and ignored
+    logit_bias: dict[str, float] | None = None  # only None or {}
+    # tokenmill/vLLM extensions
+    top_k: int | None = 0
+    min_p: float | None = 0.0
+    repetition_penalty: float | None = 1.0
+    ignore_eos: bool | None = False
+    min_tokens: int | None = 0
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = True
+    priority: int = 0
+    """Scheduling priority; the server passes it to the engine beside the SamplingParams."""
+
+
+class CompletionRequest(_RequestBase, kw_only=True, forbid_unknown_fields=True):
+    """The body of ``POST /v1/completions``."""
+
+    # One type for four shapes: msgspec allows one array type per union; completion_prompt() sorts them out.
+    prompt: str | list[str | int | list[int]]
+    max_tokens: int | None = 16  # null: up to the context window
+    logprobs: int | None = None
+    echo: bool | None = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ContentPart(msgspec.Struct, kw_only=True):
+    # Unknown fields allowed, so an image part decodes and gets a clear "text only" error.
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    refusal: str | None = None  # the openai client echoes assistant messages back with it
+
+
+class ChatCompletionRequest(_RequestBase, kw_only=True, forbid_unknown_fields=True):
+    """The body of ``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage]
+    max_tokens: int | None = None  # both None: up to the context window
+    max_completion_tokens: int | None = None  # wins over max_tokens
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    response_format: Any = None  # the three below: only null
+    tools: Any = None
+    tool_choice: Any = None
+
+
+_AT = re.compile(r"^(?P<detail>.*?)(?: - at `\$(?P<path>[^`]*)`)?$")
+_FIELD = re.compile(r"field `(?P<name>[^`]+)`")
+
+
+def _decode(body: bytes, type_: type[_T]) -> _T:
+    try:
+        return msgspec.json.decode(body, type=type_)
+    except msgspec.ValidationError as exc:
+        raise _validation_error(str(exc)) from None
+    except msgspec.DecodeError as exc:  # after ValidationError, its subclass
+        raise ProtocolError(400, f"request body is not valid JSON: {exc}") from None
+
+
+def _validation_error(text: str) -> ProtocolError:
+    """One line naming the parameter from msgspec's "Expected `float`, got `str` - at `$.temperature`"."""
+    match = _AT.match(text)
+    assert match is not None  # every string matches: the location part is optional
+    # Every optional field also takes null; naming that in "Expected `float | null`" only distracts.
+    detail, path = match["detail"].replace(" | null`", "`"), (match["path"] or "").lstrip(".")
+    field = _FIELD.search(detail)
+    if field is not None:
+        param = f"{path}.{field['name']}" if path else field["name"]
+        if detail.startswith("Object contains unknown field"):
+            return _bad(param, f"unrecognized request argument supplied: {param}")
+        if detail.startswith("Object missing required field"):
+            return _bad(param, f"missing required parameter: '{param}'")
+    if not path:
+        return ProtocolError(400, f"request body must be a JSON object: {detail}")
+    return _bad(path, f"invalid value for '{path}': {detail}")
+
+
+def decode_completion_request(body: bytes) -> CompletionRequest:
+    """Decode and check a ``/v1/completions`` body; raises ProtocolError (400) naming the bad parameter."""
+    request = _decode(body, CompletionRequest)
+    # From here on a string or a list of token ids (a list is invariant, hence the ignore).
+    request.prompt = completion_prompt(request)  # type: ignore[assignment]
+    if request.echo:
+        raise _unsupported("echo")
+    if request.suffix is not None:
+        raise _unsupported("suffix")
+    if request.best_of is not None and request.best_of != (request.n or 1):
+        raise _bad("best_of", "best_of is not supported: leave it out or set it equal to n")
+    if request.logprobs is not None and not 0 <= request.logprobs <= MAX_COMPLETION_LOGPROBS:
+        raise _bad("logprobs", f"logprobs={request.logprobs} is invalid: must be from 0 to {MAX_COMPLETION_LOGPROBS}")
+    _check_common(request)
+    return request
+
+
+def decode_chat_request(body: bytes) -> ChatCompletionRequest:
+    """Decode and check a ``/v1/chat/completions`` body; raises ProtocolError (400) naming the bad parameter."""
+    request = _decode(body, ChatCompletionRequest)
+    for name in ("response_format", "tools", "tool_choice"):
+        if getattr(request, name) is not None:
+            raise _unsupported(name)
+    if not request.messages:
+        raise _bad("messages", "messages must contain at least one message")
+    for i, message in enumerate(request.messages):
+        for j, part in enumerate(message.content if isinstance(message.content, list) else []):
+            if part.type != "text" or part.text is None:
+                param = f"messages[{i}].content[{j}]"
+                raise _bad(param, f"only text content is supported ({param} has type {part.type!r})")
+    if request.top_logprobs is not None:
+        if not request.logprobs:
+            raise _bad("top_logprobs", "top_logprobs requires logprobs to be true")
+        if not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise _bad(
+                "top_logprobs", f"top_logprobs={request.top_logprobs} is invalid: must be from 0 to {MAX_TOP_LOGPROBS}"
+            )
+    _check_common(request)
+    return request
+
+
+def _check_common(request: CompletionRequest | ChatCompletionRequest) -> None:
+    if request.stream_options is not None and not request.stream:
+        raise _bad("stream_options", "stream_options is only allowed when stream is true")
+    if request.logit_bias:
+        raise _unsupported("logit_bias")
+    if isinstance(request.stop, list) and len(request.stop) > MAX_STOP_SEQUENCES:
+        raise _bad("stop", f"stop has {len(request.stop)} sequences: at most {MAX_STOP_SEQUENCES} are allowed")
+    if request.n is not None and request.n > MAX_N:
+        raise _bad("n", f"n={request.n} is invalid: must be from 1 to {MAX_N}")
+    max_tokens = _requested_max_tokens(request)
+    if max_tokens is not None and max_tokens < 1:
+        uses_new_name = isinstance(request, ChatCompletionRequest) and request.max_completion_tokens is not None
+        name = "max_completion_tokens" if uses_new_name else "max_tokens"
+        raise _bad(name, f"{name}={max_tokens} is invalid: must be at least 1")
+    _sampling_params(request, max_tokens)  # the ranges SamplingParams checks, before any tokenizing
+
+
+def completion_prompt(request: CompletionRequest) -> str | list[int]:
+    """The request's one prompt: text, or token ids. Several prompts (OpenAI's batch form) are a 400.
+
+    decode_completion_request() already stores the result back in ``request.prompt``.
+    """
+    prompt = request.prompt
+    if isinstance(prompt, str):
+        return prompt
+    if prompt and all(isinstance(item, int) for item in prompt):
+        prompt = [cast(list[int], prompt)]  # one prompt given as token ids
+    if not prompt or not (all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt)):
+        raise _bad("prompt", "prompt must be a string, a list of token ids, or a list holding one of either")
+    if len(prompt) > 1:
+        raise _bad("prompt", "only one prompt per request is supported")
+    one = cast(str | list[int], prompt[0])
+    if isinstance(one, list) and (not one or min(one) < 0):
+        raise _bad("prompt", "a token id prompt must be a non-empty list of ids >= 0")
+    return one
+
+
+def chat_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """The conversation as plain dicts for the chat template; content parts joined with newlines (as vLLM)."""
+    messages = []
+    for message in request.messages:
+        content = message.content
+        if isinstance(content, list):
+            content = "\n".join(part.text or "" for part in content)
+        # Chat templates know "system"; OpenAI's "developer" is its newer name.
+        role = "system" if message.role == "developer" else message.role
+        entry: dict[str, Any] = {"role": role, "content": content or ""}
+        for key in ("name", "tool_calls", "tool_call_id"):
+            if getattr(message, key) is not None:
+                entry[key] = getattr(message, key)
+        messages.append(entry)
+    return messages
+
+
+def _requested_max_tokens(request: CompletionRequest | ChatCompletionRequest) -> int | None:
+    if isinstance(request, ChatCompletionRequest) and request.max_completion_tokens is not None:
+        return request.max_completion_tokens
+    return request.max_tokens
+
+
+# Request fields SamplingParams takes under the same name and meaning.
+_PASSTHROUGH = (
+    "n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+    "seed", "min_tokens", "stop_token_ids", "ignore_eos", "skip_special_tokens",
+)  # fmt: skip
+
+
+def _sampling_params(request: CompletionRequest | ChatCompletionRequest, max_tokens: int | None) -> SamplingParams:
+    fields = {name: getattr(request, name) for name in _PASSTHROUGH}
+    fields["stop"] = [request.stop] if isinstance(request.stop, str) else request.stop
+    if isinstance(request, ChatCompletionRequest):
+        fields["logprobs"] = (request.top_logprobs or 0) if request.logprobs else None
+    else:
+        fields["logprobs"] = request.logprobs
+    try:
+        # A null field takes SamplingParams' default, which is also OpenAI's.
+        return SamplingParams(max_tokens=max_tokens, **{k: v for k, v in fields.items() if v is not None})
+    except InvalidRequestError as exc:
+        param = str(exc).split("=", 1)[0]  # its messages start with "name=value is invalid"
+        if param == "logprobs" and isinstance(request, ChatCompletionRequest):
+            param = "top_logprobs"
+        raise _bad(param, str(exc)) from None
+
+
+def to_sampling_params(
+    request: CompletionRequest | ChatCompletionRequest, prompt_len: int, max_model_len: int
+) -> SamplingParams:
+    """Map a decoded request onto SamplingParams once its prompt is tokenized.
+
+    A missing ``max_tokens`` becomes the rest of the context window. A prompt
+    plus ``max_tokens`` over ``max_model_len`` is a 400 with OpenAI's wording
+    and code ``context_length_exceeded``; so are out-of-range values.
+    """
+    is_chat = isinstance(request, ChatCompletionRequest)
+    where = "messages" if is_chat else "prompt"
+    limit = f"This model's maximum context length is {max_model_len} tokens."
+    max_tokens = _requested_max_tokens(request)
+    if max_tokens is None:
+        max_tokens = max_model_len - prompt_len
+        if max_tokens < 1:  # nothing left to generate into
+            message = (
+                f"{limit} However, your {where} resulted in {prompt_len} tokens. "
+                f"Please reduce the length of the {where}."
+            )
+            raise ProtocolError(400, message, param=where, code="context_length_exceeded")
+    elif prompt_len + max_tokens > max_model_len:
+        message = (
+            f"{limit} However, you requested {prompt_len + max_tokens} tokens ({prompt_len} in the {where}, "
+            f"{max_tokens} for the completion). Please reduce the length of the {where} or completion."
+        )
+        param = "messages" if is_chat else "max_tokens"
+        raise ProtocolError(400, message, param=param, code="context_length_exceeded")
+    return _sampling_params(request, max_tokens)
+
+
+# ---------------------------------------------------------------- responses
+
+
+def _finish_reason(reason: str | None) -> str | None:
+    # "abort" is not an OpenAI finish reason: an aborted request gets an error, never a normal ending.
+    if reason == "abort":
+        raise ProtocolError(503, "the request was aborted before it finished; retry it")
+    return reason
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    total = prompt_tokens + completion_tokens
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": total}
+
+
+def _logprob(value: float) -> float:
+    return max(value, _MIN_LOGPROB) if not math.isnan(value) else _MIN_LOGPROB
+
+
+def _ranked(entries: dict[int, Logprob], num_top_logprobs: int | None) -> list[tuple[int, Logprob]]:
+    """Most likely first; the engine's entries are the sampled token plus the top alternatives."""
+    ranked = sorted(entries.items(), key=lambda item: item[1].logprob, reverse=True)
+    return ranked if num_top_logprobs is None else ranked[:num_top_logprobs]
+
+
+def _text(token_id: int, logprob: Logprob, tokenizer_decode: Callable[[int], str] | None) -> str:
+    return tokenizer_decode(token_id) if tokenizer_decode is not None else logprob.decoded_token
+
+
+def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], *, text_offset: int = 0,
+                        num_top_logprobs: int | None = None,
+                        tokenizer_decode: Callable[[int], str] | None = None) -> dict[str, Any]:  # fmt: skip
+    """``/v1/completions`` logprobs: ``{tokens, token_logprobs, top_logprobs, text_offset}``.
+
+    ``text_offset`` counts characters from the start of the completion (not the
+    prompt: echo is unsupported); a stream passes the running offset. With
+    ``num_top_logprobs`` None the top dicts hold every entry the engine sent.
+    Token texts come from ``tokenizer_decode`` when given, else each Logprob's own.
+    """
+    result: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for token_id, entries in zip(token_ids, logprobs, strict=True):
+        text = _text(token_id, entries[token_id], tokenizer_decode)
+        result["tokens"].append(text)
+        result["token_logprobs"].append(_logprob(entries[token_id].logprob))
+        top = {_text(t, lp, tokenizer_decode): _logprob(lp.logprob) for t, lp in _ranked(entries, num_top_logprobs)}
+        result["top_logprobs"].append(top)
+        result["text_offset"].append(text_offset)
+        text_offset += len(text)
+    return result
+
+
+def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], *, num_top_logprobs: int | None = None,
+                  tokenizer_decode: Callable[[int], str] | None = None) -> dict[str, Any]:  # fmt: skip
+    """``/v1/chat/completions`` logprobs: ``{content: [{token, logprob, bytes, top_logprobs}]}``."""
+
+    def entry(token_id: int, logprob: Logprob) -> dict[str, Any]:
+        text = _text(token_id, logprob, tokenizer_decode)
+        return {"token": text, "logprob": _logprob(logprob.logprob), "bytes": list(text.encode())}
+
+    content = []
+    for token_id, entries in zip(token_ids, logprobs, strict=True):
+        top = [entry(t, lp) for t, lp in _ranked(entries, num_top_logprobs)]
+        content.append({**entry(token_id, entries[token_id]), "top_logprobs": top})
+    return {"content": content}
+
+
+def _envelope(request_id: str, obj: str, created: int, model: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"id": request_id, "object": obj, "created": created, "model": model, "choices": choices}
+
+
+def _full_response(chat: bool, request_id: str, model: str, created: int, outputs: RequestOutput,
+                   prompt_tokens: int, tokenizer_decode: Callable[[int], str] | None,
+                   num_top_logprobs: int | None) -> dict[str, Any]:  # fmt: skip
+    assert outputs.finished, "a full response needs every completion finished"
+    choices = []
+    for c in sorted(outputs.outputs, key=lambda c: c.index):
+        choice: dict[str, Any] = {"index": c.index, "finish_reason": _finish_reason(c.finish_reason), "logprobs": None}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": c.text}
+        else:
+            choice["text"] = c.text
+        if c.logprobs is not None:
+            build = chat_logprobs if chat else completion_logprobs
+            choice["logprobs"] = build(
+                c.token_ids, c.logprobs, num_top_logprobs=num_top_logprobs, tokenizer_decode=tokenizer_decode
+            )
+        choices.append(choice)
+    completion_tokens = sum(len(c.token_ids) for c in outputs.outputs)
+    obj = "chat.completion" if chat else "text_completion"
+    return {**_envelope(request_id, obj, created, model, choices), "usage": _usage(prompt_tokens, completion_tokens)}
+
+
+def completion_response(request_id: str, model: str, created: int, outputs: RequestOutput, prompt_tokens: int,
+                        tokenizer_decode: Callable[[int], str] | None = None, *,
+                        num_top_logprobs: int | None = None) -> dict[str, Any]:  # fmt: skip
+    """A finished ``/v1/completions`` response (``openai.types.Completion``); ``request_id`` is its ``id``.
+
+    Pass the request's ``logprobs`` as ``num_top_logprobs`` for OpenAI's number
+    of alternatives. An aborted choice raises ProtocolError (503).
+    """
+    return _full_response(False, request_id, model, created, outputs, prompt_tokens, tokenizer_decode, num_top_logprobs)
+
+
+def chat_response(request_id: str, model: str, created: int, outputs: RequestOutput, prompt_tokens: int,
+                  tokenizer_decode: Callable[[int], str] | None = None, *,
+                  num_top_logprobs: int | None = None) -> dict[str, Any]:  # fmt: skip
+    """A finished ``/v1/chat/completions`` response (``openai.types.chat.ChatCompletion``).
+
+    Pass the request's ``top_logprobs or 0`` as ``num_top_logprobs``. An aborted
+    choice raises ProtocolError (503).
+    """
+    return _full_response(True, request_id, model, created, outputs, prompt_tokens, tokenizer_decode, num_top_logprobs)
+
+
+def completion_chunk(request_id: str, model: str, created: int, index: int, text: str, finish_reason: str | None = None,
+                     logprobs: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+    """One streamed ``/v1/completions`` chunk: new ``text`` of choice ``index`` (logprobs from completion_logprobs)."""
+    choice = {"index": index, "text": text, "finish_reason": _finish_reason(finish_reason), "logprobs": logprobs}
+    return _envelope(request_id, "text_completion", created, model, [choice])
+
+
+def chat_chunk(request_id: str, model: str, created: int, index: int, delta: dict[str, Any],
+               finish_reason: str | None = None, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+    """One streamed chat chunk (``ChatCompletionChunk``) for choice ``index``.
+
+    Per choice, as OpenAI: first ``delta={"role": "assistant", "content": ""}``,
+    then ``{"content": text}`` for each piece, last ``{}`` with the finish_reason.
+    """
+    choice = {"index": index, "delta": delta, "finish_reason": _finish_reason(finish_reason), "logprobs": logprobs}
+    return _envelope(request_id, "chat.completion.chunk", created, model, [choice])
+
+
+def usage_chunk(request_id: str, model: str, created: int,
+                object_type: Literal["text_completion", "chat.completion.chunk"],
+                prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:  # fmt: skip
+    """The last chunk of a stream with ``stream_options.include_usage``: no choices, the request's usage.
+
+    ``object_type`` is the stream's chunk type: "text_completion" or "chat.completion.chunk".
+    """
+    assert object_type in ("text_completion", "chat.completion.chunk"), object_type
+    envelope = _envelope(request_id, object_type, created, model, [])
+    return {**envelope, "usage": _usage(prompt_tokens, completion_tokens)}
+
+
+def sse_event(data: dict[str, Any] | str) -> bytes:
+    """One server-sent event, ``b"data: <json>\\n\\n"``; ``sse_event("[DONE]")`` ends an OpenAI stream."""
+    payload = data.encode() if isinstance(data, str) else msgspec.json.encode(data)
+    assert b"\n" not in payload, "a newline would split the event"
+    return b"data: " + payload + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+"""The event that ends every OpenAI stream."""
+
+
+def models_response(model_ids: list[str], created: int, owned_by: str = "tokenmill") -> dict[str, Any]:
+    """``GET /v1/models``: a list of ``openai.types.Model``."""
+    return {
+        "object": "list",
+        "data": [{"id": id_, "object": "model", "created": created, "owned_by": owned_by} for id_ in model_ids],
+    }

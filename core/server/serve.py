@@ -1,0 +1,98 @@
+"""`tokenmill serve`: start (or connect to) the engines, then serve HTTP until told to stop.
+
+Shutdown: on SIGTERM or Ctrl-C uvicorn stops accepting connections and lets
+running requests finish for up to ``server.drain_timeout`` seconds, then the
+engines are stopped. If an engine dies, its in-flight requests fail at once
+with 503 (the client's watchdog sees the process exit or the heartbeats stop),
+``/health`` turns 503, and a second later the server exits with status 1 so a
+supervisor (systemd, Kubernetes) restarts the whole service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+import uvicorn
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine_client import EngineClient, EngineGroup, start_local_engines
+from tokenmill.model_files import DEFAULT_MODEL, resolve_tokenizer
+from tokenmill.plugin_manager import Slot, load_plugins
+from tokenmill.server.app import ServerState, build_app
+from tokenmill.server.metrics import ServerMetrics
+from tokenmill.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+ENGINE_START_TIMEOUT_S = 600.0
+_EXIT_GRACE_S = 1.0
+
+
+def served_model_name(config: EngineConfig) -> str:
+    if config.server.served_model_name:
+        return config.server.served_model_name
+    model = config.model.model
+    return model if model == DEFAULT_MODEL.name else Path(model).name
+
+
+def run_server(config: EngineConfig) -> int:
+    """Serve until stopped; returns the process exit status (1 when an engine died)."""
+    return asyncio.run(_serve(config))
+
+
+async def _serve(config: EngineConfig) -> int:
+    plugins = load_plugins(disabled=config.disable_plugins)
+    policy = plugins.registry.load(Slot.ROUTER, config.server.router)()
+    if config.server.engines:
+        clients = [
+            EngineClient(address, index, None, config.server.engine_timeout)
+            for index, address in enumerate(config.server.engines)
+        ]
+    else:
+        clients = start_local_engines(config, config.server.data_parallel_size)
+    group = EngineGroup(clients, policy)
+    try:
+        await asyncio.gather(*(client.start(ENGINE_START_TIMEOUT_S) for client in clients))
+        tokenizer = await asyncio.to_thread(
+            Tokenizer.from_path, resolve_tokenizer(config.model.model, config.model.tokenizer)
+        )
+    except BaseException:
+        await group.close()
+        raise
+    name = served_model_name(config)
+    state = ServerState(config, group, tokenizer, name, ServerMetrics(group, name))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            build_app(state),
+            host=config.server.host,
+            port=config.server.port,
+            log_level="warning",
+            timeout_graceful_shutdown=int(config.server.drain_timeout),
+        )
+    )
+    exit_status = 0
+
+    async def watch_engines() -> None:
+        nonlocal exit_status
+        while not server.should_exit:
+            await asyncio.sleep(0.2)
+            if not group.is_healthy:
+                await asyncio.sleep(_EXIT_GRACE_S)  # let in-flight requests receive their 503
+                exit_status = 1
+                server.should_exit = True
+        state.is_draining = True
+
+    watcher = asyncio.create_task(watch_engines())
+    logger.info(
+        "serving %s with %d engine(s) at http://%s:%d", name, len(clients), config.server.host, config.server.port
+    )
+    try:
+        await server.serve()
+    finally:
+        watcher.cancel()
+        await group.close()
+    if exit_status:
+        logger.error("an engine died; exiting with status %d", exit_status)
+    return exit_status
