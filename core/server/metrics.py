@@ -21,7 +21,7 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.
 
 
 class _EngineCollector(Collector):
-    """Engine state at scrape time, summed over replicas (per-replica gauges carry an engine label)."""
+    """Engine state at scrape time, one sample per engine replica (label ``engine``)."""
 
     def __init__(self, group: Any, model: str) -> None:
         self.group = group
@@ -34,15 +34,17 @@ class _EngineCollector(Collector):
                                     labels=["model", "engine"])  # fmt: skip
         usage = GaugeMetricFamily("tokenmill_kv_cache_usage_ratio", "Fraction of KV cache blocks held by requests.",
                                   labels=["model", "engine"])  # fmt: skip
-        totals = {
+        counters = {
             "prefix_cache_queries": CounterMetricFamily(
-                "tokenmill_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", labels=["model"]),
+                "tokenmill_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                labels=["model", "engine"]),
             "prefix_cache_hits": CounterMetricFamily(
-                "tokenmill_prefix_cache_hits", "Prompt tokens served from the prefix cache.", labels=["model"]),
+                "tokenmill_prefix_cache_hits", "Prompt tokens served from the prefix cache.",
+                labels=["model", "engine"]),
             "num_preemptions": CounterMetricFamily(
-                "tokenmill_num_preemptions", "Requests preempted for lack of KV cache blocks.", labels=["model"]),
+                "tokenmill_num_preemptions", "Requests preempted for lack of KV cache blocks.",
+                labels=["model", "engine"]),
         }  # fmt: skip
-        sums = dict.fromkeys(totals, 0)
         for client in self.group.clients:
             stats = client.stats
             if stats is None:
@@ -51,12 +53,9 @@ class _EngineCollector(Collector):
             running.add_metric(labels, stats.num_running)
             waiting.add_metric(labels, stats.num_waiting)
             usage.add_metric(labels, stats.kv_cache_usage)
-            for key in sums:
-                sums[key] += getattr(stats, key)
-        yield from (running, waiting, usage)
-        for key, family in totals.items():
-            family.add_metric([self.model], sums[key])
-            yield family
+            for key, family in counters.items():
+                family.add_metric(labels, getattr(stats, key))
+        yield from (running, waiting, usage, *counters.values())
 
 
 class ServerMetrics:

@@ -11,7 +11,10 @@ supervisor (systemd, Kubernetes) restarts the whole service.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import signal
+from collections.abc import Iterator
 from pathlib import Path
 
 import uvicorn
@@ -28,6 +31,20 @@ logger = logging.getLogger(__name__)
 
 ENGINE_START_TIMEOUT_S = 600.0
 _EXIT_GRACE_S = 1.0
+
+
+class _Server(uvicorn.Server):
+    """uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown, so the process would die by
+    the signal; a drained, orderly shutdown should exit 0 instead."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
 
 def served_model_name(config: EngineConfig) -> str:
@@ -63,7 +80,7 @@ async def _serve(config: EngineConfig) -> int:
         raise
     name = served_model_name(config)
     state = ServerState(config, group, tokenizer, name, ServerMetrics(group, name))
-    server = uvicorn.Server(
+    server = _Server(
         uvicorn.Config(
             build_app(state),
             host=config.server.host,

@@ -264,3 +264,66 @@ def test_killing_the_engine_fails_requests_fast_and_the_server_exits(
         assert server.process.wait(15) == 1  # documented: the server exits non-zero
     finally:
         server.stop()
+
+
+def _completion(url: str, prompt: str, max_tokens: int = 8) -> httpx.Response:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+
+
+def test_remote_engine_over_tcp(tmp_path: Path, tiny_model_dir: Path, smollm2_gguf: Path) -> None:
+    import subprocess
+    import sys
+
+    from tests.server.conftest import free_port
+
+    address = f"tcp://127.0.0.1:{free_port()}"
+    engine_log = (tmp_path / "engine.log").open("w")
+    engine = subprocess.Popen(
+        [sys.executable, "-m", "tokenmill.cli", "engine", "--listen", address, str(tiny_model_dir),
+         "--device", "cpu", "--num-kv-blocks", "512"],
+        stdout=engine_log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        server = start_tiny_server(tmp_path, tiny_model_dir, smollm2_gguf, "--engine", address)
+        try:
+            response = _completion(server.url, "Hello over TCP")
+            assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 8
+            assert server.process.poll() is None and engine.poll() is None
+        finally:
+            assert server.stop() == 0
+        assert engine.poll() is None  # the engine outlives a front end that connected to it
+    finally:
+        engine.terminate()
+        assert engine.wait(30) == 0
+
+
+def test_data_parallel_engines_share_the_load(tmp_path: Path, tiny_model_dir: Path, smollm2_gguf: Path) -> None:
+    server = start_tiny_server(tmp_path, tiny_model_dir, smollm2_gguf, "--data-parallel-size", "2")
+    try:
+        for i in range(4):
+            assert _completion(server.url, f"Request number {i}").status_code == 200
+        text = httpx.get(f"{server.url}/metrics").text
+        queries = [line for line in text.splitlines() if line.startswith("tokenmill_prefix_cache_queries_total{")]
+        by_engine = {line.split('engine="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1]) for line in queries}
+        assert set(by_engine) == {"0", "1"} and all(v > 0 for v in by_engine.values())  # round-robin used both
+    finally:
+        assert server.stop() == 0
+
+
+def test_sigterm_drains_running_requests(tmp_path: Path, tiny_model_dir: Path, smollm2_gguf: Path) -> None:
+    import threading
+
+    server = start_tiny_server(tmp_path, tiny_model_dir, smollm2_gguf)
+    result: dict[str, httpx.Response] = {}
+    thread = threading.Thread(target=lambda: result.setdefault("r", _completion(server.url, "Drain me", 1000)))
+    thread.start()
+    time.sleep(0.3)
+    server.process.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    with pytest.raises(httpx.ConnectError):  # no new requests once draining
+        httpx.get(f"{server.url}/health", timeout=2)
+    thread.join(60)
+    assert result["r"].status_code == 200
+    assert result["r"].json()["usage"]["completion_tokens"] == 1000  # the running request finished
+    assert server.process.wait(30) == 0
