@@ -39,6 +39,7 @@ def main() -> None:
     logging.basicConfig(
         level=envs.TOKENMILL_LOG_LEVEL.get(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per HTTP request drowns the output
 
 
 @main.command()
