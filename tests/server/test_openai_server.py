@@ -327,3 +327,17 @@ def test_sigterm_drains_running_requests(tmp_path: Path, tiny_model_dir: Path, s
     assert result["r"].status_code == 200
     assert result["r"].json()["usage"]["completion_tokens"] == 1000  # the running request finished
     assert server.process.wait(30) == 0
+
+
+def test_chat_cli_talks_to_a_server(tiny_server: Server) -> None:
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", "tokenmill.cli", "chat", "--url", tiny_server.url, "--max-tokens", "5",
+         "--temperature", "0"],
+        input="Hello there\n/reset\nSecond question\n/exit\n", capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    replies = [line for line in result.stdout.splitlines() if "model> " in line]
+    assert len(replies) == 2 and all(line.split("model> ", 1)[1] for line in replies)
