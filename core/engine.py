@@ -17,7 +17,7 @@ import torch
 from tokenmill.config import EngineConfig
 from tokenmill.kv_cache.manager import KVCacheManager
 from tokenmill.memory import CacheLayout, plan_kv_cache
-from tokenmill.messages import EngineCoreOutput, EngineCoreRequest, TokenLogprobs
+from tokenmill.messages import EngineCoreOutput, EngineCoreRequest, TokenLogprobs, completion_request_id
 from tokenmill.model_loader import LoadedModel, load_model
 from tokenmill.model_runner import ModelRunner, SequenceChunk
 from tokenmill.plugin_manager import PluginSystem
@@ -195,7 +195,7 @@ class EngineCore:
 
     def _fork(self, parent: Request, index: int) -> Request:
         child = Request(
-            request_id=f"{parent.request_id}#{index}",
+            request_id=completion_request_id(parent.request_id, index),
             prompt_token_ids=parent.prompt_token_ids,
             params=parent.params,
             eos_token_ids=parent.eos_token_ids,
@@ -232,9 +232,7 @@ class EngineCore:
         return self._output(request, [token_id], [logprobs] if logprobs is not None else None)
 
     @staticmethod
-    def _output(
-        request: Request, token_ids: list[int], logprobs: list[TokenLogprobs] | None
-    ) -> EngineCoreOutput:
+    def _output(request: Request, token_ids: list[int], logprobs: list[TokenLogprobs] | None) -> EngineCoreOutput:
         return EngineCoreOutput(
             request_id=request.request_id,
             new_token_ids=token_ids,

@@ -13,6 +13,11 @@ from tokenmill.sampling_params import SamplingParams
 PROTOCOL_VERSION = 1
 
 
+def completion_request_id(request_id: str, index: int) -> str:
+    """The engine's id for completion ``index`` of an ``n > 1`` request (completion 0 keeps the request's id)."""
+    return request_id if index == 0 else f"{request_id}#{index}"
+
+
 class TokenLogprobs(msgspec.Struct, array_like=True, frozen=True, gc=False):
     """The sampled token's logprob and the most likely alternatives at that position."""
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tokenmill.messages import EngineCoreOutput, TokenLogprobs
+from tokenmill.messages import EngineCoreOutput, TokenLogprobs, completion_request_id
 from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -104,16 +104,12 @@ class OutputProcessor:
             if len(request.outputs) == self._expected_outputs(request_id) and request.finished:
                 del self._requests[request_id]
                 for completion in request.outputs:
-                    self._completions.pop(self._engine_id(request_id, completion.index), None)
+                    self._completions.pop(completion_request_id(request_id, completion.index), None)
             step.updated.append(request)
         return step
 
     def _expected_outputs(self, request_id: str) -> int:
         return self._requests[request_id][1].n
-
-    @staticmethod
-    def _engine_id(request_id: str, index: int) -> str:
-        return request_id if index == 0 else f"{request_id}#{index}"
 
     def _apply_stop_strings(self, state: _CompletionState, delta: str, params: SamplingParams) -> bool:
         """Append ``delta``; if a stop string now occurs, cut the text before it and finish. Returns True then."""
@@ -141,7 +137,4 @@ class OutputProcessor:
     def _logprobs(self, token_logprobs: TokenLogprobs) -> dict[int, Logprob]:
         entries = {token_logprobs.token_id: token_logprobs.logprob}
         entries.update(zip(token_logprobs.top_token_ids, token_logprobs.top_logprobs, strict=True))
-        return {
-            token_id: Logprob(logprob, self.tokenizer.decode([token_id]))
-            for token_id, logprob in entries.items()
-        }
+        return {token_id: Logprob(logprob, self.tokenizer.decode([token_id])) for token_id, logprob in entries.items()}

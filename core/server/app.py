@@ -27,7 +27,7 @@ from starlette.routing import Route
 from tokenmill import __version__
 from tokenmill.config import EngineConfig
 from tokenmill.engine_client import EngineDeadError, EngineGroup, RequestStream
-from tokenmill.messages import EngineCoreOutput, EngineCoreRequest
+from tokenmill.messages import EngineCoreOutput, EngineCoreRequest, completion_request_id
 from tokenmill.output_processor import OutputProcessor
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
@@ -181,8 +181,7 @@ class OpenAIServer:
         finally:
             if not generation.output.finished and not client.is_dead:
                 # The client went away (or the handler failed): stop generating and free the blocks.
-                ids = [generation.request_id] + [f"{generation.request_id}#{i}" for i in range(1, generation.params.n)]
-                client.abort(ids)
+                client.abort([completion_request_id(generation.request_id, i) for i in range(generation.params.n)])
                 metrics.requests_finished.labels(metrics.model, "aborted").inc()
             client.release(generation.request_id)
 
