@@ -10,14 +10,19 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 
 import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.kv_cache.manager import KVCacheManager
 from tokenmill.memory import CacheLayout, plan_kv_cache
-from tokenmill.messages import EngineCoreOutput, EngineCoreRequest, TokenLogprobs, completion_request_id
+from tokenmill.messages import (
+    EngineCoreOutput,
+    EngineCoreRequest,
+    EngineStatsMessage,
+    TokenLogprobs,
+    completion_request_id,
+)
 from tokenmill.model_loader import LoadedModel, load_model
 from tokenmill.model_runner import ModelRunner, SequenceChunk
 from tokenmill.plugin_manager import PluginSystem
@@ -29,20 +34,6 @@ from tokenmill.scheduler import ScheduledRequest, Scheduler
 logger = logging.getLogger(__name__)
 
 _GENERATOR = "generator"  # Request.stash key: the request's own torch.Generator when seeded
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """A snapshot for metrics; cheap to take every step."""
-
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
-    num_prompt_tokens: int
-    num_generation_tokens: int
 
 
 class EngineCore:
@@ -123,8 +114,9 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
-    def stats(self) -> EngineStats:
-        return EngineStats(
+    def stats(self) -> EngineStatsMessage:
+        """A snapshot for metrics; cheap to take every step."""
+        return EngineStatsMessage(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
             kv_cache_usage=self.kv_cache.usage,

@@ -29,7 +29,6 @@ from tokenmill.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
-    EngineStatsMessage,
     Hello,
     Ready,
 )
@@ -156,8 +155,7 @@ class _EngineServer:
                 self._send(identity, [])
 
     def _send(self, identity: bytes, outputs: list[EngineCoreOutput]) -> None:
-        stats = self.engine.stats()
-        message = EngineCoreOutputs(outputs, EngineStatsMessage(**stats.__dict__))
+        message = EngineCoreOutputs(outputs, self.engine.stats())
         self.socket.send_multipart([identity, encode(message)])
         self.last_sent = time.monotonic()
 

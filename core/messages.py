@@ -72,6 +72,8 @@ class Hello(msgspec.Struct, array_like=True, frozen=True, gc=False, tag=True):
 
 
 class EngineStatsMessage(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """An engine's counters and gauges, sent with every output batch and heartbeat."""
+
     num_running: int
     num_waiting: int
     kv_cache_usage: float
