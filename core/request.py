@@ -63,6 +63,12 @@ class Request:
     queue_time: float | None = None  # seconds from enqueued_at to its first scheduled step
     #: Plugins and engine-side helpers keep per-request state here, never as new attributes.
     stash: dict[Any, Any] = field(default_factory=dict)
+    #: Prompt then output tokens, extended in place by ``append_token``: the engine reads it every
+    #: step, so it is kept rather than rebuilt. Read-only for everyone else.
+    all_token_ids: list[int] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = [*self.prompt_token_ids, *self.output_token_ids]
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -70,11 +76,7 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+        return len(self.all_token_ids)
 
     @property
     def num_uncomputed_tokens(self) -> int:
@@ -91,6 +93,7 @@ class Request:
 
     def append_token(self, token_id: int, logprobs: TokenLogprobs | None = None) -> None:
         self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
         if logprobs is not None:
             self.output_logprobs.append(logprobs)
 

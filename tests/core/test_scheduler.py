@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from tests.factories import make_requests, make_scheduler
 from tokenmill.request import RequestStatus
 from tokenmill.scheduler import SchedulerOutput
@@ -122,7 +124,7 @@ def test_abort_frees_everything_wherever_the_request_is() -> None:
 def test_prefix_cache_hit_on_admission() -> None:
     scheduler = make_scheduler(max_num_batched_tokens=64)
     first, second = make_requests(2, prompt_len=13, max_tokens=1)
-    second.prompt_token_ids = first.prompt_token_ids[:12] + [5, 6]
+    second = dataclasses.replace(second, prompt_token_ids=first.prompt_token_ids[:12] + [5, 6])
     scheduler.add_request(first)
     _complete(scheduler, scheduler.schedule())
     scheduler.add_request(second)
