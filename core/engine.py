@@ -180,10 +180,8 @@ class EngineCore:
         )
         sampled = self.sampler(logits, metadata)
         token_ids = sampled.token_ids.tolist()
-        return [
-            self._append(target, token_ids[row], _row_logprobs(sampled, row, target))
-            for row, target in enumerate(targets)
-        ]
+        logprobs = _logprobs_per_row(sampled, token_ids, targets)
+        return [self._append(target, token_ids[row], logprobs[row]) for row, target in enumerate(targets)]
 
     def _fork(self, parent: Request, index: int) -> Request:
         child = Request(
@@ -238,18 +236,28 @@ class EngineCore:
         )
 
 
-def _row_logprobs(sampled: SamplerOutput, row: int, request: Request) -> TokenLogprobs | None:
-    wanted = request.params.logprobs
-    if wanted is None or sampled.logprobs is None:
-        return None
-    top_ids = sampled.top_token_ids[row, :wanted].tolist() if sampled.top_token_ids is not None else []
-    top_values = sampled.top_logprobs[row, :wanted].tolist() if sampled.top_logprobs is not None else []
-    return TokenLogprobs(
-        token_id=int(sampled.token_ids[row]),
-        logprob=float(sampled.logprobs[row]),
-        top_token_ids=tuple(top_ids),
-        top_logprobs=tuple(top_values),
-    )
+def _logprobs_per_row(
+    sampled: SamplerOutput, token_ids: list[int], targets: list[Request]
+) -> list[TokenLogprobs | None]:
+    """Each row's logprobs, as its request asked; tensors are turned into Python once per step, not per row."""
+    if sampled.logprobs is None:
+        return [None] * len(targets)
+    logprobs = sampled.logprobs.tolist()
+    top_ids = sampled.top_token_ids.tolist() if sampled.top_token_ids is not None else None
+    top_values = sampled.top_logprobs.tolist() if sampled.top_logprobs is not None else None
+    rows: list[TokenLogprobs | None] = []
+    for row, target in enumerate(targets):
+        wanted = target.params.logprobs
+        if wanted is None:
+            rows.append(None)
+            continue
+        rows.append(TokenLogprobs(
+            token_id=token_ids[row],
+            logprob=logprobs[row],
+            top_token_ids=tuple(top_ids[row][:wanted]) if top_ids is not None else (),
+            top_logprobs=tuple(top_values[row][:wanted]) if top_values is not None else (),
+        ))  # fmt: skip
+    return rows
 
 
 def now() -> float:
