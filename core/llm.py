@@ -149,10 +149,9 @@ class LLM:
                 for output in step.updated:
                     if output.finished and output.request_id in position:
                         progress.update(1)
+                        index = position.pop(output.request_id)
                         if on_finished is not None:
-                            on_finished(position.pop(output.request_id), output)
-                        else:
-                            position.pop(output.request_id)
+                            on_finished(index, output)
         return [results[request_id] for request_id in request_ids]
 
 

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
@@ -239,25 +239,10 @@ class OpenAIServer:
                 token_ids = self.state.tokenizer.encode(prompt)
             else:
                 prompt_text, token_ids = None, list(prompt)
-            params = protocol.to_sampling_params(body, len(token_ids), self.state.group.max_model_len)
-            generation = self._start(token_ids, prompt_text, params, body.priority, "cmpl")
-            if body.stream:
-                include_usage = bool(body.stream_options and body.stream_options.include_usage)
-                return _ClosingStreamingResponse(
-                    self._stream_completion(generation, include_usage, body.logprobs), media_type="text/event-stream"
-                )
-            output = await self._until_finished(request, generation)
-            return JSONResponse(
-                protocol.completion_response(
-                    generation.request_id,
-                    self.state.model_name,
-                    self.state.created,
-                    output,
-                    len(token_ids),
-                    self._decode_token,
-                    num_top_logprobs=body.logprobs,
-                )  # fmt: skip
-            )
+            return await self._respond(
+                request, body, prompt_text, token_ids, "cmpl", body.logprobs,
+                self._stream_completion, protocol.completion_response,
+            )  # fmt: skip
         except ProtocolError as exc:
             return _error(exc)
 
@@ -273,28 +258,40 @@ class OpenAIServer:
                 raise ProtocolError(400, str(exc).splitlines()[0], param="messages") from None
             assert isinstance(prompt_text, str)
             token_ids = self.state.tokenizer.encode(prompt_text, add_special_tokens=False)
-            params = protocol.to_sampling_params(body, len(token_ids), self.state.group.max_model_len)
-            generation = self._start(token_ids, prompt_text, params, body.priority, "chatcmpl")
             top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
-            if body.stream:
-                include_usage = bool(body.stream_options and body.stream_options.include_usage)
-                return _ClosingStreamingResponse(
-                    self._stream_chat(generation, include_usage, top_logprobs), media_type="text/event-stream"
-                )
-            output = await self._until_finished(request, generation)
-            return JSONResponse(
-                protocol.chat_response(
-                    generation.request_id,
-                    self.state.model_name,
-                    self.state.created,
-                    output,
-                    len(token_ids),
-                    self._decode_token,
-                    num_top_logprobs=top_logprobs,
-                )  # fmt: skip
-            )
+            return await self._respond(
+                request, body, prompt_text, token_ids, "chatcmpl", top_logprobs,
+                self._stream_chat, protocol.chat_response,
+            )  # fmt: skip
         except ProtocolError as exc:
             return _error(exc)
+
+    async def _respond(
+        self,
+        request: Request,
+        body: protocol.CompletionRequest | protocol.ChatCompletionRequest,
+        prompt_text: str | None,
+        token_ids: list[int],
+        id_prefix: str,
+        num_top_logprobs: int | None,
+        stream: Callable[[_Generation, bool, int | None], AsyncIterator[bytes]],
+        build_response: Callable[..., dict[str, Any]],
+    ) -> Response:
+        """What both endpoints do once the prompt is tokenized: start, then stream or wait and answer."""
+        params = protocol.to_sampling_params(body, len(token_ids), self.state.group.max_model_len)
+        generation = self._start(token_ids, prompt_text, params, body.priority, id_prefix)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return _ClosingStreamingResponse(
+                stream(generation, include_usage, num_top_logprobs), media_type="text/event-stream"
+            )
+        output = await self._until_finished(request, generation)
+        return JSONResponse(
+            build_response(
+                generation.request_id, self.state.model_name, self.state.created, output, len(token_ids),
+                self._decode_token, num_top_logprobs=num_top_logprobs,
+            )  # fmt: skip
+        )
 
     def _decode_token(self, token_id: int) -> str:
         return self.state.tokenizer.decode([token_id])
