@@ -101,7 +101,7 @@ class Scheduler:
         # Requests later in this list are the preemption candidates, lowest priority last.
         candidates = list(self.running)
         for request in list(candidates):
-            if request not in candidates:
+            if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             if budget == 0:
                 break
