@@ -1,0 +1,57 @@
+"""Launcher for the AVX2 quantized matmul kernels in ``cpu/quant_matmul.cpp``.
+
+The C++ is compiled on first use (see ``tokenmill.kernels.cpp_build``): the wheel ships the source rather
+than a binary tied to one torch build. The kernels need AVX2 and FMA; :func:`load` says what is missing
+rather than letting the process die of an illegal instruction.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import ModuleType
+
+from torch import Tensor
+
+from tokenmill.kernels.cpp_build import CppExtension
+
+__all__ = ["is_available", "load", "matmul_int4", "matmul_int8"]
+
+# -ffp-contract=off keeps the compiler from fusing scalar a * b + c into FMAs, which would round differently
+# from reference.py; the kernels' own FMAs are explicit intrinsics.
+_EXTENSION = CppExtension(
+    "tokenmill_quant_matmul",
+    Path(__file__).resolve().parent / "cpu" / "quant_matmul.cpp",
+    ["-O3", "-mavx2", "-mfma", "-ffp-contract=off"],
+    "quantized matmul kernels",
+)
+_module: ModuleType | None = None  # the loaded extension, kept here to skip a call per matmul
+
+
+def is_available() -> bool:
+    """True when the CPU can run the kernels and the toolchain to build them is present."""
+    return _EXTENSION.is_available()
+
+
+def load() -> ModuleType:
+    """The compiled extension, built on first call; raises ``RuntimeError`` naming what is missing."""
+    global _module
+    if _module is None:
+        _module = _EXTENSION.load()
+    return _module
+
+
+def matmul_int8(x: Tensor, qweight: Tensor, scales: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``x [M, K] float32 @ W.T + bias`` for ``W`` from :func:`~.reference.quantize_int8` -> ``[M, N] float32``.
+
+    The compiled op checks every shape, dtype, device and contiguity first and raises ``ValueError`` (e.g. for
+    K not a multiple of 32); validating there rather than here keeps the per-call overhead near 1 us.
+    """
+    return (_module or load()).matmul_int8(x, qweight, scales, bias)
+
+
+def matmul_int4(x: Tensor, qweight: Tensor, scales: Tensor, mins: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``x [M, K] float32 @ W.T + bias`` for ``W`` from :func:`~.reference.quantize_int4` -> ``[M, N] float32``.
+
+    Inputs are validated by the compiled op, as for :func:`matmul_int8`.
+    """
+    return (_module or load()).matmul_int4(x, qweight, scales, mins, bias)

@@ -1,0 +1,195 @@
+"""Plain-torch definition of the weight-only quantized matmul: formats, (de)quantization, and exact numerics.
+
+This module is the specification the C++ kernels in ``cpu/quant_matmul.cpp`` are tested against, and it provides
+the public quantize/dequantize functions (they run once at load time, so vectorised torch is fast enough).
+
+Weights are ``[N, K]`` (out_features, in_features, as in ``nn.Linear``) and are quantized in groups of 32
+consecutive elements along K, so K must be a positive multiple of 32. Group ``g`` of row ``n`` covers
+``W[n, 32g:32g+32]``.
+
+int8 (Q8_0 semantics), symmetric::
+
+    qweight int8    [N, K]       q = clamp(round(w * (1 / d)), -127, 127), row-major, no reordering
+    scales  float32 [N, K // 32] d = absmax / 127, its significand rounded to 17 bits; w ~= d * q
+
+int4 (Q4_1 semantics), asymmetric::
+
+    qweight uint8   [N, K // 2]  16 bytes per group; byte j of group g holds element 32g+j in its low nibble
+                                 and element 32g+j+16 in its high nibble (GGUF's Q4_1 ``qs`` layout); rows are
+                                 not reordered
+    scales  float32 [N, K // 32] d = (max - min) / 15, its significand rounded to 20 bits
+    mins    float32 [N, K // 32] m = min;  q = clamp(round((w - m) * (1 / d)), 0, 15);  w ~= d * q + m
+
+``round`` is round-half-to-even (``torch.round``) throughout, and a zero scale gives ``q = 0``.
+
+Why the significand rounding: with a 17-bit (int8) or 20-bit (int4) scale, ``d * q`` is exact in float32, so
+quantizing an already-quantized tensor reproduces it bit for bit. In particular GGUF Q8_0/Q4_1 blocks, whose
+fp16 ``d`` (and ``m``) are exactly representable here, survive dequantize -> quantize unchanged as long as each
+block uses its extreme codes (some ``|q| = 127`` for Q8_0; both 0 and 15 for Q4_1; llama.cpp's plain
+quantizers always do) and ``d * q + m`` is exact in float32. The always-lossless route for a GGUF tensor is to
+take its blocks directly, because these layouts are GGUF's: for Q8_0 ``qweight = qs`` (as int8) and
+``scales = d.float()``; for Q4_1 ``qweight = qs`` (the 16 bytes of each block, concatenated per row), ``scales =
+d.float()`` and ``mins = m.float()``.
+
+Matmul numerics (``matmul_int8`` / ``matmul_int4`` below; the kernels differ only by float32 summation order):
+each activation row is quantized per 32-block like Q8_0 but without scale rounding::
+
+    dx = absmax(x_block) / 127 (float32);  ix = 1 / dx, or 0 when dx == 0;  qx = clamp(round(x * ix), -127, 127)
+    sx = dx * sum(qx)          (float32; the block sum of the *quantized* activations, used for Q4_1's min term)
+
+and then, with integer block dot products ``dot_g = sum_j qw[n, g, j] * qx[m, g, j]``::
+
+    int8: y[m, n] = sum_g dot_g * (dw[n, g] * dx[m, g])                       + bias[n]
+    int4: y[m, n] = sum_g dot_g * (dw[n, g] * dx[m, g]) + mw[n, g] * sx[m, g] + bias[n]
+
+where ``dw * dx`` is rounded to float32 before it multiplies ``dot_g``, as in the kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+GROUP = 32
+
+__all__ = [
+    "GROUP",
+    "dequantize_int4",
+    "dequantize_int8",
+    "matmul_int4",
+    "matmul_int8",
+    "quantize_activations",
+    "quantize_int4",
+    "quantize_int8",
+]
+
+
+def _check_weight(weight: Tensor) -> None:
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D [N, K], got shape {tuple(weight.shape)}")
+    if weight.dtype != torch.float32:
+        raise ValueError(f"weight must be float32, got {weight.dtype}")
+    if weight.shape[1] == 0 or weight.shape[1] % GROUP != 0:
+        raise ValueError(f"K (in_features) must be a positive multiple of {GROUP}, got {weight.shape[1]}")
+
+
+def _round_significand(x: Tensor, bits: int) -> Tensor:
+    """Round non-negative float32 ``x`` to ``bits`` significant bits (implicit bit included), ties away from 0.
+
+    Done on the bit pattern so that it is exact for every finite value, subnormals included; a carry out of the
+    mantissa correctly bumps the exponent.
+    """
+    drop = 24 - bits
+    raw = x.contiguous().view(torch.int32)
+    raw = (raw + (1 << (drop - 1))) & ~((1 << drop) - 1)
+    return raw.view(torch.float32)
+
+
+def _reciprocal(scales: Tensor) -> Tensor:
+    """``1 / scales``, or 0 where a scale is 0 (an all-zero or constant group), so that its codes come out 0.
+
+    Multiplying by the reciprocal instead of dividing is still exact on re-quantization: ``(d * q) * (1 / d)``
+    is within a relative 2**-24 of the integer ``q``, far from a rounding boundary.
+    """
+    return torch.where(scales > 0, 1.0 / torch.where(scales > 0, scales, torch.ones_like(scales)), 0.0)
+
+
+def quantize_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
+    """Symmetric per-32-group int8 (Q8_0 semantics): returns ``(qweight int8 [N, K], scales float32 [N, K//32])``."""
+    _check_weight(weight)
+    n, k = weight.shape
+    groups = weight.reshape(n, k // GROUP, GROUP)
+    low, high = torch.aminmax(groups, dim=-1)
+    scales = _round_significand(torch.maximum(-low, high) / 127.0, 17)
+    q = (groups * _reciprocal(scales).unsqueeze(-1)).round_().clamp_(-127, 127)
+    return q.to(torch.int8).reshape(n, k), scales
+
+
+def dequantize_int8(qweight: Tensor, scales: Tensor) -> Tensor:
+    """Inverse of :func:`quantize_int8`'s layout: ``float32 [N, K]`` with ``w = d * q``."""
+    n, k = qweight.shape
+    groups = qweight.reshape(n, k // GROUP, GROUP).to(torch.float32)
+    return (groups * scales.unsqueeze(-1)).reshape(n, k)
+
+
+def _pack_nibbles(q: Tensor) -> Tensor:
+    """``uint8 [N, K]`` codes in 0..15 -> ``uint8 [N, K//2]``: per group, byte j = q[j] | q[j + 16] << 4."""
+    n, k = q.shape
+    halves = q.reshape(n, k // GROUP, 2, GROUP // 2)
+    return (halves[:, :, 0, :] | (halves[:, :, 1, :] << 4)).reshape(n, k // 2)
+
+
+def _unpack_nibbles(qweight: Tensor) -> Tensor:
+    """Inverse of :func:`_pack_nibbles`: ``uint8 [N, K//2]`` -> codes ``uint8 [N, K]``."""
+    n, half_k = qweight.shape
+    groups = qweight.reshape(n, half_k // (GROUP // 2), 1, GROUP // 2)
+    return torch.cat([groups & 0x0F, groups >> 4], dim=2).reshape(n, half_k * 2)
+
+
+def quantize_int4(weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Asymmetric per-32-group 4-bit (Q4_1 semantics).
+
+    Returns ``(qweight uint8 [N, K//2], scales float32 [N, K//32], mins float32 [N, K//32])``; see the module
+    docstring for the nibble layout.
+    """
+    _check_weight(weight)
+    n, k = weight.shape
+    groups = weight.reshape(n, k // GROUP, GROUP)
+    mins, high = torch.aminmax(groups, dim=-1)
+    scales = _round_significand((high - mins) / 15.0, 20)
+    q = (groups - mins.unsqueeze(-1)).mul_(_reciprocal(scales).unsqueeze(-1)).round_().clamp_(0, 15)
+    return _pack_nibbles(q.to(torch.uint8).reshape(n, k)), scales, mins
+
+
+def dequantize_int4(qweight: Tensor, scales: Tensor, mins: Tensor) -> Tensor:
+    """Inverse of :func:`quantize_int4`'s layout: ``float32 [N, K]`` with ``w = d * q + m``."""
+    codes = _unpack_nibbles(qweight)
+    n, k = codes.shape
+    groups = codes.reshape(n, k // GROUP, GROUP).to(torch.float32)
+    return (groups * scales.unsqueeze(-1) + mins.unsqueeze(-1)).reshape(n, k)
+
+
+def quantize_activations(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-32-block int8 quantization of activations ``x float32 [M, K]``, as done inside the kernels.
+
+    Returns ``(qx int8 [M, K], dx float32 [M, K//32], sx float32 [M, K//32])`` with ``sx = dx * sum(qx)``.
+    """
+    m, k = x.shape
+    blocks = x.reshape(m, k // GROUP, GROUP)
+    dx = blocks.abs().amax(dim=-1) / 127.0
+    qx = torch.round(blocks * _reciprocal(dx).unsqueeze(-1)).clamp_(-127, 127)
+    sx = qx.sum(dim=-1) * dx
+    return qx.to(torch.int8).reshape(m, k), dx, sx
+
+
+def _block_dots(qx: Tensor, qw: Tensor) -> Tensor:
+    """Exact integer dot products per block: ``[M, K] x [N, K] -> float64 [M, N, K//32]``."""
+    m, k = qx.shape
+    n = qw.shape[0]
+    a = qx.reshape(m, k // GROUP, GROUP).to(torch.float64)
+    b = qw.reshape(n, k // GROUP, GROUP).to(torch.float64)
+    # Products of int8 codes summed over 32 elements stay far below 2**53, so float64 is exact here.
+    return torch.einsum("mgj,ngj->mng", a, b)
+
+
+def _finish(out: Tensor, bias: Tensor | None) -> Tensor:
+    if bias is not None:
+        out = out + bias.to(torch.float64)
+    return out.to(torch.float32)
+
+
+def matmul_int8(x: Tensor, qweight: Tensor, scales: Tensor, bias: Tensor | None = None) -> Tensor:
+    """Reference ``x @ dequantize_int8(qweight, scales).T + bias`` with int8-quantized activations, in float64."""
+    qx, dx, _ = quantize_activations(x)
+    dots = _block_dots(qx, qweight)
+    scale = (scales.unsqueeze(0) * dx.unsqueeze(1)).to(torch.float64)  # [M, N, G], rounded to float32 first
+    return _finish((dots * scale).sum(dim=-1), bias)
+
+
+def matmul_int4(x: Tensor, qweight: Tensor, scales: Tensor, mins: Tensor, bias: Tensor | None = None) -> Tensor:
+    """Reference ``x @ dequantize_int4(qweight, scales, mins).T + bias`` with int8-quantized activations."""
+    qx, dx, sx = quantize_activations(x)
+    dots = _block_dots(qx, _unpack_nibbles(qweight))
+    scale = (scales.unsqueeze(0) * dx.unsqueeze(1)).to(torch.float64)
+    min_term = sx.to(torch.float64) @ mins.to(torch.float64).T
+    return _finish((dots * scale).sum(dim=-1) + min_term, bias)

@@ -1,0 +1,245 @@
+"""Weight-only quantized matmul: the AVX2 kernels against the plain-torch reference, and the formats themselves.
+
+Tolerances (kept here on purpose, independent of any shared tolerance table):
+
+* ``TIGHT_RTOL`` - kernel vs ``reference.matmul_*``, which simulates the same activation quantization. The integer
+  block dot products are exact in both; what differs is float32 rounding of the block scale products and of the
+  running sums (at most K/32/8 + 5 roundings of 2**-24 each, i.e. < 1e-6 for K = 1536). The bound is applied to
+  the sum of the absolute values of the terms (``_term_magnitude``), since outputs may cancel to near zero. 1e-5
+  leaves 10x headroom while a single wrong code in one block already shows up at ~1/K = 6e-4.
+* The loose comparison against plain ``x @ dequantize(W).T`` allows exactly the activation rounding error:
+  ``|x - dx * qx| <= dx / 2`` per element, so ``|error| <= sum_g dx[m, g] / 2 * sum_j |w[n, g, j]|``, plus
+  ``LOOSE_RTOL`` of ``|x| @ |w|.T`` for float32 summation in either product.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from tokenmill.kernels import quant_matmul
+from tokenmill.kernels.quant_matmul import cpu, reference
+
+TIGHT_RTOL = 1e-5
+LOOSE_RTOL = 1e-5
+
+needs_kernels = pytest.mark.skipif(not cpu.is_available(), reason="needs AVX2+FMA and a C++ toolchain")
+
+M_VALUES = (1, 2, 3, 4, 5, 8, 16, 33)
+K_VALUES = (32, 64, 576, 1536)
+N_VALUES = (1, 7, 64, 192, 1536)
+
+
+def _quantize(kind: str, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return quant_matmul.quantize_int8(weight) if kind == "int8" else quant_matmul.quantize_int4(weight)
+
+
+def _dequantize(kind: str, packed: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    return quant_matmul.dequantize_int8(*packed) if kind == "int8" else quant_matmul.dequantize_int4(*packed)
+
+
+def _kernel(kind: str, x: torch.Tensor, packed: tuple[torch.Tensor, ...], bias: torch.Tensor | None) -> torch.Tensor:
+    return quant_matmul.matmul_int8(x, *packed, bias) if kind == "int8" else quant_matmul.matmul_int4(x, *packed, bias)
+
+
+def _reference(kind: str, x: torch.Tensor, packed: tuple[torch.Tensor, ...], bias: torch.Tensor | None) -> torch.Tensor:
+    return reference.matmul_int8(x, *packed, bias) if kind == "int8" else reference.matmul_int4(x, *packed, bias)
+
+
+def _term_magnitude(
+    kind: str, x: torch.Tensor, packed: tuple[torch.Tensor, ...], bias: torch.Tensor | None
+) -> torch.Tensor:
+    """Sum of |terms| of the reference sum: quantizing |x| gives |qx| with the same scales."""
+    if kind == "int8":
+        qweight, scales = packed
+        out = reference.matmul_int8(x.abs(), qweight.abs(), scales)
+    else:
+        qweight, scales, mins = packed
+        out = reference.matmul_int4(x.abs(), qweight, scales, mins.abs())
+    return out + (bias.abs() if bias is not None else 0.0)
+
+
+def _random_weight(n: int, k: int, generator: torch.Generator) -> torch.Tensor:
+    # Rows of different magnitude and an offset, so that scales and (for int4) mins vary across groups.
+    w = torch.randn(n, k, generator=generator) * torch.rand(n, 1, generator=generator).add(0.05)
+    return w + 0.1 * torch.randn(n, 1, generator=generator)
+
+
+@functools.cache
+def _layer(kind: str, n: int, k: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor]:
+    """Quantized weight, its dequantized form and a bias, shared by every M (quantizing is the slow part)."""
+    generator = torch.Generator().manual_seed(n * k)
+    packed = _quantize(kind, _random_weight(n, k, generator))
+    return packed, _dequantize(kind, packed), torch.randn(n, generator=generator)
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("k", K_VALUES)
+@pytest.mark.parametrize("m", M_VALUES)
+def test_kernel_matches_reference(kind: str, m: int, k: int) -> None:
+    generator = torch.Generator().manual_seed(1000 * m + k)
+    x = torch.randn(m, k, generator=generator) * 3.0
+    x[:, :32] = 0.0  # an all-zero activation block: dx = 0 must give 0, not NaN
+    for n in N_VALUES:
+        packed, dense, some_bias = _layer(kind, n, k)
+        for bias in (None, some_bias):
+            where = f"{kind} M={m} K={k} N={n} bias={bias is not None}"
+            out = _kernel(kind, x, packed, bias)
+            assert out.shape == (m, n) and out.dtype == torch.float32, where
+
+            expected = _reference(kind, x, packed, bias)
+            magnitude = _term_magnitude(kind, x, packed, bias)
+            err = (out - expected).abs()
+            assert (err <= TIGHT_RTOL * magnitude + 1e-30).all(), f"{where}: max err {err.max():.3g}"
+
+            plain = x @ dense.T + (bias if bias is not None else 0.0)
+            _, dx, _ = reference.quantize_activations(x)
+            rounding = (dx / 2) @ dense.abs().reshape(n, k // 32, 32).sum(-1).T
+            allowed = rounding * (1 + LOOSE_RTOL) + LOOSE_RTOL * (x.abs() @ dense.abs().T + magnitude)
+            assert ((out - plain).abs() <= allowed).all(), f"{where}: too far from x @ dequantize(W).T"
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_kernel_is_deterministic_across_thread_counts(kind: str) -> None:
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(9, 576, generator=generator)
+    packed = _quantize(kind, _random_weight(1537, 576, generator))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = _kernel(kind, x, packed, None)
+    finally:
+        torch.set_num_threads(threads)
+    # Threads split the output features, never a sum, so the result is bit-identical.
+    assert torch.equal(_kernel(kind, x, packed, None), single)
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_empty_batch(kind: str) -> None:
+    packed = _quantize(kind, torch.randn(7, 64))
+    out = _kernel(kind, torch.empty(0, 64), packed, None)
+    assert out.shape == (0, 7) and out.dtype == torch.float32
+
+
+def _awkward_weight() -> torch.Tensor:
+    """Groups that stress the quantizers: zero, constant, tiny, huge, one outlier, already-integer values."""
+    generator = torch.Generator().manual_seed(3)
+    w = torch.randn(6, 32 * 8, generator=generator)
+    w[0] = 0.0
+    w[1, :32] = 0.75
+    w[1, 32:64] = -2.0
+    w[2] *= 1e-30
+    w[3] *= 1e30
+    w[4, 5] = 1000.0
+    w[5] = torch.arange(32 * 8, dtype=torch.float32) % 16 - 8
+    return w
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_quantize_is_idempotent(kind: str) -> None:
+    """Quantizing a dequantized tensor gives back the same codes and scales, hence identical values."""
+    generator = torch.Generator().manual_seed(11)
+    for weight in (_random_weight(64, 576, generator), _awkward_weight()):
+        packed = _quantize(kind, weight)
+        dense = _dequantize(kind, packed)
+        again = _quantize(kind, dense)
+        for first, second in zip(packed, again, strict=True):
+            assert torch.equal(first, second)
+        assert torch.equal(_dequantize(kind, again), dense)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_quantization_error_is_at_most_half_a_step(kind: str) -> None:
+    weight = torch.cat([_random_weight(64, 256, torch.Generator().manual_seed(5)), _awkward_weight()])
+    packed = _quantize(kind, weight)
+    step = packed[1].repeat_interleave(32, dim=1)
+    # Half a step, plus the 2**-17 / 2**-20 rounding of the scale applied to the largest code.
+    slack = 127 * 2.0**-17 if kind == "int8" else 15 * 2.0**-20
+    assert ((_dequantize(kind, packed) - weight).abs() <= step * (0.5 + slack) + weight.abs() * 2.0**-23).all()
+
+
+def test_int4_layout_matches_gguf_q4_1_blocks() -> None:
+    """Q4_1 blocks (d fp16, m fp16, 16 bytes of codes) map onto (scales, mins, qweight) by a reshape."""
+    generator = torch.Generator().manual_seed(13)
+    weight = _random_weight(48, 576, generator).numpy()
+    raw = gguf.quants.quantize(weight, gguf.GGMLQuantizationType.Q4_1).reshape(48, -1, 20)
+    scales = torch.from_numpy(raw[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
+    mins = torch.from_numpy(raw[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float32))
+    qweight = torch.from_numpy(raw[:, :, 4:].reshape(48, -1).copy())
+    expected = gguf.quants.dequantize(raw.reshape(48, -1), gguf.GGMLQuantizationType.Q4_1)
+    dense = quant_matmul.dequantize_int4(qweight, scales, mins)
+    assert torch.equal(dense, torch.from_numpy(expected))
+    # Re-quantizing the dequantized GGUF tensor is lossless: same codes, same fp16-valued scales and mins.
+    for ours, theirs in zip(quant_matmul.quantize_int4(dense), (qweight, scales, mins), strict=True):
+        assert torch.equal(ours, theirs)
+
+
+def test_int8_layout_matches_gguf_q8_0_blocks() -> None:
+    generator = torch.Generator().manual_seed(17)
+    weight = _random_weight(48, 576, generator).numpy()
+    raw = gguf.quants.quantize(weight, gguf.GGMLQuantizationType.Q8_0).reshape(48, -1, 34)
+    scales = torch.from_numpy(raw[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
+    qweight = torch.from_numpy(raw[:, :, 2:].reshape(48, -1).copy().view(np.int8))
+    expected = gguf.quants.dequantize(raw.reshape(48, -1), gguf.GGMLQuantizationType.Q8_0)
+    dense = quant_matmul.dequantize_int8(qweight, scales)
+    assert torch.equal(dense, torch.from_numpy(expected))
+    for ours, theirs in zip(quant_matmul.quantize_int8(dense), (qweight, scales), strict=True):
+        assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("quantize", [quant_matmul.quantize_int8, quant_matmul.quantize_int4])
+def test_quantize_rejects_k_not_multiple_of_32(quantize: Callable[[torch.Tensor], tuple[torch.Tensor, ...]]) -> None:
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize(torch.randn(4, 48))
+    with pytest.raises(ValueError, match="positive multiple of 32"):
+        quantize(torch.randn(4, 0))
+    with pytest.raises(ValueError, match="float32"):
+        quantize(torch.randn(4, 64, dtype=torch.float64))
+
+
+@needs_kernels
+def test_matmul_rejects_bad_inputs() -> None:
+    qweight, scales, mins = quant_matmul.quantize_int4(torch.randn(8, 64))
+    q8, s8 = quant_matmul.quantize_int8(torch.randn(8, 64))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quant_matmul.matmul_int8(torch.randn(2, 48), q8[:, :48].contiguous(), s8)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quant_matmul.matmul_int4(torch.randn(2, 48), qweight[:, :24].contiguous(), scales, mins)
+    with pytest.raises(ValueError, match="positive multiple of 32"):
+        quant_matmul.matmul_int8(torch.randn(2, 0), q8[:, :0].contiguous(), s8[:, :0].contiguous())
+    with pytest.raises(ValueError, match="qweight"):
+        quant_matmul.matmul_int4(torch.randn(2, 96), qweight, scales, mins)
+    with pytest.raises(ValueError, match="contiguous"):
+        quant_matmul.matmul_int8(torch.randn(64, 2).T, q8, s8)
+    with pytest.raises(ValueError, match="torch.int8"):
+        quant_matmul.matmul_int8(torch.randn(2, 64), q8.view(torch.uint8), s8)
+    with pytest.raises(ValueError, match="bias"):
+        quant_matmul.matmul_int4(torch.randn(2, 64), qweight, scales, mins, torch.randn(7))
+    with pytest.raises(ValueError, match="mins"):
+        quant_matmul.matmul_int4(torch.randn(2, 64), qweight, scales, mins[:, :1].contiguous())
+
+
+@needs_kernels
+def test_extension_checks_its_own_inputs() -> None:
+    """The compiled ops validate too, so calling them directly cannot read out of bounds."""
+    module = quant_matmul.load()
+    q8, s8 = quant_matmul.quantize_int8(torch.randn(8, 64))
+    with pytest.raises(ValueError, match="scales"):
+        module.matmul_int8(torch.randn(2, 64), q8, s8[:4].contiguous(), None)
+
+
+def test_load_names_missing_cpu_features(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu, "_module", None)
+    monkeypatch.setattr(cpu._EXTENSION, "_module", None)  # as if never built in this process
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+    assert not cpu.is_available()
+    with pytest.raises(RuntimeError, match="AVX2 and FMA"):
+        cpu.load()
