@@ -1,0 +1,14 @@
+"""Registers the attention backends: ``cpu`` (AVX2 kernels), ``triton`` and ``cuda`` (GPU).
+
+Registration only: no torch, Triton or CuPy import here."""
+
+from __future__ import annotations
+
+from tokenmill.hookspecs import Register, hookimpl
+
+
+@hookimpl
+def tokenmill_register_attention_backends(register: Register) -> None:
+    register("cpu", "tokenmill.plugins.attention.cpu_backend:CpuAttentionBackend")
+    register("triton", "tokenmill.plugins.attention.triton_backend:TritonAttentionBackend")
+    register("cuda", "tokenmill.plugins.attention.cuda_backend:CudaAttentionBackend")
