@@ -1,20 +1,26 @@
 """``tokenmill bench``: the benchmark commands. Each prints its report as a table
 on stdout and can write it as JSON.
 
-The engine (and torch) is imported only by the offline commands, so ``bench serve``
-runs wherever the client does.
+``serve`` loads a running server; ``latency`` and ``throughput`` run the offline
+engine; ``decode``, ``sweep``, ``prefix`` and ``prefill`` (the comparison suite,
+``bench.suite``) start their own ``tokenmill serve`` and measure transformers on
+the same model after it. The engine (and torch) is imported only by the commands
+that run a model, so ``bench serve`` runs wherever the client does.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import click
 
 from tokenmill.bench.metrics import format_table, write_json
+from tokenmill.bench.suite import SuiteOptions, format_comparison
 from tokenmill.config import EngineConfig
 from tokenmill.config.options import config_options
 from tokenmill.errors import TokenmillError
@@ -51,8 +57,8 @@ _mixed = click.option(
 )
 
 
-def _report(report: dict[str, Any], output_json: Path | None) -> None:
-    click.echo(format_table(report))
+def _report(report: dict[str, Any], output_json: Path | None, *, comparison: bool = False) -> None:
+    click.echo(format_comparison(report) if comparison else format_table(report))
     if output_json is not None:
         write_json(report, output_json)
         click.echo(f"wrote {output_json}", err=True)
@@ -60,7 +66,8 @@ def _report(report: dict[str, Any], output_json: Path | None) -> None:
 
 @click.group(cls=_BenchGroup)
 def bench() -> None:
-    """Benchmark a running server (serve) or the offline engine (latency, throughput)."""
+    """Benchmark a running server (serve), the offline engine (latency, throughput, step), or a server
+    started for the run against Hugging Face transformers on the same model (decode, sweep, prefix, prefill)."""
 
 
 @bench.command()
@@ -201,3 +208,248 @@ def throughput(
         llm, num_prompts=num_prompts, input_len=input_len, output_len=output_len, mixed=mixed, seed=seed
     )
     _report(report, output_json)
+
+
+def _int_list(ctx: click.Context, param: click.Parameter, value: str) -> list[int]:
+    try:
+        levels = [int(part) for part in value.split(",") if part.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a comma-separated list of integers, e.g. 1,4,16") from None
+    if not levels or min(levels) < 1:
+        raise click.BadParameter(f"{value!r}: give one or more levels, each at least 1")
+    return levels
+
+
+@bench.command()
+@config_options
+@click.option(
+    "--batch-size",
+    default="1,32",
+    show_default=True,
+    callback=_int_list,
+    help="Comma-separated batch sizes: decoding requests per step.",
+)
+@click.option(
+    "--context-len", type=click.IntRange(min=1), default=256, show_default=True, help="Tokens cached per request."
+)
+@click.option("--num-steps", type=click.IntRange(min=1), default=20, show_default=True, help="Timed repeats (median).")
+@_seed
+@_output_json
+def step(
+    config: EngineConfig,
+    batch_size: list[int],
+    context_len: int,
+    num_steps: int,
+    seed: int,
+    output_json: Path | None,
+) -> None:
+    """Where one decode step's time goes: the whole step, its linears, its attention, the rest."""
+    from tokenmill.bench.step import run_step
+    from tokenmill.engine import EngineCore
+
+    engine = EngineCore(config)
+    reports = [
+        run_step(engine, batch_size=size, context_len=context_len, num_steps=num_steps, seed=seed)
+        for size in batch_size
+    ]
+    for report in reports:
+        click.echo(format_table(report))
+    if output_json is not None:
+        write_json({"benchmark": "step", "runs": reports}, output_json)
+        click.echo(f"wrote {output_json}", err=True)
+
+
+# ------------------------------------------------ the comparison suite (bench.suite)
+
+
+def _suite_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """The flags every suite command shares, plus every engine flag of ``tokenmill serve``
+    (``config_options``); the command gets ``options: SuiteOptions``."""
+
+    @functools.wraps(command)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        kwargs["options"] = SuiteOptions(
+            config=kwargs.pop("config"),
+            seed=kwargs.pop("seed"),
+            hf_baseline=not kwargs.pop("no_hf_baseline"),
+            server_timeout_s=kwargs.pop("server_timeout"),
+            request_timeout_s=kwargs.pop("timeout"),
+            show_progress=not kwargs.pop("no_progress"),
+        )
+        return command(*args, **kwargs)
+
+    options: list[Callable[[Callable[..., Any]], Callable[..., Any]]] = [
+        _seed,
+        click.option(
+            "--no-hf-baseline",
+            is_flag=True,
+            help="Measure tokenmill alone; without it, transformers runs the same model after the server stops.",
+        ),
+        click.option(
+            "--server-timeout",
+            type=click.FloatRange(min=0, min_open=True),
+            default=600.0,
+            show_default=True,
+            help="Seconds the server may take to load the model and answer /health.",
+        ),
+        click.option(
+            "--timeout",
+            type=click.FloatRange(min=0, min_open=True),
+            default=600.0,
+            show_default=True,
+            help="Seconds per request.",
+        ),
+        click.option("--no-progress", is_flag=True, help="Hide the progress bars."),
+        config_options,
+    ]
+    decorated: Callable[..., Any] = wrapper
+    for option in reversed(options):
+        decorated = option(decorated)
+    return decorated
+
+
+@bench.command()
+@click.option("--input-len", type=click.IntRange(min=1), default=128, show_default=True, help="Prompt tokens.")
+@click.option("--output-len", type=click.IntRange(min=2), default=128, show_default=True, help="Generated tokens.")
+@click.option(
+    "--num-requests", type=click.IntRange(min=1), default=5, show_default=True, help="Requests, one at a time."
+)
+@click.option(
+    "--peak-bandwidth-gbs",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="Peak memory bandwidth (GB/s) for the decode-step roofline; known GPUs (H100, H200) need none.",
+)
+@_output_json
+@_suite_options
+def decode(
+    options: SuiteOptions,
+    input_len: int,
+    output_len: int,
+    num_requests: int,
+    peak_bandwidth_gbs: float | None,
+    output_json: Path | None,
+) -> None:
+    """Single-stream decode on a tokenmill server vs transformers generate at batch 1."""
+    from tokenmill.bench.suite import run_decode
+
+    report = run_decode(
+        options,
+        input_len=input_len,
+        output_len=output_len,
+        num_requests=num_requests,
+        peak_bandwidth_gbs=peak_bandwidth_gbs,
+    )
+    _report(report, output_json, comparison=True)
+
+
+@bench.command()
+@click.option(
+    "--concurrency",
+    default="1,4,16,32,64",
+    show_default=True,
+    callback=_int_list,
+    help="Comma-separated concurrency levels, measured in order against one server.",
+)
+@click.option("--input-len", type=click.IntRange(min=1), default=128, show_default=True, help="Prompt tokens.")
+@click.option("--output-len", type=click.IntRange(min=1), default=128, show_default=True, help="Generated tokens.")
+@click.option(
+    "--num-requests",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Requests per level.  [default: max(2 x concurrency, 8)]",
+)
+@_mixed
+@click.option(
+    "--hf-max-batch",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Skip the transformers baseline at levels above this batch size (it is slow on CPU).",
+)
+@_output_json
+@_suite_options
+def sweep(
+    options: SuiteOptions,
+    concurrency: list[int],
+    input_len: int,
+    output_len: int,
+    num_requests: int | None,
+    mixed: bool,
+    hf_max_batch: int | None,
+    output_json: Path | None,
+) -> None:
+    """Output throughput at each concurrency level vs transformers batched generate at that batch size."""
+    from tokenmill.bench.suite import run_sweep
+
+    report = run_sweep(
+        options,
+        concurrency=concurrency,
+        input_len=input_len,
+        output_len=output_len,
+        num_requests=num_requests,
+        mixed=mixed,
+        hf_max_batch=hf_max_batch,
+    )
+    _report(report, output_json, comparison=True)
+
+
+@bench.command()
+@click.option(
+    "--prefix-len", type=click.IntRange(min=1), default=1000, show_default=True, help="Tokens of the shared prefix."
+)
+@click.option(
+    "--question-len",
+    type=(click.IntRange(min=1), click.IntRange(min=1)),
+    default=(16, 32),
+    show_default=True,
+    help="Shortest and longest distinct question after the prefix, in tokens.",
+)
+@click.option(
+    "--output-len", type=click.IntRange(min=1), default=16, show_default=True, help="Generated tokens per request."
+)
+@click.option(
+    "--num-requests",
+    type=click.IntRange(min=1),
+    default=16,
+    show_default=True,
+    help="Measured requests per server, one at a time, after one warm-up.",
+)
+@_output_json
+@_suite_options
+def prefix(
+    options: SuiteOptions,
+    prefix_len: int,
+    question_len: tuple[int, int],
+    output_len: int,
+    num_requests: int,
+    output_json: Path | None,
+) -> None:
+    """TTFT of prompts sharing a long prefix, with prefix caching on and off, vs transformers prefill."""
+    from tokenmill.bench.suite import run_prefix
+
+    if question_len[0] > question_len[1]:
+        raise click.BadParameter(f"{question_len[0]} > {question_len[1]}", param_hint="--question-len")
+    report = run_prefix(
+        options, prefix_len=prefix_len, question_lens=question_len, output_len=output_len, num_requests=num_requests
+    )
+    _report(report, output_json, comparison=True)
+
+
+@bench.command()
+@click.option("--input-len", type=click.IntRange(min=1), default=2000, show_default=True, help="Prompt tokens.")
+@click.option(
+    "--output-len", type=click.IntRange(min=1), default=1, show_default=True, help="Generated tokens per request."
+)
+@click.option(
+    "--num-requests", type=click.IntRange(min=1), default=3, show_default=True, help="Requests, one at a time."
+)
+@_output_json
+@_suite_options
+def prefill(
+    options: SuiteOptions, input_len: int, output_len: int, num_requests: int, output_json: Path | None
+) -> None:
+    """Time to first token of a long prompt vs one transformers forward over it."""
+    from tokenmill.bench.suite import run_prefill
+
+    report = run_prefill(options, input_len=input_len, output_len=output_len, num_requests=num_requests)
+    _report(report, output_json, comparison=True)

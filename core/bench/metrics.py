@@ -189,15 +189,21 @@ _LABELS = {
 }
 
 
-def format_table(report: dict[str, Any]) -> str:
-    """The report as aligned text: parameters, scalar results, then one row per statistic."""
-    rule = "-" * _WIDTH
+def format_header(report: dict[str, Any]) -> list[str]:
+    """The first lines of a report's table: its name, version and date, its scalar parameters, a rule.
+    Used by ``format_table`` and by the comparison suite's tables."""
     lines = [
-        f" {report['benchmark']} benchmark ".center(_WIDTH, "="),
+        f" {report['benchmark']} benchmark ".center(TABLE_WIDTH, "="),
         _row(f"tokenmill {report['tokenmill_version']}", report["date"]),
     ]
     lines += [_row(name, value) for name, value in report["parameters"].items() if not isinstance(value, dict | list)]
-    lines.append(rule)
+    return [*lines, "-" * TABLE_WIDTH]
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """The report as aligned text: parameters, scalar results, then one row per statistic."""
+    rule = "-" * TABLE_WIDTH
+    lines = format_header(report)
     results = report["results"]
     # A statistic is a {mean, p50, p95, p99} dict, or None when nothing was measured.
     stats = [
@@ -213,24 +219,27 @@ def format_table(report: dict[str, Any]) -> str:
     if stats:
         lines += [rule, f"{'':<24}" + "".join(f"{key:>10}" for key in _STAT_KEYS)]
         for name in stats:
-            cells = [f"{_fmt(results[name][key]):>10}" for key in _STAT_KEYS] if results[name] else [f"{'n/a':>10}"]
+            row = results[name]
+            cells = [f"{format_value(row[key]):>10}" for key in _STAT_KEYS] if row else [f"{'n/a':>10}"]
             lines.append(f"{_LABELS.get(name, name):<24}" + "".join(cells))
     errors = results.get("errors") or {}
     if errors:
         lines += [rule, "Errors:", *(f"{count:>6} x {text}" for text, count in errors.items())]
-    lines.append("=" * _WIDTH)
+    lines.append("=" * TABLE_WIDTH)
     return "\n".join(lines)
 
 
-_WIDTH = 64
+#: Characters per line of every benchmark table.
+TABLE_WIDTH = 64
 _STAT_KEYS = ("mean", "p50", "p95", "p99")
 
 
 def _row(label: str, value: Any) -> str:
-    return f"{label:<40}{_fmt(value):>24}"
+    return f"{label:<40}{format_value(value):>24}"
 
 
-def _fmt(value: Any) -> str:
+def format_value(value: Any) -> str:
+    """A table cell: floats with 2 decimals (3 below 10), None as "-", anything else as ``str``."""
     if isinstance(value, float):
         if not math.isfinite(value):
             return str(value)

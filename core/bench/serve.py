@@ -55,9 +55,12 @@ class ServeOptions:
     api_key: str | None = None
     timeout_s: float = 600.0  # per request
     show_progress: bool = True
+    #: Explicit token-id prompts, one per request (completions only), instead of random ones of
+    #: ``input_len``; the comparison suite's shared-prefix scenario sends them. Not written to the report.
+    prompts: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
-        checks = [
+        checks: list[tuple[bool, str, Any, str]] = [
             (self.num_requests >= 1, "num_requests", self.num_requests, "at least 1"),
             (self.input_len >= 1, "input_len", self.input_len, "at least 1"),
             (self.output_len >= 1, "output_len", self.output_len, "at least 1"),
@@ -65,6 +68,12 @@ class ServeOptions:
             (self.request_rate > 0, "request_rate", self.request_rate, "positive, or inf"),
             (self.endpoint in _PATHS, "endpoint", self.endpoint, "'completions' or 'chat'"),
         ]
+        if self.prompts is not None:
+            checks += [
+                (len(self.prompts) == self.num_requests, "prompts", len(self.prompts), "one per request"),
+                (self.endpoint == "completions", "endpoint", self.endpoint, "'completions' with explicit prompts"),
+                (all(len(p) >= 1 for p in self.prompts), "prompts", "an empty prompt", "at least 1 token each"),
+            ]
         for ok, name, value, allowed in checks:
             if not ok:
                 raise BenchmarkError(f"{name}={value!r} is invalid: must be {allowed}")
@@ -75,7 +84,7 @@ class ServeOptions:
         return self.url.rstrip("/").removesuffix("/v1")
 
     def parameters(self, model: str) -> dict[str, Any]:
-        hidden = ("api_key", "show_progress")
+        hidden = ("api_key", "show_progress", "prompts")
         return {**{k: v for k, v in asdict(self).items() if k not in hidden}, "model": model}
 
 
@@ -91,9 +100,12 @@ def make_requests(options: ServeOptions) -> list[BenchRequest]:
     n, seed = options.num_requests, options.seed
     input_lens = sample_lengths(n, options.input_len, seed=seed, mixed=options.mixed, stream=0)
     output_lens = sample_lengths(n, options.output_len, seed=seed, mixed=options.mixed, stream=1)
-    if options.endpoint == "chat":
+    if options.prompts is not None:
+        prompts: list[Any] = options.prompts
+        input_lens, key = [len(p) for p in options.prompts], "prompt"
+    elif options.endpoint == "chat":
         # Chat takes no token ids; the usage chunk tells the true prompt length.
-        prompts: list[Any] = [[{"role": "user", "content": text}] for text in random_texts(input_lens, seed=seed)]
+        prompts = [[{"role": "user", "content": text}] for text in random_texts(input_lens, seed=seed)]
         key = "messages"
     else:
         prompts, key = random_token_ids(input_lens, seed=seed), "prompt"

@@ -41,7 +41,7 @@ def _rng(seed: int, *keys: int) -> np.random.Generator:
 
 
 # Stream numbers: one per purpose, so each draw is independent of the others.
-_LENGTHS, _PROMPTS, _ARRIVALS = 0, 1, 2
+_LENGTHS, _PROMPTS, _ARRIVALS, _SHARED_PREFIX = 0, 1, 2, 3
 
 
 def sample_lengths(
@@ -71,6 +71,23 @@ def random_token_ids(lengths: list[int], *, seed: int, vocab_size: int | None = 
     low = min(MIN_TOKEN_ID, high // 2)
     rng = _rng(seed, _PROMPTS)
     return [rng.integers(low, high, size=n).tolist() for n in lengths]
+
+
+def shared_prefix_prompts(
+    num: int, prefix_len: int, question_lens: tuple[int, int], *, seed: int, vocab_size: int | None = None
+) -> list[list[int]]:
+    """``num`` token-id prompts that share one random ``prefix_len``-token prefix (a "system prompt")
+    and each end in a distinct random "question" of a length drawn uniformly from ``question_lens``
+    (inclusive). The same arguments give the same prompts."""
+    low_len, high_len = question_lens
+    if prefix_len < 1 or not 1 <= low_len <= high_len:
+        raise ValueError(f"need prefix_len >= 1 and 1 <= question lengths {question_lens}, got {prefix_len}")
+    rng = _rng(seed, _SHARED_PREFIX)
+    lengths = rng.integers(low_len, high_len + 1, size=num).tolist()
+    high = MAX_TOKEN_ID if vocab_size is None else min(MAX_TOKEN_ID, vocab_size)
+    low = min(MIN_TOKEN_ID, high // 2)
+    prefix = rng.integers(low, high, size=prefix_len).tolist()
+    return [prefix + rng.integers(low, high, size=n).tolist() for n in lengths]
 
 
 def random_texts(lengths: list[int], *, seed: int) -> list[str]:

@@ -14,6 +14,7 @@ from click.testing import CliRunner
 
 from tests.bench.fake_server import CHUNK_DELAY, FIRST_CHUNK_DELAY, MODEL, TOKENS_PER_CHUNK, FakeServerState, serve_fake
 from tokenmill.bench.cli import bench
+from tokenmill.bench.serve import BenchmarkError, ServeOptions, run_serve
 from tokenmill.bench.workload import MAX_TOKEN_ID, MIN_TOKEN_ID, arrival_times, sample_lengths
 
 
@@ -137,3 +138,18 @@ def test_serve_benchmark_never_imports_torch() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
+
+
+def test_explicit_prompts_are_sent_as_given_and_kept_out_of_the_report(fake: tuple[str, FakeServerState]) -> None:
+    url, state = fake
+    state.reset(inject_failures=False)
+    prompts = [[1000 + i] * (3 + i) for i in range(4)]
+    options = ServeOptions(url=url, num_requests=4, input_len=5, output_len=2, prompts=prompts, show_progress=False)
+    report = run_serve(options)
+    assert sorted(body["prompt"] for body in state.bodies) == prompts
+    assert report["results"]["total_input_tokens"] == sum(len(p) for p in prompts)
+    assert "prompts" not in report["parameters"]
+    with pytest.raises(BenchmarkError, match="prompts=3 is invalid: must be one per request"):
+        ServeOptions(url=url, num_requests=4, input_len=5, output_len=2, prompts=prompts[:3])
+    with pytest.raises(BenchmarkError, match="endpoint='chat'"):
+        ServeOptions(url=url, num_requests=4, input_len=5, output_len=2, prompts=prompts, endpoint="chat")

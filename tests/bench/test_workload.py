@@ -14,6 +14,7 @@ from tokenmill.bench.workload import (
     random_texts,
     random_token_ids,
     sample_lengths,
+    shared_prefix_prompts,
 )
 
 
@@ -63,3 +64,16 @@ def test_random_texts_have_the_word_count() -> None:
     texts = random_texts([5, 40], seed=3)
     assert [len(t.split()) for t in texts] == [5, 40]
     assert texts == random_texts([5, 40], seed=3)
+
+
+def test_shared_prefix_prompts_share_exactly_the_prefix() -> None:
+    prompts = shared_prefix_prompts(20, 50, (3, 6), seed=4)
+    assert prompts == shared_prefix_prompts(20, 50, (3, 6), seed=4)
+    assert prompts != shared_prefix_prompts(20, 50, (3, 6), seed=5)
+    prefix = prompts[0][:50]
+    assert all(p[:50] == prefix and 53 <= len(p) <= 56 for p in prompts)
+    assert {len(p) for p in prompts} == {53, 54, 55, 56}  # both ends of the range are drawn
+    assert len({tuple(p[50:]) for p in prompts}) == 20  # distinct questions
+    assert all(MIN_TOKEN_ID <= t < MAX_TOKEN_ID for p in prompts for t in p)
+    with pytest.raises(ValueError):
+        shared_prefix_prompts(2, 10, (5, 4), seed=0)

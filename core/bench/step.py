@@ -1,0 +1,126 @@
+"""``bench step``: where one engine step's time goes, at a given batch size and context length.
+
+A decode step is timed end to end through ``EngineCore.step`` (scheduling, batch building,
+forward, logits, sampling, output bookkeeping). Then its parts are timed alone on the same
+model with the same shapes: every linear layer of one forward (the output projection
+included) and every layer's attention (cache write plus paged attention) over the step's
+real batch metadata. What the parts do not account for is the rest of the step: norms,
+rope, activations, residual adds, Python and the sampler.
+
+Timing the parts separately, rather than through a profiler, keeps the numbers honest for
+C++ kernels that a profiler does not see and costs nothing in the engine's hot path.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from tokenmill.bench.metrics import build_report
+from tokenmill.bench.workload import random_token_ids
+
+if TYPE_CHECKING:
+    from tokenmill.engine import EngineCore
+
+
+@dataclass(frozen=True)
+class StepBreakdown:
+    batch_size: int
+    context_len: int  # tokens in each request's cache during the timed steps (about)
+    step_ms: float  # one decode step through EngineCore.step, median
+    linear_ms: float  # every linear of one forward, lm_head included
+    attention_ms: float  # every layer's K/V write and attention
+    other_ms: float  # step - linear - attention: norms, rope, activations, Python, sampling
+    output_throughput: float  # batch_size / step time
+
+
+def run_step(engine: EngineCore, *, batch_size: int, context_len: int, num_steps: int, seed: int) -> dict[str, Any]:
+    """Fill ``batch_size`` requests to ``context_len`` tokens, then time decode steps and their parts."""
+    import torch
+
+    from tokenmill.engine import now
+    from tokenmill.messages import EngineCoreRequest
+    from tokenmill.model_runner import build_batch
+    from tokenmill.sampling_params import SamplingParams
+
+    prompts = random_token_ids([context_len] * batch_size, seed=seed, vocab_size=engine.vocab_size)
+    params = SamplingParams(temperature=0, max_tokens=num_steps * 3 + 8, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(EngineCoreRequest(f"step-{i}", prompt, params, [], now()))
+    requests = list(engine.scheduler.requests.values())
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in requests):
+        engine.step()  # prefill
+    for _ in range(2):
+        engine.step()  # warm-up decode steps
+    step_ms = _median_ms(engine.step, num_steps)
+
+    # The parts, over the same shapes as the steps just timed.
+    model = engine.runner.loaded.model
+    linears = [m for m in model.modules() if isinstance(m, _linear_class())]
+    inputs = {id(m): torch.randn(batch_size, m.in_features) for m in linears}
+
+    hidden = torch.randn(batch_size, engine.runner.loaded.arch.hidden_size)  # [batch, hidden]
+    tied_dense_head = getattr(model, "lm_head", None) is None
+
+    def all_linears() -> None:
+        for layer in linears:
+            layer(inputs[id(layer)])
+        if tied_dense_head:  # the output projection reads the embedding: not a Linear
+            model.compute_logits(hidden)
+
+    chunks = [engine._chunk(s) for s in engine.scheduler.schedule().scheduled]
+    _, metadata = build_batch(chunks, engine.runner.block_size, engine.runner.loaded.device)
+    backend = engine.runner.loaded.attention
+    backend.prepare(metadata, engine.runner.block_size)
+    attention_layers = [layer.self_attn for layer in model.model.layers]
+    spec = attention_layers[0].spec
+    num_tokens = metadata.num_tokens
+    query = torch.randn(num_tokens, spec.num_heads, spec.head_dim)  # [num_tokens, heads, head_dim]
+    key = torch.randn(num_tokens, spec.num_kv_heads, spec.head_dim)  # [num_tokens, kv_heads, head_dim]
+    value = torch.randn(num_tokens, spec.num_kv_heads, spec.head_dim)
+
+    def all_attention() -> None:
+        for layer, kv_cache in zip(attention_layers, engine.runner.kv_caches, strict=True):
+            backend.forward(layer.spec, query, key, value, kv_cache, metadata)
+
+    with torch.inference_mode():
+        linear_ms = _median_ms(all_linears, num_steps)
+        attention_ms = _median_ms(all_attention, num_steps)
+    engine.abort_requests([r.request_id for r in requests])
+    summary = StepBreakdown(
+        batch_size=batch_size,
+        context_len=context_len,
+        step_ms=step_ms,
+        linear_ms=linear_ms,
+        attention_ms=attention_ms,
+        other_ms=step_ms - linear_ms - attention_ms,
+        output_throughput=batch_size / (step_ms / 1000),
+    )
+    parameters = {
+        "batch_size": batch_size,
+        "context_len": context_len,
+        "num_steps": num_steps,
+        "seed": seed,
+        "quantization": next(iter(linears)).quantizer.name if linears else None,
+        "attention_backend": backend.name,
+        "num_threads": torch.get_num_threads(),
+    }
+    return build_report("step", parameters, summary)
+
+
+def _linear_class() -> type:
+    from tokenmill.layers.linear import Linear
+
+    return Linear
+
+
+def _median_ms(function: Callable[[], Any], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        function()
+        times.append((time.perf_counter() - started) * 1000)
+    times.sort()
+    return times[len(times) // 2]
