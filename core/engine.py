@@ -14,6 +14,7 @@ import time
 import torch
 
 from tokenmill.config import EngineConfig
+from tokenmill.cuda_graphs import cuda_graph_batch_sizes
 from tokenmill.kv_cache.manager import KVCacheManager
 from tokenmill.memory import CacheLayout, plan_kv_cache
 from tokenmill.messages import (
@@ -44,7 +45,13 @@ class EngineCore:
         self.layout: CacheLayout = plan_kv_cache(
             config.cache, self.loaded.device, arch.num_layers, arch.num_kv_heads, arch.head_dim, self.loaded.dtype
         )
-        self.runner = ModelRunner(self.loaded, self.layout.num_blocks, self.layout.block_size)
+        graph_batch_sizes = cuda_graph_batch_sizes(
+            config.device.cuda_graphs, config.device.cuda_graph_batch_sizes, config.scheduler.max_num_seqs,
+            self.loaded.device, self.loaded.attention,
+        )  # fmt: skip
+        self.runner = ModelRunner(
+            self.loaded, self.layout.num_blocks, self.layout.block_size, cuda_graph_batch_sizes=graph_batch_sizes
+        )
         self.kv_cache = KVCacheManager(
             self.layout.num_blocks,
             self.layout.block_size,

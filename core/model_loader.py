@@ -10,11 +10,13 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from tokenmill.attention.backend import AttentionBackend
 from tokenmill.config import EngineConfig
+from tokenmill.layers.quantizer import Quantizer
 from tokenmill.model_files import resolve_model
 from tokenmill.models.architecture import ArchitectureConfig
 from tokenmill.models.base import CausalLM
@@ -66,6 +68,58 @@ def select_weight_format(path: Path, registry: Registry, name: str | None) -> We
     raise WeightsError(f"{path}: no installed weight format recognises it (installed: {names})")
 
 
+def _loadable(registry: Registry, slot: Slot) -> list[Any]:
+    """Every implementation registered in ``slot`` that imports; "auto" skips (and logs) broken ones."""
+    loaded = []
+    for registration in registry.registrations(slot):
+        try:
+            loaded.append(registry.load(slot, registration.name))
+        except PluginError as exc:
+            logger.warning("skipping %s %r for 'auto': %s", slot.value, registration.name, exc)
+    return loaded
+
+
+def select_attention_backend(name: str, device: torch.device, registry: Registry) -> AttentionBackend:
+    """The named backend, or for ``"auto"`` the available one with the highest priority on ``device``."""
+    if name == "auto":
+        candidates = [
+            backend_class
+            for backend_class in _loadable(registry, Slot.ATTENTION_BACKEND)
+            if device.type in backend_class.supported_devices and backend_class.is_available()
+        ]
+        return max(candidates, key=lambda c: c.auto_priority)()  # the built-in torch backend runs everywhere
+    backend_class = registry.load(Slot.ATTENTION_BACKEND, name)
+    if device.type not in backend_class.supported_devices:
+        raise PluginError(
+            f"attention backend {name!r} does not run on {device.type}; "
+            f"it supports {', '.join(backend_class.supported_devices)}"
+        )
+    return backend_class()
+
+
+def select_quantizer(name: str, arch: ArchitectureConfig, device: torch.device, registry: Registry) -> Quantizer:
+    """The named quantizer, or for ``"auto"`` the available one that holds the checkpoint's stored
+    weight type exactly on this device (``"none"`` when the checkpoint is float or none fits)."""
+    if name != "auto":
+        quantizer_class = registry.load(Slot.QUANTIZER, name)
+        if device.type not in quantizer_class.supported_devices:
+            raise PluginError(
+                f"quantizer {name!r} does not run on {device.type}; it supports "
+                f"{', '.join(quantizer_class.supported_devices)} (model.quantization)"
+            )
+        return quantizer_class()
+    candidates = [
+        quantizer_class
+        for quantizer_class in (_loadable(registry, Slot.QUANTIZER) if arch.stored_weight_type else [])
+        if arch.stored_weight_type in quantizer_class.lossless_for
+        and device.type in quantizer_class.supported_devices
+        and quantizer_class.is_available()
+    ]
+    if not candidates:
+        return registry.load(Slot.QUANTIZER, "none")()
+    return max(candidates, key=lambda c: c.auto_priority)()
+
+
 def load_model(config: EngineConfig, plugins: PluginSystem | None = None) -> LoadedModel:
     """Build the configured model on its device and load its weights."""
     registry = (plugins or load_plugins(disabled=config.disable_plugins)).registry
@@ -73,21 +127,16 @@ def load_model(config: EngineConfig, plugins: PluginSystem | None = None) -> Loa
     weight_format = select_weight_format(path, registry, config.model.weight_format)
     arch = ArchitectureConfig.from_hf_config(weight_format.read_config(path))
     model_class = registry.load(Slot.ARCHITECTURE, arch.architecture)
-    attention = registry.load(Slot.ATTENTION_BACKEND, config.attention.backend)()
-    quantizer = registry.load(Slot.QUANTIZER, config.model.quantization)()
     device = resolve_device(config.device.device)
+    attention = select_attention_backend(config.attention.backend, device, registry)
+    quantizer = select_quantizer(config.model.quantization, arch, device, registry)
     if config.device.num_threads is not None:
         torch.set_num_threads(config.device.num_threads)
-    if device.type not in attention.supported_devices:
-        raise PluginError(
-            f"attention backend {config.attention.backend!r} does not run on {device.type}; "
-            f"it supports {', '.join(attention.supported_devices)}"
-        )
     dtype = resolve_dtype(config.model.dtype, arch, device)
     max_model_len = config.model.max_model_len or arch.max_position_embeddings
     logger.info(
         "loading %s (%s, %s) from %s on %s as %s",
-        arch.architecture, weight_format.name, config.model.quantization, path, device, dtype,
+        arch.architecture, weight_format.name, quantizer.name, path, device, dtype,
     )
     with torch.device("meta"):
         model = model_class(arch, attention, quantizer, dtype, max(max_model_len, arch.max_position_embeddings))

@@ -3,11 +3,13 @@
 The runner owns the KV cache tensors. Each step it receives, per request, the
 new tokens to compute, how many of the request's tokens are already cached,
 and its block table; it lays these out as one batch (``AttentionMetadata``),
-runs the forward once and returns logits.
+runs the forward once and returns logits. On a CUDA device it may replay a
+captured CUDA graph for decode steps instead (``tokenmill.cuda_graphs``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
 from operator import attrgetter
@@ -16,6 +18,7 @@ import numpy
 import torch
 
 from tokenmill.attention.backend import AttentionMetadata
+from tokenmill.cuda_graphs import CudaGraphRunner
 from tokenmill.model_loader import LoadedModel
 
 
@@ -96,15 +99,39 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int) -> None:
+    """Owns the KV cache tensors and runs the model once per step. Built once per engine process.
+
+    With ``cuda_graph_batch_sizes`` (only on a CUDA device; the engine picks them with
+    ``cuda_graphs.cuda_graph_batch_sizes``), the cache gets one block more than
+    ``num_blocks``, block ``num_blocks``, as the graphs' scratch block (the KV cache
+    manager hands out ids below ``num_blocks`` only), and one decode graph per batch
+    size is captured here, at construction.
+    """
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        num_blocks: int,
+        block_size: int,
+        cuda_graph_batch_sizes: Sequence[int] = (),
+    ) -> None:
         self.loaded = loaded
         self.block_size = block_size
         self.num_blocks = num_blocks
         arch = loaded.arch
-        shape = loaded.attention.kv_cache_shape(num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
+        num_cache_blocks = num_blocks + 1 if cuda_graph_batch_sizes else num_blocks
+        shape = loaded.attention.kv_cache_shape(num_cache_blocks, block_size, arch.num_kv_heads, arch.head_dim)
         self.kv_caches = [
             _zeros(shape, loaded.dtype, loaded.device) for _ in range(arch.num_layers)
-        ]  # each [2, num_blocks, block_size, num_kv_heads, head_dim] by default
+        ]  # each [2, num_cache_blocks, block_size, num_kv_heads, head_dim] by default
+        self.cuda_graphs: CudaGraphRunner | None = None
+        if cuda_graph_batch_sizes:
+            assert loaded.device.type == "cuda", "CUDA graphs are captured on a CUDA device only"
+            self.cuda_graphs = CudaGraphRunner(
+                loaded.model, loaded.attention, self.kv_caches, block_size, loaded.max_model_len,
+                cuda_graph_batch_sizes, scratch_block=num_blocks,
+            )  # fmt: skip
+            self.cuda_graphs.capture()
 
     @torch.inference_mode()
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
@@ -125,7 +152,17 @@ class ModelRunner:
     ) -> torch.Tensor:
         """Run one step. Returns float32 logits of the last token of each chunk [num_reqs, vocab]
         (only of the chunks in ``logits_indices`` when given: prompt chunks that sample nothing
-        need none), or of every token [num_tokens, vocab] with ``all_logits``."""
+        need none), or of every token [num_tokens, vocab] with ``all_logits``.
+
+        A decode step that fits a captured CUDA graph replays it; any other step runs eagerly."""
+        if self.cuda_graphs is not None:
+            hidden = self.cuda_graphs.execute(chunks)  # [num_reqs, hidden]: one token per request
+            if hidden is not None:
+                if logits_indices == [] and not all_logits:
+                    return hidden.new_empty((0, self.loaded.arch.vocab_size), dtype=torch.float32)
+                if logits_indices is not None and not all_logits and logits_indices != list(range(len(chunks))):
+                    hidden = hidden[torch.tensor(logits_indices, device=hidden.device)]
+                return self.loaded.model.compute_logits(hidden)
         input_ids, metadata = build_batch(chunks, self.block_size, self.loaded.device)
         self.loaded.attention.prepare(metadata, self.block_size)
         hidden = self.loaded.model(input_ids, metadata.positions, self.kv_caches, metadata)

@@ -26,6 +26,8 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_reqs, max_num_blocks] int32: request i's block ids, in order
     slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot (block_id * block_size + offset) per token
     max_query_len: int
+    #: The longest ``seq_lens`` entry; in a step replayed from a CUDA graph, an upper bound (the context
+    #: window), fixed when the graph was captured.
     max_seq_len: int
     #: Whatever the backend's ``prepare`` computed for this step (masks, gather indices, ...).
     backend_state: Any = field(default=None, repr=False)
@@ -63,6 +65,27 @@ class AttentionBackend(ABC):
     name: ClassVar[str]
     #: Devices this backend runs on.
     supported_devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
+    #: ``attention.backend = "auto"`` picks, among the available backends that run on the
+    #: device, the one with the highest priority.
+    auto_priority: ClassVar[int] = 0
+    #: Whether the model runner may capture decode steps in CUDA graphs with this backend (see
+    #: ``tokenmill.cuda_graphs``). ``True`` promises that, for metadata with ``max_query_len == 1``
+    #: and ``max_seq_len`` equal to the context window, ``prepare`` and ``forward`` together:
+    #: read no device value on the host (no ``.item()``, ``.tolist()``, ``.cpu()``, nonzero or other
+    #: data-dependent shapes); allocate only through torch's caching allocator; take every host-side
+    #: decision (kernel choice, grid, split count) from tensor shapes and those two integers alone; and
+    #: read metadata tensors only where a request's ``seq_lens`` reaches (block-table entries past a
+    #: request's blocks are stale but valid block ids). Both are then captured once per batch size at
+    #: start-up, after a warm-up run, and replayed with new values in the same tensors; neither is called
+    #: for a replayed step. Rows past the step's requests are padding requests: one token at position 0,
+    #: ``seq_lens`` 1, written to and read from a scratch block that no request owns.
+    supports_cuda_graphs: ClassVar[bool] = False
+
+    @classmethod
+    def is_available(cls) -> bool:
+        """Whether this machine can run it (CPU features, compiler, GPU libraries). Called at
+        start-up by ``attention.backend = "auto"``; must be cheap and must not raise."""
+        return True
 
     def kv_cache_shape(
         self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
@@ -78,7 +101,9 @@ class AttentionBackend(ABC):
     def prepare(self, metadata: AttentionMetadata, block_size: int) -> None:
         """Precompute what every layer of this step shares into ``metadata.backend_state``.
 
-        Called once per step, before the forward. The default does nothing.
+        Called once per step, before the forward. The default does nothing. In a
+        step replayed from a CUDA graph it runs only at capture, inside the graph
+        (see ``supports_cuda_graphs``): device work here is replayed, host work is not.
         """
 
     @abstractmethod

@@ -11,8 +11,8 @@ class AttentionConfig(ConfigSection):
     backend: Annotated[
         str,
         describe(
-            "Attention backend plugin by name ('torch' is the built-in reference); "
-            "`tokenmill plugins` lists the installed ones.",
+            "Attention backend plugin by name ('torch' is the built-in reference; 'auto' picks the "
+            "fastest installed one that runs on the device); `tokenmill plugins` lists them.",
             flag="--attention-backend",
         ),
-    ] = "torch"
+    ] = "auto"

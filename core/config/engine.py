@@ -130,7 +130,7 @@ def _toml_value(value: Any) -> str:
         return repr(value)
     if isinstance(value, str):
         return msgspec.json.encode(value).decode()  # JSON string escapes are valid TOML
-    if isinstance(value, list):
+    if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml_value(item) for item in value) + "]"
     if isinstance(value, dict):
         return "{" + ", ".join(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in value.items()) + "}"

@@ -28,8 +28,12 @@ class ModelConfig(ConfigSection):
     ] = None
     quantization: Annotated[
         str,
-        describe("Quantizer plugin for linear layers; 'none' keeps dense weights in `dtype`."),
-    ] = "none"
+        describe(
+            "Quantizer plugin for linear layers: 'none' keeps dense weights in `dtype`; 'auto' keeps a "
+            "quantized checkpoint (a Q4_1 or Q8_0 GGUF) in an installed quantizer that holds it exactly "
+            "on this device, else 'none'."
+        ),
+    ] = "auto"
     dtype: Annotated[
         DType,
         describe(

@@ -71,8 +71,10 @@ def _click_option(spec: FlagSpec) -> Callable[[Callable[..., Any]], Callable[...
     param_name = "cfg__" + "__".join(spec.path)
     help_text = spec.description + (f" [default: {spec.default}]" if spec.default not in (None, []) else "")
     info = spec.type_info
-    if isinstance(info, mi.ListType):
-        return click.option(spec.flag, param_name, multiple=True, help=help_text + " Repeatable.")
+    if isinstance(info, (mi.ListType, mi.VarTupleType)):
+        item = info.item_type.type if isinstance(info.item_type, mi.Metadata) else info.item_type
+        item_type = {mi.IntType: int, mi.FloatType: float}.get(type(item), str)
+        return click.option(spec.flag, param_name, multiple=True, type=item_type, help=help_text + " Repeatable.")
     if isinstance(info, mi.BoolType):
         return click.option(f"{spec.flag}/--no-{spec.flag[2:]}", param_name, default=None, help=help_text)
     if isinstance(info, mi.LiteralType):

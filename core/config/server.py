@@ -40,5 +40,9 @@ class ServerConfig(ConfigSection):
     ] = 30.0
     engine_timeout: Annotated[
         Annotated[float, msgspec.Meta(gt=0)],
-        describe("Seconds without a heartbeat after which an engine counts as dead (its requests get 503)."),
-    ] = 5.0
+        describe(
+            "Seconds without a heartbeat after which an engine counts as dead (its requests get 503). An "
+            "engine answers between steps, so this must exceed the longest step (a 2,048-token prefill chunk "
+            "takes seconds on a small CPU); an engine process that exits is noticed at once regardless."
+        ),
+    ] = 60.0

@@ -13,6 +13,7 @@ from tokenmill.layers.quantizer import Quantizer
 
 class DenseQuantizer(Quantizer):
     name: ClassVar[str] = "none"
+    is_dense: ClassVar[bool] = True
 
     def create_weights(
         self, layer: nn.Module, in_features: int, out_features: int, bias: bool, dtype: torch.dtype

@@ -33,3 +33,32 @@ class Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, bias={self.has_bias}, quant={self.quantizer.name}"
+
+
+class MergedLinear(Linear):
+    """Several linears over the same input held as one (q/k/v, gate/up): one matmul per step
+    instead of several, and a quantized kernel rounds the shared input once.
+
+    The checkpoint stores the parts separately; they arrive one by one through ``load_shard``
+    and reach the quantizer together, concatenated along the output dimension.
+    """
+
+    def __init__(
+        self, in_features: int, shard_sizes: tuple[int, ...], bias: bool, quantizer: Quantizer, dtype: torch.dtype
+    ) -> None:
+        super().__init__(in_features, sum(shard_sizes), bias, quantizer, dtype)
+        self.shard_sizes = shard_sizes
+        self._pending: dict[str, list[torch.Tensor | None]] = {}
+
+    def shard_shape(self, param_name: str, shard: int) -> tuple[int, ...]:
+        """Shape of one part's checkpoint tensor for ``param_name``."""
+        size = self.shard_sizes[shard]
+        return (size, self.in_features) if param_name == "weight" else (size,)
+
+    def load_shard(self, param_name: str, shard: int, tensor: torch.Tensor) -> None:
+        """Keep one part; once every part of ``param_name`` is here, store them as one tensor."""
+        parts = self._pending.setdefault(param_name, [None] * len(self.shard_sizes))
+        parts[shard] = tensor
+        if all(part is not None for part in parts):
+            del self._pending[param_name]
+            self.load_weight(param_name, torch.cat(parts, dim=0))  # type: ignore[arg-type]

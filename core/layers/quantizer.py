@@ -20,6 +20,30 @@ class Quantizer(ABC):
 
     #: Registered name.
     name: ClassVar[str]
+    #: Stored weight types (GGUF tensor type names, e.g. ``"Q4_1"``) this quantizer holds exactly,
+    #: so that loading such a checkpoint through it loses nothing. ``quantization = "auto"`` picks a
+    #: quantizer by this list, preferring the highest ``auto_priority``.
+    lossless_for: ClassVar[tuple[str, ...]] = ()
+    auto_priority: ClassVar[int] = 0
+    #: Whether the layer keeps a plain ``weight`` in the model's dtype (lets a tied output
+    #: projection read the embedding instead of a copy).
+    is_dense: ClassVar[bool] = False
+    #: Devices whose tensors ``apply`` accepts.
+    supported_devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
+
+    @classmethod
+    def is_available(cls) -> bool:
+        """Whether this machine can run it (CPU features, compiler, GPU libraries). Called at
+        start-up by ``quantization = "auto"`` before choosing it; must be cheap and must not raise."""
+        return True
+
+    def output_quantizer(self) -> Quantizer:
+        """The quantizer for the model's output projection (``lm_head``). Called once at model build.
+
+        The default is this quantizer. A low-bit quantizer may return a higher-precision one,
+        as GGUF files keep their output projection at 8 bits when the rest is 4-bit.
+        """
+        return self
 
     @abstractmethod
     def create_weights(

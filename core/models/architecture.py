@@ -52,6 +52,8 @@ class ArchitectureConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
+    #: How the checkpoint stores its linear layers when not as floats (a GGUF type name, ``"Q4_1"``).
+    stored_weight_type: str | None = None
 
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any]) -> ArchitectureConfig:
@@ -90,6 +92,7 @@ class ArchitectureConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
             torch_dtype=hf.get("torch_dtype") or hf.get("dtype"),
+            stored_weight_type=(hf.get("quantization_config") or {}).get("weight_type"),
         )
 
 

@@ -5,12 +5,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 from torch import nn
 
 from tokenmill.attention.backend import AttentionMetadata
-from tokenmill.layers.linear import Linear
+from tokenmill.layers.linear import Linear, MergedLinear
 from tokenmill.weights.format import LoadedTensor, WeightsError
 
 logger = logging.getLogger(__name__)
@@ -48,7 +49,12 @@ class CausalLM(nn.Module):
         mismatch, and naming the missing tensors if any parameter was never loaded.
         """
         params = dict(self.named_parameters())
-        linears = {name: module for name, module in self.named_modules() if isinstance(module, Linear)}
+        linears = {
+            name: module
+            for name, module in self.named_modules()
+            if isinstance(module, Linear) and not isinstance(module, MergedLinear)
+        }
+        shards = self._checkpoint_shards()
         loaded: set[str] = set()
         files: set[Path] = set()
         for item in tensors:
@@ -56,20 +62,26 @@ class CausalLM(nn.Module):
             name = item.name
             if name.endswith(_IGNORED_SUFFIXES) or self.skip_checkpoint_tensor(name):
                 continue
-            module_name, _, param_name = name.rpartition(".")
-            linear = linears.get(module_name)
-            if linear is not None and param_name in ("weight", "bias"):
-                _check_shape(item, linear.expected_shape(param_name))
-                linear.load_weight(param_name, item.tensor)
-            elif name in params:
-                _check_shape(item, tuple(params[name].shape))
-                params[name].data.copy_(item.tensor)
-            else:
-                raise WeightsError(f"{item.file}: tensor {name!r} does not belong to {type(self).__name__}")
-            loaded.add(name)
+            for target in (name, *self.checkpoint_aliases(name)):
+                module_name, _, param_name = target.rpartition(".")
+                linear = linears.get(module_name)
+                if module_name in shards and param_name in ("weight", "bias"):
+                    merged, shard = shards[module_name]
+                    _check_shape(item, merged.shard_shape(param_name, shard))
+                    merged.load_shard(param_name, shard, item.tensor)
+                elif linear is not None and param_name in ("weight", "bias"):
+                    _check_shape(item, linear.expected_shape(param_name))
+                    linear.load_weight(param_name, item.tensor)
+                elif target in params:
+                    _check_shape(item, tuple(params[target].shape))
+                    params[target].data.copy_(item.tensor)
+                else:
+                    raise WeightsError(f"{item.file}: tensor {name!r} does not belong to {type(self).__name__}")
+                loaded.add(target)
         # A quantizer may store a linear's weight under other names; expect the checkpoint's names.
-        expected = {n for n in params if n.rpartition(".")[0] not in linears}
-        for module_name, linear in linears.items():
+        merged_names = {name for name, module in self.named_modules() if isinstance(module, MergedLinear)}
+        expected = {n for n in params if n.rpartition(".")[0] not in linears.keys() | merged_names}
+        for module_name, linear in [*linears.items(), *((n, merged) for n, (merged, _) in shards.items())]:
             expected.add(f"{module_name}.weight")
             if linear.has_bias:
                 expected.add(f"{module_name}.bias")
@@ -79,9 +91,27 @@ class CausalLM(nn.Module):
             shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
             raise WeightsError(f"{source}: missing tensors {shown}")
 
+    #: Merged linears and the checkpoint modules they hold, in order: ``{"qkv_proj": ("q_proj", ...)}``.
+    packed_modules: ClassVar[dict[str, tuple[str, ...]]] = {}
+
+    def _checkpoint_shards(self) -> dict[str, tuple[MergedLinear, int]]:
+        """Checkpoint module name -> (the merged linear holding it, its part index)."""
+        shards = {}
+        for name, module in self.named_modules():
+            if isinstance(module, MergedLinear):
+                parent, _, attribute = name.rpartition(".")
+                for index, part in enumerate(self.packed_modules[attribute]):
+                    shards[f"{parent}.{part}" if parent else part] = (module, index)
+        return shards
+
     def skip_checkpoint_tensor(self, name: str) -> bool:
         """Whether a checkpoint tensor is deliberately unused (e.g. ``lm_head`` when tied)."""
         return False
+
+    def checkpoint_aliases(self, name: str) -> tuple[str, ...]:
+        """Other parameters a checkpoint tensor also fills (a tied embedding that a quantized
+        ``lm_head`` keeps its own copy of). Called once per checkpoint tensor at load."""
+        return ()
 
 
 def _check_shape(item: LoadedTensor, expected: tuple[int, ...]) -> None:

@@ -7,12 +7,14 @@ Module and parameter names follow Hugging Face's so checkpoints load by name.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.attention.backend import AttentionBackend, AttentionLayerSpec, AttentionMetadata
-from tokenmill.layers.linear import Linear
+from tokenmill.layers.linear import Linear, MergedLinear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.quantizer import Quantizer
 from tokenmill.layers.rotary import RotaryEmbedding
@@ -33,9 +35,8 @@ class LlamaAttention(nn.Module):
         super().__init__()
         heads, kv_heads, head_dim = config.num_attention_heads, config.num_kv_heads, config.head_dim
         hidden = config.hidden_size
-        self.q_proj = Linear(hidden, heads * head_dim, config.qkv_bias, quantizer, dtype)
-        self.k_proj = Linear(hidden, kv_heads * head_dim, config.qkv_bias, quantizer, dtype)
-        self.v_proj = Linear(hidden, kv_heads * head_dim, config.qkv_bias, quantizer, dtype)
+        self.qkv_sizes = (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
+        self.qkv_proj = MergedLinear(hidden, self.qkv_sizes, config.qkv_bias, quantizer, dtype)
         self.o_proj = Linear(heads * head_dim, hidden, config.o_proj_bias, quantizer, dtype)
         self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
         self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
@@ -58,9 +59,10 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = hidden_states.shape[0]
         spec = self.spec
-        query = self.q_proj(hidden_states).view(num_tokens, spec.num_heads, spec.head_dim)
-        key = self.k_proj(hidden_states).view(num_tokens, spec.num_kv_heads, spec.head_dim)
-        value = self.v_proj(hidden_states).view(num_tokens, spec.num_kv_heads, spec.head_dim)
+        query, key, value = self.qkv_proj(hidden_states).split(self.qkv_sizes, dim=-1)
+        query = query.unflatten(-1, (spec.num_heads, spec.head_dim))  # [num_tokens, heads, head_dim]
+        key = key.unflatten(-1, (spec.num_kv_heads, spec.head_dim))  # [num_tokens, kv_heads, head_dim]
+        value = value.unflatten(-1, (spec.num_kv_heads, spec.head_dim))
         if self.q_norm is not None and self.k_norm is not None:
             query, key = self.q_norm(query), self.k_norm(key)
         query, key = self.rotary[0](positions, query, key)
@@ -72,12 +74,12 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: ArchitectureConfig, quantizer: Quantizer, dtype: torch.dtype) -> None:
         super().__init__()
         hidden, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = Linear(hidden, inner, bias, quantizer, dtype)
-        self.up_proj = Linear(hidden, inner, bias, quantizer, dtype)
+        self.gate_up_proj = MergedLinear(hidden, (inner, inner), bias, quantizer, dtype)
         self.down_proj = Linear(inner, hidden, bias, quantizer, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -127,15 +129,12 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
 
-class LMHead(nn.Module):
-    """The untied output projection, kept dense (a module so its parameter is ``lm_head.weight``)."""
-
-    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype), requires_grad=False)
-
-
 class LlamaForCausalLM(CausalLM):
+    packed_modules: ClassVar[dict[str, tuple[str, ...]]] = {
+        "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+        "gate_up_proj": ("gate_proj", "up_proj"),
+    }
+
     def __init__(
         self,
         config: ArchitectureConfig,
@@ -150,9 +149,14 @@ class LlamaForCausalLM(CausalLM):
         self.model = LlamaModel(
             config, backend, quantizer, dtype, max_position or config.max_position_embeddings
         )
-        # The output projection stays dense: quantizing it costs accuracy for little speed.
+        # A tied, dense output projection reads the embedding itself; otherwise it is a Linear of its
+        # own (a quantized copy of a tied embedding costs its quantized size and saves reading the
+        # float embedding every step: a fifth of SmolLM2-135M's weights).
+        head_quantizer = quantizer.output_quantizer()
         self.lm_head = (
-            None if config.tie_word_embeddings else LMHead(config.vocab_size, config.hidden_size, dtype)
+            None
+            if config.tie_word_embeddings and head_quantizer.is_dense
+            else Linear(config.hidden_size, config.vocab_size, False, head_quantizer, dtype)
         )
 
     def forward(
@@ -168,8 +172,13 @@ class LlamaForCausalLM(CausalLM):
         return self.model.norm(hidden_states)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden_states, weight).float()
+        if self.lm_head is None:
+            return F.linear(hidden_states, self.model.embed_tokens.weight).float()
+        return self.lm_head(hidden_states).float()
 
     def skip_checkpoint_tensor(self, name: str) -> bool:
-        return name == "lm_head.weight" and self.lm_head is None
+        return name == "lm_head.weight" and self.config.tie_word_embeddings
+
+    def checkpoint_aliases(self, name: str) -> tuple[str, ...]:
+        tied_copy = name == "model.embed_tokens.weight" and self.config.tie_word_embeddings
+        return ("lm_head.weight",) if tied_copy and self.lm_head is not None else ()

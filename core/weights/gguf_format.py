@@ -154,6 +154,11 @@ class GGUFFormat:
             "tie_word_embeddings": "output.weight" not in tensors,
             "torch_dtype": "float32",
         }
+        weight_type = _linear_weight_type(tensors)
+        if weight_type is not None:
+            # Not a Hugging Face quantization scheme: tells `quantization = "auto"` how the file stores
+            # its linear layers, so that it can keep them in a format that holds them exactly.
+            config["quantization_config"] = {"quant_method": "gguf", "weight_type": weight_type}
         rope_scaling = source.rope_scaling()
         if rope_scaling is not None:
             config["rope_scaling"] = rope_scaling
@@ -266,3 +271,18 @@ class GGUFFormat:
         except (ValueError, RuntimeError, NotImplementedError) as exc:
             problem = f"cannot decode {tensor.tensor_type.name} data: {type(exc).__name__}: {exc}"
             raise _error(file, problem, tensor.name) from exc
+
+
+def _linear_weight_type(tensors: dict[str, ReaderTensor]) -> str | None:
+    """The storage type of most transformer-block matrices (``"Q4_1"``), or None when they are float."""
+    from collections import Counter
+
+    counts = Counter(
+        tensor.tensor_type.name
+        for name, tensor in tensors.items()
+        if name.startswith("blk.") and name.endswith(".weight") and len(tensor.shape) == 2
+    )
+    if not counts:
+        return None
+    weight_type = counts.most_common(1)[0][0]
+    return None if weight_type in ("F32", "F16", "BF16") else weight_type

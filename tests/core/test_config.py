@@ -16,7 +16,8 @@ from tokenmill.model_files import DEFAULT_MODEL
 def test_defaults_name_the_default_model() -> None:
     config = load_config()
     assert config.model.model == DEFAULT_MODEL.name
-    assert (config.cache.block_size, config.attention.backend, config.model.dtype) == (16, "torch", "auto")
+    assert (config.cache.block_size, config.attention.backend, config.model.dtype) == (16, "auto", "auto")
+    assert config.model.quantization == "auto"
 
 
 def test_flags_override_file(tmp_path: Path) -> None:

@@ -33,7 +33,10 @@ PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 3451
 def models(smollm2_gguf: Path):
     from transformers import AutoModelForCausalLM
 
-    loaded = load_model(load_config(overrides={"model": {"model": str(smollm2_gguf)}, "device": {"device": "cpu"}}))
+    # The float path: weights dequantized to float32, as transformers holds them. The default int4
+    # path is checked against this one in tests/plugins/test_quantizers.py.
+    overrides = {"model": {"model": str(smollm2_gguf), "quantization": "none"}, "device": {"device": "cpu"}}
+    loaded = load_model(load_config(overrides=overrides))
     reference = AutoModelForCausalLM.from_pretrained(
         str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, dtype=torch.float32
     ).eval()

@@ -1,0 +1,351 @@
+"""CUDA graphs for decode steps: one graph per batch-size bucket, captured at start-up, replayed per step.
+
+A decode step (every request computes exactly one new token) launches the
+same kernels with the same shapes step after step; on a GPU its cost at small
+batch is mostly the CPU launching a few hundred small kernels. A CUDA graph
+records those launches once and replays them with one call.
+
+A graph replays fixed memory addresses and fixed host-side choices, so:
+
+- The inputs live in static buffers (``DecodeGraphBuffers``): input ids,
+  positions, slot mapping, sequence lengths, block tables padded to the most
+  blocks a sequence can have (``ceil(max_model_len / block_size)``) and
+  ``query_start_loc`` (``0..batch_size``: one token per request, constant).
+  Each step's values are copied into them before the replay.
+- A step of ``n`` requests replays the graph of the smallest captured batch
+  size ``>= n``. Rows ``n..batch_size-1`` are padding requests: token 0 at
+  position 0, ``seq_lens`` 1, block table ``[scratch_block, ...]``, so each
+  writes its K/V into the scratch block (a KV block the KV cache manager never
+  hands out) and attends to that one slot: finite values no real row reads.
+- The attention metadata of a graph says ``max_query_len == 1`` and
+  ``max_seq_len == max_model_len`` (a bound every replayed step meets), so a
+  backend's host-side choices are fixed per bucket. Only backends with
+  ``AttentionBackend.supports_cuda_graphs`` are captured; their ``prepare`` is
+  captured together with the forward.
+- Graphs are captured largest first into one shared memory pool, each after an
+  eager warm-up run of its bucket (kernel compilation and lazily built tables
+  happen there, not during capture). The graph computes the final hidden
+  states; the model runner computes logits from the real rows eagerly.
+
+Prefill and mixed steps, and batches larger than the largest bucket, run
+eagerly. On CPU none of this exists: ``ModelRunner`` builds a
+``CudaGraphRunner`` only on a CUDA device.
+
+Not yet run on a GPU in this repository: the capture and replay path is
+untested on hardware and untimed.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from itertools import chain
+from operator import attrgetter
+from typing import TYPE_CHECKING
+
+import numpy
+import torch
+
+from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
+from tokenmill.models.base import CausalLM
+
+if TYPE_CHECKING:
+    from tokenmill.model_runner import SequenceChunk
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "CudaGraphRunner",
+    "DecodeGraphBuffers",
+    "PaddedDecodeBatch",
+    "bucket_for",
+    "capture_batch_sizes",
+    "cuda_graph_batch_sizes",
+    "pad_decode_batch",
+]
+
+_token_ids = attrgetter("token_ids")
+_num_computed = attrgetter("num_computed_tokens")
+_block_ids = attrgetter("block_ids")
+
+
+# ---------------------------------------------------------------- choosing buckets
+
+
+def capture_batch_sizes(batch_sizes: Iterable[int], max_num_seqs: int) -> tuple[int, ...]:
+    """The batch sizes to capture: each capped at ``max_num_seqs`` (no step has more requests),
+    sorted, deduplicated. ``(1, 2, 4, 8, 16)`` with ``max_num_seqs=6`` gives ``(1, 2, 4, 6)``.
+
+    Called once at start-up by ``cuda_graph_batch_sizes``. Raises ``ValueError`` on a size below 1.
+    """
+    sizes = list(batch_sizes)
+    bad = [size for size in sizes if size < 1]
+    if bad:
+        raise ValueError(f"device.cuda_graph_batch_sizes must be positive, got {bad[0]}")
+    return tuple(sorted({min(size, max_num_seqs) for size in sizes}))
+
+
+def cuda_graph_batch_sizes(
+    enabled: bool,
+    batch_sizes: Sequence[int],
+    max_num_seqs: int,
+    device: torch.device,
+    backend: AttentionBackend,
+) -> tuple[int, ...]:
+    """The batch sizes ``ModelRunner`` should capture graphs for, or ``()`` for none.
+
+    Called once at start-up by the engine. Graphs need all of: ``enabled``
+    (``device.cuda_graphs``), a CUDA ``device`` and a ``backend`` with
+    ``supports_cuda_graphs``; when only the backend is missing, it logs how to
+    get them.
+    """
+    if not enabled or device.type != "cuda":
+        return ()
+    if not type(backend).supports_cuda_graphs:
+        logger.info(
+            "CUDA graphs off: attention backend %r does not support capture (select --attention-backend triton)",
+            getattr(backend, "name", type(backend).__name__),
+        )
+        return ()
+    return capture_batch_sizes(batch_sizes, max_num_seqs)
+
+
+def bucket_for(num_reqs: int, batch_sizes: Sequence[int]) -> int | None:
+    """The smallest of the sorted ``batch_sizes`` that holds ``num_reqs`` requests; None when none does.
+
+    Called once per decode step by ``CudaGraphRunner.load_step``.
+    """
+    index = bisect.bisect_left(batch_sizes, num_reqs)
+    return batch_sizes[index] if index < len(batch_sizes) and num_reqs > 0 else None
+
+
+# ---------------------------------------------------------------- padding a step
+
+
+@dataclass(frozen=True)
+class PaddedDecodeBatch:
+    """One decode step laid out for a graph of ``batch_size`` rows, on the host (numpy)."""
+
+    num_reqs: int  # real rows; rows num_reqs.. are padding
+    token_data: numpy.ndarray  # [3, batch_size] int64: input ids, positions, slot mapping
+    seq_lens: numpy.ndarray  # [batch_size] int32
+    block_tables: numpy.ndarray  # [batch_size, max(1, most blocks of any request)] int32
+    max_seq_len: int  # of the real rows
+
+    @property
+    def batch_size(self) -> int:
+        return self.seq_lens.shape[0]
+
+
+def pad_decode_batch(
+    chunks: Sequence[SequenceChunk], batch_size: int, block_size: int, scratch_block: int
+) -> PaddedDecodeBatch:
+    """Lay out a decode step (each chunk has exactly one token) as ``batch_size`` rows, padded.
+
+    ``chunks`` are ``model_runner.SequenceChunk``s. Padding rows hold token 0
+    at position 0 with ``seq_lens`` 1 and the block table ``[scratch_block, 0, ...]``,
+    so their slot is the first of ``scratch_block``. Vectorised like
+    ``model_runner.build_batch``: no Python statement runs per request.
+    Called once per decode step by ``CudaGraphRunner.load_step``; raises
+    ``ValueError`` when a block table cannot hold its request's tokens.
+    """
+    num_reqs = len(chunks)
+    assert 0 < num_reqs <= batch_size, f"{num_reqs} requests do not fit a graph of {batch_size}"
+    computed = numpy.fromiter(map(_num_computed, chunks), numpy.int64, num_reqs)  # [num_reqs]: the new positions
+    num_blocks = numpy.fromiter(map(len, map(_block_ids, chunks)), numpy.int64, num_reqs)  # [num_reqs]
+    seq_lens = computed + 1  # [num_reqs]
+    too_short = numpy.flatnonzero(num_blocks * block_size < seq_lens)
+    if too_short.size:
+        i = int(too_short[0])
+        raise ValueError(f"block table of {num_blocks[i]} blocks cannot hold {seq_lens[i]} tokens")
+
+    width = max(int(num_blocks.max()), 1)
+    total_blocks = int(num_blocks.sum())
+    flat_blocks = numpy.fromiter(chain.from_iterable(map(_block_ids, chunks)), numpy.int32, total_blocks)
+    block_start = numpy.cumsum(num_blocks) - num_blocks  # [num_reqs]
+    block_req = numpy.repeat(numpy.arange(num_reqs), num_blocks)  # [total_blocks]
+    block_tables = numpy.zeros((batch_size, width), dtype=numpy.int32)  # [batch_size, width]
+    block_tables[block_req, numpy.arange(total_blocks) - block_start[block_req]] = flat_blocks
+    block_tables[num_reqs:, 0] = scratch_block
+
+    rows = numpy.arange(num_reqs)
+    token_data = numpy.zeros((3, batch_size), dtype=numpy.int64)  # [3, batch_size]: ids, positions, slots
+    token_data[0, :num_reqs] = numpy.fromiter(chain.from_iterable(map(_token_ids, chunks)), numpy.int64, num_reqs)
+    token_data[1, :num_reqs] = computed
+    token_blocks = block_tables[rows, computed // block_size].astype(numpy.int64)  # [num_reqs]
+    token_data[2, :num_reqs] = token_blocks * block_size + computed % block_size
+    token_data[2, num_reqs:] = scratch_block * block_size
+    padded_seq_lens = numpy.ones(batch_size, dtype=numpy.int32)  # [batch_size]
+    padded_seq_lens[:num_reqs] = seq_lens
+    return PaddedDecodeBatch(num_reqs, token_data, padded_seq_lens, block_tables, int(seq_lens.max()))
+
+
+class DecodeGraphBuffers:
+    """The static device tensors every decode graph reads, and the views one bucket sees.
+
+    Built once at start-up by ``CudaGraphRunner``, holding padding rows only;
+    ``load`` overwrites the front of them before each replay. Their addresses
+    never change: the graphs recorded them.
+    """
+
+    def __init__(
+        self, max_batch_size: int, max_blocks_per_seq: int, scratch_block: int, block_size: int, device: torch.device
+    ) -> None:
+        self.max_batch_size = max_batch_size
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.token_data = torch.zeros((3, max_batch_size), dtype=torch.int64, device=device)  # [3, max_batch_size]
+        self.token_data[2] = scratch_block * block_size  # ids, positions, slots: all padding rows
+        # One token per request: query_start_loc is 0..batch_size for every bucket, written once.
+        self.query_start_loc = torch.arange(
+            max_batch_size + 1, dtype=torch.int32, device=device
+        )  # [max_batch_size + 1]
+        self.seq_lens = torch.ones(max_batch_size, dtype=torch.int32, device=device)  # [max_batch_size]
+        self.block_tables = torch.zeros(
+            (max_batch_size, max_blocks_per_seq), dtype=torch.int32, device=device
+        )  # [max_batch_size, max_blocks_per_seq]
+        self.block_tables[:, 0] = scratch_block
+
+    def load(self, padded: PaddedDecodeBatch) -> None:
+        """Copy a padded step into the buffers' first ``padded.batch_size`` rows (three host-to-device
+        copies). Columns of the block table past ``padded``'s width keep earlier values: valid block ids
+        that no kernel reads, since each request's ``seq_lens`` ends before them.
+
+        Called once per replayed step by ``CudaGraphRunner.load_step``, before the replay.
+        """
+        batch_size, width = padded.block_tables.shape
+        assert batch_size <= self.max_batch_size and width <= self.max_blocks_per_seq
+        self.token_data[:, :batch_size].copy_(torch.from_numpy(padded.token_data))
+        self.seq_lens[:batch_size].copy_(torch.from_numpy(padded.seq_lens))
+        self.block_tables[:batch_size, :width].copy_(torch.from_numpy(padded.block_tables))
+
+    def input_ids(self, batch_size: int) -> torch.Tensor:
+        """The first ``batch_size`` input ids [batch_size], a view."""
+        return self.token_data[0, :batch_size]
+
+    def metadata(self, batch_size: int, max_seq_len: int) -> AttentionMetadata:
+        """Attention metadata over views of the buffers' first ``batch_size`` rows, decode-only.
+
+        Called by ``CudaGraphRunner`` for each warm-up, capture and eager padded run.
+        """
+        return AttentionMetadata(
+            positions=self.token_data[1, :batch_size],
+            query_start_loc=self.query_start_loc[: batch_size + 1],
+            seq_lens=self.seq_lens[:batch_size],
+            block_tables=self.block_tables[:batch_size],
+            slot_mapping=self.token_data[2, :batch_size],
+            max_query_len=1,
+            max_seq_len=max_seq_len,
+        )
+
+
+# ---------------------------------------------------------------- capture and replay
+
+
+class CudaGraphRunner:
+    """Captures a model's decode forward once per batch size and replays it.
+
+    Built once at start-up by ``ModelRunner`` on a CUDA device, which then
+    calls ``capture`` once and ``execute`` every step. It shares the runner's
+    KV cache tensors; ``scratch_block`` must be a block of them that the KV
+    cache manager never hands out.
+    """
+
+    def __init__(
+        self,
+        model: CausalLM,
+        attention: AttentionBackend,
+        kv_caches: list[torch.Tensor],
+        block_size: int,
+        max_model_len: int,
+        batch_sizes: Sequence[int],
+        scratch_block: int,
+    ) -> None:
+        assert batch_sizes and list(batch_sizes) == sorted(set(batch_sizes)), batch_sizes
+        self.model = model
+        self.attention = attention
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.batch_sizes = tuple(batch_sizes)
+        self.scratch_block = scratch_block
+        self.device = kv_caches[0].device
+        self.buffers = DecodeGraphBuffers(
+            self.batch_sizes[-1], -(-max_model_len // block_size), scratch_block, block_size, self.device
+        )
+        self.num_replays = 0  # steps served by a graph, for tests and stats
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[int, torch.Tensor] = {}  # batch size -> its graph's hidden states [batch_size, hidden]
+
+    @property
+    def num_graphs(self) -> int:
+        """Graphs captured so far: one per batch size after ``capture``."""
+        return len(self._graphs)
+
+    def forward_padded(self, batch_size: int) -> torch.Tensor:
+        """Run ``prepare`` and the model eagerly over the buffers' first ``batch_size`` rows; returns the
+        final hidden states [batch_size, hidden]. Called by ``capture`` for the warm-up and inside the
+        capture, and by tests on any device."""
+        metadata = self.buffers.metadata(batch_size, self.max_model_len)
+        self.attention.prepare(metadata, self.block_size)
+        return self.model(self.buffers.input_ids(batch_size), metadata.positions, self.kv_caches, metadata)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture one graph per batch size, largest first, into one memory pool. Called once at start-up
+        by ``ModelRunner``, with the buffers holding padding rows only (the real KV blocks are untouched)."""
+        assert self.device.type == "cuda", "CUDA graphs need a CUDA device"
+        started = time.perf_counter()
+        free_before, _ = torch.cuda.mem_get_info(self.device)
+        pool = torch.cuda.graph_pool_handle()
+        for batch_size in reversed(self.batch_sizes):
+            self.forward_padded(batch_size)  # warm-up: compiles kernels, builds lazy tables outside the graph
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(graph, pool=pool):
+                    self._outputs[batch_size] = self.forward_padded(batch_size)
+            except RuntimeError as exc:
+                raise RuntimeError(
+                    f"capturing the decode CUDA graph for batch size {batch_size} failed ({exc}); a layer or the "
+                    "attention backend is not graph-safe. Start with --no-cuda-graphs (device.cuda_graphs = false) "
+                    "to run every step eagerly"
+                ) from exc
+            self._graphs[batch_size] = graph
+        torch.cuda.synchronize(self.device)
+        free_after, _ = torch.cuda.mem_get_info(self.device)
+        logger.info(
+            "captured %d CUDA graphs for decode batch sizes %s in %.2f s (about %.1f MiB of device memory)",
+            self.num_graphs, list(self.batch_sizes), time.perf_counter() - started,
+            (free_before - free_after) / 2**20,
+        )  # fmt: skip
+
+    def load_step(self, chunks: Sequence[SequenceChunk]) -> int | None:
+        """If a graph can run this step, copy it into the buffers and return its batch size; else None
+        (a prefill chunk, too many requests, a block table or sequence past ``max_model_len``).
+
+        ``chunks`` are ``model_runner.SequenceChunk``s. Called once per step by ``execute``.
+        """
+        batch_size = bucket_for(len(chunks), self.batch_sizes)
+        if batch_size is None or set(map(len, map(_token_ids, chunks))) != {1}:
+            return None
+        padded = pad_decode_batch(chunks, batch_size, self.block_size, self.scratch_block)
+        if padded.block_tables.shape[1] > self.buffers.max_blocks_per_seq or padded.max_seq_len > self.max_model_len:
+            return None
+        self.buffers.load(padded)
+        return batch_size
+
+    def execute(self, chunks: Sequence[SequenceChunk]) -> torch.Tensor | None:
+        """Replay the step's graph; returns the real rows' final hidden states [len(chunks), hidden], a view
+        of the graph's output that the next replay overwrites, or None when the step must run eagerly.
+
+        Called once per step by ``ModelRunner.execute`` on a CUDA device, after ``capture``.
+        """
+        batch_size = self.load_step(chunks)
+        if batch_size is None:
+            return None
+        self._graphs[batch_size].replay()
+        self.num_replays += 1
+        return self._outputs[batch_size][: len(chunks)]

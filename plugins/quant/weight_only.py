@@ -1,0 +1,128 @@
+"""Weight-only quantization: 8-bit and 4-bit weights in groups of 32, float32 activations.
+
+``Int8Quantizer`` stores each group of 32 weights of a row as int8 with one float32 scale (the
+numerics of GGUF's Q8_0); ``Int4Quantizer`` as 4-bit codes with a float32 scale and minimum
+(GGUF's Q4_1). Quantizing weights that a Q8_0 or Q4_1 file held reproduces them exactly, so the
+default GGUF model runs from the weights in its file, not from a float32 copy.
+
+A matmul picks its kernel by the number of rows of ``x``: up to ``max_kernel_rows`` the weights
+are streamed by the quantized kernels (decode is memory-bound: fewer bytes is faster); above it,
+the layer's weights are dequantized for one float32 GEMM (prefill is compute-bound, and MKL's
+float32 GEMM beats the integer kernels there). The crossover was measured on a 2-core AVX2
+machine: see docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.kernels import quant_matmul
+from tokenmill.kernels.quant_matmul import cpu as quant_cpu
+from tokenmill.layers.quantizer import Quantizer
+
+logger = logging.getLogger(__name__)
+
+GROUP_SIZE = 32
+
+
+class _WeightOnlyQuantizer(Quantizer):
+    supported_devices: ClassVar[tuple[str, ...]] = ("cpu",)
+    #: Above this many rows of ``x``, dequantize and run one float32 GEMM instead.
+    max_kernel_rows: ClassVar[int] = 256
+
+    @classmethod
+    def is_available(cls) -> bool:
+        return quant_cpu.is_available()
+
+    def __init__(self) -> None:
+        quant_cpu.load()  # build (first run on a machine) or load the C++ now, not inside the first step
+
+    def create_weights(
+        self, layer: nn.Module, in_features: int, out_features: int, bias: bool, dtype: torch.dtype
+    ) -> None:
+        if dtype != torch.float32:
+            raise ValueError(f"quantizer {self.name!r} computes in float32; set model.dtype to float32 or auto")
+        if in_features % GROUP_SIZE:
+            raise ValueError(
+                f"quantizer {self.name!r} needs in_features divisible by {GROUP_SIZE}, got {in_features}; "
+                "use model.quantization = 'none' for this model"
+            )
+        # Quantized storage is shaped by the kernel's layout, known once a weight arrives:
+        # placeholders now, replaced in load_weight.
+        for name in self.storage_names:
+            layer.register_buffer(name, torch.empty(0, dtype=torch.uint8))
+        layer.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+
+    def load_weight(self, layer: nn.Module, param_name: str, tensor: torch.Tensor) -> None:
+        if param_name == "bias":
+            layer.bias.data.copy_(tensor)
+            return
+        device = getattr(layer, self.storage_names[0]).device
+        for name, value in zip(self.storage_names, self.quantize(tensor.float().contiguous()), strict=True):
+            setattr(layer, name, value.to(device))
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        x = x.float().contiguous()
+        storage = [getattr(layer, name) for name in self.storage_names]
+        if x.shape[0] > self.max_kernel_rows:
+            return F.linear(x, self.dequantize(*storage), layer.bias)
+        return self.matmul(x, *storage, layer.bias)
+
+    # What each scheme supplies.
+    storage_names: ClassVar[tuple[str, ...]]
+
+    def quantize(self, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        raise NotImplementedError
+
+    def dequantize(self, *storage: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def matmul(self, x: torch.Tensor, *storage_and_bias: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class Int8Quantizer(_WeightOnlyQuantizer):
+    """8-bit weights, one scale per 32 (Q8_0 numerics): ~half the bytes of float16, near-lossless."""
+
+    name: ClassVar[str] = "int8"
+    lossless_for: ClassVar[tuple[str, ...]] = ("Q8_0",)
+    auto_priority: ClassVar[int] = 10
+    storage_names: ClassVar[tuple[str, ...]] = ("qweight", "scales")
+
+    def quantize(self, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return quant_matmul.quantize_int8(weight)
+
+    def dequantize(self, *storage: torch.Tensor) -> torch.Tensor:
+        return quant_matmul.dequantize_int8(*storage)
+
+    def matmul(self, x: torch.Tensor, *storage_and_bias: torch.Tensor | None) -> torch.Tensor:
+        qweight, scales, bias = storage_and_bias
+        return quant_matmul.matmul_int8(x, qweight, scales, bias)
+
+
+class Int4Quantizer(_WeightOnlyQuantizer):
+    """4-bit weights with a scale and minimum per 32 (Q4_1 numerics); the output projection stays
+    8-bit, as in GGUF files, since it decides every token."""
+
+    name: ClassVar[str] = "int4"
+    lossless_for: ClassVar[tuple[str, ...]] = ("Q4_1",)
+    auto_priority: ClassVar[int] = 10
+    storage_names: ClassVar[tuple[str, ...]] = ("qweight", "scales", "mins")
+
+    def output_quantizer(self) -> Quantizer:
+        return Int8Quantizer()
+
+    def quantize(self, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return quant_matmul.quantize_int4(weight)
+
+    def dequantize(self, *storage: torch.Tensor) -> torch.Tensor:
+        return quant_matmul.dequantize_int4(*storage)
+
+    def matmul(self, x: torch.Tensor, *storage_and_bias: torch.Tensor | None) -> torch.Tensor:
+        qweight, scales, mins, bias = storage_and_bias
+        return quant_matmul.matmul_int4(x, qweight, scales, mins, bias)
