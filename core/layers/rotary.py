@@ -41,6 +41,7 @@ class RotaryEmbedding(nn.Module):
         self.max_position = max_position
         # Built lazily: the model is constructed on the meta device and materialised later.
         self._cos_sin: torch.Tensor | None = None
+        self._step_cos = self._step_sin = torch.empty(0)  # [num_tokens, 1, head_dim // 2] of the step
 
     def _table(self, device: torch.device) -> torch.Tensor:
         if self._cos_sin is None or self._cos_sin.device != device:
@@ -54,8 +55,19 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``query`` [num_tokens, heads, head_dim], ``key`` [num_tokens, kv_heads, head_dim]."""
-        cos, sin = self._table(query.device)[positions].unsqueeze(1).chunk(2, dim=-1)
-        return _rotate(query, cos, sin), _rotate(key, cos, sin)
+        self.set_positions(positions)
+        return self.rotate(query), self.rotate(key)
+
+    def set_positions(self, positions: torch.Tensor) -> None:
+        """Look up the step's cos/sin once, for every layer's ``rotate``. Called at the start of each
+        forward (inside a captured CUDA graph too, so replays look up the new positions)."""
+        cos_sin = self._table(positions.device)[positions].unsqueeze(1)  # [num_tokens, 1, head_dim]
+        self._step_cos, self._step_sin = cos_sin.chunk(2, dim=-1)
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """Rope at the positions of the last ``set_positions``, applied to ``x`` [num_tokens, any heads,
+        head_dim]: queries and keys may come as one tensor."""
+        return _rotate(x, self._step_cos, self._step_sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -59,13 +59,15 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = hidden_states.shape[0]
         spec = self.spec
-        query, key, value = self.qkv_proj(hidden_states).split(self.qkv_sizes, dim=-1)
-        query = query.unflatten(-1, (spec.num_heads, spec.head_dim))  # [num_tokens, heads, head_dim]
-        key = key.unflatten(-1, (spec.num_kv_heads, spec.head_dim))  # [num_tokens, kv_heads, head_dim]
-        value = value.unflatten(-1, (spec.num_kv_heads, spec.head_dim))
+        qkv = self.qkv_proj(hidden_states)  # [num_tokens, (heads + 2 * kv_heads) * head_dim]
+        query_and_key, value = qkv.split((self.qkv_sizes[0] + self.qkv_sizes[1], self.qkv_sizes[2]), dim=-1)
+        value = value.unflatten(-1, (spec.num_kv_heads, spec.head_dim))  # [num_tokens, kv_heads, head_dim]
+        query_and_key = query_and_key.unflatten(-1, (spec.num_heads + spec.num_kv_heads, spec.head_dim))
         if self.q_norm is not None and self.k_norm is not None:
-            query, key = self.q_norm(query), self.k_norm(key)
-        query, key = self.rotary[0](positions, query, key)
+            query, key = query_and_key.split((spec.num_heads, spec.num_kv_heads), dim=1)
+            query_and_key = torch.cat([self.q_norm(query), self.k_norm(key)], dim=1)
+        # Queries and keys are adjacent in the merged projection: rope rotates them in one pass.
+        query, key = self.rotary[0].rotate(query_and_key).split((spec.num_heads, spec.num_kv_heads), dim=1)
         out = self.backend.forward(spec, query, key, value, kv_cache, metadata)
         return self.o_proj(out.reshape(num_tokens, spec.num_heads * spec.head_dim))
 
@@ -167,6 +169,7 @@ class LlamaForCausalLM(CausalLM):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         hidden_states = self.model.embed_tokens(input_ids)  # [num_tokens, hidden]
+        self.model.rotary.set_positions(positions)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             hidden_states = layer(positions, hidden_states, kv_cache, metadata)
         return self.model.norm(hidden_states)
