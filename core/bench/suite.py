@@ -511,7 +511,7 @@ def _decode_body(results: dict[str, Any]) -> list[str]:
 
 
 def _sweep_body(results: dict[str, Any]) -> list[str]:
-    widths = (5, 6, 10, 10, 9, 11, 13)
+    widths = (5, 8, 9, 10, 9, 10, 13)  # sums to TABLE_WIDTH; "128/128" fits its column
     header = ("conc", "reqs", "tok/s", "TTFT p50", "ITL p50", "HF tok/s", "vs HF")
     lines = ["".join(f"{name:>{w}}" for name, w in zip(header, widths, strict=True))]
     for level in results["levels"]:
