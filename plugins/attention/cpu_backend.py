@@ -4,32 +4,50 @@ Each token attends over its own request's cache blocks in place (see
 ``tokenmill.kernels.paged_attention.cpu``), so a decode step costs what its keys and values
 weigh, and a step mixing a long prompt chunk with many decode tokens does not pad every
 request to the chunk's length, as the ``torch`` reference backend does.
-Long prompt chunks go to torch's ``scaled_dot_product_attention`` instead (its blocked
-kernel runs prefill faster than a per-token loop): one call per such chunk, over the
-chunk's keys gathered once.
+
+Prompt chunks longer than ``max_kernel_query_len`` tokens go to torch's
+``scaled_dot_product_attention`` instead: its blocked kernel computes a long prompt's
+quadratic attention several times faster than a per-token loop. That is one SDPA call per
+such chunk (a step rarely holds more than one), over the chunk's keys gathered once.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 
 from tokenmill.attention.backend import AttentionBackend, AttentionLayerSpec, AttentionMetadata
 from tokenmill.kernels.paged_attention import cpu as kernels
 
 
 @dataclass
+class _LongChunk:
+    """A prompt chunk attended with SDPA."""
+
+    start: int  # its tokens are [start, end) of the step
+    end: int
+    key_slots: torch.Tensor  # [seq_len] int64: cache slot of each of its request's positions
+    key_positions: torch.Tensor  # [1, seq_len] int64
+    query_positions: torch.Tensor  # [end - start, 1] int64
+
+
+@dataclass
 class _StepState:
     token_req: torch.Tensor  # [num_tokens] int32
     block_tables: torch.Tensor  # [num_reqs, max_blocks] int32, contiguous
+    long_chunks: list[_LongChunk] = field(default_factory=list)
+    kernel_tokens: torch.Tensor | None = None  # [n] int64: tokens for the kernel, when some go to SDPA
 
 
 class CpuAttentionBackend(AttentionBackend):
     name: ClassVar[str] = "cpu"
     supported_devices: ClassVar[tuple[str, ...]] = ("cpu",)
     auto_priority: ClassVar[int] = 10
+    #: Longer prompt chunks are attended with SDPA rather than the per-token kernel.
+    max_kernel_query_len: ClassVar[int] = 64
 
     @classmethod
     def is_available(cls) -> bool:
@@ -43,7 +61,26 @@ class CpuAttentionBackend(AttentionBackend):
         token_req = torch.repeat_interleave(
             torch.arange(metadata.num_reqs, dtype=torch.int32), query_lens.long(), output_size=metadata.num_tokens
         )  # [num_tokens]
-        metadata.backend_state = _StepState(token_req=token_req, block_tables=metadata.block_tables.contiguous())
+        state = _StepState(token_req=token_req, block_tables=metadata.block_tables.contiguous())
+        if metadata.max_query_len > self.max_kernel_query_len:
+            is_kernel_token = torch.ones(metadata.num_tokens, dtype=torch.bool)
+            starts, seq_lens = metadata.query_start_loc.tolist(), metadata.seq_lens.tolist()
+            for req in (query_lens > self.max_kernel_query_len).nonzero().flatten().tolist():
+                start, end, seq_len = starts[req], starts[req + 1], seq_lens[req]
+                key_positions = torch.arange(seq_len)  # [seq_len]
+                blocks = metadata.block_tables[req].long()[key_positions // block_size]
+                state.long_chunks.append(
+                    _LongChunk(
+                        start=start,
+                        end=end,
+                        key_slots=blocks * block_size + key_positions % block_size,
+                        key_positions=key_positions[None, :],
+                        query_positions=metadata.positions[start:end, None],
+                    )
+                )
+                is_kernel_token[start:end] = False
+            state.kernel_tokens = is_kernel_token.nonzero().flatten()
+        metadata.backend_state = state
 
     def forward(
         self,
@@ -57,13 +94,44 @@ class CpuAttentionBackend(AttentionBackend):
         state: _StepState = metadata.backend_state
         key_cache, value_cache = kv_cache[0], kv_cache[1]  # each [num_blocks, block_size, kv_heads, head_dim]
         kernels.write_kv_cache(key.contiguous(), value.contiguous(), key_cache, value_cache, metadata.slot_mapping)
+        if not state.long_chunks:
+            return self._kernel(layer, query.contiguous(), key_cache, value_cache, state, metadata.positions)
+
+        out = query.new_empty(query.shape)  # [num_tokens, heads, head_dim]
+        assert state.kernel_tokens is not None
+        if state.kernel_tokens.numel():
+            tokens = state.kernel_tokens
+            out[tokens] = self._kernel(
+                layer, query[tokens].contiguous(), key_cache, value_cache, state, metadata.positions[tokens], tokens
+            )
+        flat_keys = key_cache.view(-1, layer.num_kv_heads, layer.head_dim)  # [num_slots, kv_heads, head_dim]
+        flat_values = value_cache.view(-1, layer.num_kv_heads, layer.head_dim)
+        for chunk in state.long_chunks:
+            mask = chunk.key_positions <= chunk.query_positions  # [query_len, seq_len]: causal
+            if layer.sliding_window is not None:
+                mask &= chunk.key_positions > chunk.query_positions - layer.sliding_window
+            attended = F.scaled_dot_product_attention(
+                query[chunk.start : chunk.end].transpose(0, 1)[None],  # [1, heads, query_len, head_dim]
+                flat_keys[chunk.key_slots].transpose(0, 1)[None],  # [1, kv_heads, seq_len, head_dim]
+                flat_values[chunk.key_slots].transpose(0, 1)[None],
+                attn_mask=mask,
+                scale=layer.scale,
+                enable_gqa=layer.num_heads != layer.num_kv_heads,
+            )  # [1, heads, query_len, head_dim]
+            out[chunk.start : chunk.end] = attended[0].transpose(0, 1)
+        return out
+
+    @staticmethod
+    def _kernel(
+        layer: AttentionLayerSpec,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        state: _StepState,
+        positions: torch.Tensor,
+        tokens: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        token_req = state.token_req if tokens is None else state.token_req[tokens]
         return kernels.paged_attention(
-            query.contiguous(),
-            key_cache,
-            value_cache,
-            state.block_tables,
-            state.token_req,
-            metadata.positions,
-            layer.scale,
-            layer.sliding_window,
+            query, key_cache, value_cache, state.block_tables, token_req, positions, layer.scale, layer.sliding_window
         )

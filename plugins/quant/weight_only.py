@@ -5,11 +5,10 @@ numerics of GGUF's Q8_0); ``Int4Quantizer`` as 4-bit codes with a float32 scale 
 (GGUF's Q4_1). Quantizing weights that a Q8_0 or Q4_1 file held reproduces them exactly, so the
 default GGUF model runs from the weights in its file, not from a float32 copy.
 
-A matmul picks its kernel by the number of rows of ``x``: up to ``max_kernel_rows`` the weights
-are streamed by the quantized kernels (decode is memory-bound: fewer bytes is faster); above it,
-the layer's weights are dequantized for one float32 GEMM (prefill is compute-bound, and MKL's
-float32 GEMM beats the integer kernels there). The crossover was measured on a 2-core AVX2
-machine: see docs/performance.md.
+A matmul picks its kernel by the number of rows of ``x``: up to ``max_kernel_rows`` the
+quantized kernels run (decode is memory-bound, and even for a few hundred rows their int8
+products outrun float32 FMAs on AVX2); above it, the layer's weights are dequantized for one
+float32 GEMM. The crossover was measured on a 2-core AVX2 machine: see docs/performance.md.
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ GROUP_SIZE = 32
 
 class _WeightOnlyQuantizer(Quantizer):
     supported_devices: ClassVar[tuple[str, ...]] = ("cpu",)
-    #: Above this many rows of ``x``, dequantize and run one float32 GEMM instead.
+    #: Above this many rows of ``x`` (long prompt chunks), dequantize and run one float32 GEMM instead.
     max_kernel_rows: ClassVar[int] = 256
 
     @classmethod

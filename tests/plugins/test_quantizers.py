@@ -1,7 +1,7 @@
 """The weight-only quantizers (``int8``, ``int4``) and what ``auto`` picks.
 
-Tolerance of the quantized decode path, stated once: prompts (more rows than
-``max_kernel_rows``) run one float32 GEMM over the dequantized weights, which
+Tolerance of the quantized decode path, stated once: prompt chunks of more rows than
+``max_kernel_rows`` run one float32 GEMM over the dequantized weights, which
 for a Q4_1/Q8_0 GGUF are exactly the file's weights, so they must equal the
 ``none`` path bit for bit. Decode rows run the integer kernels, which also
 round each activation to int8 per group of 32 (as llama.cpp does): a relative
@@ -51,7 +51,15 @@ def test_registered_through_its_entry_point() -> None:
     assert {"none", "int8", "int4"} <= set(system.registry.names(Slot.QUANTIZER))
 
 
+@pytest.fixture
+def gemm_above_32_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prompts of more than 32 rows take the dequantize + float32 GEMM path (256 by default)."""
+    for quantizer_class in (Int8Quantizer, Int4Quantizer):
+        monkeypatch.setattr(quantizer_class, "max_kernel_rows", 32)
+
+
 @pytest.mark.slow
+@pytest.mark.usefixtures("gemm_above_32_rows")
 def test_default_model_runs_from_its_4bit_weights(smollm2_gguf: Path) -> None:
     base = {"model": str(smollm2_gguf)}
     quantized = load_model(load_config(overrides={"model": {**base, "quantization": "auto"}}))
@@ -68,6 +76,7 @@ def test_default_model_runs_from_its_4bit_weights(smollm2_gguf: Path) -> None:
     assert (decode_q.argmax(-1) == decode_d.argmax(-1)).float().mean() >= 0.9
 
 
+@pytest.mark.usefixtures("gemm_above_32_rows")
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 def test_engine_with_a_quantizer_matches_the_dense_model_of_its_weights(tmp_path: Path, quantization: str) -> None:
     """A float checkpoint is quantized at load; the reference is the same checkpoint with every

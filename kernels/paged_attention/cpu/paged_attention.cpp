@@ -20,35 +20,39 @@ constexpr int kMaxGroup = 16;      // query heads per kv head
 constexpr int kMaxHeadDim = 256;
 constexpr int kMaxBlockSize = 256;
 
-inline float dot(const float* a, const float* b, int n) {
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-  int i = 0;
-  for (; i + 16 <= n; i += 16) {
-    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+// The dot products of q with 8 rows at once, as one vector: the horizontal sums of the 8
+// accumulators share one reduction tree instead of one reduction each.
+inline __m256 dot8(const float* q, const float* const rows[8], int n) {
+  __m256 acc[8];
+  for (int r = 0; r < 8; ++r) acc[r] = _mm256_setzero_ps();
+  for (int i = 0; i < n; i += 8) {
+    const __m256 vq = _mm256_loadu_ps(q + i);
+    for (int r = 0; r < 8; ++r) acc[r] = _mm256_fmadd_ps(vq, _mm256_loadu_ps(rows[r] + i), acc[r]);
   }
-  for (; i + 8 <= n; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-  acc0 = _mm256_add_ps(acc0, acc1);
-  __m128 sum4 = _mm_add_ps(_mm256_castps256_ps128(acc0), _mm256_extractf128_ps(acc0, 1));
-  sum4 = _mm_hadd_ps(sum4, sum4);
-  sum4 = _mm_hadd_ps(sum4, sum4);
-  return _mm_cvtss_f32(sum4);  // head_dim is a multiple of 8 (checked by the launcher)
+  // hadd works within 128-bit lanes: after two rounds each lane holds four rows' partial sums.
+  const __m256 h01 = _mm256_hadd_ps(acc[0], acc[1]), h23 = _mm256_hadd_ps(acc[2], acc[3]);
+  const __m256 h45 = _mm256_hadd_ps(acc[4], acc[5]), h67 = _mm256_hadd_ps(acc[6], acc[7]);
+  const __m256 h0123 = _mm256_hadd_ps(h01, h23), h4567 = _mm256_hadd_ps(h45, h67);
+  const __m128 s0123 = _mm_add_ps(_mm256_castps256_ps128(h0123), _mm256_extractf128_ps(h0123, 1));
+  const __m128 s4567 = _mm_add_ps(_mm256_castps256_ps128(h4567), _mm256_extractf128_ps(h4567, 1));
+  return _mm256_set_m128(s4567, s0123);
 }
 
-// y = y * scale + w * x
-inline void scale_add(float* y, float scale, float w, const float* x, int n) {
-  const __m256 vs = _mm256_set1_ps(scale), vw = _mm256_set1_ps(w);
-  for (int i = 0; i < n; i += 8) {
-    __m256 v = _mm256_mul_ps(_mm256_loadu_ps(y + i), vs);
-    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(_mm256_loadu_ps(x + i), vw, v));
-  }
-}
-
-inline void add_scaled(float* y, float w, const float* x, int n) {
-  const __m256 vw = _mm256_set1_ps(w);
-  for (int i = 0; i < n; i += 8) {
-    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(_mm256_loadu_ps(x + i), vw, _mm256_loadu_ps(y + i)));
-  }
+// e^x for 8 floats (Cephes' polynomial, relative error ~2e-7); inputs below -88 give ~0.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.37626f)), _mm256_set1_ps(-88.37626f));
+  __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(x, x), x), _mm256_set1_ps(1.f));
+  const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(exponent));
 }
 
 }  // namespace
@@ -99,7 +103,7 @@ torch::Tensor paged_attention(const torch::Tensor& query,         // [num_tokens
 
   at::parallel_for(0, int64_t(num_tokens) * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     float acc[kMaxGroup][kMaxHeadDim];
-    float scores[kMaxGroup][kMaxBlockSize];
+    float scores[kMaxGroup][kMaxBlockSize + 8];
     float running_max[kMaxGroup], running_sum[kMaxGroup];
     for (int64_t item = begin; item < end; ++item) {
       const int t = item / num_kv_heads, kv_head = item % num_kv_heads;
@@ -116,30 +120,38 @@ torch::Tensor paged_attention(const torch::Tensor& query,         // [num_tokens
         const int64_t lo = std::max(block_start, first), hi = std::min<int64_t>(block_start + block_size - 1, last);
         const int64_t base = int64_t(table[block_start / block_size]) * token_row + int64_t(kv_head) * head_dim;
         const int n = int(hi - lo + 1), offset = int(lo - block_start);
+        // This block's key and value rows, padded to a multiple of 8 with the last one.
+        const float* key_rows[kMaxBlockSize + 8];
+        const float* value_rows[kMaxBlockSize + 8];
+        for (int j = 0; j < n + 8; ++j) {
+          const int64_t row = base + int64_t(offset + std::min(j, n - 1)) * slot_row;
+          key_rows[j] = kc + row;
+          value_rows[j] = vc + row;
+        }
         for (int g = 0; g < group; ++g) {
-          float block_max = running_max[g];
-          for (int j = 0; j < n; ++j) {
-            const float s = dot(q + g * head_dim, kc + base + (offset + j) * slot_row, head_dim) * fscale;
-            scores[g][j] = s;
-            block_max = std::max(block_max, s);
+          float* s = scores[g];
+          for (int j = 0; j < n; j += 8) {
+            const __m256 v = _mm256_mul_ps(dot8(q + g * head_dim, key_rows + j, head_dim), _mm256_set1_ps(fscale));
+            _mm256_storeu_ps(s + j, v);
           }
+          float block_max = running_max[g];
+          for (int j = 0; j < n; ++j) block_max = std::max(block_max, s[j]);
           // Rescale what was accumulated under the old maximum, then add this block's values.
           const float correction = std::exp(running_max[g] - block_max);
           running_max[g] = block_max;
-          float sum = running_sum[g] * correction;
-          bool first_value = true;
-          for (int j = 0; j < n; ++j) {
-            const float p = std::exp(scores[g][j] - block_max);
-            sum += p;
-            const float* v = vc + base + (offset + j) * slot_row;
-            if (first_value) {
-              scale_add(acc[g], correction, p, v, head_dim);
-              first_value = false;
-            } else {
-              add_scaled(acc[g], p, v, head_dim);
-            }
+          float sum = 0.f;
+          for (int j = 0; j < n; j += 8) {
+            _mm256_storeu_ps(s + j, exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(block_max))));
           }
-          running_sum[g] = sum;
+          for (int j = 0; j < n; ++j) sum += s[j];
+          running_sum[g] = running_sum[g] * correction + sum;
+          // Each 8-wide slice of the accumulator stays in a register across the block's keys.
+          const __m256 vcorrection = _mm256_set1_ps(correction);
+          for (int d = 0; d < head_dim; d += 8) {
+            __m256 a = _mm256_mul_ps(_mm256_loadu_ps(acc[g] + d), vcorrection);
+            for (int j = 0; j < n; ++j) a = _mm256_fmadd_ps(_mm256_set1_ps(s[j]), _mm256_loadu_ps(value_rows[j] + d), a);
+            _mm256_storeu_ps(acc[g] + d, a);
+          }
         }
       }
       float* o = o_ptr + (int64_t(t) * num_heads + int64_t(kv_head) * group) * head_dim;

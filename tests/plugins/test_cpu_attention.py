@@ -1,0 +1,73 @@
+"""The ``cpu`` attention backend against the torch reference backend, on steps that use both of
+its paths: the per-token kernel and SDPA for prompt chunks over ``max_kernel_query_len``."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tests.factories import make_engine, run_to_completion, save_hf_model
+from tokenmill.attention.backend import AttentionLayerSpec
+from tokenmill.attention.torch_backend import TorchAttentionBackend
+from tokenmill.engine import now
+from tokenmill.kernels.paged_attention import cpu as kernels
+from tokenmill.messages import EngineCoreRequest
+from tokenmill.model_runner import SequenceChunk, build_batch
+from tokenmill.plugins.attention.cpu_backend import CpuAttentionBackend
+from tokenmill.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.skipif(not kernels.is_available(), reason="the CPU kernels need AVX2, FMA and a compiler")
+
+
+@pytest.mark.parametrize("sliding_window", [None, 37])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(9, 3), (4, 4)])
+def test_mixed_step_with_long_chunks_matches_reference(sliding_window, num_heads, num_kv_heads):
+    block_size, num_blocks, head_dim = 16, 64, 64
+    # decode, a 100-token chunk after 30 cached, a short chunk, a 70-token prompt from scratch
+    query_lens, computed = [1, 100, 5, 70, 1], [40, 30, 12, 0, 200]
+    rng = random.Random(0)
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    chunks = [
+        SequenceChunk([1] * q, done, [free.pop() for _ in range(-(-(q + done) // block_size))])
+        for q, done in zip(query_lens, computed, strict=True)
+    ]
+    _, metadata = build_batch(chunks, block_size)
+    generator = torch.Generator().manual_seed(1)
+    query = torch.randn(metadata.num_tokens, num_heads, head_dim, generator=generator)
+    key = torch.randn(metadata.num_tokens, num_kv_heads, head_dim, generator=generator)
+    value = torch.randn(metadata.num_tokens, num_kv_heads, head_dim, generator=generator)
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=generator)
+    spec = AttentionLayerSpec(num_heads, num_kv_heads, head_dim, head_dim**-0.5, sliding_window)
+
+    reference_cache = cache.clone()
+    reference = TorchAttentionBackend()
+    reference.prepare(metadata, block_size)
+    expected = reference.forward(spec, query, key, value, reference_cache, metadata)
+
+    backend = CpuAttentionBackend()
+    backend.prepare(metadata, block_size)
+    assert len(metadata.backend_state.long_chunks) == 2  # the 100- and 70-token chunks
+    got = backend.forward(spec, query, key, value, cache, metadata)
+    assert torch.equal(cache, reference_cache)
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=0)
+
+
+def test_engine_on_the_cpu_backend_matches_the_torch_backend(tmp_path):
+    save_hf_model("mistral-tiny", tmp_path)  # sliding window 8
+    requests = [
+        EngineCoreRequest(
+            str(i),
+            [(13 * i + 7 * t) % 500 + 1 for t in range(length)],
+            SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+            [],
+            now(),
+        )
+        for i, length in enumerate([3, 90, 17, 150])  # two prompts take the SDPA path
+    ]
+    expected = run_to_completion(make_engine(tmp_path, attention={"backend": "torch"}), requests)
+    engine = make_engine(tmp_path, attention={"backend": "cpu"})
+    assert engine.loaded.attention.name == "cpu"
+    assert run_to_completion(engine, requests) == expected
