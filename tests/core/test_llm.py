@@ -21,9 +21,12 @@ def llm(smollm2_gguf: Path) -> LLM:
     return LLM(str(smollm2_gguf), device="cpu", kv_cache_memory="256MiB", max_num_batched_tokens=64)
 
 
-def test_greedy_64_tokens_match_transformers(llm: LLM, smollm2_gguf: Path) -> None:
+def test_greedy_64_tokens_match_transformers(smollm2_gguf: Path) -> None:
     from transformers import AutoModelForCausalLM
 
+    # The float path (weights dequantized, as transformers holds them) with the default attention
+    # backend; the default int4 path is compared with this one in tests/plugins/test_quantizers.py.
+    llm = LLM(str(smollm2_gguf), device="cpu", kv_cache_memory="256MiB", max_num_batched_tokens=64, quantization="none")
     # min_tokens bans EOS for 64 tokens, exactly what transformers' min_new_tokens does.
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=64, min_tokens=64), use_tqdm=False)
     reference = AutoModelForCausalLM.from_pretrained(
