@@ -107,14 +107,20 @@ class CpuAttentionBackend(AttentionBackend):
         flat_keys = key_cache.view(-1, layer.num_kv_heads, layer.head_dim)  # [num_slots, kv_heads, head_dim]
         flat_values = value_cache.view(-1, layer.num_kv_heads, layer.head_dim)
         for chunk in state.long_chunks:
-            mask = chunk.key_positions <= chunk.query_positions  # [query_len, seq_len]: causal
-            if layer.sliding_window is not None:
-                mask &= chunk.key_positions > chunk.query_positions - layer.sliding_window
+            # A whole prompt without a window is plain causal attention, which SDPA computes without
+            # a mask and skipping the upper triangle (twice as fast); otherwise the mask says it.
+            is_whole_prompt = chunk.key_slots.shape[0] == chunk.end - chunk.start and layer.sliding_window is None
+            mask = None
+            if not is_whole_prompt:
+                mask = chunk.key_positions <= chunk.query_positions  # [query_len, seq_len]: causal
+                if layer.sliding_window is not None:
+                    mask &= chunk.key_positions > chunk.query_positions - layer.sliding_window
             attended = F.scaled_dot_product_attention(
                 query[chunk.start : chunk.end].transpose(0, 1)[None],  # [1, heads, query_len, head_dim]
                 flat_keys[chunk.key_slots].transpose(0, 1)[None],  # [1, kv_heads, seq_len, head_dim]
                 flat_values[chunk.key_slots].transpose(0, 1)[None],
                 attn_mask=mask,
+                is_causal=is_whole_prompt,
                 scale=layer.scale,
                 enable_gqa=layer.num_heads != layer.num_kv_heads,
             )  # [1, heads, query_len, head_dim]

@@ -5,10 +5,10 @@ numerics of GGUF's Q8_0); ``Int4Quantizer`` as 4-bit codes with a float32 scale 
 (GGUF's Q4_1). Quantizing weights that a Q8_0 or Q4_1 file held reproduces them exactly, so the
 default GGUF model runs from the weights in its file, not from a float32 copy.
 
-A matmul picks its kernel by the number of rows of ``x``: up to ``max_kernel_rows`` the
-quantized kernels run (decode is memory-bound, and even for a few hundred rows their int8
-products outrun float32 FMAs on AVX2); above it, the layer's weights are dequantized for one
-float32 GEMM. The crossover was measured on a 2-core AVX2 machine: see docs/performance.md.
+The quantized kernels run for any number of rows: on a 2-core AVX2 machine their int8
+products outrun float32 GEMM on the dequantized weights from one row (decode, memory-bound)
+up to 1,024-row prompt chunks (compute-bound); see docs/performance.md. ``max_kernel_rows``
+switches larger inputs to dequantize + float32 GEMM on machines where that wins.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ GROUP_SIZE = 32
 
 class _WeightOnlyQuantizer(Quantizer):
     supported_devices: ClassVar[tuple[str, ...]] = ("cpu",)
-    #: Above this many rows of ``x`` (long prompt chunks), dequantize and run one float32 GEMM instead.
-    max_kernel_rows: ClassVar[int] = 256
+    #: Above this many rows of ``x``, dequantize and run one float32 GEMM instead (None: never).
+    max_kernel_rows: ClassVar[int | None] = None
 
     @classmethod
     def is_available(cls) -> bool:
@@ -68,7 +68,7 @@ class _WeightOnlyQuantizer(Quantizer):
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         x = x.float().contiguous()
         storage = [getattr(layer, name) for name in self.storage_names]
-        if x.shape[0] > self.max_kernel_rows:
+        if self.max_kernel_rows is not None and x.shape[0] > self.max_kernel_rows:
             return F.linear(x, self.dequantize(*storage), layer.bias)
         return self.matmul(x, *storage, layer.bias)
 

@@ -1,10 +1,10 @@
 """The weight-only quantizers (``int8``, ``int4``) and what ``auto`` picks.
 
-Tolerance of the quantized decode path, stated once: prompt chunks of more rows than
-``max_kernel_rows`` run one float32 GEMM over the dequantized weights, which
+Tolerance of the quantized kernels, stated once: with ``max_kernel_rows`` set, prompt chunks of
+more rows run one float32 GEMM over the dequantized weights, which
 for a Q4_1/Q8_0 GGUF are exactly the file's weights, so they must equal the
-``none`` path bit for bit. Decode rows run the integer kernels, which also
-round each activation to int8 per group of 32 (as llama.cpp does): a relative
+``none`` path bit for bit. Rows through the integer kernels (every row by default) are also
+rounded to int8 per group of 32 (as llama.cpp does): a relative
 error of at most 1/254 of each group's largest activation per value. Through
 SmolLM2's 30 layers that was measured at 0.18 mean and 0.89 max absolute
 difference on logits spanning about +-33, with the same argmax at all 32
@@ -53,7 +53,7 @@ def test_registered_through_its_entry_point() -> None:
 
 @pytest.fixture
 def gemm_above_32_rows(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Prompts of more than 32 rows take the dequantize + float32 GEMM path (256 by default)."""
+    """Prompts of more than 32 rows take the dequantize + float32 GEMM path (off by default)."""
     for quantizer_class in (Int8Quantizer, Int4Quantizer):
         monkeypatch.setattr(quantizer_class, "max_kernel_rows", 32)
 
