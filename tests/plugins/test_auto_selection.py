@@ -1,0 +1,91 @@
+"""What ``attention.backend = "auto"`` and ``model.quantization = "auto"`` pick, and what they skip."""
+
+from __future__ import annotations
+
+import logging
+from typing import ClassVar
+
+import pytest
+import torch
+
+from tokenmill import hookimpl
+from tokenmill.attention.torch_backend import TorchAttentionBackend
+from tokenmill.model_loader import select_attention_backend, select_quantizer
+from tokenmill.models.architecture import ArchitectureConfig
+from tokenmill.plugin_manager import Slot, load_plugins
+from tokenmill.plugins.attention.cpu_backend import CpuAttentionBackend
+
+CPU = torch.device("cpu")
+
+
+class PreferredBackend(TorchAttentionBackend):
+    name: ClassVar[str] = "preferred"
+    auto_priority: ClassVar[int] = 100
+
+
+class UnavailableBackend(TorchAttentionBackend):
+    name: ClassVar[str] = "unavailable"
+    auto_priority: ClassVar[int] = 1000
+
+    @classmethod
+    def is_available(cls) -> bool:
+        return False
+
+
+class GpuOnlyBackend(TorchAttentionBackend):
+    name: ClassVar[str] = "gpu-only"
+    supported_devices: ClassVar[tuple[str, ...]] = ("cuda",)
+    auto_priority: ClassVar[int] = 1000
+
+
+class _Registrations:
+    def __init__(self, **backends: str) -> None:
+        self.backends = backends
+
+    @hookimpl
+    def tokenmill_register_attention_backends(self, register) -> None:  # type: ignore[no-untyped-def]
+        for name, path in self.backends.items():
+            register(name, path)
+
+
+def _registry(**backends: str):  # type: ignore[no-untyped-def]
+    return load_plugins(extra_plugins=[("test-backends", _Registrations(**backends))]).registry
+
+
+@pytest.mark.skipif(not CpuAttentionBackend.is_available(), reason="the CPU kernels need AVX2, FMA and a compiler")
+def test_auto_prefers_the_cpu_kernels_on_cpu() -> None:
+    assert select_attention_backend("auto", CPU, load_plugins().registry).name == "cpu"
+    without = load_plugins(disabled=["attention"]).registry  # the entry point that ships "cpu"
+    assert select_attention_backend("auto", CPU, without).name == "torch"
+
+
+def test_auto_skips_unavailable_foreign_device_and_broken_backends(caplog: pytest.LogCaptureFixture) -> None:
+    module = __name__
+    registry = _registry(
+        preferred=f"{module}:PreferredBackend",
+        unavailable=f"{module}:UnavailableBackend",
+        **{"gpu-only": f"{module}:GpuOnlyBackend", "broken": "no_such_module:Backend"},
+    )
+    with caplog.at_level(logging.WARNING, logger="tokenmill.model_loader"):
+        assert select_attention_backend("auto", CPU, registry).name == "preferred"
+    assert "skipping attention_backend 'broken'" in caplog.text
+
+
+def test_auto_quantization_follows_the_stored_weight_type() -> None:
+    registry = load_plugins().registry
+    hf = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 64, "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4,
+    }  # fmt: skip
+    stored = {
+        None: "none",
+        "Q4_1": "int4",
+        "Q8_0": "int8",
+        "Q5_K": "none",  # no installed quantizer holds it exactly: dense float32
+    }
+    for weight_type, expected in stored.items():
+        config = dict(hf, quantization_config={"quant_method": "gguf", "weight_type": weight_type})
+        arch = ArchitectureConfig.from_hf_config(config)
+        if expected != "none" and not registry.load(Slot.QUANTIZER, expected).is_available():
+            continue  # no AVX2 or compiler here: auto falls back to "none", tested by the None case
+        assert select_quantizer("auto", arch, CPU, registry).name == expected, weight_type
