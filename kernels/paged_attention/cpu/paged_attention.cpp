@@ -55,6 +55,30 @@ inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(exponent));
 }
 
+// Inputs are checked here, before the kernels index raw pointers: TORCH_CHECK_VALUE surfaces in
+// Python as ValueError, and costs far less than the same checks in Python twice per layer per step.
+void check_float(const torch::Tensor& t, const char* name, int64_t dim, const char* expected) {
+  TORCH_CHECK_VALUE(t.dim() == dim && t.scalar_type() == at::kFloat && t.is_contiguous() && t.device().is_cpu(),
+                    name, " must be a contiguous float32 CPU tensor ", expected, ", got ", t.scalar_type(), " ",
+                    t.sizes());
+}
+
+void check_cache(const torch::Tensor& key_cache, const torch::Tensor& value_cache) {
+  check_float(key_cache, "key_cache", 4, "[num_blocks, block_size, kv_heads, head_dim]");
+  check_float(value_cache, "value_cache", 4, "[num_blocks, block_size, kv_heads, head_dim]");
+  TORCH_CHECK_VALUE(key_cache.sizes() == value_cache.sizes(), "key and value caches differ: ", key_cache.sizes(),
+                    " vs ", value_cache.sizes());
+  TORCH_CHECK_VALUE(key_cache.size(1) <= kMaxBlockSize && key_cache.size(3) <= kMaxHeadDim && key_cache.size(3) % 8 == 0,
+                    "block_size must be <= ", kMaxBlockSize, " and head_dim a multiple of 8 up to ", kMaxHeadDim,
+                    ", got ", key_cache.size(1), " and ", key_cache.size(3));
+}
+
+void check_index(const torch::Tensor& t, const char* name, at::ScalarType dtype, int64_t dim) {
+  TORCH_CHECK_VALUE(t.dim() == dim && t.scalar_type() == dtype && t.is_contiguous() && t.device().is_cpu(), name,
+                    " must be a contiguous ", dim, "-D ", dtype, " CPU tensor, got ", t.scalar_type(), " ",
+                    t.sizes());
+}
+
 }  // namespace
 
 // Writes each new token's key and value into its cache slot.
@@ -64,6 +88,15 @@ void write_kv_cache(const torch::Tensor& key,          // [num_tokens, kv_heads,
                     torch::Tensor& value_cache,        // same
                     const torch::Tensor& slot_mapping  // [num_tokens] int64
 ) {
+  check_cache(key_cache, value_cache);
+  check_index(slot_mapping, "slot_mapping", at::kLong, 1);
+  for (const auto* t : {&key, &value}) {
+    check_float(*t, t == &key ? "key" : "value", 3, "[num_tokens, kv_heads, head_dim]");
+    TORCH_CHECK_VALUE(t->size(0) == slot_mapping.size(0) && t->size(1) == key_cache.size(2) &&
+                          t->size(2) == key_cache.size(3),
+                      "key and value must be [", slot_mapping.size(0), ", ", key_cache.size(2), ", ",
+                      key_cache.size(3), "], got ", t->sizes());
+  }
   const int64_t num_tokens = key.size(0);
   const int64_t row = key.size(1) * key.size(2);
   const float* k = key.data_ptr<float>();
@@ -84,6 +117,18 @@ torch::Tensor paged_attention(const torch::Tensor& query,         // [num_tokens
                               const torch::Tensor& token_req,     // [num_tokens] int32: request of each token
                               const torch::Tensor& positions,     // [num_tokens] int64: position of each token
                               double scale, int64_t sliding_window /* <= 0: none */) {
+  check_cache(key_cache, value_cache);
+  check_float(query, "query", 3, "[num_tokens, heads, head_dim]");
+  check_index(block_tables, "block_tables", at::kInt, 2);
+  check_index(token_req, "token_req", at::kInt, 1);
+  check_index(positions, "positions", at::kLong, 1);
+  TORCH_CHECK_VALUE(query.size(2) == key_cache.size(3), "query head_dim ", query.size(2), " != cache head_dim ",
+                    key_cache.size(3));
+  TORCH_CHECK_VALUE(query.size(1) % key_cache.size(2) == 0 && query.size(1) / key_cache.size(2) <= kMaxGroup,
+                    query.size(1), " heads cannot share ", key_cache.size(2), " kv heads (at most ", kMaxGroup,
+                    " per kv head)");
+  TORCH_CHECK_VALUE(token_req.size(0) == query.size(0) && positions.size(0) == query.size(0),
+                    "token_req and positions need one entry per query token");
   const int num_tokens = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
   const int block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
   const int group = num_heads / num_kv_heads;
