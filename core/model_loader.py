@@ -79,6 +79,17 @@ def _loadable(registry: Registry, slot: Slot) -> list[Any]:
     return loaded
 
 
+def _load_for_device(registry: Registry, slot: Slot, name: str, device: torch.device, setting: str) -> Any:
+    """The class registered as ``name``, refused with the setting to change if it does not run on ``device``."""
+    implementation = registry.load(slot, name)
+    if device.type not in implementation.supported_devices:
+        raise PluginError(
+            f"{slot.value} {name!r} does not run on {device.type}; it supports "
+            f"{', '.join(implementation.supported_devices)} ({setting})"
+        )
+    return implementation
+
+
 def select_attention_backend(name: str, device: torch.device, registry: Registry) -> AttentionBackend:
     """The named backend, or for ``"auto"`` the available one with the highest priority on ``device``."""
     if name == "auto":
@@ -88,26 +99,14 @@ def select_attention_backend(name: str, device: torch.device, registry: Registry
             if device.type in backend_class.supported_devices and backend_class.is_available()
         ]
         return max(candidates, key=lambda c: c.auto_priority)()  # the built-in torch backend runs everywhere
-    backend_class = registry.load(Slot.ATTENTION_BACKEND, name)
-    if device.type not in backend_class.supported_devices:
-        raise PluginError(
-            f"attention backend {name!r} does not run on {device.type}; "
-            f"it supports {', '.join(backend_class.supported_devices)}"
-        )
-    return backend_class()
+    return _load_for_device(registry, Slot.ATTENTION_BACKEND, name, device, "attention.backend")()
 
 
 def select_quantizer(name: str, arch: ArchitectureConfig, device: torch.device, registry: Registry) -> Quantizer:
     """The named quantizer, or for ``"auto"`` the available one that holds the checkpoint's stored
     weight type exactly on this device (``"none"`` when the checkpoint is float or none fits)."""
     if name != "auto":
-        quantizer_class = registry.load(Slot.QUANTIZER, name)
-        if device.type not in quantizer_class.supported_devices:
-            raise PluginError(
-                f"quantizer {name!r} does not run on {device.type}; it supports "
-                f"{', '.join(quantizer_class.supported_devices)} (model.quantization)"
-            )
-        return quantizer_class()
+        return _load_for_device(registry, Slot.QUANTIZER, name, device, "model.quantization")()
     candidates = [
         quantizer_class
         for quantizer_class in (_loadable(registry, Slot.QUANTIZER) if arch.stored_weight_type else [])

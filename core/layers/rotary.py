@@ -32,7 +32,8 @@ def inverse_frequencies(rope: RopeConfig, rotary_dim: int) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Applies rope to q and k at arbitrary positions, from a cos/sin table built on first use."""
+    """Applies rope at arbitrary positions, from a cos/sin table built on first use: the model calls
+    ``set_positions`` once per forward, then each layer ``rotate``s its queries and keys."""
 
     def __init__(self, rope: RopeConfig, head_dim: int, max_position: int) -> None:
         super().__init__()
@@ -50,13 +51,6 @@ class RotaryEmbedding(nn.Module):
             angles = torch.outer(positions, inv_freq)  # [max_position, head_dim // 2]
             self._cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1)  # [max_position, head_dim]
         return self._cos_sin
-
-    def forward(
-        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``query`` [num_tokens, heads, head_dim], ``key`` [num_tokens, kv_heads, head_dim]."""
-        self.set_positions(positions)
-        return self.rotate(query), self.rotate(key)
 
     def set_positions(self, positions: torch.Tensor) -> None:
         """Look up the step's cos/sin once, for every layer's ``rotate``. Called at the start of each

@@ -35,8 +35,8 @@ class LlamaAttention(nn.Module):
         super().__init__()
         heads, kv_heads, head_dim = config.num_attention_heads, config.num_kv_heads, config.head_dim
         hidden = config.hidden_size
-        self.qkv_sizes = (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
-        self.qkv_proj = MergedLinear(hidden, self.qkv_sizes, config.qkv_bias, quantizer, dtype)
+        qkv_sizes = (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
+        self.qkv_proj = MergedLinear(hidden, qkv_sizes, config.qkv_bias, quantizer, dtype)
         self.o_proj = Linear(heads * head_dim, hidden, config.o_proj_bias, quantizer, dtype)
         self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
         self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
@@ -60,7 +60,9 @@ class LlamaAttention(nn.Module):
         num_tokens = hidden_states.shape[0]
         spec = self.spec
         qkv = self.qkv_proj(hidden_states)  # [num_tokens, (heads + 2 * kv_heads) * head_dim]
-        query_and_key, value = qkv.split((self.qkv_sizes[0] + self.qkv_sizes[1], self.qkv_sizes[2]), dim=-1)
+        query_and_key, value = qkv.split(
+            ((spec.num_heads + spec.num_kv_heads) * spec.head_dim, spec.num_kv_heads * spec.head_dim), dim=-1
+        )
         value = value.unflatten(-1, (spec.num_kv_heads, spec.head_dim))  # [num_tokens, kv_heads, head_dim]
         query_and_key = query_and_key.unflatten(-1, (spec.num_heads + spec.num_kv_heads, spec.head_dim))
         if self.q_norm is not None and self.k_norm is not None:
