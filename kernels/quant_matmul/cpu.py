@@ -1,8 +1,13 @@
-"""Launcher for the AVX2 quantized matmul kernels in ``cpu/quant_matmul.cpp``.
+"""Launcher for the quantized matmul kernels in ``cpu/quant_matmul.cpp`` (AVX2, and VNNI where present).
 
 The C++ is compiled on first use (see ``tokenmill.kernels.cpp_build``): the wheel ships the source rather
 than a binary tied to one torch build. The kernels need AVX2 and FMA; :func:`load` says what is missing
 rather than letting the process die of an illegal instruction.
+
+The block dot products come in one variant per instruction set: ``"avx2"`` (``vpmaddubsw`` + ``vpmaddwd``),
+``"avx_vnni"`` and ``"avx512_vnni"`` (``vpdpbusd``, 256-bit vectors; the latter with 32 vector registers). The
+best one the CPU supports is used; :func:`supported_isas` lists them and :func:`set_isa` forces one, e.g. to
+compare speeds. All of them give bit-identical outputs.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from torch import Tensor
 
 from tokenmill.kernels.cpp_build import CppExtension
 
-__all__ = ["is_available", "load", "matmul_int4", "matmul_int8"]
+__all__ = ["is_available", "isa", "load", "matmul_int4", "matmul_int8", "set_isa", "supported_isas"]
 
 # -ffp-contract=off keeps the compiler from fusing scalar a * b + c into FMAs, which would round differently
 # from reference.py; the kernels' own FMAs are explicit intrinsics.
@@ -55,3 +60,21 @@ def matmul_int4(x: Tensor, qweight: Tensor, scales: Tensor, mins: Tensor, bias: 
     Inputs are validated by the compiled op, as for :func:`matmul_int8`.
     """
     return (_module or load()).matmul_int4(x, qweight, scales, mins, bias)
+
+
+def supported_isas() -> list[str]:
+    """The dot-product variants this CPU can run, best last: ``"avx2"``, then ``"avx_vnni"``, ``"avx512_vnni"``."""
+    return list(load().supported_isas())
+
+
+def isa() -> str:
+    """The variant :func:`matmul_int8` and :func:`matmul_int4` use now."""
+    return str(load().isa())
+
+
+def set_isa(name: str) -> None:
+    """Use variant ``name`` (one of :func:`supported_isas`, or ``"auto"`` for the best) in this process from now on.
+
+    Raises ``ValueError`` for a variant the CPU lacks. Outputs do not change, only speed.
+    """
+    load().set_isa(name)

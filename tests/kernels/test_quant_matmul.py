@@ -1,4 +1,4 @@
-"""Weight-only quantized matmul: the AVX2 kernels against the plain-torch reference, and the formats themselves.
+"""Weight-only quantized matmul: the kernels against the plain-torch reference, and the formats themselves.
 
 Tolerances (kept here on purpose, independent of any shared tolerance table):
 
@@ -103,6 +103,47 @@ def test_kernel_matches_reference(kind: str, m: int, k: int) -> None:
             rounding = (dx / 2) @ dense.abs().reshape(n, k // 32, 32).sum(-1).T
             allowed = rounding * (1 + LOOSE_RTOL) + LOOSE_RTOL * (x.abs() @ dense.abs().T + magnitude)
             assert ((out - plain).abs() <= allowed).all(), f"{where}: too far from x @ dequantize(W).T"
+
+
+ISAS = ("avx2", "avx_vnni", "avx512_vnni")
+
+
+@needs_kernels
+@pytest.mark.parametrize("isa", ISAS[1:])
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_isa_variants_are_bit_identical_to_avx2(kind: str, isa: str) -> None:
+    """Integer dot products are exact and every variant runs the same float32 operations in the same order."""
+    if isa not in cpu.supported_isas():
+        pytest.skip(f"this CPU lacks {isa} (it supports {', '.join(cpu.supported_isas())})")
+    before = cpu.isa()
+    try:
+        for k in K_VALUES:
+            for m in (1, 3, 4, 5, 32, 33):
+                x = torch.randn(m, k, generator=torch.Generator().manual_seed(m * k)) * 3.0
+                for n in N_VALUES:
+                    packed, _, bias = _layer(kind, n, k)
+                    cpu.set_isa("avx2")
+                    expected = _kernel(kind, x, packed, bias)
+                    cpu.set_isa(isa)
+                    assert torch.equal(_kernel(kind, x, packed, bias), expected), f"{kind} {isa} M={m} K={k} N={n}"
+    finally:
+        cpu.set_isa(before)
+
+
+@needs_kernels
+def test_set_isa() -> None:
+    before = cpu.isa()
+    supported = cpu.supported_isas()
+    try:
+        assert supported[0] == "avx2" and set(supported) <= set(ISAS)
+        cpu.set_isa("avx2")
+        assert cpu.isa() == "avx2"
+        cpu.set_isa("auto")
+        assert cpu.isa() == supported[-1]  # the best one
+        with pytest.raises(ValueError, match="isa must be"):
+            cpu.set_isa("sse2")
+    finally:
+        cpu.set_isa(before)
 
 
 @needs_kernels

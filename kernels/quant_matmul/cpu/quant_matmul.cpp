@@ -1,22 +1,30 @@
-// Weight-only quantized matmul for x86-64 CPUs with AVX2 + FMA.
+// Weight-only quantized matmul for x86-64 CPUs with AVX2 + FMA, and VNNI where the CPU has it.
 //
 //   y[m, n] = sum_k x[m, k] * W[n, k] + bias[n]
 //
 // W is stored per 32-element group along k, either as int8 (Q8_0: w = d * q) or as packed 4-bit codes
 // (Q4_1: w = d * q + m). Decoding one token is bound by how fast the weights stream from memory, so the kernels
-// read 6 (int4) or 9 (int8) bits per weight, scales included, instead of 32. Each activation row is quantized to int8 per 32-block so that the
-// block dot products are integer dot products (vpmaddubsw, unsigned x signed bytes), scaled once per block.
-// reference.py defines the formats and the numerics exactly; these kernels differ from it only in the order of
-// the float32 sums.
+// read 6 (int4) or 9 (int8) bits per weight, scales included, instead of 32. Each activation row is quantized to
+// int8 per 32-block so that the block dot products are integer dot products (unsigned x signed bytes), scaled
+// once per block. reference.py defines the formats and the numerics exactly; these kernels differ from it only
+// in the order of the float32 sums.
+//
+// The file builds with -mavx2 -mfma. The block dot products come in one variant per instruction set (struct
+// Avx2, AvxVnni, Avx512Vnni below), picked at run time from the CPU's features; the VNNI ones are compiled with
+// __attribute__((target)) so they are only ever executed on CPUs that have them. Integer dot products are exact
+// and every variant performs the same float32 operations in the same order, so all give bit-identical outputs;
+// set_isa forces one (for tests and benchmarks).
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 namespace {
 
@@ -122,14 +130,14 @@ struct Problem {
 // out[m0 .. m0+MR, n0 .. n0+NR] for one tile: NR weight rows against MR activation rows. `prefetch` asks for
 // the weight stream kPrefetchBytes ahead to be requested; only the first activation tile of a row group streams
 // from memory (the others find the rows in L1), and only while the target is still inside this task's rows.
-template <bool kInt4, int NR, int MR>
-__attribute__((noinline)) void tile(const Problem& p, int64_t n0, int64_t m0, bool prefetch) {
+// Inlined into each Isa's tile entry point, which compiles it for that instruction set.
+template <bool kInt4, int NR, int MR, class Isa>
+inline void tile_body(const Problem& p, int64_t n0, int64_t m0, bool prefetch) {
   const int64_t groups = p.groups;
   const int8_t* xq = p.act->q.get() + m0 * p.K;
   const float* xd = p.act->d.get() + m0 * groups;
   const uint8_t* w = p.w + n0 * p.row_bytes;
   const float* wd = p.scales + n0 * groups;
-  const __m256i ones = _mm256_set1_epi16(1);
   constexpr int64_t kGroupBytes = kInt4 ? kGroup / 2 : kGroup;
   constexpr int64_t kGroupsPerLine = 64 / kGroupBytes;
 
@@ -140,7 +148,7 @@ __attribute__((noinline)) void tile(const Problem& p, int64_t n0, int64_t m0, bo
     for (int i = 0; i < MR; ++i) acc[r][i] = _mm256_setzero_ps();
   }
   for (int64_t g = 0; g < groups; ++g) {
-    // vpmaddubsw multiplies unsigned by signed bytes: int4 codes are already unsigned; for int8 the weight's
+    // The dot products multiply unsigned by signed bytes: int4 codes are already unsigned; for int8 the weight's
     // sign is moved onto the activation (|w| * sign(w) x), which cannot overflow as both lie in [-127, 127].
     __m256i wu[NR];
     __m256i ws[NR];
@@ -169,8 +177,7 @@ __attribute__((noinline)) void tile(const Problem& p, int64_t n0, int64_t m0, bo
         } else {
           xs = _mm256_sign_epi8(x, ws[r]);
         }
-        // Pairs of products fit int16 (<= 2 * 127 * 127); vpmaddwd with ones sums them to 8 int32 lanes.
-        const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wu[r], xs), ones);
+        const __m256i dot = Isa::dot(wu[r], xs);
         const __m256 scale = _mm256_mul_ps(_mm256_broadcast_ss(wd + r * groups + g), dx);
         acc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[r][i]);
       }
@@ -200,30 +207,93 @@ __attribute__((noinline)) void tile(const Problem& p, int64_t n0, int64_t m0, bo
   }
 }
 
+// The block dot product per instruction set: 8 int32 lanes, lane l = sum of the products of bytes 4l .. 4l+3
+// (unsigned u times signed s). The lanes are the same in every variant, so the float32 math after them is too.
+// Each `tile` is the entry point compiled for its instruction set; `flatten` inlines tile_body and everything
+// it calls into it, so the VNNI intrinsics are only ever inlined into code built for VNNI.
+struct Avx2 {
+  static inline __m256i dot(__m256i u, __m256i s) {
+    // Pairs of products fit int16 (<= 2 * 127 * 127); vpmaddwd with ones sums them to 8 int32 lanes.
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+  }
+  template <bool kInt4, int NR, int MR>
+  __attribute__((noinline, flatten)) static void tile(const Problem& p, int64_t n0, int64_t m0, bool prefetch) {
+    tile_body<kInt4, NR, MR, Avx2>(p, n0, m0, prefetch);
+  }
+};
+
+// AVX-VNNI (Alder Lake, Zen 4 and later): one vpdpbusd replaces vpmaddubsw + vpmaddwd.
+struct AvxVnni {
+  __attribute__((target("avxvnni"))) static inline __m256i dot(__m256i u, __m256i s) {
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+  }
+  template <bool kInt4, int NR, int MR>
+  __attribute__((noinline, flatten, target("avxvnni"))) static void tile(const Problem& p, int64_t n0, int64_t m0,
+                                                                        bool prefetch) {
+    tile_body<kInt4, NR, MR, AvxVnni>(p, n0, m0, prefetch);
+  }
+};
+
+// AVX512-VNNI (Cascade Lake, Ice Lake, Zen 4) on 256-bit vectors: the same vpdpbusd, EVEX-encoded, and the
+// compiler gets 32 vector registers instead of 16.
+#define AVX512_VNNI_TARGET "avx512f,avx512bw,avx512vl,avx512vnni"
+struct Avx512Vnni {
+  __attribute__((target(AVX512_VNNI_TARGET))) static inline __m256i dot(__m256i u, __m256i s) {
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+  }
+  template <bool kInt4, int NR, int MR>
+  __attribute__((noinline, flatten, target(AVX512_VNNI_TARGET))) static void tile(const Problem& p, int64_t n0,
+                                                                                 int64_t m0, bool prefetch) {
+    tile_body<kInt4, NR, MR, Avx512Vnni>(p, n0, m0, prefetch);
+  }
+};
+
+enum class Isa { kAvx2, kAvxVnni, kAvx512Vnni };
+constexpr const char* kIsaNames[] = {"avx2", "avx_vnni", "avx512_vnni"};  // indexed by Isa; as /proc/cpuinfo
+
+// What this CPU (and OS, for the AVX-512 state) supports, best last; AVX2 + FMA is checked before the build.
+std::vector<Isa> supported_isas() {
+  std::vector<Isa> isas{Isa::kAvx2};
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avxvnni")) isas.push_back(Isa::kAvxVnni);
+  if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512bw")) {
+    isas.push_back(Isa::kAvx512Vnni);
+  }
+  return isas;
+}
+
+Isa best_isa() {
+  const std::vector<Isa> isas = supported_isas();
+  return isas.back();
+}
+
+std::atomic<Isa> g_isa{best_isa()};  // what matmul_* run; set_isa changes it
+
 // Rows n0 .. n0+NR against every activation row, kActTile rows at a time and then the 1..kActTile-1 left over.
-template <bool kInt4, int NR>
+template <bool kInt4, int NR, class I>
 void row_group(const Problem& p, int64_t n0, bool prefetch) {
   int64_t m0 = 0;
   for (; m0 + kActTile <= p.M; m0 += kActTile) {
-    tile<kInt4, NR, kActTile>(p, n0, m0, prefetch && m0 == 0);
+    I::template tile<kInt4, NR, kActTile>(p, n0, m0, prefetch && m0 == 0);
   }
   prefetch = prefetch && m0 == 0;
   switch (p.M - m0) {
     case 3:
-      tile<kInt4, NR, 3>(p, n0, m0, prefetch);
+      I::template tile<kInt4, NR, 3>(p, n0, m0, prefetch);
       break;
     case 2:
-      tile<kInt4, NR, 2>(p, n0, m0, prefetch);
+      I::template tile<kInt4, NR, 2>(p, n0, m0, prefetch);
       break;
     case 1:
-      tile<kInt4, NR, 1>(p, n0, m0, prefetch);
+      I::template tile<kInt4, NR, 1>(p, n0, m0, prefetch);
       break;
     default:
       break;
   }
 }
 
-template <bool kInt4>
+template <bool kInt4, class I>
 void run(const Problem& p) {
   static_assert(kActTile == 4, "row_group handles tails of up to 3 activation rows");
   // Tasks are ranges of row groups, so only the last group of the whole matrix can be short.
@@ -237,12 +307,27 @@ void run(const Problem& p) {
     for (int64_t n0 = begin * kWeightTile; n0 < n_end; n0 += kWeightTile) {
       const bool prefetch = n0 + kWeightTile + prefetch_rows <= n_end;
       if (n0 + kWeightTile <= n_end) {
-        row_group<kInt4, kWeightTile>(p, n0, prefetch);
+        row_group<kInt4, kWeightTile, I>(p, n0, prefetch);
       } else {
-        for (int64_t n = n0; n < n_end; ++n) row_group<kInt4, 1>(p, n, false);
+        for (int64_t n = n0; n < n_end; ++n) row_group<kInt4, 1, I>(p, n, false);
       }
     }
   });
+}
+
+template <bool kInt4>
+void run_on(const Problem& p, Isa isa) {
+  switch (isa) {
+    case Isa::kAvx512Vnni:
+      run<kInt4, Avx512Vnni>(p);
+      break;
+    case Isa::kAvxVnni:
+      run<kInt4, AvxVnni>(p);
+      break;
+    default:
+      run<kInt4, Avx2>(p);
+      break;
+  }
 }
 
 // "torch.float32", as Python spells it (c10 would say "Float").
@@ -293,10 +378,11 @@ at::Tensor matmul(const at::Tensor& x, const at::Tensor& qweight, const at::Tens
                   K,
                   K / kGroup,
                   out.data_ptr<float>()};
+  const Isa isa = g_isa.load(std::memory_order_relaxed);
   if (int4) {
-    run<true>(p);
+    run_on<true>(p, isa);
   } else {
-    run<false>(p);
+    run_on<false>(p, isa);
   }
   return out;
 }
@@ -313,12 +399,41 @@ at::Tensor matmul_int4(const at::Tensor& x, const at::Tensor& qweight, const at:
   return matmul(x, qweight, scales, mins.data_ptr<float>(), bias, /*int4=*/true);
 }
 
+std::vector<std::string> supported_isa_names() {
+  std::vector<std::string> names;
+  for (Isa isa : supported_isas()) names.emplace_back(kIsaNames[static_cast<int>(isa)]);
+  return names;
+}
+
+std::string isa_name() { return kIsaNames[static_cast<int>(g_isa.load())]; }
+
+void set_isa(const std::string& name) {
+  const std::vector<Isa> isas = supported_isas();
+  if (name == "auto") {
+    g_isa = isas.back();
+    return;
+  }
+  for (Isa isa : isas) {
+    if (name == kIsaNames[static_cast<int>(isa)]) {
+      g_isa = isa;
+      return;
+    }
+  }
+  std::string known;
+  for (const std::string& n : supported_isa_names()) known += ", " + n;
+  TORCH_CHECK_VALUE(false, "isa must be \"auto\" or one this CPU supports (", known.substr(2), "), got \"", name,
+                    "\"");
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "Weight-only int8 / int4 quantized matmul (AVX2 + FMA); see tokenmill.kernels.quant_matmul.";
+  m.doc() = "Weight-only int8 / int4 quantized matmul (AVX2 + FMA, VNNI); see tokenmill.kernels.quant_matmul.";
   m.def("matmul_int8", &matmul_int8, "x [M,K] f32 @ int8 [N,K] (+ scales [N,K/32]) -> [M,N] f32", py::arg("x"),
         py::arg("qweight"), py::arg("scales"), py::arg("bias") = py::none());
   m.def("matmul_int4", &matmul_int4, "x [M,K] f32 @ packed 4-bit [N,K/2] (+ scales, mins [N,K/32]) -> [M,N] f32",
         py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("bias") = py::none());
+  m.def("supported_isas", &supported_isa_names, "the dot-product variants this CPU can run, best last");
+  m.def("isa", &isa_name, "the variant matmul_* use now");
+  m.def("set_isa", &set_isa, "use this variant from now on (\"auto\": the best supported)", py::arg("name"));
 }
