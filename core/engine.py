@@ -43,8 +43,9 @@ class EngineCore:
         self.loaded: LoadedModel = load_model(config, plugins)
         arch = self.loaded.arch
         self.layout: CacheLayout = plan_kv_cache(
-            config.cache, self.loaded.device, arch.num_layers, arch.num_kv_heads, arch.head_dim, self.loaded.dtype
-        )
+            config.cache, self.loaded.device, arch.num_layers, arch.num_kv_heads, arch.head_dim,
+            self.loaded.kv_cache_dtype,
+        )  # fmt: skip
         graph_batch_sizes = cuda_graph_batch_sizes(
             config.device.cuda_graphs, config.device.cuda_graph_batch_sizes, config.scheduler.max_num_seqs,
             self.loaded.device, self.loaded.attention,
@@ -56,7 +57,7 @@ class EngineCore:
             self.layout.num_blocks,
             self.layout.block_size,
             enable_prefix_caching=config.cache.enable_prefix_caching,
-            hash_salt=f"{self.loaded.path}:{self.loaded.dtype}",
+            hash_salt=f"{self.loaded.path}:{self.loaded.dtype}:{self.loaded.kv_cache_dtype}",
         )
         self.scheduler = Scheduler(
             self.kv_cache, config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs

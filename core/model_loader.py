@@ -37,6 +37,7 @@ class LoadedModel:
     dtype: torch.dtype
     path: Path
     max_model_len: int
+    kv_cache_dtype: torch.dtype  # what the KV cache stores; attention computes in ``dtype``
 
 
 def resolve_device(device: str) -> torch.device:
@@ -54,6 +55,29 @@ def resolve_dtype(dtype: str, arch: ArchitectureConfig, device: torch.device) ->
         return torch.float32  # CPUs without bf16 units run bf16 matmuls two orders of magnitude slower
     checkpoint = _DTYPES.get(arch.torch_dtype or "")
     return checkpoint if checkpoint in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+def resolve_kv_cache_dtype(
+    name: str, dtype: torch.dtype, attention: AttentionBackend, quantizer: Quantizer
+) -> torch.dtype:
+    """The KV cache's storage dtype for ``cache.kv_cache_dtype``.
+
+    ``"auto"`` is the model's dtype, except that a float32 model with quantized linears stores
+    float16 when its attention backend can: the quantized model is approximate already, and half
+    the bytes per cached token is twice the tokens in the same memory and half the reads per
+    decode step (llama.cpp's default too). Float models stay exact."""
+    if name == "auto":
+        if dtype == torch.float32 and not quantizer.is_dense and torch.float16 in attention.kv_cache_dtypes:
+            return torch.float16
+        return dtype
+    kv_cache_dtype = _DTYPES[name]
+    if kv_cache_dtype != dtype and kv_cache_dtype not in attention.kv_cache_dtypes:
+        supported = ", ".join(str(d).removeprefix("torch.") for d in (dtype, *attention.kv_cache_dtypes))
+        raise PluginError(
+            f"cache.kv_cache_dtype={name!r}: attention backend {attention.name!r} stores only {supported} "
+            f"for this {str(dtype).removeprefix('torch.')} model; choose one of those or another attention.backend"
+        )
+    return kv_cache_dtype
 
 
 def select_weight_format(path: Path, registry: Registry, name: str | None) -> WeightFormat:
@@ -142,4 +166,5 @@ def load_model(config: EngineConfig, plugins: PluginSystem | None = None) -> Loa
     model = model.to_empty(device=device)
     model.load_weights(weight_format.iter_tensors(path))
     model.eval()
-    return LoadedModel(model, arch, attention, device, dtype, path, max_model_len)
+    kv_cache_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, dtype, attention, quantizer)
+    return LoadedModel(model, arch, attention, device, dtype, path, max_model_len, kv_cache_dtype)

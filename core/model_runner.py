@@ -122,7 +122,7 @@ class ModelRunner:
         num_cache_blocks = num_blocks + 1 if cuda_graph_batch_sizes else num_blocks
         shape = loaded.attention.kv_cache_shape(num_cache_blocks, block_size, arch.num_kv_heads, arch.head_dim)
         self.kv_caches = [
-            _zeros(shape, loaded.dtype, loaded.device) for _ in range(arch.num_layers)
+            _zeros(shape, loaded.kv_cache_dtype, loaded.device) for _ in range(arch.num_layers)
         ]  # each [2, num_cache_blocks, block_size, num_kv_heads, head_dim] by default
         self.cuda_graphs: CudaGraphRunner | None = None
         if cuda_graph_batch_sizes:

@@ -80,6 +80,10 @@ class AttentionBackend(ABC):
     #: for a replayed step. Rows past the step's requests are padding requests: one token at position 0,
     #: ``seq_lens`` 1, written to and read from a scratch block that no request owns.
     supports_cuda_graphs: ClassVar[bool] = False
+    #: Storage dtypes, besides the model's own, that ``forward`` accepts for ``kv_cache``
+    #: (``cache.kv_cache_dtype``): it converts new keys and values as it writes them and widens
+    #: what it reads, computing in the query's dtype. Empty: the cache is in the model's dtype.
+    kv_cache_dtypes: ClassVar[tuple[torch.dtype, ...]] = ()
 
     @classmethod
     def is_available(cls) -> bool:

@@ -30,6 +30,7 @@ class _StepState:
 
 class TorchAttentionBackend(AttentionBackend):
     name: ClassVar[str] = "torch"
+    kv_cache_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.float16, torch.bfloat16)
 
     def prepare(self, metadata: AttentionMetadata, block_size: int) -> None:
         device = metadata.positions.device

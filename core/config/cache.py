@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -46,6 +46,14 @@ class CacheConfig(ConfigSection):
         PositiveInt | None,
         describe("Exact number of KV blocks, overriding kv_cache_memory (tests, reproducible benchmarks)."),
     ] = None
+    kv_cache_dtype: Annotated[
+        Literal["auto", "float32", "float16", "bfloat16"],
+        describe(
+            "What the KV cache stores. 'auto' is the model's dtype, except float16 for a float32 model with "
+            "quantized weights (such as the default GGUF model) when the attention backend supports it: half the "
+            "memory per token and half the reads per decode step. Attention still computes in the model's dtype."
+        ),
+    ] = "auto"
     enable_prefix_caching: Annotated[
         bool,
         describe("Reuse the KV blocks of identical prompt prefixes across requests."),

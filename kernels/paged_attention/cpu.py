@@ -1,9 +1,10 @@
-"""Launcher for the CPU paged-attention kernels in ``cpu/paged_attention.cpp`` (float32, AVX2).
+"""Launcher for the CPU paged-attention kernels in ``cpu/paged_attention.cpp`` (AVX2, F16C).
 
 ``paged_attention`` computes, for every new token of a step, causal attention over its own
 request's cached keys and values, read through the block table: decode tokens and prompt
 chunks alike, with GQA and sliding windows. ``write_kv_cache`` stores a step's new keys and
-values into their slots first.
+values into their slots first. Queries, keys and values are float32; the cache is float32 or
+float16 (rounded to nearest even on write, widened on read, so all arithmetic is float32).
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ __all__ = ["is_available", "load", "paged_attention", "write_kv_cache"]
 _EXTENSION = CppExtension(
     "tokenmill_paged_attention",
     Path(__file__).resolve().parent / "cpu" / "paged_attention.cpp",
-    ["-O3", "-mavx2", "-mfma"],
+    ["-O3", "-mavx2", "-mfma", "-mf16c"],
     "CPU paged-attention kernels",
 )
+
+
 def is_available() -> bool:
     """True when the CPU can run the kernels and the toolchain to build them is present."""
     return _EXTENSION.is_available()
@@ -43,7 +46,7 @@ def write_kv_cache(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: T
 
 def paged_attention(
     query: Tensor,  # [num_tokens, heads, head_dim] float32
-    key_cache: Tensor,  # [num_blocks, block_size, kv_heads, head_dim] float32
+    key_cache: Tensor,  # [num_blocks, block_size, kv_heads, head_dim] float32 or float16
     value_cache: Tensor,
     block_tables: Tensor,  # [num_reqs, max_blocks] int32
     token_req: Tensor,  # [num_tokens] int32

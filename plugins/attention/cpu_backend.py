@@ -3,7 +3,8 @@
 Each token attends over its own request's cache blocks in place (see
 ``tokenmill.kernels.paged_attention.cpu``), so a decode step costs what its keys and values
 weigh, and a step mixing a long prompt chunk with many decode tokens does not pad every
-request to the chunk's length, as the ``torch`` reference backend does.
+request to the chunk's length, as the ``torch`` reference backend does. The cache may be
+float16 (``cache.kv_cache_dtype``), which halves what a decode step reads.
 
 Prompt chunks longer than ``max_kernel_query_len`` tokens go to torch's
 ``scaled_dot_product_attention`` instead: its blocked kernel computes a long prompt's
@@ -46,6 +47,7 @@ class CpuAttentionBackend(AttentionBackend):
     name: ClassVar[str] = "cpu"
     supported_devices: ClassVar[tuple[str, ...]] = ("cpu",)
     auto_priority: ClassVar[int] = 10
+    kv_cache_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float16,)
     #: Longer prompt chunks are attended with SDPA rather than the per-token kernel.
     max_kernel_query_len: ClassVar[int] = 64
 
@@ -117,8 +119,8 @@ class CpuAttentionBackend(AttentionBackend):
                     mask &= chunk.key_positions > chunk.query_positions - layer.sliding_window
             attended = F.scaled_dot_product_attention(
                 query[chunk.start : chunk.end].transpose(0, 1)[None],  # [1, heads, query_len, head_dim]
-                flat_keys[chunk.key_slots].transpose(0, 1)[None],  # [1, kv_heads, seq_len, head_dim]
-                flat_values[chunk.key_slots].transpose(0, 1)[None],
+                flat_keys[chunk.key_slots].to(query.dtype).transpose(0, 1)[None],  # [1, kv_heads, seq_len, head_dim]
+                flat_values[chunk.key_slots].to(query.dtype).transpose(0, 1)[None],
                 attn_mask=mask,
                 is_causal=is_whole_prompt,
                 scale=layer.scale,

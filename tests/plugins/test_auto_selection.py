@@ -10,9 +10,10 @@ import torch
 
 from tokenmill import hookimpl
 from tokenmill.attention.torch_backend import TorchAttentionBackend
-from tokenmill.model_loader import select_attention_backend, select_quantizer
+from tokenmill.layers.dense import DenseQuantizer
+from tokenmill.model_loader import resolve_kv_cache_dtype, select_attention_backend, select_quantizer
 from tokenmill.models.architecture import ArchitectureConfig
-from tokenmill.plugin_manager import Slot, load_plugins
+from tokenmill.plugin_manager import PluginError, Slot, load_plugins
 from tokenmill.plugins.attention.cpu_backend import CpuAttentionBackend
 
 CPU = torch.device("cpu")
@@ -89,3 +90,26 @@ def test_auto_quantization_follows_the_stored_weight_type() -> None:
         if expected != "none" and not registry.load(Slot.QUANTIZER, expected).is_available():
             continue  # no AVX2 or compiler here: auto falls back to "none", tested by the None case
         assert select_quantizer("auto", arch, CPU, registry).name == expected, weight_type
+
+
+class _PackedWeights(DenseQuantizer):
+    name: ClassVar[str] = "packed"
+    is_dense: ClassVar[bool] = False  # all resolve_kv_cache_dtype asks of a quantizer
+
+
+class _ModelDtypeOnlyBackend(TorchAttentionBackend):
+    name: ClassVar[str] = "model-dtype-only"
+    kv_cache_dtypes: ClassVar[tuple[torch.dtype, ...]] = ()
+
+
+def test_kv_cache_dtype_auto_halves_the_cache_of_quantized_models_only() -> None:
+    f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
+    torch_backend, quantized, dense = TorchAttentionBackend(), _PackedWeights(), DenseQuantizer()
+    assert resolve_kv_cache_dtype("auto", f32, torch_backend, quantized) == f16
+    assert resolve_kv_cache_dtype("auto", f32, torch_backend, dense) == f32  # float models stay exact
+    assert resolve_kv_cache_dtype("auto", bf16, torch_backend, quantized) == bf16
+    assert resolve_kv_cache_dtype("auto", f32, _ModelDtypeOnlyBackend(), quantized) == f32
+    assert resolve_kv_cache_dtype("bfloat16", f32, torch_backend, dense) == bf16
+    assert resolve_kv_cache_dtype("float32", f32, _ModelDtypeOnlyBackend(), dense) == f32
+    with pytest.raises(PluginError, match="'model-dtype-only' stores only float32 for this float32 model"):
+        resolve_kv_cache_dtype("float16", f32, _ModelDtypeOnlyBackend(), dense)

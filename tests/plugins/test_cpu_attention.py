@@ -71,3 +71,26 @@ def test_engine_on_the_cpu_backend_matches_the_torch_backend(tmp_path):
     engine = make_engine(tmp_path, attention={"backend": "cpu"})
     assert engine.loaded.attention.name == "cpu"
     assert run_to_completion(engine, requests) == expected
+
+
+@pytest.mark.skipif(not kernels.is_available(), reason="the quantized kernels need AVX2, FMA and a compiler")
+def test_quantized_model_gets_a_float16_cache_read_alike_by_both_backends(tmp_path):
+    """``kv_cache_dtype = "auto"`` stores float16 for a quantized float32 model; the kernel and SDPA
+    paths read it as the torch reference backend does, so greedy tokens are equal."""
+    save_hf_model("mistral-tiny", tmp_path)
+    requests = [
+        EngineCoreRequest(
+            str(i), [(11 * i + 5 * t) % 500 + 1 for t in range(length)],
+            SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), [], now(),
+        )  # fmt: skip
+        for i, length in enumerate([4, 80, 21])  # the 80-token prompt takes the SDPA path
+    ]
+    engine = make_engine(tmp_path, model={"quantization": "int8"}, attention={"backend": "cpu"})
+    assert engine.loaded.kv_cache_dtype == torch.float16
+    assert {cache.dtype for cache in engine.runner.kv_caches} == {torch.float16}
+    reference = make_engine(
+        tmp_path, model={"quantization": "int8"}, attention={"backend": "torch"}, cache={"kv_cache_dtype": "float16"}
+    )
+    assert run_to_completion(engine, requests) == run_to_completion(reference, requests)
+    exact = make_engine(tmp_path, model={"quantization": "int8"}, cache={"kv_cache_dtype": "float32"})
+    assert {cache.dtype for cache in exact.runner.kv_caches} == {torch.float32}

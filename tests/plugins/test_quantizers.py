@@ -62,7 +62,9 @@ def gemm_above_32_rows(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.usefixtures("gemm_above_32_rows")
 def test_default_model_runs_from_its_4bit_weights(smollm2_gguf: Path) -> None:
     base = {"model": str(smollm2_gguf)}
-    quantized = load_model(load_config(overrides={"model": {**base, "quantization": "auto"}}))
+    # A float32 cache as in the dense run (auto would pick float16 for a quantized model): only weights differ.
+    exact_cache = {"cache": {"kv_cache_dtype": "float32"}}
+    quantized = load_model(load_config(overrides={"model": {**base, "quantization": "auto"}, **exact_cache}))
     dense = load_model(load_config(overrides={"model": {**base, "quantization": "none"}}))
     layer = quantized.model.model.layers[0].mlp.down_proj
     assert layer.quantizer.name == "int4" and layer.qweight.dtype == torch.uint8
@@ -109,7 +111,9 @@ def test_engine_with_a_quantizer_matches_the_dense_model_of_its_weights(tmp_path
         for i in range(4)
     ]
     dense = run_to_completion(make_engine(tmp_path / "rounded", model={"quantization": "none"}), requests)
-    engine = make_engine(tmp_path / "float", model={"quantization": quantization})
+    engine = make_engine(
+        tmp_path / "float", model={"quantization": quantization}, cache={"kv_cache_dtype": "float32"}
+    )  # the dense run's cache dtype (auto would pick float16): only the weights differ
     assert engine.loaded.model.model.layers[0].self_attn.qkv_proj.quantizer.name == quantization
     got = run_to_completion(engine, requests)
     assert all(len(tokens) == 8 for tokens in got.values())

@@ -1,10 +1,13 @@
-// Paged attention on CPU: float32, AVX2/FMA, parallel over (token, kv head).
+// Paged attention on CPU: float32 queries over a float32 or float16 cache, AVX2/FMA/F16C,
+// parallel over (token, kv head).
 //
 // Each query token attends to the keys of its own request at positions <= its own position
 // (and within the sliding window), read straight from the paged cache through the request's
 // block table: no gather into a padded copy, no mask tensor. The query heads that share a kv
 // head (GQA) are processed together, so each key and value row is loaded once per group.
-// Softmax is computed online (running max and sum) one cache block at a time.
+// Softmax is computed online (running max and sum) one cache block at a time. A float16 cache
+// halves the bytes a decode step streams, which is what bounds it; rows are widened to float32
+// as they are loaded (F16C), so all arithmetic stays float32.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -12,6 +15,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -19,6 +23,15 @@ namespace {
 constexpr int kMaxGroup = 16;      // query heads per kv head
 constexpr int kMaxHeadDim = 256;
 constexpr int kMaxBlockSize = 256;
+
+// Eight cache elements as float32, and back: the only places the cache's dtype shows.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+// Round to nearest even, as torch's float -> float16 conversion does.
+inline void store8(at::Half* p, __m256 v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
 
 // The dot products of q with 8 rows at once, as one vector: the horizontal sums of the 8
 // accumulators share one reduction tree instead of one reduction each.
@@ -55,6 +68,66 @@ inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(exponent));
 }
 
+inline float hmax(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+inline float hsum(__m256 v) {
+  __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_add_ss(m, _mm_movehdup_ps(m)));
+}
+
+// acc[g] = acc[g] * correction[g] + sum_j weights[g][j] * values[j] for G query heads at once:
+// each value row slice is loaded once for all G heads, and 2G accumulators (two 8-wide slices
+// per head) stay in registers across the block's keys.
+template <int G, typename T>
+void accumulate_values_n(float (*acc)[kMaxHeadDim], const float (*weights)[kMaxBlockSize + 8],
+                         const float* correction, const T* const* values, int n, int head_dim) {
+  int d = 0;
+  for (; d + 16 <= head_dim; d += 16) {
+    __m256 a[G][2];
+    for (int g = 0; g < G; ++g) {
+      a[g][0] = _mm256_mul_ps(_mm256_loadu_ps(acc[g] + d), _mm256_set1_ps(correction[g]));
+      a[g][1] = _mm256_mul_ps(_mm256_loadu_ps(acc[g] + d + 8), _mm256_set1_ps(correction[g]));
+    }
+    for (int j = 0; j < n; ++j) {
+      const __m256 v0 = load8(values[j] + d), v1 = load8(values[j] + d + 8);
+      for (int g = 0; g < G; ++g) {
+        const __m256 w = _mm256_broadcast_ss(weights[g] + j);
+        a[g][0] = _mm256_fmadd_ps(w, v0, a[g][0]);
+        a[g][1] = _mm256_fmadd_ps(w, v1, a[g][1]);
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      _mm256_storeu_ps(acc[g] + d, a[g][0]);
+      _mm256_storeu_ps(acc[g] + d + 8, a[g][1]);
+    }
+  }
+  if (d < head_dim) {  // head_dim = 8 (mod 16): one last slice
+    __m256 a[G];
+    for (int g = 0; g < G; ++g) a[g] = _mm256_mul_ps(_mm256_loadu_ps(acc[g] + d), _mm256_set1_ps(correction[g]));
+    for (int j = 0; j < n; ++j) {
+      const __m256 v = load8(values[j] + d);
+      for (int g = 0; g < G; ++g) a[g] = _mm256_fmadd_ps(_mm256_broadcast_ss(weights[g] + j), v, a[g]);
+    }
+    for (int g = 0; g < G; ++g) _mm256_storeu_ps(acc[g] + d, a[g]);
+  }
+}
+
+template <typename T>
+void accumulate_values(float (*acc)[kMaxHeadDim], const float (*weights)[kMaxBlockSize + 8], const float* correction,
+                       int num, const T* const* values, int n, int head_dim) {
+  switch (num) {
+    case 1: return accumulate_values_n<1>(acc, weights, correction, values, n, head_dim);
+    case 2: return accumulate_values_n<2>(acc, weights, correction, values, n, head_dim);
+    case 3: return accumulate_values_n<3>(acc, weights, correction, values, n, head_dim);
+    default: return accumulate_values_n<4>(acc, weights, correction, values, n, head_dim);
+  }
+}
+
 // Inputs are checked here, before the kernels index raw pointers: TORCH_CHECK_VALUE surfaces in
 // Python as ValueError, and costs far less than the same checks in Python twice per layer per step.
 void check_float(const torch::Tensor& t, const char* name, int64_t dim, const char* expected) {
@@ -64,10 +137,17 @@ void check_float(const torch::Tensor& t, const char* name, int64_t dim, const ch
 }
 
 void check_cache(const torch::Tensor& key_cache, const torch::Tensor& value_cache) {
-  check_float(key_cache, "key_cache", 4, "[num_blocks, block_size, kv_heads, head_dim]");
-  check_float(value_cache, "value_cache", 4, "[num_blocks, block_size, kv_heads, head_dim]");
-  TORCH_CHECK_VALUE(key_cache.sizes() == value_cache.sizes(), "key and value caches differ: ", key_cache.sizes(),
-                    " vs ", value_cache.sizes());
+  for (const auto* t : {&key_cache, &value_cache}) {
+    TORCH_CHECK_VALUE(t->dim() == 4 && (t->scalar_type() == at::kFloat || t->scalar_type() == at::kHalf) &&
+                          t->is_contiguous() && t->device().is_cpu(),
+                      t == &key_cache ? "key_cache" : "value_cache",
+                      " must be a contiguous float32 or float16 CPU tensor [num_blocks, block_size, kv_heads, "
+                      "head_dim], got ",
+                      t->scalar_type(), " ", t->sizes());
+  }
+  TORCH_CHECK_VALUE(key_cache.sizes() == value_cache.sizes() && key_cache.scalar_type() == value_cache.scalar_type(),
+                    "key and value caches differ: ", key_cache.scalar_type(), " ", key_cache.sizes(), " vs ",
+                    value_cache.scalar_type(), " ", value_cache.sizes());
   TORCH_CHECK_VALUE(key_cache.size(1) <= kMaxBlockSize && key_cache.size(3) <= kMaxHeadDim && key_cache.size(3) % 8 == 0,
                     "block_size must be <= ", kMaxBlockSize, " and head_dim a multiple of 8 up to ", kMaxHeadDim,
                     ", got ", key_cache.size(1), " and ", key_cache.size(3));
@@ -79,9 +159,138 @@ void check_index(const torch::Tensor& t, const char* name, at::ScalarType dtype,
                     t.sizes());
 }
 
+// Copies (float32 cache) or rounds (float16 cache) each token's row into its slot.
+template <typename T>
+void write_rows(const float* k, const float* v, T* kc, T* vc, const int64_t* slots, int64_t num_tokens, int64_t row) {
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    for (int64_t i = 0; i < row; i += 8) {
+      store8(kc + slots[t] * row + i, _mm256_loadu_ps(k + t * row + i));
+      store8(vc + slots[t] * row + i, _mm256_loadu_ps(v + t * row + i));
+    }
+  }
+}
+
+// One step's attention problem, as raw pointers; the cache's element type is T.
+template <typename T>
+struct Problem {
+  const float* query;     // [num_tokens, heads, head_dim]
+  const T* key_cache;     // [num_blocks, block_size, kv_heads, head_dim]
+  const T* value_cache;   // same
+  const int32_t* tables;  // [num_reqs, max_blocks]
+  const int32_t* reqs;    // [num_tokens]
+  const int64_t* pos;     // [num_tokens]
+  float* out;             // [num_tokens, heads, head_dim]
+  int num_tokens, num_heads, head_dim, block_size, num_kv_heads;
+  int64_t max_blocks, sliding_window;
+  float scale;
+};
+
+template <typename T>
+void attend(const Problem<T>& p) {
+  const int group = p.num_heads / p.num_kv_heads, head_dim = p.head_dim, block_size = p.block_size;
+  const int64_t token_row = int64_t(block_size) * p.num_kv_heads * head_dim;  // elements per cache block
+  const int64_t slot_row = int64_t(p.num_kv_heads) * head_dim;                // elements per cache slot
+  at::parallel_for(0, int64_t(p.num_tokens) * p.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    float acc[kMaxGroup][kMaxHeadDim];
+    float scores[kMaxGroup][kMaxBlockSize + 8];
+    float running_max[kMaxGroup], running_sum[kMaxGroup];
+    std::vector<float> widened_keys(std::is_same_v<T, float> ? 0 : block_size * head_dim);  // [block_size, head_dim]
+    for (int64_t item = begin; item < end; ++item) {
+      const int t = item / p.num_kv_heads, kv_head = item % p.num_kv_heads;
+      const int64_t last = p.pos[t];
+      const int64_t first = p.sliding_window > 0 ? std::max<int64_t>(0, last - p.sliding_window + 1) : 0;
+      const int32_t* table = p.tables + int64_t(p.reqs[t]) * p.max_blocks;
+      const float* q = p.query + (int64_t(t) * p.num_heads + int64_t(kv_head) * group) * head_dim;
+      for (int g = 0; g < group; ++g) {
+        running_max[g] = -std::numeric_limits<float>::infinity();
+        running_sum[g] = 0.f;
+        std::fill(acc[g], acc[g] + head_dim, 0.f);
+      }
+      for (int64_t block_start = first - first % block_size; block_start <= last; block_start += block_size) {
+        const int64_t lo = std::max(block_start, first), hi = std::min<int64_t>(block_start + block_size - 1, last);
+        const int64_t base = int64_t(table[block_start / block_size]) * token_row + int64_t(kv_head) * head_dim;
+        const int n = int(hi - lo + 1), offset = int(lo - block_start);
+        // This block's key and value rows, padded to a multiple of 8 with the last one. Every
+        // query head of the group reads each key row: a float16 key row is widened into
+        // `widened_keys` once for all of them. Value rows are read once, widened as they load.
+        const float* key_rows[kMaxBlockSize + 8];
+        const T* value_rows[kMaxBlockSize + 8];
+        for (int j = 0; j < n + 8; ++j) {
+          const int i = std::min(j, n - 1);
+          const int64_t row = base + int64_t(offset + i) * slot_row;
+          value_rows[j] = p.value_cache + row;
+          if constexpr (std::is_same_v<T, float>) {
+            key_rows[j] = p.key_cache + row;
+          } else {
+            float* k = widened_keys.data() + int64_t(i) * head_dim;
+            if (j < n) {
+              for (int d = 0; d < head_dim; d += 8) _mm256_storeu_ps(k + d, load8(p.key_cache + row + d));
+            }
+            key_rows[j] = k;
+          }
+        }
+        // Ask for the next block's rows now. They are short strided runs in a block the hardware
+        // prefetcher cannot guess (it comes from the block table), so without this every row is a
+        // cache miss waited on in turn, and a decode step runs at a fraction of memory bandwidth.
+        // (Two blocks ahead measured no better than one.)
+        if (block_start + block_size <= last) {
+          const int64_t next_start = block_start + block_size;
+          const int64_t next = int64_t(table[next_start / block_size]) * token_row + int64_t(kv_head) * head_dim;
+          const int next_n = int(std::min<int64_t>(block_size, last - next_start + 1));
+          for (int j = 0; j < next_n; ++j) {
+            const char* k_row = reinterpret_cast<const char*>(p.key_cache + next + j * slot_row);
+            const char* v_row = reinterpret_cast<const char*>(p.value_cache + next + j * slot_row);
+            for (int64_t byte = 0; byte < int64_t(head_dim * sizeof(T)); byte += 64) {
+              _mm_prefetch(k_row + byte, _MM_HINT_T0);
+              _mm_prefetch(v_row + byte, _MM_HINT_T0);
+            }
+          }
+        }
+        float correction[kMaxGroup];
+        for (int g = 0; g < group; ++g) {
+          float* s = scores[g];
+          for (int j = 0; j < n; j += 8) {
+            const __m256 v = _mm256_mul_ps(dot8(q + g * head_dim, key_rows + j, head_dim), _mm256_set1_ps(p.scale));
+            _mm256_storeu_ps(s + j, v);
+          }
+          // Scores past n repeat the last key's, so they cannot change the maximum.
+          __m256 vmax = _mm256_set1_ps(running_max[g]);
+          for (int j = 0; j < n; j += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + j));
+          const float block_max = hmax(vmax);
+          // What was accumulated under the old maximum is rescaled by this (in accumulate_values).
+          correction[g] = std::exp(running_max[g] - block_max);
+          running_max[g] = block_max;
+          const __m256 vblock_max = _mm256_set1_ps(block_max);
+          __m256 vsum = _mm256_setzero_ps();
+          int j = 0;
+          for (; j + 8 <= n; j += 8) {
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), vblock_max));
+            _mm256_storeu_ps(s + j, e);
+            vsum = _mm256_add_ps(vsum, e);
+          }
+          float sum = hsum(vsum);
+          if (j < n) {  // a last partial run of 8, whose padding must stay out of the sum
+            _mm256_storeu_ps(s + j, exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), vblock_max)));
+            for (; j < n; ++j) sum += s[j];
+          }
+          running_sum[g] = running_sum[g] * correction[g] + sum;
+        }
+        for (int g = 0; g < group; g += 4) {
+          accumulate_values(acc + g, scores + g, correction + g, std::min(4, group - g), value_rows, n, head_dim);
+        }
+      }
+      float* o = p.out + (int64_t(t) * p.num_heads + int64_t(kv_head) * group) * head_dim;
+      for (int g = 0; g < group; ++g) {
+        const float inv = 1.f / running_sum[g];
+        for (int d = 0; d < head_dim; ++d) o[g * head_dim + d] = acc[g][d] * inv;
+      }
+    }
+  });
+}
+
 }  // namespace
 
-// Writes each new token's key and value into its cache slot.
+// Writes each new token's key and value into its cache slot (rounded to float16 for a float16 cache).
 void write_kv_cache(const torch::Tensor& key,          // [num_tokens, kv_heads, head_dim]
                     const torch::Tensor& value,        // [num_tokens, kv_heads, head_dim]
                     torch::Tensor& key_cache,          // [num_blocks, block_size, kv_heads, head_dim]
@@ -98,15 +307,14 @@ void write_kv_cache(const torch::Tensor& key,          // [num_tokens, kv_heads,
                       key_cache.size(3), "], got ", t->sizes());
   }
   const int64_t num_tokens = key.size(0);
-  const int64_t row = key.size(1) * key.size(2);
-  const float* k = key.data_ptr<float>();
-  const float* v = value.data_ptr<float>();
-  float* kc = key_cache.data_ptr<float>();
-  float* vc = value_cache.data_ptr<float>();
+  const int64_t row = key.size(1) * key.size(2);  // a multiple of 8: head_dim is
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  for (int64_t t = 0; t < num_tokens; ++t) {
-    std::copy(k + t * row, k + (t + 1) * row, kc + slots[t] * row);
-    std::copy(v + t * row, v + (t + 1) * row, vc + slots[t] * row);
+  if (key_cache.scalar_type() == at::kHalf) {
+    write_rows(key.data_ptr<float>(), value.data_ptr<float>(), key_cache.data_ptr<at::Half>(),
+               value_cache.data_ptr<at::Half>(), slots, num_tokens, row);
+  } else {
+    write_rows(key.data_ptr<float>(), value.data_ptr<float>(), key_cache.data_ptr<float>(),
+               value_cache.data_ptr<float>(), slots, num_tokens, row);
   }
 }
 
@@ -129,83 +337,30 @@ torch::Tensor paged_attention(const torch::Tensor& query,         // [num_tokens
                     " per kv head)");
   TORCH_CHECK_VALUE(token_req.size(0) == query.size(0) && positions.size(0) == query.size(0),
                     "token_req and positions need one entry per query token");
-  const int num_tokens = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
-  const int block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
-  const int group = num_heads / num_kv_heads;
-  const int64_t max_blocks = block_tables.size(1);
   auto out = torch::empty_like(query);  // [num_tokens, heads, head_dim]
-
-  const float* q_ptr = query.data_ptr<float>();
-  const float* kc = key_cache.data_ptr<float>();
-  const float* vc = value_cache.data_ptr<float>();
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
-  const int32_t* reqs = token_req.data_ptr<int32_t>();
-  const int64_t* pos = positions.data_ptr<int64_t>();
-  float* o_ptr = out.data_ptr<float>();
-  const int64_t token_row = int64_t(block_size) * num_kv_heads * head_dim;  // floats per cache block
-  const int64_t slot_row = int64_t(num_kv_heads) * head_dim;                // floats per cache slot
-  const float fscale = float(scale);
-
-  at::parallel_for(0, int64_t(num_tokens) * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    float acc[kMaxGroup][kMaxHeadDim];
-    float scores[kMaxGroup][kMaxBlockSize + 8];
-    float running_max[kMaxGroup], running_sum[kMaxGroup];
-    for (int64_t item = begin; item < end; ++item) {
-      const int t = item / num_kv_heads, kv_head = item % num_kv_heads;
-      const int64_t last = pos[t];
-      const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, last - sliding_window + 1) : 0;
-      const int32_t* table = tables + int64_t(reqs[t]) * max_blocks;
-      const float* q = q_ptr + (int64_t(t) * num_heads + int64_t(kv_head) * group) * head_dim;
-      for (int g = 0; g < group; ++g) {
-        running_max[g] = -std::numeric_limits<float>::infinity();
-        running_sum[g] = 0.f;
-        std::fill(acc[g], acc[g] + head_dim, 0.f);
-      }
-      for (int64_t block_start = first - first % block_size; block_start <= last; block_start += block_size) {
-        const int64_t lo = std::max(block_start, first), hi = std::min<int64_t>(block_start + block_size - 1, last);
-        const int64_t base = int64_t(table[block_start / block_size]) * token_row + int64_t(kv_head) * head_dim;
-        const int n = int(hi - lo + 1), offset = int(lo - block_start);
-        // This block's key and value rows, padded to a multiple of 8 with the last one.
-        const float* key_rows[kMaxBlockSize + 8];
-        const float* value_rows[kMaxBlockSize + 8];
-        for (int j = 0; j < n + 8; ++j) {
-          const int64_t row = base + int64_t(offset + std::min(j, n - 1)) * slot_row;
-          key_rows[j] = kc + row;
-          value_rows[j] = vc + row;
-        }
-        for (int g = 0; g < group; ++g) {
-          float* s = scores[g];
-          for (int j = 0; j < n; j += 8) {
-            const __m256 v = _mm256_mul_ps(dot8(q + g * head_dim, key_rows + j, head_dim), _mm256_set1_ps(fscale));
-            _mm256_storeu_ps(s + j, v);
-          }
-          float block_max = running_max[g];
-          for (int j = 0; j < n; ++j) block_max = std::max(block_max, s[j]);
-          // Rescale what was accumulated under the old maximum, then add this block's values.
-          const float correction = std::exp(running_max[g] - block_max);
-          running_max[g] = block_max;
-          float sum = 0.f;
-          for (int j = 0; j < n; j += 8) {
-            _mm256_storeu_ps(s + j, exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(block_max))));
-          }
-          for (int j = 0; j < n; ++j) sum += s[j];
-          running_sum[g] = running_sum[g] * correction + sum;
-          // Each 8-wide slice of the accumulator stays in a register across the block's keys.
-          const __m256 vcorrection = _mm256_set1_ps(correction);
-          for (int d = 0; d < head_dim; d += 8) {
-            __m256 a = _mm256_mul_ps(_mm256_loadu_ps(acc[g] + d), vcorrection);
-            for (int j = 0; j < n; ++j) a = _mm256_fmadd_ps(_mm256_set1_ps(s[j]), _mm256_loadu_ps(value_rows[j] + d), a);
-            _mm256_storeu_ps(acc[g] + d, a);
-          }
-        }
-      }
-      float* o = o_ptr + (int64_t(t) * num_heads + int64_t(kv_head) * group) * head_dim;
-      for (int g = 0; g < group; ++g) {
-        const float inv = 1.f / running_sum[g];
-        for (int d = 0; d < head_dim; ++d) o[g * head_dim + d] = acc[g][d] * inv;
-      }
-    }
-  });
+  auto problem = [&](auto* element) {
+    using T = std::remove_pointer_t<decltype(element)>;
+    return Problem<T>{query.data_ptr<float>(),
+                      key_cache.data_ptr<T>(),
+                      value_cache.data_ptr<T>(),
+                      block_tables.data_ptr<int32_t>(),
+                      token_req.data_ptr<int32_t>(),
+                      positions.data_ptr<int64_t>(),
+                      out.data_ptr<float>(),
+                      int(query.size(0)),
+                      int(query.size(1)),
+                      int(query.size(2)),
+                      int(key_cache.size(1)),
+                      int(key_cache.size(2)),
+                      block_tables.size(1),
+                      sliding_window,
+                      float(scale)};
+  };
+  if (key_cache.scalar_type() == at::kHalf) {
+    attend(problem(static_cast<at::Half*>(nullptr)));
+  } else {
+    attend(problem(static_cast<float*>(nullptr)));
+  }
   return out;
 }
 
