@@ -1,8 +1,9 @@
 """Launcher for the quantized matmul kernels in ``cpu/quant_matmul.cpp`` (AVX2, and VNNI where present).
 
 The C++ is compiled on first use (see ``tokenmill.kernels.cpp_build``): the wheel ships the source rather
-than a binary tied to one torch build. The kernels need AVX2 and FMA; :func:`load` says what is missing
-rather than letting the process die of an illegal instruction.
+than a binary tied to one torch build. The kernels need AVX2 and FMA, and :func:`load` says what is missing
+rather than letting the process die of an illegal instruction; they also need F16C for the float16 scales,
+which every AVX2 CPU has and the compiled op checks.
 
 The block dot products come in one variant per instruction set: ``"avx2"`` (``vpmaddubsw`` + ``vpmaddwd``),
 ``"avx_vnni"`` and ``"avx512_vnni"`` (``vpdpbusd``, 256-bit vectors; the latter with 32 vector registers). The
@@ -26,7 +27,7 @@ __all__ = ["is_available", "isa", "load", "matmul_int4", "matmul_int8", "set_isa
 _EXTENSION = CppExtension(
     "tokenmill_quant_matmul",
     Path(__file__).resolve().parent / "cpu" / "quant_matmul.cpp",
-    ["-O3", "-mavx2", "-mfma", "-ffp-contract=off"],
+    ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off"],
     "quantized matmul kernels",
 )
 _module: ModuleType | None = None  # the loaded extension, kept here to skip a call per matmul
@@ -48,6 +49,8 @@ def load() -> ModuleType:
 def matmul_int8(x: Tensor, qweight: Tensor, scales: Tensor, bias: Tensor | None = None) -> Tensor:
     """``x [M, K] float32 @ W.T + bias`` for ``W`` from :func:`~.reference.quantize_int8` -> ``[M, N] float32``.
 
+    ``qweight`` is int8 ``[N, K]`` and ``scales`` float16 ``[N, K // 32]``.
+
     The compiled op checks every shape, dtype, device and contiguity first and raises ``ValueError`` (e.g. for
     K not a multiple of 32); validating there rather than here keeps the per-call overhead near 1 us.
     """
@@ -56,6 +59,8 @@ def matmul_int8(x: Tensor, qweight: Tensor, scales: Tensor, bias: Tensor | None 
 
 def matmul_int4(x: Tensor, qweight: Tensor, scales: Tensor, mins: Tensor, bias: Tensor | None = None) -> Tensor:
     """``x [M, K] float32 @ W.T + bias`` for ``W`` from :func:`~.reference.quantize_int4` -> ``[M, N] float32``.
+
+    ``qweight`` is uint8 ``[N, K // 2]`` (packed codes), ``scales`` and ``mins`` float16 ``[N, K // 32]``.
 
     Inputs are validated by the compiled op, as for :func:`matmul_int8`.
     """

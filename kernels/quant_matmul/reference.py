@@ -10,26 +10,36 @@ consecutive elements along K, so K must be a positive multiple of 32. Group ``g`
 int8 (Q8_0 semantics), symmetric::
 
     qweight int8    [N, K]       q = clamp(round(w * (1 / d)), -127, 127), row-major, no reordering
-    scales  float32 [N, K // 32] d = absmax / 127, its significand rounded to 17 bits; w ~= d * q
+    scales  float16 [N, K // 32] d = float16(absmax / 127); w ~= d * q
 
 int4 (Q4_1 semantics), asymmetric::
 
     qweight uint8   [N, K // 2]  16 bytes per group; byte j of group g holds element 32g+j in its low nibble
                                  and element 32g+j+16 in its high nibble (GGUF's Q4_1 ``qs`` layout); rows are
                                  not reordered
-    scales  float32 [N, K // 32] d = (max - min) / 15, its significand rounded to 20 bits
-    mins    float32 [N, K // 32] m = min;  q = clamp(round((w - m) * (1 / d)), 0, 15);  w ~= d * q + m
+    mins    float16 [N, K // 32] m = float16(min)
+    scales  float16 [N, K // 32] d = float16(max(max - m, 0) / 15);  q = clamp(round((w - m) * (1 / d)), 0, 15);
+                                 w ~= d * q + m
 
-``round`` is round-half-to-even (``torch.round``) throughout, and a zero scale gives ``q = 0``.
+``float16(v)`` rounds to nearest-even, subnormals included, as GGUF stores ``d`` and ``m``; the codes are
+computed from the rounded ``d`` and ``m`` (llama.cpp uses the unrounded ones), so they are the nearest for the
+stored scale. Everything else is float32; ``round`` is round-half-to-even (``torch.round``) throughout, and a
+zero scale gives ``q = 0``.
 
-Why the significand rounding: with a 17-bit (int8) or 20-bit (int4) scale, ``d * q`` is exact in float32, so
-quantizing an already-quantized tensor reproduces it bit for bit. In particular GGUF Q8_0/Q4_1 blocks, whose
-fp16 ``d`` (and ``m``) are exactly representable here, survive dequantize -> quantize unchanged as long as each
-block uses its extreme codes (some ``|q| = 127`` for Q8_0; both 0 and 15 for Q4_1; llama.cpp's plain
-quantizers always do) and ``d * q + m`` is exact in float32. The always-lossless route for a GGUF tensor is to
-take its blocks directly, because these layouts are GGUF's: for Q8_0 ``qweight = qs`` (as int8) and
-``scales = d.float()``; for Q4_1 ``qweight = qs`` (the 16 bytes of each block, concatenated per row), ``scales =
-d.float()`` and ``mins = m.float()``.
+Range: a scale or min beyond float16's largest finite value (65504) raises ``ValueError``, as does a weight
+that is not finite: for int8 that takes an absmax above about 8.3e6, for int4 a group min beyond +-65504 or a
+range above about 9.8e5. Scales in float16's subnormal range (below 2**-14) keep fewer significant bits, as in
+GGUF, and one below 2**-25 (int8: absmax below about 3.8e-6) rounds to ``d = 0``, so that group's codes are 0.
+
+Why float16: it halves the scales' share of the memory traffic against float32 (int4 reads 20 bytes per group
+instead of 24), and it is GGUF's format. With an 11-bit ``d``, ``d * q`` is exact in float32, so a quantized
+block survives dequantize -> quantize unchanged as long as it uses its extreme codes (some ``|q| = 127`` for
+Q8_0; both 0 and 15 for Q4_1) and ``d * q + m`` is exact in float32. GGUF Q8_0/Q4_1 blocks from llama.cpp's
+plain quantizers always use them, subnormal ``d`` included, and so does this module's output, except in groups
+whose rounded scale lost enough bits among float16's subnormals, or (int4) whose min is so far from 0 that its
+rounding moves it by half a step or more. The always-lossless route for a GGUF tensor is to take its blocks
+directly, because these layouts are GGUF's: for Q8_0 ``qweight = qs`` (as int8) and ``scales = d``; for Q4_1
+``qweight = qs`` (the 16 bytes of each block, concatenated per row), ``scales = d`` and ``mins = m``.
 
 Matmul numerics (``matmul_int8`` / ``matmul_int4`` below; the kernels differ only by float32 summation order):
 each activation row is quantized per 32-block like Q8_0 but without scale rounding::
@@ -42,7 +52,8 @@ and then, with integer block dot products ``dot_g = sum_j qw[n, g, j] * qx[m, g,
     int8: y[m, n] = sum_g dot_g * (dw[n, g] * dx[m, g])                       + bias[n]
     int4: y[m, n] = sum_g dot_g * (dw[n, g] * dx[m, g]) + mw[n, g] * sx[m, g] + bias[n]
 
-where ``dw * dx`` is rounded to float32 before it multiplies ``dot_g``, as in the kernels.
+where the float16 ``dw`` and ``mw`` are converted to float32 (exactly), and ``dw * dx`` is rounded to float32
+before it multiplies ``dot_g``, as in the kernels.
 """
 
 from __future__ import annotations
@@ -73,16 +84,17 @@ def _check_weight(weight: Tensor) -> None:
         raise ValueError(f"K (in_features) must be a positive multiple of {GROUP}, got {weight.shape[1]}")
 
 
-def _round_significand(x: Tensor, bits: int) -> Tensor:
-    """Round non-negative float32 ``x`` to ``bits`` significant bits (implicit bit included), ties away from 0.
-
-    Done on the bit pattern so that it is exact for every finite value, subnormals included; a carry out of the
-    mantissa correctly bumps the exponent.
-    """
-    drop = 24 - bits
-    raw = x.contiguous().view(torch.int32)
-    raw = (raw + (1 << (drop - 1))) & ~((1 << drop) - 1)
-    return raw.view(torch.float32)
+def _to_float16(values: Tensor, what: str) -> Tensor:
+    """``values`` rounded to float16 for storage; ``ValueError`` if any does not fit (or was not finite)."""
+    rounded = values.to(torch.float16)
+    bad = ~torch.isfinite(rounded)
+    if bad.any():
+        largest = values[bad].abs().max().item()
+        raise ValueError(
+            f"{what} is stored as float16, whose largest finite value is 65504, but a group of 32 needs "
+            f"{largest:.4g}: the weight is too large (or not finite) for this format"
+        )
+    return rounded
 
 
 def _reciprocal(scales: Tensor) -> Tensor:
@@ -95,13 +107,16 @@ def _reciprocal(scales: Tensor) -> Tensor:
 
 
 def quantize_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
-    """Symmetric per-32-group int8 (Q8_0 semantics): returns ``(qweight int8 [N, K], scales float32 [N, K//32])``."""
+    """Symmetric per-32-group int8 (Q8_0 semantics): returns ``(qweight int8 [N, K], scales float16 [N, K//32])``.
+
+    Raises ``ValueError`` if a scale does not fit float16 (see the module docstring).
+    """
     _check_weight(weight)
     n, k = weight.shape
     groups = weight.reshape(n, k // GROUP, GROUP)
     low, high = torch.aminmax(groups, dim=-1)
-    scales = _round_significand(torch.maximum(-low, high) / 127.0, 17)
-    q = (groups * _reciprocal(scales).unsqueeze(-1)).round_().clamp_(-127, 127)
+    scales = _to_float16(torch.maximum(-low, high) / 127.0, "the int8 scale absmax / 127")  # [N, K // 32]
+    q = (groups * _reciprocal(scales.float()).unsqueeze(-1)).round_().clamp_(-127, 127)
     return q.to(torch.int8).reshape(n, k), scales
 
 
@@ -109,7 +124,7 @@ def dequantize_int8(qweight: Tensor, scales: Tensor) -> Tensor:
     """Inverse of :func:`quantize_int8`'s layout: ``float32 [N, K]`` with ``w = d * q``."""
     n, k = qweight.shape
     groups = qweight.reshape(n, k // GROUP, GROUP).to(torch.float32)
-    return (groups * scales.unsqueeze(-1)).reshape(n, k)
+    return (groups * scales.float().unsqueeze(-1)).reshape(n, k)
 
 
 def _pack_nibbles(q: Tensor) -> Tensor:
@@ -129,15 +144,19 @@ def _unpack_nibbles(qweight: Tensor) -> Tensor:
 def quantize_int4(weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Asymmetric per-32-group 4-bit (Q4_1 semantics).
 
-    Returns ``(qweight uint8 [N, K//2], scales float32 [N, K//32], mins float32 [N, K//32])``; see the module
-    docstring for the nibble layout.
+    Returns ``(qweight uint8 [N, K//2], scales float16 [N, K//32], mins float16 [N, K//32])``; see the module
+    docstring for the nibble layout. Raises ``ValueError`` if a scale or min does not fit float16.
     """
     _check_weight(weight)
     n, k = weight.shape
     groups = weight.reshape(n, k // GROUP, GROUP)
-    mins, high = torch.aminmax(groups, dim=-1)
-    scales = _round_significand((high - mins) / 15.0, 20)
-    q = (groups - mins.unsqueeze(-1)).mul_(_reciprocal(scales).unsqueeze(-1)).round_().clamp_(0, 15)
+    low, high = torch.aminmax(groups, dim=-1)
+    mins = _to_float16(low, "the int4 min")  # [N, K // 32]
+    # The stored min, not the true one, so that d * 15 + m reaches the group's max; a min that rounded above
+    # the max (a constant group) gives d = 0 rather than a negative scale.
+    scales = _to_float16((high - mins.float()).clamp_(min=0.0) / 15.0, "the int4 scale (max - min) / 15")
+    q = groups - mins.float().unsqueeze(-1)
+    q = q.mul_(_reciprocal(scales.float()).unsqueeze(-1)).round_().clamp_(0, 15)
     return _pack_nibbles(q.to(torch.uint8).reshape(n, k)), scales, mins
 
 
@@ -146,7 +165,7 @@ def dequantize_int4(qweight: Tensor, scales: Tensor, mins: Tensor) -> Tensor:
     codes = _unpack_nibbles(qweight)
     n, k = codes.shape
     groups = codes.reshape(n, k // GROUP, GROUP).to(torch.float32)
-    return (groups * scales.unsqueeze(-1) + mins.unsqueeze(-1)).reshape(n, k)
+    return (groups * scales.float().unsqueeze(-1) + mins.float().unsqueeze(-1)).reshape(n, k)
 
 
 def quantize_activations(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -182,7 +201,7 @@ def matmul_int8(x: Tensor, qweight: Tensor, scales: Tensor, bias: Tensor | None 
     """Reference ``x @ dequantize_int8(qweight, scales).T + bias`` with int8-quantized activations, in float64."""
     qx, dx, _ = quantize_activations(x)
     dots = _block_dots(qx, qweight)
-    scale = (scales.unsqueeze(0) * dx.unsqueeze(1)).to(torch.float64)  # [M, N, G], rounded to float32 first
+    scale = (scales.float().unsqueeze(0) * dx.unsqueeze(1)).to(torch.float64)  # [M, N, G], rounded to float32
     return _finish((dots * scale).sum(dim=-1), bias)
 
 
@@ -190,6 +209,6 @@ def matmul_int4(x: Tensor, qweight: Tensor, scales: Tensor, mins: Tensor, bias: 
     """Reference ``x @ dequantize_int4(qweight, scales, mins).T + bias`` with int8-quantized activations."""
     qx, dx, sx = quantize_activations(x)
     dots = _block_dots(qx, _unpack_nibbles(qweight))
-    scale = (scales.unsqueeze(0) * dx.unsqueeze(1)).to(torch.float64)
+    scale = (scales.float().unsqueeze(0) * dx.unsqueeze(1)).to(torch.float64)  # [M, N, G]
     min_term = sx.to(torch.float64) @ mins.to(torch.float64).T
     return _finish((dots * scale).sum(dim=-1) + min_term, bias)

@@ -1,9 +1,11 @@
 """Weight-only quantization: 8-bit and 4-bit weights in groups of 32, float32 activations.
 
-``Int8Quantizer`` stores each group of 32 weights of a row as int8 with one float32 scale (the
-numerics of GGUF's Q8_0); ``Int4Quantizer`` as 4-bit codes with a float32 scale and minimum
-(GGUF's Q4_1). Quantizing weights that a Q8_0 or Q4_1 file held reproduces them exactly, so the
-default GGUF model runs from the weights in its file, not from a float32 copy.
+``Int8Quantizer`` stores each group of 32 weights of a row as int8 with one float16 scale (GGUF's
+Q8_0: 8.5 bits per weight); ``Int4Quantizer`` as 4-bit codes with a float16 scale and minimum
+(GGUF's Q4_1: 5 bits per weight). Quantizing weights that a Q8_0 or Q4_1 file held reproduces them
+exactly, so the default GGUF model runs from the weights in its file, not from a float32 copy. A
+weight too large for float16 scales (int8: above about 8.3e6; int4: a group min beyond 65504 in
+magnitude) fails to load with a ``ValueError``.
 
 The quantized kernels run for any number of rows: on a 2-core AVX2 machine their int8
 products outrun float32 GEMM on the dequantized weights from one row (decode, memory-bound)
@@ -62,7 +64,11 @@ class _WeightOnlyQuantizer(Quantizer):
             layer.bias.data.copy_(tensor)
             return
         device = getattr(layer, self.storage_names[0]).device
-        for name, value in zip(self.storage_names, self.quantize(tensor.float().contiguous()), strict=True):
+        try:
+            storage = self.quantize(tensor.float().contiguous())
+        except ValueError as e:
+            raise ValueError(f"quantizer {self.name!r}: {e}; use model.quantization = 'none' for this model") from e
+        for name, value in zip(self.storage_names, storage, strict=True):
             setattr(layer, name, value.to(device))
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:

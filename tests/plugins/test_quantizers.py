@@ -138,5 +138,18 @@ def test_quantizer_refuses_what_it_cannot_hold(tmp_path: Path) -> None:
                                           "device": {"device": "cuda"}}))  # fmt: skip
 
 
+@pytest.mark.parametrize("quantizer_class", [Int8Quantizer, Int4Quantizer])
+def test_quantizer_stores_float16_scales_and_refuses_weights_beyond_them(quantizer_class) -> None:
+    quantizer = quantizer_class()
+    layer = torch.nn.Module()
+    quantizer.create_weights(layer, in_features=64, out_features=4, bias=False, dtype=torch.float32)
+    weight = torch.randn(4, 64)
+    quantizer.load_weight(layer, "weight", weight)
+    assert layer.scales.dtype == torch.float16 and layer.scales.shape == (4, 2)
+    weight[1, 7] = -1e8  # its group's scale (and int4 min) would overflow float16
+    with pytest.raises(ValueError, match=f"quantizer '{quantizer.name}': .*float16.*model.quantization = 'none'"):
+        quantizer.load_weight(layer, "weight", weight)
+
+
 def test_int4_output_projection_is_int8() -> None:
     assert isinstance(Int4Quantizer().output_quantizer(), Int8Quantizer)

@@ -1,15 +1,15 @@
-// Weight-only quantized matmul for x86-64 CPUs with AVX2 + FMA, and VNNI where the CPU has it.
+// Weight-only quantized matmul for x86-64 CPUs with AVX2 + FMA + F16C, and VNNI where the CPU has it.
 //
 //   y[m, n] = sum_k x[m, k] * W[n, k] + bias[n]
 //
 // W is stored per 32-element group along k, either as int8 (Q8_0: w = d * q) or as packed 4-bit codes
 // (Q4_1: w = d * q + m). Decoding one token is bound by how fast the weights stream from memory, so the kernels
-// read 6 (int4) or 9 (int8) bits per weight, scales included, instead of 32. Each activation row is quantized to
+// read 5 (int4) or 8.5 (int8) bits per weight, float16 scales and mins included, instead of 32. Each activation row is quantized to
 // int8 per 32-block so that the block dot products are integer dot products (unsigned x signed bytes), scaled
 // once per block. reference.py defines the formats and the numerics exactly; these kernels differ from it only
 // in the order of the float32 sums.
 //
-// The file builds with -mavx2 -mfma. The block dot products come in one variant per instruction set (struct
+// The file builds with -mavx2 -mfma -mf16c. The block dot products come in one variant per instruction set (struct
 // Avx2, AvxVnni, Avx512Vnni below), picked at run time from the CPU's features; the VNNI ones are compiled with
 // __attribute__((target)) so they are only ever executed on CPUs that have them. Integer dot products are exact
 // and every variant performs the same float32 operations in the same order, so all give bit-identical outputs;
@@ -41,6 +41,8 @@ constexpr int64_t kActTile = 4;
 constexpr int64_t kPrefetchBytes = 8192;
 // Below this many weight bytes a task is not worth handing to another thread (fork/join costs a few us).
 constexpr int64_t kMinBytesPerTask = 32 * 1024;
+// Groups whose scale products a tile computes ahead of their dot products (2 KB of stack for a 2 x 4 tile).
+constexpr int64_t kScaleChunk = 64;
 
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -119,8 +121,8 @@ inline __m256i unpack_nibbles(const uint8_t* p) {
 struct Problem {
   const uint8_t* w;     // row n starts at w + n * row_bytes
   int64_t row_bytes;    // K for int8, K / 2 for int4
-  const float* scales;  // [N, groups]
-  const float* mins;    // [N, groups], int4 only
+  const uint16_t* scales;  // float16 bits [N, groups]
+  const uint16_t* mins;    // float16 bits [N, groups], int4 only
   const float* bias;    // [N] or nullptr
   const QuantizedActivations* act;
   int64_t M, N, K, groups;
@@ -137,7 +139,7 @@ inline void tile_body(const Problem& p, int64_t n0, int64_t m0, bool prefetch) {
   const int8_t* xq = p.act->q.get() + m0 * p.K;
   const float* xd = p.act->d.get() + m0 * groups;
   const uint8_t* w = p.w + n0 * p.row_bytes;
-  const float* wd = p.scales + n0 * groups;
+  const uint16_t* wd = p.scales + n0 * groups;
   constexpr int64_t kGroupBytes = kInt4 ? kGroup / 2 : kGroup;
   constexpr int64_t kGroupsPerLine = 64 / kGroupBytes;
 
@@ -147,63 +149,105 @@ inline void tile_body(const Problem& p, int64_t n0, int64_t m0, bool prefetch) {
     UNROLL
     for (int i = 0; i < MR; ++i) acc[r][i] = _mm256_setzero_ps();
   }
-  for (int64_t g = 0; g < groups; ++g) {
-    // The dot products multiply unsigned by signed bytes: int4 codes are already unsigned; for int8 the weight's
-    // sign is moved onto the activation (|w| * sign(w) x), which cannot overflow as both lie in [-127, 127].
-    __m256i wu[NR];
-    __m256i ws[NR];
-    UNROLL
-    for (int r = 0; r < NR; ++r) {
-      const uint8_t* src = w + r * p.row_bytes + g * kGroupBytes;
-      if (prefetch && g % kGroupsPerLine == 0) {
-        _mm_prefetch(reinterpret_cast<const char*>(src) + kPrefetchBytes, _MM_HINT_T0);
+  float scale[NR][MR][kScaleChunk];  // dw[n0 + r, g] * dx[m0 + i, g] for the chunk's groups
+  for (int64_t g0 = 0; g0 < groups; g0 += kScaleChunk) {
+    const int64_t g_end = std::min(g0 + kScaleChunk, groups);
+    // The scale products ahead of the dot products, 8 groups per F16C conversion and multiply instead of one
+    // multiply per group in the loop below; each product is the same float32 dw * dx either way. The last 8
+    // may overlap the previous 8 (the same products again), so only chunks under 8 groups go one by one.
+    int64_t g = g0;
+    if (g_end - g0 >= 8) {
+      for (int64_t v = g0; v < g_end; v += 8) {
+        const int64_t gv = std::min(v, g_end - 8);
+        UNROLL
+        for (int r = 0; r < NR; ++r) {
+          const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wd + r * groups + gv)));
+          UNROLL
+          for (int i = 0; i < MR; ++i) {
+            _mm256_storeu_ps(&scale[r][i][gv - g0], _mm256_mul_ps(dw, _mm256_loadu_ps(xd + i * groups + gv)));
+          }
+        }
       }
-      if constexpr (kInt4) {
-        wu[r] = unpack_nibbles(src);
-      } else {
-        ws[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
-        wu[r] = _mm256_abs_epi8(ws[r]);
-      }
+      g = g_end;
     }
-    UNROLL
-    for (int i = 0; i < MR; ++i) {
-      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * p.K + g * kGroup));
-      const __m256 dx = _mm256_broadcast_ss(xd + i * groups + g);
+    for (; g < g_end; ++g) {
       UNROLL
       for (int r = 0; r < NR; ++r) {
-        __m256i xs;
-        if constexpr (kInt4) {
-          xs = x;
-        } else {
-          xs = _mm256_sign_epi8(x, ws[r]);
+        UNROLL
+        for (int i = 0; i < MR; ++i) scale[r][i][g - g0] = _cvtsh_ss(wd[r * groups + g]) * xd[i * groups + g];
+      }
+    }
+
+    for (g = g0; g < g_end; ++g) {
+      // The dot products multiply unsigned by signed bytes: int4 codes are already unsigned; for int8 the
+      // weight's sign is moved onto the activation (|w| * sign(w) x), which cannot overflow as both lie in
+      // [-127, 127].
+      __m256i wu[NR];
+      __m256i ws[NR];
+      UNROLL
+      for (int r = 0; r < NR; ++r) {
+        const uint8_t* src = w + r * p.row_bytes + g * kGroupBytes;
+        if (prefetch && g % kGroupsPerLine == 0) {
+          _mm_prefetch(reinterpret_cast<const char*>(src) + kPrefetchBytes, _MM_HINT_T0);
         }
-        const __m256i dot = Isa::dot(wu[r], xs);
-        const __m256 scale = _mm256_mul_ps(_mm256_broadcast_ss(wd + r * groups + g), dx);
-        acc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[r][i]);
+        if constexpr (kInt4) {
+          wu[r] = unpack_nibbles(src);
+        } else {
+          ws[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+          wu[r] = _mm256_abs_epi8(ws[r]);
+        }
+      }
+      UNROLL
+      for (int i = 0; i < MR; ++i) {
+        __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * p.K + g * kGroup));
+        // Keeps x in a register: the compiler would fold the load into each of the NR dot products, and loads
+        // limit this loop (measured 5% faster at M = 32).
+        __asm__("" : "+x"(x));
+        UNROLL
+        for (int r = 0; r < NR; ++r) {
+          __m256i xs;
+          if constexpr (kInt4) {
+            xs = x;
+          } else {
+            xs = _mm256_sign_epi8(x, ws[r]);
+          }
+          const __m256i dot = Isa::dot(wu[r], xs);
+          const __m256 dw_dx = _mm256_broadcast_ss(&scale[r][i][g - g0]);
+          acc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), dw_dx, acc[r][i]);
+        }
       }
     }
   }
 
+  float tail[NR][MR] = {};
+  if constexpr (kInt4) {
+    // Q4_1's min term: sum_g m[n, g] * sx[m, g], eight groups at a time into acc and the rest one by one. The
+    // groups are the outer loop so that each block's mins are converted once and the tile stays unrolled.
+    const uint16_t* wm = p.mins + n0 * groups;
+    const float* sx = p.act->s.get() + m0 * groups;
+    int64_t g = 0;
+    for (; g + 8 <= groups; g += 8) {
+      UNROLL
+      for (int r = 0; r < NR; ++r) {
+        const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wm + r * groups + g)));
+        UNROLL
+        for (int i = 0; i < MR; ++i) acc[r][i] = _mm256_fmadd_ps(m, _mm256_loadu_ps(sx + i * groups + g), acc[r][i]);
+      }
+    }
+    for (; g < groups; ++g) {
+      UNROLL
+      for (int r = 0; r < NR; ++r) {
+        UNROLL
+        for (int i = 0; i < MR; ++i) tail[r][i] += _cvtsh_ss(wm[r * groups + g]) * sx[i * groups + g];
+      }
+    }
+  }
   UNROLL
   for (int r = 0; r < NR; ++r) {
     const int64_t n = n0 + r;
     const float b = p.bias != nullptr ? p.bias[n] : 0.0f;
     UNROLL
-    for (int i = 0; i < MR; ++i) {
-      __m256 total = acc[r][i];
-      float tail = 0.0f;
-      if constexpr (kInt4) {
-        // Q4_1's min term: sum_g m[n, g] * sx[m, g], eight groups at a time and the rest one by one.
-        const float* wm = p.mins + n * groups;
-        const float* sx = p.act->s.get() + (m0 + i) * groups;
-        int64_t g = 0;
-        for (; g + 8 <= groups; g += 8) {
-          total = _mm256_fmadd_ps(_mm256_loadu_ps(wm + g), _mm256_loadu_ps(sx + g), total);
-        }
-        for (; g < groups; ++g) tail += wm[g] * sx[g];
-      }
-      p.out[(m0 + i) * p.N + n] = hsum(total) + tail + b;
-    }
+    for (int i = 0; i < MR; ++i) p.out[(m0 + i) * p.N + n] = hsum(acc[r][i]) + tail[r][i] + b;
   }
 }
 
@@ -251,7 +295,8 @@ struct Avx512Vnni {
 enum class Isa { kAvx2, kAvxVnni, kAvx512Vnni };
 constexpr const char* kIsaNames[] = {"avx2", "avx_vnni", "avx512_vnni"};  // indexed by Isa; as /proc/cpuinfo
 
-// What this CPU (and OS, for the AVX-512 state) supports, best last; AVX2 + FMA is checked before the build.
+// What this CPU (and OS, for the AVX-512 state) supports, best last; AVX2 + FMA is checked before the build,
+// F16C (which every AVX2 CPU has) by matmul.
 std::vector<Isa> supported_isas() {
   std::vector<Isa> isas{Isa::kAvx2};
   __builtin_cpu_init();
@@ -298,7 +343,7 @@ void run(const Problem& p) {
   static_assert(kActTile == 4, "row_group handles tails of up to 3 activation rows");
   // Tasks are ranges of row groups, so only the last group of the whole matrix can be short.
   const int64_t row_groups = (p.N + kWeightTile - 1) / kWeightTile;
-  const int64_t scale_bytes = p.groups * static_cast<int64_t>(sizeof(float)) * (kInt4 ? 2 : 1);
+  const int64_t scale_bytes = p.groups * static_cast<int64_t>(sizeof(uint16_t)) * (kInt4 ? 2 : 1);
   const int64_t group_bytes = kWeightTile * (p.row_bytes + scale_bytes);
   const int64_t grain = std::max<int64_t>(1, kMinBytesPerTask / group_bytes);
   at::parallel_for(0, row_groups, grain, [&](int64_t begin, int64_t end) {
@@ -354,22 +399,25 @@ void check_inputs(const at::Tensor& x, const at::Tensor& qweight, const at::Tens
   TORCH_CHECK_VALUE(K > 0 && K % kGroup == 0, "K (in_features) must be a positive multiple of 32, got ", K);
   check_tensor(x, "x", at::kFloat, x.sizes(), "[M, K]");
   check_tensor(qweight, "qweight", wtype, {N, K / codes_per_byte}, codes_per_byte == 1 ? "[N, K]" : "[N, K / 2]");
-  check_tensor(scales, "scales", at::kFloat, {N, K / kGroup}, "[N, K / 32]");
-  if (mins != nullptr) check_tensor(*mins, "mins", at::kFloat, {N, K / kGroup}, "[N, K / 32]");
+  check_tensor(scales, "scales", at::kHalf, {N, K / kGroup}, "[N, K / 32]");
+  if (mins != nullptr) check_tensor(*mins, "mins", at::kHalf, {N, K / kGroup}, "[N, K / 32]");
   if (bias.has_value()) check_tensor(*bias, "bias", at::kFloat, {N}, "[N]");
 }
 
-at::Tensor matmul(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, const float* mins,
+at::Tensor matmul(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, const uint16_t* mins,
                   const c10::optional<at::Tensor>& bias, bool int4) {
   const int64_t M = x.size(0);
   const int64_t K = x.size(1);
   const int64_t N = qweight.size(0);
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
+  // Every AVX2 CPU has F16C too, but a virtual machine may hide it: fail here rather than on an illegal instruction.
+  static const bool has_f16c = __builtin_cpu_supports("f16c");
+  TORCH_CHECK(has_f16c, "tokenmill's quantized matmul kernels need a CPU with F16C");
   const QuantizedActivations act = quantize_activations(x.data_ptr<float>(), M, K);
   const Problem p{static_cast<const uint8_t*>(qweight.data_ptr()),
                   qweight.size(1),
-                  scales.data_ptr<float>(),
+                  static_cast<const uint16_t*>(scales.data_ptr()),
                   mins,
                   bias.has_value() ? bias->data_ptr<float>() : nullptr,
                   &act,
@@ -396,7 +444,7 @@ at::Tensor matmul_int8(const at::Tensor& x, const at::Tensor& qweight, const at:
 at::Tensor matmul_int4(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                        const at::Tensor& mins, const c10::optional<at::Tensor>& bias) {
   check_inputs(x, qweight, scales, &mins, bias, at::kByte, 2);
-  return matmul(x, qweight, scales, mins.data_ptr<float>(), bias, /*int4=*/true);
+  return matmul(x, qweight, scales, static_cast<const uint16_t*>(mins.data_ptr()), bias, /*int4=*/true);
 }
 
 std::vector<std::string> supported_isa_names() {
@@ -428,10 +476,10 @@ void set_isa(const std::string& name) {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "Weight-only int8 / int4 quantized matmul (AVX2 + FMA, VNNI); see tokenmill.kernels.quant_matmul.";
-  m.def("matmul_int8", &matmul_int8, "x [M,K] f32 @ int8 [N,K] (+ scales [N,K/32]) -> [M,N] f32", py::arg("x"),
+  m.doc() = "Weight-only int8 / int4 quantized matmul (AVX2 + FMA + F16C, VNNI); see tokenmill.kernels.quant_matmul.";
+  m.def("matmul_int8", &matmul_int8, "x [M,K] f32 @ int8 [N,K] (+ f16 scales [N,K/32]) -> [M,N] f32", py::arg("x"),
         py::arg("qweight"), py::arg("scales"), py::arg("bias") = py::none());
-  m.def("matmul_int4", &matmul_int4, "x [M,K] f32 @ packed 4-bit [N,K/2] (+ scales, mins [N,K/32]) -> [M,N] f32",
+  m.def("matmul_int4", &matmul_int4, "x [M,K] f32 @ packed 4-bit [N,K/2] (+ f16 scales, mins [N,K/32]) -> [M,N] f32",
         py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("bias") = py::none());
   m.def("supported_isas", &supported_isa_names, "the dot-product variants this CPU can run, best last");
   m.def("isa", &isa_name, "the variant matmul_* use now");
