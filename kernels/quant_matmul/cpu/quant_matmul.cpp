@@ -4,16 +4,16 @@
 //
 // W is stored per 32-element group along k, either as int8 (Q8_0: w = d * q) or as packed 4-bit codes
 // (Q4_1: w = d * q + m). Decoding one token is bound by how fast the weights stream from memory, so the kernels
-// read 5 (int4) or 8.5 (int8) bits per weight, float16 scales and mins included, instead of 32. Each activation row is quantized to
-// int8 per 32-block so that the block dot products are integer dot products (unsigned x signed bytes), scaled
-// once per block. reference.py defines the formats and the numerics exactly; these kernels differ from it only
-// in the order of the float32 sums.
+// read 5 (int4) or 8.5 (int8) bits per weight, float16 scales and mins included, instead of 32. Each activation
+// row is quantized to int8 per 32-block so that the block dot products are integer dot products (unsigned x
+// signed bytes), scaled once per block. reference.py defines the formats and the numerics exactly; these kernels
+// differ from it only in the order of the float32 sums.
 //
-// The file builds with -mavx2 -mfma -mf16c. The block dot products come in one variant per instruction set (struct
-// Avx2, AvxVnni, Avx512Vnni below), picked at run time from the CPU's features; the VNNI ones are compiled with
-// __attribute__((target)) so they are only ever executed on CPUs that have them. Integer dot products are exact
-// and every variant performs the same float32 operations in the same order, so all give bit-identical outputs;
-// set_isa forces one (for tests and benchmarks).
+// The file builds with -mavx2 -mfma -mf16c. The block dot products come in one variant per instruction set
+// (struct Avx2, AvxVnni, Avx512Vnni below), picked at run time from the CPU's features; the VNNI ones are
+// compiled with __attribute__((target)) so they are only ever executed on CPUs that have them. Integer dot
+// products are exact and every variant performs the same float32 operations in the same order, so all give
+// bit-identical outputs; set_isa forces one (for tests and benchmarks).
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
