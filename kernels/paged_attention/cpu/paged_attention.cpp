@@ -244,6 +244,21 @@ void attend(const Problem<T>& p) {
               _mm_prefetch(k_row + byte, _MM_HINT_T0);
               _mm_prefetch(v_row + byte, _MM_HINT_T0);
             }
+            // A thread takes the kv heads of a token one after another: with a float16 cache, its
+            // first head also pulls the later heads' rows (the rest of each slot, one contiguous
+            // run) into L2. Batch 32 x 256 context, 30 layers: 18.7 -> 14.2-16.4 ms; with a float32
+            // cache, twice the bytes, the same measured 10% slower, so it is not done there.
+            if constexpr (sizeof(T) == 2) {
+              if (kv_head == 0 || item == begin) {
+                const char* k_slot = k_row - kv_head * head_dim * sizeof(T);
+                const char* v_slot = v_row - kv_head * head_dim * sizeof(T);
+                for (int64_t byte = (kv_head + 1) * head_dim * sizeof(T); byte < slot_row * int64_t(sizeof(T));
+                     byte += 64) {
+                  _mm_prefetch(k_slot + byte, _MM_HINT_T1);
+                  _mm_prefetch(v_slot + byte, _MM_HINT_T1);
+                }
+              }
+            }
           }
         }
         float correction[kMaxGroup];
