@@ -156,15 +156,15 @@ def load_model(config: EngineConfig, plugins: PluginSystem | None = None) -> Loa
     if config.device.num_threads is not None:
         torch.set_num_threads(config.device.num_threads)
     dtype = resolve_dtype(config.model.dtype, arch, device)
+    kv_cache_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, dtype, attention, quantizer)  # before loading
     max_model_len = config.model.max_model_len or arch.max_position_embeddings
     logger.info(
-        "loading %s (%s, %s) from %s on %s as %s",
-        arch.architecture, weight_format.name, quantizer.name, path, device, dtype,
+        "loading %s (%s, %s) from %s on %s as %s, KV cache %s",
+        arch.architecture, weight_format.name, quantizer.name, path, device, dtype, kv_cache_dtype,
     )
     with torch.device("meta"):
         model = model_class(arch, attention, quantizer, dtype, max(max_model_len, arch.max_position_embeddings))
     model = model.to_empty(device=device)
     model.load_weights(weight_format.iter_tensors(path))
     model.eval()
-    kv_cache_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, dtype, attention, quantizer)
     return LoadedModel(model, arch, attention, device, dtype, path, max_model_len, kv_cache_dtype)
