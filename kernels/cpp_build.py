@@ -4,8 +4,8 @@ Wheels ship the C++ sources, not binaries tied to one torch build: ``torch.utils
 compiles each extension the first time a process asks for it and caches the result under
 ``~/.cache/torch_extensions`` (or ``$TORCH_EXTENSIONS_DIR``). torch's build takes a file lock in
 that directory, so two engine processes starting together wait for one build. The kernels use
-AVX2 and FMA: :meth:`CppExtension.load` says what is missing instead of letting the process die
-of an illegal instruction.
+AVX2, FMA and F16C: :meth:`CppExtension.load` says what is missing instead of letting the process
+die of an illegal instruction.
 
 Every extension is built with ``-fopenmp``: ``at::parallel_for`` is a header template that runs
 in parallel only when compiled with OpenMP, and the libgomp it links is matched by soname to the
@@ -43,6 +43,11 @@ class CppExtension:
         capability = torch.backends.cpu.get_cpu_capability()
         if capability not in ("AVX2", "AVX512"):
             missing.append(f"a CPU with AVX2 and FMA (torch reports {capability!r})")
+        # F16C (float16 <-> float32, for float16 scales and caches) comes with every AVX2 CPU, but a
+        # virtual machine may hide it; where the flags cannot be read, trust the AVX2 report.
+        flags = cpu_flags()
+        if flags is not None and "f16c" not in flags:
+            missing.append("a CPU with F16C (not in /proc/cpuinfo's flags)")
         compiler = os.environ.get("CXX", "c++")
         if shutil.which(compiler) is None:
             missing.append(f"a C++ compiler ({compiler!r} is not on PATH; set CXX to choose one)")
@@ -71,6 +76,18 @@ class CppExtension:
                     verbose=False,
                 )
         return self._module
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str] | None:
+    """The CPU's feature flags as Linux lists them (``"avx2"``, ``"f16c"``, ...); None where unreadable."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.partition(":")[2].split())
+    return None
 
 
 def _cpp_extension() -> ModuleType:
