@@ -6,8 +6,8 @@
 // block table: no gather into a padded copy, no mask tensor. The query heads that share a kv
 // head (GQA) are processed together, so each key and value row is loaded once per group.
 // Softmax is computed online (running max and sum) one cache block at a time. A float16 cache
-// halves the bytes a decode step streams, which is what bounds it; rows are widened to float32
-// as they are loaded (F16C), so all arithmetic stays float32.
+// halves the bytes a decode step reads and doubles the tokens a cache holds; rows are widened
+// to float32 as they are loaded (F16C), so all arithmetic stays float32.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -230,9 +230,9 @@ void attend(const Problem<T>& p) {
           }
         }
         // Ask for the next block's rows now. They are short strided runs in a block the hardware
-        // prefetcher cannot guess (it comes from the block table), so without this every row is a
-        // cache miss waited on in turn, and a decode step runs at a fraction of memory bandwidth.
-        // (Two blocks ahead measured no better than one.)
+        // prefetcher cannot guess (it comes from the block table). Batch 32 x 256 context, 30
+        // layers: 21.4 -> 17.7 ms over a float16 cache, 21.3 -> 20.6 ms over float32; two blocks
+        // ahead measured no better than one.
         if (block_start + block_size <= last) {
           const int64_t next_start = block_start + block_size;
           const int64_t next = int64_t(table[next_start / block_size]) * token_row + int64_t(kv_head) * head_dim;
