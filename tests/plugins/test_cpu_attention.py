@@ -16,6 +16,7 @@ from tokenmill.kernels.paged_attention import cpu as kernels
 from tokenmill.messages import EngineCoreRequest
 from tokenmill.model_runner import SequenceChunk, build_batch
 from tokenmill.plugins.attention.cpu_backend import CpuAttentionBackend
+from tokenmill.plugins.quant.weight_only import Int8Quantizer
 from tokenmill.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(not kernels.is_available(), reason="the CPU kernels need AVX2, FMA and a compiler")
@@ -73,7 +74,7 @@ def test_engine_on_the_cpu_backend_matches_the_torch_backend(tmp_path):
     assert run_to_completion(engine, requests) == expected
 
 
-@pytest.mark.skipif(not kernels.is_available(), reason="the quantized kernels need AVX2, FMA and a compiler")
+@pytest.mark.skipif(not Int8Quantizer.is_available(), reason="the quantized kernels need AVX2, FMA and a compiler")
 def test_quantized_model_gets_a_float16_cache_read_alike_by_both_backends(tmp_path):
     """``kv_cache_dtype = "auto"`` stores float16 for a quantized float32 model; the kernel and SDPA
     paths read it as the torch reference backend does, so greedy tokens are equal."""
