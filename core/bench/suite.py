@@ -95,14 +95,15 @@ def run_decode(
     roofline = None
     if peak is not None and (itl_p50 := _p50(tokenmill, "itl_ms")):
         roofline = _roofline(options.config, device, input_len, output_len, itl_p50 / 1000, peak)
-    parameters = {
-        **_parameters(options, device, model),
-        "input_len": input_len,
-        "output_len": output_len,
-        "num_requests": num_requests,
-        "concurrency": 1,
-        "config": options.config.to_dict(),
-    }
+    parameters = _parameters(
+        options,
+        device,
+        model,
+        input_len=input_len,
+        output_len=output_len,
+        num_requests=num_requests,
+        concurrency=1,
+    )
     results = {"tokenmill": tokenmill, "transformers": transformers, "speedup": speedup, "roofline": roofline}
     return build_report("decode", parameters, results)
 
@@ -162,16 +163,17 @@ def run_sweep(
         level["speedup"] = {
             "output_throughput": _ratio(level["tokenmill"]["output_throughput"], hf.get("output_throughput"))
         }
-    parameters = {
-        **_parameters(options, device, model),
-        "concurrency": ",".join(str(c) for c in concurrency),
-        "input_len": input_len,
-        "output_len": output_len,
-        "num_requests": num_requests if num_requests is not None else "max(2 x concurrency, 8)",
-        "mixed": mixed,
-        "hf_max_batch": hf_max_batch,
-        "config": options.config.to_dict(),
-    }
+    parameters = _parameters(
+        options,
+        device,
+        model,
+        concurrency=",".join(str(c) for c in concurrency),
+        input_len=input_len,
+        output_len=output_len,
+        num_requests=num_requests if num_requests is not None else "max(2 x concurrency, 8)",
+        mixed=mixed,
+        hf_max_batch=hf_max_batch,
+    )
     return build_report("sweep", parameters, {"levels": levels})
 
 
@@ -229,15 +231,16 @@ def run_prefix(
             "uncached_ttft_p50": _ratio(hf_ttft_ms, uncached_p50),
         },
     }
-    parameters = {
-        **_parameters(options, device, model),
-        "prefix_len": prefix_len,
-        "question_lens": f"{question_lens[0]}..{question_lens[1]}",
-        "output_len": output_len,
-        "num_requests": num_requests,
-        "concurrency": 1,
-        "config": options.config.to_dict(),
-    }
+    parameters = _parameters(
+        options,
+        device,
+        model,
+        prefix_len=prefix_len,
+        question_lens=f"{question_lens[0]}..{question_lens[1]}",
+        output_len=output_len,
+        num_requests=num_requests,
+        concurrency=1,
+    )
     return build_report("prefix", parameters, results)
 
 
@@ -260,14 +263,15 @@ def run_prefill(
         transformers = model.prefill(random_token_ids([input_len], seed=options.seed)[0])
     hf = transformers or {}
     speedup = {"prefill_throughput": _ratio(tokenmill["prefill_throughput"], hf.get("prefill_throughput"))}
-    parameters = {
-        **_parameters(options, device, model),
-        "input_len": input_len,
-        "output_len": output_len,
-        "num_requests": num_requests,
-        "concurrency": 1,
-        "config": options.config.to_dict(),
-    }
+    parameters = _parameters(
+        options,
+        device,
+        model,
+        input_len=input_len,
+        output_len=output_len,
+        num_requests=num_requests,
+        concurrency=1,
+    )
     results = {"tokenmill": tokenmill, "transformers": transformers, "speedup": speedup}
     return build_report("prefill", parameters, results)
 
@@ -421,7 +425,8 @@ def _roofline(
     return asdict(roofline)
 
 
-def _parameters(options: SuiteOptions, device: str, model: HFModel | None) -> dict[str, Any]:
+def _parameters(options: SuiteOptions, device: str, model: HFModel | None, **scenario: Any) -> dict[str, Any]:
+    """A report's parameters: what every scenario has, then ``scenario``'s own, then the resolved config."""
     config = options.config
     return {
         "model": config.model.model,
@@ -430,6 +435,8 @@ def _parameters(options: SuiteOptions, device: str, model: HFModel | None) -> di
         "seed": options.seed,
         "hf_baseline": options.hf_baseline,
         "hf_dtype": model.dtype if model is not None else None,
+        **scenario,
+        "config": config.to_dict(),
     }
 
 
