@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+#: Each top-level source folder holds exactly one import package, named as it is imported.
 SOURCE_ROOTS = {
     "tokenmill": REPO / "core",
-    "tokenmill.plugins": REPO / "plugins",
-    "tokenmill.kernels": REPO / "kernels",
+    "tokenmill_plugins": REPO / "plugins",
+    "tokenmill_kernels": REPO / "kernels",
 }
 
 
@@ -29,14 +30,15 @@ def test_ci_runs_the_readme_test_command() -> None:
     assert command in (REPO / "README.md").read_text().splitlines()
 
 
-def test_every_package_folder_is_listed_in_pyproject() -> None:
-    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
-    found = set()
+def test_every_import_name_maps_to_its_directory() -> None:
+    """``tokenmill.x.y`` lives in core/tokenmill/x/y: tools resolve imports from the tree, no remap."""
     for name, root in SOURCE_ROOTS.items():
-        for init in root.rglob("__init__.py"):
-            relative = init.parent.relative_to(root).parts
-            found.add(".".join((name, *relative)) if relative else name)
-    assert found == listed
+        entries = {p.name for p in root.iterdir() if p.name != "__pycache__" and not p.name.endswith(".egg-info")}
+        assert entries == {name}, f"{root.name}/ must hold only the package {name}/, found {sorted(entries)}"
+        assert (root / name / "__init__.py").is_file()
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    assert "package-dir" not in pyproject["tool"]["setuptools"]
+    assert pyproject["tool"]["setuptools"]["packages"]["find"]["where"] == [r.name for r in SOURCE_ROOTS.values()]
 
 
 @pytest.mark.slow
@@ -61,8 +63,9 @@ def test_wheel_maps_source_folders_to_import_names(tmp_path: Path) -> None:
     for expected in (
         "tokenmill/__init__.py",
         "tokenmill/hookspecs.py",
-        "tokenmill/plugins/__init__.py",
-        "tokenmill/kernels/__init__.py",
+        "tokenmill_plugins/__init__.py",
+        "tokenmill_kernels/__init__.py",
+        "tokenmill_kernels/quant_matmul/cpu/quant_matmul.cpp",
         "tokenmill/models/llama.py",
         "tokenmill/py.typed",
     ):

@@ -96,8 +96,9 @@ def test_graphs_only_on_cuda_with_a_backend_that_supports_them(caplog: pytest.Lo
 
 
 def test_which_backends_declare_graph_support() -> None:
+    from tokenmill_plugins.attention.triton_backend import TritonAttentionBackend
+
     from tokenmill.attention.torch_backend import TorchAttentionBackend
-    from tokenmill.plugins.attention.triton_backend import TritonAttentionBackend
 
     assert AttentionBackend.supports_cuda_graphs is False
     assert TorchAttentionBackend.supports_cuda_graphs is False  # repeat_interleave and masks sized on the host

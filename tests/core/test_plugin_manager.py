@@ -28,8 +28,18 @@ def installed_contrib(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The contrib plugin installed (as a user would, with pip) into a private folder."""
     target = tmp_path_factory.mktemp("site")
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-         "--target", str(target), str(CONTRIB_PLUGIN)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "--target",
+            str(target),
+            str(CONTRIB_PLUGIN),
+        ],
         check=True,
     )
     return target

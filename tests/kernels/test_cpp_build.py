@@ -5,9 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
-from tokenmill.kernels import cpp_build
-from tokenmill.kernels.cpp_build import CppExtension, cpu_flags
+from tokenmill_kernels import cpp_build
+from tokenmill_kernels.cpp_build import CppExtension, cpu_flags
 
 
 def test_cpu_flags_reads_the_flags_line(tmp_path: Path) -> None:

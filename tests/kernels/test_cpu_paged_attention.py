@@ -6,10 +6,10 @@ import random
 
 import pytest
 import torch
+from tokenmill_kernels.paged_attention import cpu as kernels
 
 from tokenmill.attention.backend import AttentionLayerSpec
 from tokenmill.attention.torch_backend import TorchAttentionBackend
-from tokenmill.kernels.paged_attention import cpu as kernels
 from tokenmill.model_runner import SequenceChunk, build_batch
 
 pytestmark = pytest.mark.skipif(not kernels.is_available(), reason="the CPU kernels need AVX2, FMA and a compiler")
@@ -56,9 +56,7 @@ def test_matches_reference_on_mixed_batches(block_size, num_heads, num_kv_heads,
 
     kernels.write_kv_cache(key, value, cache[0], cache[1], metadata.slot_mapping)
     assert torch.equal(cache, reference_cache)  # float16: rounded to nearest even, as torch's .to() does
-    token_req = torch.repeat_interleave(
-        torch.arange(len(query_lens), dtype=torch.int32), torch.tensor(query_lens)
-    )
+    token_req = torch.repeat_interleave(torch.arange(len(query_lens), dtype=torch.int32), torch.tensor(query_lens))
     got = kernels.paged_attention(
         query, cache[0], cache[1], metadata.block_tables, token_req, metadata.positions, spec.scale, sliding_window
     )

@@ -24,11 +24,11 @@ from typing import Any
 
 import pytest
 import torch
+from tokenmill_kernels.paged_attention import cuda as cuda_kernels
+from tokenmill_kernels.paged_attention import triton as kernels
+from tokenmill_kernels.paged_attention.reference import paged_attention_reference, write_kv_cache_reference
 
 from tests.kernels.tolerances import tolerance
-from tokenmill.kernels.paged_attention import cuda as cuda_kernels
-from tokenmill.kernels.paged_attention import triton as kernels
-from tokenmill.kernels.paged_attention.reference import paged_attention_reference, write_kv_cache_reference
 
 assert torch.cuda.is_available() or kernels.is_interpreted(), (
     "the Triton kernels were imported before TRITON_INTERPRET=1 was set (tests/kernels/conftest.py sets it)"
@@ -315,7 +315,7 @@ _COMPILE_FOR_SM90 = """
 import inspect, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from tokenmill.kernels.paged_attention import triton as kernels
+from tokenmill_kernels.paged_attention import triton as kernels
 
 INDEX_POINTERS = {"block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr", "tile_req_ptr", "tile_start_ptr"}
 

@@ -21,9 +21,8 @@ import gguf
 import numpy as np
 import pytest
 import torch
-
-from tokenmill.kernels import quant_matmul
-from tokenmill.kernels.quant_matmul import cpu, reference
+from tokenmill_kernels import quant_matmul
+from tokenmill_kernels.quant_matmul import cpu, reference
 
 TIGHT_RTOL = 1e-5
 LOOSE_RTOL = 1e-5

@@ -25,8 +25,44 @@ pytestmark = pytest.mark.slow
 
 # "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n
 #  <|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n" and a few more tokens.
-PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407, 19712,
-          8182, 2, 198, 1, 4093, 198, 20, 18, 11, 3728, 1789, 30, 2, 198, 1, 520, 9531, 198]
+PROMPT = [
+    1,
+    9690,
+    198,
+    2683,
+    359,
+    253,
+    5356,
+    5646,
+    11173,
+    3365,
+    3511,
+    308,
+    34519,
+    28,
+    7018,
+    411,
+    407,
+    19712,
+    8182,
+    2,
+    198,
+    1,
+    4093,
+    198,
+    20,
+    18,
+    11,
+    3728,
+    1789,
+    30,
+    2,
+    198,
+    1,
+    520,
+    9531,
+    198,
+]
 
 
 @pytest.fixture(scope="module")

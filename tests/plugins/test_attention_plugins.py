@@ -54,8 +54,9 @@ def test_listing_imports_neither_torch_nor_triton() -> None:
 
 def test_triton_backend_matches_the_torch_backend() -> None:
     """Same cache, same mixed batch (prefill chunk after a prefix, decode tokens, blocks out of order)."""
+    from tokenmill_plugins.attention.triton_backend import TritonAttentionBackend
+
     from tokenmill.attention.torch_backend import TorchAttentionBackend
-    from tokenmill.plugins.attention.triton_backend import TritonAttentionBackend
 
     torch.manual_seed(0)
     spec = AttentionLayerSpec(num_heads=4, num_kv_heads=2, head_dim=32, scale=32**-0.5, sliding_window=5)
@@ -97,7 +98,7 @@ def test_triton_backend_serves_the_same_greedy_tokens(model: str, overrides: dic
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="tests the refusal on a machine without CUDA")
 def test_cuda_backend_refuses_without_cuda() -> None:
-    from tokenmill.plugins.attention.cuda_backend import CudaAttentionBackend
+    from tokenmill_plugins.attention.cuda_backend import CudaAttentionBackend
 
     with pytest.raises(PluginError, match="'cuda' attention backend cannot run here: no CUDA device"):
         CudaAttentionBackend()
@@ -106,7 +107,7 @@ def test_cuda_backend_refuses_without_cuda() -> None:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="tests the refusal on a machine without CUDA")
 def test_triton_backend_on_cpu_without_the_interpreter_says_what_to_do() -> None:
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    code = "from tokenmill.plugins.attention.triton_backend import TritonAttentionBackend; TritonAttentionBackend()"
+    code = "from tokenmill_plugins.attention.triton_backend import TritonAttentionBackend; TritonAttentionBackend()"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert result.returncode != 0
     assert "set TRITON_INTERPRET=1" in result.stderr

@@ -7,6 +7,7 @@ from typing import ClassVar
 
 import pytest
 import torch
+from tokenmill_plugins.attention.cpu_backend import CpuAttentionBackend
 
 from tokenmill import hookimpl
 from tokenmill.attention.torch_backend import TorchAttentionBackend
@@ -14,7 +15,6 @@ from tokenmill.layers.dense import DenseQuantizer
 from tokenmill.model_loader import resolve_kv_cache_dtype, select_attention_backend, select_quantizer
 from tokenmill.models.architecture import ArchitectureConfig
 from tokenmill.plugin_manager import PluginError, Slot, load_plugins
-from tokenmill.plugins.attention.cpu_backend import CpuAttentionBackend
 
 CPU = torch.device("cpu")
 

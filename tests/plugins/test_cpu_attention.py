@@ -7,16 +7,16 @@ import random
 
 import pytest
 import torch
+from tokenmill_kernels.paged_attention import cpu as kernels
+from tokenmill_plugins.attention.cpu_backend import CpuAttentionBackend
+from tokenmill_plugins.quant.weight_only import Int8Quantizer
 
 from tests.factories import make_engine, run_to_completion, save_hf_model
 from tokenmill.attention.backend import AttentionLayerSpec
 from tokenmill.attention.torch_backend import TorchAttentionBackend
 from tokenmill.engine import now
-from tokenmill.kernels.paged_attention import cpu as kernels
 from tokenmill.messages import EngineCoreRequest
 from tokenmill.model_runner import SequenceChunk, build_batch
-from tokenmill.plugins.attention.cpu_backend import CpuAttentionBackend
-from tokenmill.plugins.quant.weight_only import Int8Quantizer
 from tokenmill.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(not kernels.is_available(), reason="the CPU kernels need AVX2, FMA and a compiler")
@@ -81,8 +81,11 @@ def test_quantized_model_gets_a_float16_cache_read_alike_by_both_backends(tmp_pa
     save_hf_model("mistral-tiny", tmp_path)
     requests = [
         EngineCoreRequest(
-            str(i), [(11 * i + 5 * t) % 500 + 1 for t in range(length)],
-            SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), [], now(),
+            str(i),
+            [(11 * i + 5 * t) % 500 + 1 for t in range(length)],
+            SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+            [],
+            now(),
         )  # fmt: skip
         for i, length in enumerate([4, 80, 21])  # the 80-token prompt takes the SDPA path
     ]

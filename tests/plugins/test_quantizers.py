@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tokenmill_plugins.quant.weight_only import Int4Quantizer, Int8Quantizer
 
 from tests.factories import make_engine, run_to_completion, save_hf_model
 from tokenmill.config import load_config
@@ -28,7 +29,6 @@ from tokenmill.messages import EngineCoreRequest
 from tokenmill.model_loader import load_model
 from tokenmill.model_runner import ModelRunner, SequenceChunk
 from tokenmill.plugin_manager import PluginError, Slot, load_plugins
-from tokenmill.plugins.quant.weight_only import Int4Quantizer, Int8Quantizer
 from tokenmill.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(not Int8Quantizer.is_available(), reason="the kernels need AVX2, FMA and a compiler")
@@ -84,9 +84,8 @@ def test_default_model_runs_from_its_4bit_weights(smollm2_gguf: Path) -> None:
 def test_engine_with_a_quantizer_matches_the_dense_model_of_its_weights(tmp_path: Path, quantization: str) -> None:
     """A float checkpoint is quantized at load; the reference is the same checkpoint with every
     linear weight already rounded through that quantizer, run dense."""
+    from tokenmill_kernels import quant_matmul
     from transformers import AutoModelForCausalLM
-
-    from tokenmill.kernels import quant_matmul
 
     save_hf_model("llama-tiny", tmp_path / "float")
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "float", dtype=torch.float32)

@@ -461,7 +461,7 @@ def _check_attention_args(
         _expect(tensor.device == query.device, f"{name} is on {tensor.device}, query on {query.device}")
     _expect(
         query.device.type == "cuda" or is_interpreted(),
-        f"Triton kernels on {query.device.type} need TRITON_INTERPRET=1 set before tokenmill.kernels is imported",
+        f"Triton kernels on {query.device.type} need TRITON_INTERPRET=1 set before tokenmill_kernels is imported",
     )
 
 

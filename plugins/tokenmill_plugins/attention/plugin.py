@@ -9,6 +9,6 @@ from tokenmill.hookspecs import Register, hookimpl
 
 @hookimpl
 def tokenmill_register_attention_backends(register: Register) -> None:
-    register("cpu", "tokenmill.plugins.attention.cpu_backend:CpuAttentionBackend")
-    register("triton", "tokenmill.plugins.attention.triton_backend:TritonAttentionBackend")
-    register("cuda", "tokenmill.plugins.attention.cuda_backend:CudaAttentionBackend")
+    register("cpu", "tokenmill_plugins.attention.cpu_backend:CpuAttentionBackend")
+    register("triton", "tokenmill_plugins.attention.triton_backend:TritonAttentionBackend")
+    register("cuda", "tokenmill_plugins.attention.cuda_backend:CudaAttentionBackend")

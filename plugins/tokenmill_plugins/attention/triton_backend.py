@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+from tokenmill_kernels.paged_attention import triton as kernels
 
 from tokenmill import AttentionBackend, AttentionLayerSpec, AttentionMetadata, PluginError
-from tokenmill.kernels.paged_attention import triton as kernels
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class TritonStepState:
 
 
 class TritonAttentionBackend(AttentionBackend):
-    """Paged attention with the Triton kernels of ``tokenmill.kernels.paged_attention.triton``.
+    """Paged attention with the Triton kernels of ``tokenmill_kernels.paged_attention.triton``.
 
     Built once per engine process by the model loader. On a machine without
     CUDA it refuses to be built unless the kernels run under the interpreter.

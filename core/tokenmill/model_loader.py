@@ -160,7 +160,13 @@ def load_model(config: EngineConfig, plugins: PluginSystem | None = None) -> Loa
     max_model_len = config.model.max_model_len or arch.max_position_embeddings
     logger.info(
         "loading %s (%s, %s) from %s on %s as %s, KV cache %s",
-        arch.architecture, weight_format.name, quantizer.name, path, device, dtype, kv_cache_dtype,
+        arch.architecture,
+        weight_format.name,
+        quantizer.name,
+        path,
+        device,
+        dtype,
+        kv_cache_dtype,
     )
     with torch.device("meta"):
         model = model_class(arch, attention, quantizer, dtype, max(max_model_len, arch.max_position_embeddings))

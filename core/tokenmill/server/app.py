@@ -288,8 +288,13 @@ class OpenAIServer:
         output = await self._until_finished(request, generation)
         return JSONResponse(
             build_response(
-                generation.request_id, self.state.model_name, self.state.created, output, len(token_ids),
-                self._decode_token, num_top_logprobs=num_top_logprobs,
+                generation.request_id,
+                self.state.model_name,
+                self.state.created,
+                output,
+                len(token_ids),
+                self._decode_token,
+                num_top_logprobs=num_top_logprobs,
             )  # fmt: skip
         )
 

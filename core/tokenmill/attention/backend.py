@@ -91,9 +91,7 @@ class AttentionBackend(ABC):
         start-up by ``attention.backend = "auto"``; must be cheap and must not raise."""
         return True
 
-    def kv_cache_shape(
-        self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
-    ) -> tuple[int, ...]:
+    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         """Shape of one layer's KV cache tensor. Called once at start-up.
 
         The default is ``[2, num_blocks, block_size, num_kv_heads, head_dim]``

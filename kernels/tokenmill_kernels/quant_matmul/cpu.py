@@ -1,6 +1,6 @@
 """Launcher for the quantized matmul kernels in ``cpu/quant_matmul.cpp`` (AVX2, and VNNI where present).
 
-The C++ is compiled on first use (see ``tokenmill.kernels.cpp_build``): the wheel ships the source rather
+The C++ is compiled on first use (see ``tokenmill_kernels.cpp_build``): the wheel ships the source rather
 than a binary tied to one torch build. The kernels need AVX2 and FMA, and :func:`load` says what is missing
 rather than letting the process die of an illegal instruction; they also need F16C for the float16 scales,
 which every AVX2 CPU has and the compiled op checks.
@@ -18,7 +18,7 @@ from types import ModuleType
 
 from torch import Tensor
 
-from tokenmill.kernels.cpp_build import CppExtension
+from tokenmill_kernels.cpp_build import CppExtension
 
 __all__ = ["is_available", "isa", "load", "matmul_int4", "matmul_int8", "set_isa", "supported_isas"]
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from torch import Tensor
 
-from tokenmill.kernels.cpp_build import CppExtension
+from tokenmill_kernels.cpp_build import CppExtension
 
 __all__ = ["is_available", "load", "paged_attention", "write_kv_cache"]
 

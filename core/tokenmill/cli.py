@@ -36,9 +36,7 @@ class _Main(click.Group):
 @click.version_option(__version__, prog_name="tokenmill")
 def main() -> None:
     """tokenmill: a plugin-based LLM inference runtime."""
-    logging.basicConfig(
-        level=envs.TOKENMILL_LOG_LEVEL.get(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    logging.basicConfig(level=envs.TOKENMILL_LOG_LEVEL.get(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per HTTP request drowns the output
 
 
@@ -87,10 +85,20 @@ def pull() -> None:
 
 
 @main.command()
-@click.option("--input", "input_path", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="JSONL: one object per line with 'prompt' or 'messages', optional 'id' and sampling fields.")
-@click.option("--output", "output_path", required=True, type=click.Path(dir_okay=False, path_type=Path),
-              help="JSONL results, appended; ids already there are skipped, so a rerun resumes.")
+@click.option(
+    "--input",
+    "input_path",
+    required=True,
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="JSONL: one object per line with 'prompt' or 'messages', optional 'id' and sampling fields.",
+)
+@click.option(
+    "--output",
+    "output_path",
+    required=True,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="JSONL results, appended; ids already there are skipped, so a rerun resumes.",
+)
 @click.option("--no-progress", is_flag=True, help="Hide the progress bar.")
 @config_options
 def generate(config: EngineConfig, input_path: Path, output_path: Path, no_progress: bool) -> None:

@@ -1,6 +1,6 @@
 """Micro-benchmark: all linears of one SmolLM2-135M forward, float32 vs the int8 and int4 kernels.
 
-``python -m tokenmill.kernels.quant_matmul.bench [--m 1 2 4] [--threads N] [--repeats R]``
+``python -m tokenmill_kernels.quant_matmul.bench [--m 1 2 4] [--threads N] [--repeats R]``
 
 Per layer: q 576->576, k 576->192, v 576->192, o 576->576, gate/up 576->1536, down 1536->576, times 30 layers,
 plus the tied 576->49152 lm_head. Every layer has its own weights, so they stream from memory as in a real
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from tokenmill.kernels.quant_matmul import cpu, reference
+from tokenmill_kernels.quant_matmul import cpu, reference
 
 HIDDEN = 576
 LAYER_SHAPES = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]  # [N, K]

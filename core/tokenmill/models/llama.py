@@ -150,9 +150,7 @@ class LlamaForCausalLM(CausalLM):
         super().__init__()
         self.config = config
         self.backend = backend
-        self.model = LlamaModel(
-            config, backend, quantizer, dtype, max_position or config.max_position_embeddings
-        )
+        self.model = LlamaModel(config, backend, quantizer, dtype, max_position or config.max_position_embeddings)
         # A tied, dense output projection reads the embedding itself; otherwise it is a Linear of its
         # own (a quantized copy of a tied embedding costs its quantized size and saves reading the
         # float embedding every step: a fifth of SmolLM2-135M's weights).

@@ -64,8 +64,10 @@ def plan_kv_cache(
         return CacheLayout(config.num_kv_blocks, config.block_size, bytes_per_block)
     if config.kv_cache_memory == "auto":
         free = available_memory(device)
-        budget = int(free * _GPU_AUTO_FRACTION) if device.type == "cuda" else min(
-            int(free * _CPU_AUTO_FRACTION), _CPU_AUTO_CAP
+        budget = (
+            int(free * _GPU_AUTO_FRACTION)
+            if device.type == "cuda"
+            else min(int(free * _CPU_AUTO_FRACTION), _CPU_AUTO_CAP)
         )
     else:
         size, fraction = parse_memory(config.kv_cache_memory)

@@ -8,5 +8,5 @@ from tokenmill.hookspecs import Register
 
 @hookimpl
 def tokenmill_register_quantizers(register: Register) -> None:
-    register("int8", "tokenmill.plugins.quant.weight_only:Int8Quantizer")
-    register("int4", "tokenmill.plugins.quant.weight_only:Int4Quantizer")
+    register("int8", "tokenmill_plugins.quant.weight_only:Int8Quantizer")
+    register("int4", "tokenmill_plugins.quant.weight_only:Int4Quantizer")

@@ -20,10 +20,10 @@ from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
+from tokenmill_kernels import quant_matmul
+from tokenmill_kernels.quant_matmul import cpu as quant_cpu
 from torch import nn
 
-from tokenmill.kernels import quant_matmul
-from tokenmill.kernels.quant_matmul import cpu as quant_cpu
 from tokenmill.layers.quantizer import Quantizer
 
 logger = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """The ``cpu`` attention backend: paged attention with AVX2 kernels, no gather, no masks.
 
 Each token attends over its own request's cache blocks in place (see
-``tokenmill.kernels.paged_attention.cpu``), so a decode step costs what its keys and values
+``tokenmill_kernels.paged_attention.cpu``), so a decode step costs what its keys and values
 weigh, and a step mixing a long prompt chunk with many decode tokens does not pad every
 request to the chunk's length, as the ``torch`` reference backend does. The cache may be
 float16 (``cache.kv_cache_dtype``), which halves what a decode step reads.
@@ -19,9 +19,9 @@ from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
+from tokenmill_kernels.paged_attention import cpu as kernels
 
 from tokenmill.attention.backend import AttentionBackend, AttentionLayerSpec, AttentionMetadata
-from tokenmill.kernels.paged_attention import cpu as kernels
 
 
 @dataclass

@@ -32,8 +32,12 @@ def configuration_reference() -> str:
         current = spec.path[0] if len(spec.path) > 1 else "top level"
         if current != section:
             section = current
-            lines += [f"## `[{section}]`" if len(spec.path) > 1 else "## Top level", "",
-                      "| setting | flag | default | meaning |", "|---|---|---|---|"]
+            lines += [
+                f"## `[{section}]`" if len(spec.path) > 1 else "## Top level",
+                "",
+                "| setting | flag | default | meaning |",
+                "|---|---|---|---|",
+            ]
         default = "unset" if spec.default in (None, []) else f"`{spec.default!r}`"
         lines.append(f"| `{spec.path[-1]}` | `{spec.flag}` | {default} | {spec.description} |")
     lines += ["", "## Environment variables", "", "| variable | default | meaning |", "|---|---|---|"]

@@ -19,9 +19,7 @@ class DenseQuantizer(Quantizer):
         self, layer: nn.Module, in_features: int, out_features: int, bias: bool, dtype: torch.dtype
     ) -> None:
         layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
-        layer.bias = (
-            nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
-        )
+        layer.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
 
     def load_weight(self, layer: nn.Module, param_name: str, tensor: torch.Tensor) -> None:
         getattr(layer, param_name).data.copy_(tensor)
