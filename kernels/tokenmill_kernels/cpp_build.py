@@ -7,6 +7,12 @@ that directory, so two engine processes starting together wait for one build. Th
 AVX2, FMA and F16C: :meth:`CppExtension.load` says what is missing instead of letting the process
 die of an illegal instruction.
 
+Each build lives in a directory named by :func:`build_key`, a hash of the source's bytes, the
+compiler flags, the torch version and the Python ABI, and compiles a copy of the source kept
+there. torch keys its directory by the extension's name alone, and ninja rebuilds whenever the
+source path in its command changes, so two clones or installs sharing one cache used to rebuild
+each other's kernels on every start; now each build's inputs have one directory of their own.
+
 Every extension is built with ``-fopenmp``: ``at::parallel_for`` is a header template that runs
 in parallel only when compiled with OpenMP, and the libgomp it links is matched by soname to the
 one torch has loaded, so ``torch.set_num_threads`` governs the kernels' threads too.
@@ -14,25 +20,36 @@ one torch has loaded, so ``torch.set_num_threads`` governs the kernels' threads 
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import os
 import shutil
+import sys
+import sysconfig
 import threading
+import time
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
+logger = logging.getLogger(__name__)
+
+_OPENMP_FLAGS = ["-fopenmp"]
+
 
 class CppExtension:
     """One C++ source file built into one importable extension, lazily and once per process."""
 
-    def __init__(self, name: str, source: Path, cflags: list[str], description: str) -> None:
-        """``name`` is the importable module's name (and its build directory's); ``cflags`` are the
-        compiler flags beyond ``-fopenmp``; ``description`` names the kernels in errors."""
+    def __init__(self, name: str, source: Path, cflags: list[str], description: str, build_seconds: int = 60) -> None:
+        """``name`` is the importable module's name (and starts its build directory's); ``cflags``
+        are the compiler flags beyond ``-fopenmp``; ``description`` names the kernels in errors and
+        in the build message, with ``build_seconds`` as its estimate."""
         self.name = name
         self.source = source
         self.cflags = cflags
         self.description = description
+        self.build_seconds = build_seconds
         self._module: ModuleType | None = None
         self._lock = threading.Lock()
 
@@ -48,7 +65,7 @@ class CppExtension:
         flags = cpu_flags()
         if flags is not None and "f16c" not in flags:
             missing.append("a CPU with F16C (not in /proc/cpuinfo's flags)")
-        compiler = os.environ.get("CXX", "c++")
+        compiler = _compiler()
         if shutil.which(compiler) is None:
             missing.append(f"a C++ compiler ({compiler!r} is not on PATH; set CXX to choose one)")
         if not _cpp_extension().is_ninja_available():
@@ -68,14 +85,58 @@ class CppExtension:
                 missing = self.missing()
                 if missing:
                     raise RuntimeError(f"tokenmill's {self.description} need " + " and ".join(missing))
-                self._module = _cpp_extension().load(
-                    name=self.name,
-                    sources=[str(self.source)],
-                    extra_cflags=[*self.cflags, "-fopenmp"],
-                    extra_ldflags=["-fopenmp"],
-                    verbose=False,
-                )
+                self._module = self._build_or_load()
         return self._module
+
+    def build_directory(self, source: bytes) -> Path:
+        """Where the build of ``source`` (this extension's C++) with this torch and Python lives."""
+        root = os.environ.get("TORCH_EXTENSIONS_DIR") or _cpp_extension().get_default_build_root()
+        key = build_key(
+            source, [*self.cflags, *_OPENMP_FLAGS], _OPENMP_FLAGS, _compiler(), torch.__version__, _python_abi()
+        )
+        return Path(root) / f"{self.name}-{key}"
+
+    def _build_or_load(self) -> ModuleType:
+        source = self.source.read_bytes()
+        directory = self.build_directory(source)
+        directory.mkdir(parents=True, exist_ok=True)
+        # Compile a copy kept beside the build: ninja's command then names no clone's own path.
+        copy = directory / self.source.name
+        if not copy.exists() or copy.read_bytes() != source:
+            partial = copy.with_name(f"{copy.name}.{os.getpid()}.tmp")
+            partial.write_bytes(source)
+            partial.replace(copy)
+        is_built = (directory / f"{self.name}.so").exists()
+        if not is_built:
+            logger.info(
+                "building tokenmill's %s (first start only, about %d s) in %s",
+                self.description,
+                self.build_seconds,
+                directory,
+            )
+        started = time.monotonic()
+        module = _cpp_extension().load(
+            name=self.name,
+            sources=[str(copy)],
+            extra_cflags=[*self.cflags, *_OPENMP_FLAGS],
+            extra_ldflags=_OPENMP_FLAGS,
+            build_directory=str(directory),
+            verbose=False,
+        )
+        if not is_built:
+            logger.debug("built %s in %.0f s", self.name, time.monotonic() - started)
+        return module
+
+
+def build_key(
+    source: bytes, cflags: list[str], ldflags: list[str], compiler: str, torch_version: str, python_abi: str
+) -> str:
+    """A short hash of everything a build's binary depends on: the source's bytes, the flags, the
+    compiler's name, the torch version and the Python ABI (``cpython-311-x86_64-linux-gnu``)."""
+    digest = hashlib.sha256(source)
+    for part in (" ".join(cflags), " ".join(ldflags), compiler, torch_version, python_abi):
+        digest.update(b"\0" + str(part).encode())
+    return digest.hexdigest()[:16]
 
 
 def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str] | None:
@@ -88,6 +149,15 @@ def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str] | None:
         if line.startswith("flags"):
             return frozenset(line.partition(":")[2].split())
     return None
+
+
+def _python_abi() -> str:
+    return sysconfig.get_config_var("SOABI") or sys.implementation.cache_tag
+
+
+def _compiler() -> str:
+    # torch's build runs $CXX, else c++.
+    return os.environ.get("CXX", "c++")
 
 
 def _cpp_extension() -> ModuleType:

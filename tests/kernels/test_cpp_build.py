@@ -1,8 +1,11 @@
-"""What ``CppExtension`` checks before it builds: the CPU features the kernels need."""
+"""What ``CppExtension`` checks before it builds (the CPU features the kernels need), where it
+builds, and what it logs."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 from tokenmill_kernels import cpp_build
@@ -28,3 +31,75 @@ def test_a_cpu_without_f16c_is_reported_not_built(monkeypatch: pytest.MonkeyPatc
         extension.load()
     monkeypatch.setattr(cpp_build, "cpu_flags", lambda: None)  # flags unreadable: trust torch's AVX2 report
     assert not any("F16C" in reason for reason in extension.missing())
+
+
+def test_build_key_changes_with_every_input_and_nothing_else() -> None:
+    inputs = (b"int main() {}", ["-O3", "-fopenmp"], ["-fopenmp"], "c++", "2.13.0+cpu", "cpython-311-x86_64-linux-gnu")
+    key = cpp_build.build_key(*inputs)
+    assert key == cpp_build.build_key(*inputs)  # deterministic: the next process finds the same build
+    assert len(key) == 16
+    changed = [
+        (b"int main() { return 1; }", *inputs[1:]),
+        (inputs[0], ["-O2", "-fopenmp"], *inputs[2:]),
+        (*inputs[:2], [], *inputs[3:]),
+        (*inputs[:3], "clang++", *inputs[4:]),
+        (*inputs[:4], "2.14.0+cpu", inputs[5]),
+        (*inputs[:5], "cpython-312-x86_64-linux-gnu"),
+    ]
+    keys = {cpp_build.build_key(*other) for other in changed}
+    assert key not in keys and len(keys) == len(changed)
+    # Flags are joined with spaces, parts separated by NUL: moving a flag between lists still counts.
+    assert cpp_build.build_key(inputs[0], ["-O3"], ["-fopenmp"], *inputs[3:]) != cpp_build.build_key(
+        inputs[0], ["-O3", "-fopenmp"], [], *inputs[3:]
+    )
+
+
+def test_two_clones_share_one_build_directory_and_an_edit_gets_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "cache"))
+    sources = []
+    for clone in ("a", "b"):
+        source = tmp_path / clone / "kernel.cpp"
+        source.parent.mkdir()
+        source.write_text("// the same kernel\n")
+        sources.append(source)
+    first, second = (CppExtension("tokenmill_test", source, ["-O3"], "test kernels") for source in sources)
+    directory = first.build_directory(sources[0].read_bytes())
+    assert directory == second.build_directory(sources[1].read_bytes())  # keyed by bytes, not by path
+    assert directory.parent == tmp_path / "cache" and directory.name.startswith("tokenmill_test-")
+    sources[1].write_text("// an edited kernel\n")
+    assert second.build_directory(sources[1].read_bytes()) != directory
+    flagged = CppExtension("tokenmill_test", sources[0], ["-O2"], "test kernels")
+    assert flagged.build_directory(sources[0].read_bytes()) != directory
+
+
+def test_a_build_logs_one_line_and_a_cached_load_none(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The message comes before torch's build, and not when the built library is already there;
+    torch's ``load`` is replaced, so no compiler runs."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "cache"))
+    source = tmp_path / "kernel.cpp"
+    source.write_text("// a kernel\n")
+    calls = []
+
+    def fake_load(name: str, sources: list[str], build_directory: str, **kwargs: object) -> ModuleType:
+        calls.append((name, sources, build_directory))
+        (Path(build_directory) / f"{name}.so").write_bytes(b"")
+        return ModuleType(name)
+
+    monkeypatch.setattr(cpp_build._cpp_extension(), "load", fake_load)
+    monkeypatch.setattr(CppExtension, "missing", lambda self: [])
+    caplog.set_level(logging.DEBUG, logger=cpp_build.__name__)
+
+    CppExtension("tokenmill_test", source, ["-O3"], "test kernels", build_seconds=30).load()
+    (name, compiled, build_directory), *_ = calls
+    assert compiled == [str(Path(build_directory) / "kernel.cpp")]  # the copy, not this clone's file
+    assert (Path(build_directory) / "kernel.cpp").read_text() == "// a kernel\n"
+    infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert len(infos) == 1 and infos[0].startswith("building tokenmill's test kernels (first start only, about 30 s)")
+
+    caplog.clear()
+    CppExtension("tokenmill_test", source, ["-O3"], "test kernels").load()  # a new process: built already
+    assert len(calls) == 2 and not [r for r in caplog.records if r.levelno >= logging.INFO]
