@@ -2,8 +2,8 @@
 
 A GGUF file has no ``tokenizer.json``. It stores the vocabulary, the token
 types, the merges (or SentencePiece scores) and the special token ids under
-llama.cpp's ``tokenizer.ggml.*`` keys. We read those with ``gguf.GGUFReader``
-and assemble an equivalent ``tokenizers.Tokenizer``:
+llama.cpp's ``tokenizer.ggml.*`` keys. We read those through
+``tokenmill.gguf_metadata`` and assemble an equivalent ``tokenizers.Tokenizer``:
 
 - ``gpt2``: byte-level BPE. Tokens are already spelled in the GPT-2 byte
   alphabet; the text split regex is picked from ``tokenizer.ggml.pre``.
@@ -24,10 +24,10 @@ from pathlib import Path
 from typing import Any
 
 import gguf
-import numpy as np
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
+from tokenmill.gguf_metadata import GGUFMetadata
 from tokenmill.tokenizer.source import TokenizerSource
 
 logger = logging.getLogger(__name__)
@@ -70,17 +70,11 @@ def load_gguf_tokenizer(path: Path) -> TokenizerSource:
     """Read ``path``'s tokenizer metadata and build the tokenizer it describes.
 
     Called once per model load, in whichever process needs a tokenizer.
-    Raises ``ValueError`` naming the file when it is not a GGUF file, has no
-    tokenizer metadata, or uses a tokenizer model type we do not build.
+    Raises ``ValueError`` naming the file when it is not a GGUF file (a
+    ``GGUFError``), has no tokenizer metadata, or uses a tokenizer model type
+    we do not build.
     """
-    try:
-        reader = gguf.GGUFReader(path, "r")
-    except Exception as exc:  # gguf raises bare ValueError/struct.error/OSError on bad files
-        raise ValueError(f"{path}: not a readable GGUF file ({_one_line(exc)})") from exc
-    try:
-        metadata = {name: _field_value(field) for name, field in reader.fields.items() if name.startswith(_KEY_PREFIX)}
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"{path}: tokenizer metadata is not valid UTF-8 ({_one_line(exc)})") from exc
+    metadata = GGUFMetadata.open(path).with_prefix(_KEY_PREFIX)
     return build_gguf_tokenizer(metadata, path)
 
 
@@ -144,24 +138,6 @@ def build_gguf_tokenizer(metadata: dict[str, Any], path: Path) -> TokenizerSourc
         extra_eos_token_ids=extra_eos,
         chat_template=get("chat_template"),
     )
-
-
-def _field_value(field: Any) -> Any:
-    """Decode one ``gguf.ReaderField`` into str/int/float/bool or a list of those."""
-    value_type = field.types[0]
-    if value_type == gguf.GGUFValueType.ARRAY:
-        item_type = field.types[-1] if len(field.types) > 1 else None
-        if not field.data:
-            return []
-        if item_type == gguf.GGUFValueType.STRING:
-            return [bytes(field.parts[index]).decode("utf-8") for index in field.data]
-        if item_type == gguf.GGUFValueType.ARRAY:
-            return None  # nested arrays carry nothing a tokenizer needs
-        # Numeric arrays keep one part per item; join them in one go.
-        return np.concatenate([field.parts[index] for index in field.data]).tolist()
-    if value_type == gguf.GGUFValueType.STRING:
-        return bytes(field.parts[field.data[0]]).decode("utf-8")
-    return field.parts[field.data[0]][0].item()
 
 
 def _split_merge(merge: str) -> tuple[str, str]:
@@ -299,7 +275,3 @@ def _merges_from_scores(
     # Stable sort: equal keys keep the vocabulary order, as in the reference.
     candidates.sort(key=lambda c: (-c[0], -c[1], -c[2]))
     return [(left, right) for _, _, _, left, right in candidates]
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split())

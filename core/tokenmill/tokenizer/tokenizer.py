@@ -16,14 +16,13 @@ from typing import Any
 import tokenizers
 from tokenizers import AddedToken, processors
 
+from tokenmill.gguf_metadata import has_gguf_magic
 from tokenmill.tokenizer.chat_template import ChatTemplate
 from tokenmill.tokenizer.gguf_tokenizer import load_gguf_tokenizer
 from tokenmill.tokenizer.hf_tokenizer import TOKENIZER_FILE, load_hf_tokenizer
 from tokenmill.tokenizer.source import TokenizerSource
 
 logger = logging.getLogger(__name__)
-
-_GGUF_MAGIC = b"GGUF"
 
 
 class Tokenizer:
@@ -91,7 +90,7 @@ class Tokenizer:
         if path.is_dir():
             return cls(load_hf_tokenizer(path))
         if path.is_file():
-            if path.suffix.lower() == ".gguf" or _has_gguf_magic(path):
+            if path.suffix.lower() == ".gguf" or has_gguf_magic(path):
                 return cls(load_gguf_tokenizer(path))
             if path.name == TOKENIZER_FILE:  # a tokenizer.json given directly: use its directory
                 return cls(load_hf_tokenizer(path.parent))
@@ -198,8 +197,3 @@ class Tokenizer:
     def backend(self) -> tokenizers.Tokenizer:
         """The wrapped ``tokenizers.Tokenizer``, for batch encoding and offsets."""
         return self._backend
-
-
-def _has_gguf_magic(path: Path) -> bool:
-    with path.open("rb") as f:
-        return f.read(4) == _GGUF_MAGIC

@@ -1,7 +1,8 @@
 """GGUF files (llama.cpp): the config rebuilt from metadata, tensors under Hugging Face names.
 
-The file is memory-mapped by ``gguf.GGUFReader``; tensors are decoded one at
-a time (``gguf_tensors``), and llama.cpp's q/k row permutation is undone for the
+The file is memory-mapped by ``gguf.GGUFReader`` and its metadata read through
+``tokenmill.gguf_metadata``; tensors are decoded one at a time
+(``gguf_tensors``), and llama.cpp's q/k row permutation is undone for the
 ``llama`` architecture so that every tensor equals the original checkpoint's.
 """
 
@@ -10,10 +11,11 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from tokenmill.gguf_metadata import GGUFError, GGUFMetadata, has_gguf_magic, open_gguf
 from tokenmill.weights.format import LoadedTensor, WeightsError
 from tokenmill.weights.gguf_rope import ROPE_FREQS_TENSOR, rope_scaling_from_freqs, rope_scaling_from_metadata
 from tokenmill.weights.gguf_tensors import can_decode, decode, hf_tensor_name, unpermute_qk_rows
@@ -23,8 +25,6 @@ if TYPE_CHECKING:
     from gguf import GGUFReader, ReaderTensor
 
 logger = logging.getLogger(__name__)
-
-GGUF_MAGIC = b"GGUF"
 
 #: GGUF ``general.architecture`` -> (Hugging Face ``model_type``, ``architectures[0]``).
 #: GGUF "llama" also carries Mistral models: their weights and rope are Llama's.
@@ -49,43 +49,27 @@ def _error(file: Path, problem: str, tensor: str | None = None) -> WeightsError:
     return WeightsError(f"{where}: {' '.join(str(problem).split())}")
 
 
-def _field_value(field: Any) -> Any:
-    """A metadata value as Python: str, int, float, bool, or a list of those."""
-    import numpy as np
-    from gguf import GGUFValueType
-
-    def scalar(part: Any, value_type: GGUFValueType) -> Any:
-        if value_type == GGUFValueType.STRING:
-            return bytes(part).decode("utf-8")
-        if value_type == GGUFValueType.FLOAT32:
-            return float(str(np.float32(part[0])))  # 1e-05, not 9.999999747378752e-06
-        return part[0].item()
-
-    if field.types[0] == GGUFValueType.ARRAY:
-        return [scalar(field.parts[i], field.types[-1]) for i in field.data]
-    return scalar(field.parts[field.data[0]], field.types[0])
-
-
 @dataclass
 class _GGUFFile:
-    """One opened file: its reader plus the values both read_config and iter_tensors need."""
+    """One opened file: its reader and metadata plus the values both read_config and iter_tensors need."""
 
     file: Path
     reader: GGUFReader
+    metadata: GGUFMetadata = field(init=False)
     arch: str = ""
     num_heads: int = 0
     num_kv_heads: int = 0
     head_dim: int = 0
     rope_theta: float = 10000.0
 
+    def __post_init__(self) -> None:
+        self.metadata = GGUFMetadata(self.file, self.reader)
+
     def get(self, key: str, default: Any = None) -> Any:
-        field = self.reader.fields.get(key)
-        if field is None:
-            return default
         try:
-            return _field_value(field)
-        except (UnicodeDecodeError, IndexError, ValueError) as exc:
-            raise _error(self.file, f"metadata key {key!r} is unreadable: {type(exc).__name__}: {exc}") from exc
+            return self.metadata.get(key, default)
+        except GGUFError as exc:
+            raise _error(self.file, exc.reason) from exc
 
     def require_int(self, key: str) -> int:
         value = self.get(key)
@@ -124,11 +108,7 @@ class GGUFFormat:
         self._cached: tuple[tuple[str, int, int], GGUFReader] | None = None
 
     def can_load(self, path: Path) -> bool:
-        try:
-            with open(path, "rb") as f:
-                return f.read(4) == GGUF_MAGIC
-        except OSError:
-            return False
+        return has_gguf_magic(path)
 
     def read_config(self, path: Path) -> dict[str, Any]:
         source = self._open(Path(path), keep=True)
@@ -213,7 +193,7 @@ class GGUFFormat:
         source.arch = arch
         source.num_heads = source.require_int(f"{arch}.attention.head_count")
         kv_key = f"{arch}.attention.head_count_kv"
-        source.num_kv_heads = source.require_int(kv_key) if kv_key in source.reader.fields else source.num_heads
+        source.num_kv_heads = source.require_int(kv_key) if kv_key in source.metadata else source.num_heads
         hidden_size = source.require_int(f"{arch}.embedding_length")
         source.head_dim = int(
             source.get(f"{arch}.attention.key_length")
@@ -224,8 +204,6 @@ class GGUFFormat:
         return source
 
     def _reader(self, file: Path, keep: bool) -> GGUFReader:
-        from gguf import GGUFReader
-
         try:
             stat = os.stat(file)
         except OSError as exc:
@@ -236,10 +214,9 @@ class GGUFFormat:
             reader = cached[1]
         else:
             try:
-                reader = GGUFReader(file)
-            except Exception as exc:  # a third-party parser on untrusted bytes: any failure means "corrupt"
-                problem = "not a GGUF file" if not self.can_load(file) else "truncated or corrupt GGUF file"
-                raise _error(file, f"{problem}: {type(exc).__name__}: {exc}") from exc
+                reader = open_gguf(file)
+            except GGUFError as exc:
+                raise _error(file, exc.reason) from exc
             if reader.byte_order != "I":
                 raise _error(file, "GGUF file has the opposite byte order of this machine; not supported")
             split_count = _GGUFFile(file, reader).get("split.count", 1)
@@ -260,9 +237,9 @@ class GGUFFormat:
         embedding = tensors.get("token_embd.weight")
         if embedding is not None and len(embedding.shape) == 2:
             return int(embedding.shape[1])
-        tokens = source.reader.fields.get("tokenizer.ggml.tokens")
-        if tokens is not None and len(tokens.data) > 0:
-            return len(tokens.data)
+        num_tokens = source.metadata.num_items("tokenizer.ggml.tokens")
+        if num_tokens:
+            return num_tokens
         raise _error(source.file, "cannot tell the vocabulary size: no vocab_size key, token_embd or token list")
 
     def _decode(self, file: Path, tensor: ReaderTensor) -> torch.Tensor:
