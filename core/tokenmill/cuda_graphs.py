@@ -13,10 +13,11 @@ A graph replays fixed memory addresses and fixed host-side choices, so:
   ``query_start_loc`` (``0..batch_size``: one token per request, constant).
   Each step's values are copied into them before the replay.
 - A step of ``n`` requests replays the graph of the smallest captured batch
-  size ``>= n``. Rows ``n..batch_size-1`` are padding requests: token 0 at
-  position 0, ``seq_lens`` 1, block table ``[scratch_block, ...]``, so each
-  writes its K/V into the scratch block (a KV block the KV cache manager never
-  hands out) and attends to that one slot: finite values no real row reads.
+  size ``>= n`` (laid out by ``step_batch.pad_decode_batch``). Rows
+  ``n..batch_size-1`` are padding requests: token 0 at position 0,
+  ``seq_lens`` 1, block table ``[scratch_block, ...]``, so each writes its K/V
+  into the scratch block (a KV block the KV cache manager never hands out) and
+  attends to that one slot: finite values no real row reads.
 - The attention metadata of a graph says ``max_query_len == 1`` and
   ``max_seq_len == max_model_len`` (a bound every replayed step meets), so a
   backend's host-side choices are fixed per bucket. Only backends with
@@ -41,35 +42,25 @@ import bisect
 import logging
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from itertools import chain
 from operator import attrgetter
-from typing import TYPE_CHECKING
 
-import numpy
 import torch
 
 from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
 from tokenmill.models.base import CausalLM
-
-if TYPE_CHECKING:
-    from tokenmill.model_runner import SequenceChunk
+from tokenmill.step_batch import PaddedDecodeBatch, SequenceChunk, pad_decode_batch
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "CudaGraphRunner",
     "DecodeGraphBuffers",
-    "PaddedDecodeBatch",
     "bucket_for",
     "capture_batch_sizes",
     "cuda_graph_batch_sizes",
-    "pad_decode_batch",
 ]
 
 _token_ids = attrgetter("token_ids")
-_num_computed = attrgetter("num_computed_tokens")
-_block_ids = attrgetter("block_ids")
 
 
 # ---------------------------------------------------------------- choosing buckets
@@ -120,67 +111,6 @@ def bucket_for(num_reqs: int, batch_sizes: Sequence[int]) -> int | None:
     """
     index = bisect.bisect_left(batch_sizes, num_reqs)
     return batch_sizes[index] if index < len(batch_sizes) and num_reqs > 0 else None
-
-
-# ---------------------------------------------------------------- padding a step
-
-
-@dataclass(frozen=True)
-class PaddedDecodeBatch:
-    """One decode step laid out for a graph of ``batch_size`` rows, on the host (numpy)."""
-
-    num_reqs: int  # real rows; rows num_reqs.. are padding
-    token_data: numpy.ndarray  # [3, batch_size] int64: input ids, positions, slot mapping
-    seq_lens: numpy.ndarray  # [batch_size] int32
-    block_tables: numpy.ndarray  # [batch_size, max(1, most blocks of any request)] int32
-    max_seq_len: int  # of the real rows
-
-    @property
-    def batch_size(self) -> int:
-        return self.seq_lens.shape[0]
-
-
-def pad_decode_batch(
-    chunks: Sequence[SequenceChunk], batch_size: int, block_size: int, scratch_block: int
-) -> PaddedDecodeBatch:
-    """Lay out a decode step (each chunk has exactly one token) as ``batch_size`` rows, padded.
-
-    ``chunks`` are ``model_runner.SequenceChunk``s. Padding rows hold token 0
-    at position 0 with ``seq_lens`` 1 and the block table ``[scratch_block, 0, ...]``,
-    so their slot is the first of ``scratch_block``. Vectorised like
-    ``model_runner.build_batch``: no Python statement runs per request.
-    Called once per decode step by ``CudaGraphRunner.load_step``; raises
-    ``ValueError`` when a block table cannot hold its request's tokens.
-    """
-    num_reqs = len(chunks)
-    assert 0 < num_reqs <= batch_size, f"{num_reqs} requests do not fit a graph of {batch_size}"
-    computed = numpy.fromiter(map(_num_computed, chunks), numpy.int64, num_reqs)  # [num_reqs]: the new positions
-    num_blocks = numpy.fromiter(map(len, map(_block_ids, chunks)), numpy.int64, num_reqs)  # [num_reqs]
-    seq_lens = computed + 1  # [num_reqs]
-    too_short = numpy.flatnonzero(num_blocks * block_size < seq_lens)
-    if too_short.size:
-        i = int(too_short[0])
-        raise ValueError(f"block table of {num_blocks[i]} blocks cannot hold {seq_lens[i]} tokens")
-
-    width = max(int(num_blocks.max()), 1)
-    total_blocks = int(num_blocks.sum())
-    flat_blocks = numpy.fromiter(chain.from_iterable(map(_block_ids, chunks)), numpy.int32, total_blocks)
-    block_start = numpy.cumsum(num_blocks) - num_blocks  # [num_reqs]
-    block_req = numpy.repeat(numpy.arange(num_reqs), num_blocks)  # [total_blocks]
-    block_tables = numpy.zeros((batch_size, width), dtype=numpy.int32)  # [batch_size, width]
-    block_tables[block_req, numpy.arange(total_blocks) - block_start[block_req]] = flat_blocks
-    block_tables[num_reqs:, 0] = scratch_block
-
-    rows = numpy.arange(num_reqs)
-    token_data = numpy.zeros((3, batch_size), dtype=numpy.int64)  # [3, batch_size]: ids, positions, slots
-    token_data[0, :num_reqs] = numpy.fromiter(chain.from_iterable(map(_token_ids, chunks)), numpy.int64, num_reqs)
-    token_data[1, :num_reqs] = computed
-    token_blocks = block_tables[rows, computed // block_size].astype(numpy.int64)  # [num_reqs]
-    token_data[2, :num_reqs] = token_blocks * block_size + computed % block_size
-    token_data[2, num_reqs:] = scratch_block * block_size
-    padded_seq_lens = numpy.ones(batch_size, dtype=numpy.int32)  # [batch_size]
-    padded_seq_lens[:num_reqs] = seq_lens
-    return PaddedDecodeBatch(num_reqs, token_data, padded_seq_lens, block_tables, int(seq_lens.max()))
 
 
 class DecodeGraphBuffers:
@@ -326,7 +256,7 @@ class CudaGraphRunner:
         """If a graph can run this step, copy it into the buffers and return its batch size; else None
         (a prefill chunk, too many requests, a block table or sequence past ``max_model_len``).
 
-        ``chunks`` are ``model_runner.SequenceChunk``s. Called once per step by ``execute``.
+        Called once per step by ``execute``.
         """
         batch_size = bucket_for(len(chunks), self.batch_sizes)
         if batch_size is None or set(map(len, map(_token_ids, chunks))) != {1}:

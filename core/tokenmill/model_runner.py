@@ -5,85 +5,22 @@ new tokens to compute, how many of the request's tokens are already cached,
 and its block table; it lays these out as one batch (``AttentionMetadata``),
 runs the forward once and returns logits. On a CUDA device it may replay a
 captured CUDA graph for decode steps instead (``tokenmill.cuda_graphs``).
+Its inputs, ``SequenceChunk`` and the batch layouts, live in
+``tokenmill.step_batch`` (re-exported here), below both this module and the graphs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from itertools import chain
-from operator import attrgetter
 
 import numpy
 import torch
 
-from tokenmill.attention.backend import AttentionMetadata
 from tokenmill.cuda_graphs import CudaGraphRunner
 from tokenmill.model_loader import LoadedModel
+from tokenmill.step_batch import SequenceChunk, build_batch
 
-
-@dataclass(frozen=True)
-class SequenceChunk:
-    """One request's share of a step."""
-
-    token_ids: list[int]  # the new tokens to compute this step
-    num_computed_tokens: int  # tokens of this request already in the cache
-    block_ids: list[int]  # the request's block table; must cover every token after this step
-
-
-def build_batch(
-    chunks: list[SequenceChunk], block_size: int, device: torch.device | str = "cpu"
-) -> tuple[torch.Tensor, AttentionMetadata]:
-    """Flatten ``chunks`` into input ids [num_tokens] and the step's attention metadata on ``device``.
-
-    Vectorised with numpy: the only per-request work is reading each chunk's lists once,
-    in C (``numpy.fromiter`` over ``itertools.chain``); no Python statement runs per request.
-    """
-    num_reqs = len(chunks)
-    query_lens = numpy.fromiter(map(len, map(_token_ids, chunks)), numpy.int64, num_reqs)
-    computed = numpy.fromiter(map(_num_computed, chunks), numpy.int64, num_reqs)
-    num_blocks = numpy.fromiter(map(len, map(_block_ids, chunks)), numpy.int64, num_reqs)
-    seq_lens = computed + query_lens  # [num_reqs]
-    too_short = numpy.flatnonzero(num_blocks * block_size < seq_lens)
-    if too_short.size:
-        i = int(too_short[0])
-        raise ValueError(f"block table of {num_blocks[i]} blocks cannot hold {seq_lens[i]} tokens")
-
-    query_start_loc = numpy.zeros(num_reqs + 1, dtype=numpy.int64)  # [num_reqs + 1]
-    numpy.cumsum(query_lens, out=query_start_loc[1:])
-    num_tokens = int(query_start_loc[-1])
-    token_req = numpy.repeat(numpy.arange(num_reqs), query_lens)  # [num_tokens]
-    positions = numpy.arange(num_tokens) - query_start_loc[token_req] + computed[token_req]  # [num_tokens]
-
-    # Scatter every block table into one padded table in a single indexed assignment.
-    total_blocks = int(num_blocks.sum())
-    flat_blocks = numpy.fromiter(chain.from_iterable(map(_block_ids, chunks)), numpy.int32, total_blocks)
-    block_start = numpy.cumsum(num_blocks) - num_blocks  # [num_reqs]
-    block_req = numpy.repeat(numpy.arange(num_reqs), num_blocks)  # [total_blocks]
-    block_tables = numpy.zeros((num_reqs, int(num_blocks.max())), dtype=numpy.int32)  # [num_reqs, max_blocks]
-    block_tables[block_req, numpy.arange(total_blocks) - block_start[block_req]] = flat_blocks
-    token_blocks = block_tables[token_req, positions // block_size].astype(numpy.int64)
-    slot_mapping = token_blocks * block_size + positions % block_size  # [num_tokens]
-    input_ids = numpy.fromiter(chain.from_iterable(map(_token_ids, chunks)), numpy.int64, num_tokens)
-
-    def to_device(array: numpy.ndarray) -> torch.Tensor:
-        return torch.from_numpy(array).to(device)
-
-    metadata = AttentionMetadata(
-        positions=to_device(positions),
-        query_start_loc=to_device(query_start_loc.astype(numpy.int32)),
-        seq_lens=to_device(seq_lens.astype(numpy.int32)),
-        block_tables=to_device(block_tables),
-        slot_mapping=to_device(slot_mapping),
-        max_query_len=int(query_lens.max()),
-        max_seq_len=int(seq_lens.max()),
-    )
-    return to_device(input_ids), metadata
-
-
-_token_ids = attrgetter("token_ids")
-_num_computed = attrgetter("num_computed_tokens")
-_block_ids = attrgetter("block_ids")
+__all__ = ["ModelRunner", "SequenceChunk", "build_batch"]
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

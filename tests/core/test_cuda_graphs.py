@@ -37,13 +37,13 @@ from tokenmill.cuda_graphs import (
     bucket_for,
     capture_batch_sizes,
     cuda_graph_batch_sizes,
-    pad_decode_batch,
 )
 from tokenmill.engine import now
 from tokenmill.messages import EngineCoreRequest
 from tokenmill.model_loader import load_model
 from tokenmill.model_runner import ModelRunner, SequenceChunk
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.step_batch import pad_decode_batch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are decorated, at their import
