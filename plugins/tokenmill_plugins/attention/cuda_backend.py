@@ -34,8 +34,8 @@ class CudaAttentionBackend(TritonAttentionBackend):
 
     @classmethod
     def is_available(cls) -> bool:
-        """Whether "auto" may pick it: CUDA is visible and CuPy imports."""
-        return cuda_kernels.unavailable_reason() is None
+        """Whether "auto" may pick it: CUDA is visible, and Triton and CuPy are installed."""
+        return super().is_available() and cuda_kernels.unavailable_reason() is None
 
     def __init__(self) -> None:
         reason = cuda_kernels.unavailable_reason()

@@ -12,17 +12,20 @@ batch size and ``max_seq_len``, which the model runner sets to the context
 window when it captures.
 
 Runs on CUDA GPUs, and on CPU under the Triton interpreter
-(``TRITON_INTERPRET=1``; slow: meant for tests and CI).
+(``TRITON_INTERPRET=1``; slow: meant for tests and CI). Triton is a GPU extra: the
+kernels are imported when a backend is built, so that this module imports, and
+"auto" passes it over quietly, on a CPU install without Triton.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from dataclasses import dataclass
+from types import ModuleType
 from typing import ClassVar
 
 import torch
-from tokenmill_kernels.paged_attention import triton as kernels
 
 from tokenmill import AttentionBackend, AttentionLayerSpec, AttentionMetadata, PluginError
 
@@ -65,11 +68,13 @@ class TritonAttentionBackend(AttentionBackend):
 
     @classmethod
     def is_available(cls) -> bool:
-        """Whether "auto" may pick it: a CUDA device is visible (the CPU interpreter is opt-in, by name)."""
-        return torch.cuda.is_available()
+        """Whether "auto" may pick it: a CUDA device is visible and Triton is installed (the CPU
+        interpreter is opt-in, by name)."""
+        return torch.cuda.is_available() and importlib.util.find_spec("triton") is not None
 
     def __init__(self) -> None:
-        self._is_interpreted = kernels.is_interpreted()
+        self._kernels = _import_kernels()
+        self._is_interpreted = self._kernels.is_interpreted()
         if not torch.cuda.is_available() and not self._is_interpreted:
             raise PluginError(f"no CUDA device found: {_CPU_NEEDS_INTERPRETER}")
         self._num_sms: dict[int, int] = {}  # device index -> multiprocessor count, for split-K decode
@@ -80,7 +85,7 @@ class TritonAttentionBackend(AttentionBackend):
             raise PluginError(_CPU_NEEDS_INTERPRETER)
         prefill_tiles = None
         if metadata.max_query_len > 1:
-            prefill_tiles = kernels.build_prefill_tiles(metadata.query_start_loc, metadata.num_tokens)
+            prefill_tiles = self._kernels.build_prefill_tiles(metadata.query_start_loc, metadata.num_tokens)
         metadata.backend_state = TritonStepState(block_size=block_size, prefill_tiles=prefill_tiles)
 
     def forward(
@@ -96,11 +101,11 @@ class TritonAttentionBackend(AttentionBackend):
         state: TritonStepState = metadata.backend_state
         assert kv_cache.shape[2] == state.block_size, "the cache's block size differs from the one prepared"
         key_cache, value_cache = kv_cache[0], kv_cache[1]
-        kernels.write_kv_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
+        self._kernels.write_kv_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # [num_tokens, num_heads, head_dim]
         self._decode(layer, query, key_cache, value_cache, metadata, out)
         if state.prefill_tiles is not None:
-            kernels.paged_attention_prefill(
+            self._kernels.paged_attention_prefill(
                 query, key_cache, value_cache, metadata.block_tables, metadata.seq_lens,
                 metadata.query_start_loc, metadata.positions, *state.prefill_tiles, out,
                 scale=layer.scale, sliding_window=layer.sliding_window,
@@ -117,7 +122,7 @@ class TritonAttentionBackend(AttentionBackend):
         out: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     ) -> None:
         """Decode attention into ``out`` for requests with one new token; the CUDA backend overrides this."""
-        kernels.paged_attention_decode(
+        self._kernels.paged_attention_decode(
             query, key_cache, value_cache, metadata.block_tables, metadata.seq_lens,
             metadata.query_start_loc, metadata.positions, out,
             scale=layer.scale, sliding_window=layer.sliding_window,
@@ -132,4 +137,20 @@ class TritonAttentionBackend(AttentionBackend):
         index = device.index if device.index is not None else torch.cuda.current_device()
         if index not in self._num_sms:
             self._num_sms[index] = torch.cuda.get_device_properties(index).multi_processor_count
-        return kernels.choose_num_splits(metadata.num_reqs, num_kv_heads, metadata.max_seq_len, self._num_sms[index])
+        return self._kernels.choose_num_splits(
+            metadata.num_reqs, num_kv_heads, metadata.max_seq_len, self._num_sms[index]
+        )
+
+
+def _import_kernels() -> ModuleType:
+    """The Triton kernels; a ``PluginError`` saying what to install where Triton is missing."""
+    try:
+        from tokenmill_kernels.paged_attention import triton as kernels
+    except ModuleNotFoundError as exc:
+        if exc.name != "triton":
+            raise
+        raise PluginError(
+            "the 'triton' attention backend needs Triton, which is not installed: pip install 'tokenmill[gpu]', "
+            "or select another backend with --attention-backend"
+        ) from exc
+    return kernels
