@@ -1,46 +1,58 @@
 """tokenmill: a plugin-based LLM inference runtime.
 
-Plugin authors import from here only. Names whose modules need torch are
-imported lazily, so a process that never touches them (the API front end)
-never imports torch.
+Plugin authors import from here (or from ``tokenmill.interfaces``, which holds
+every slot's interface, and ``tokenmill.testing``, the test kit). Names whose
+modules need torch are imported lazily, so a process that never touches them
+(the API front end) never imports torch.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokenmill.hookspecs import hookimpl
+from tokenmill.interfaces import _EXPORTS as _INTERFACES
+
+if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and IDEs
+    from tokenmill.config import EngineConfig, ModelConfig  # noqa: F401
+    from tokenmill.engine import EngineCore  # noqa: F401
+    from tokenmill.interfaces import *  # noqa: F403
+    from tokenmill.kv_cache.block_hash import block_hashes  # noqa: F401
+    from tokenmill.llm import LLM  # noqa: F401
+    from tokenmill.messages import EngineCoreOutput, EngineCoreRequest, TokenLogprobs  # noqa: F401
+    from tokenmill.outputs import CompletionOutput, RequestOutput  # noqa: F401
+    from tokenmill.plugin_manager import PluginError  # noqa: F401
+    from tokenmill.request import Request  # noqa: F401
+    from tokenmill.sampling_params import SamplingParams  # noqa: F401
+    from tokenmill.tokenizer import IncrementalDetokenizer, Tokenizer  # noqa: F401
+    from tokenmill.weights.format import WeightsError  # noqa: F401
+
 
 __version__ = "0.1.0"
 
 # name -> module that defines it; imported on first attribute access.
 _LAZY_EXPORTS: dict[str, str] = {
-    "AttentionBackend": "tokenmill.attention.backend",
-    "AttentionLayerSpec": "tokenmill.attention.backend",
-    "AttentionMetadata": "tokenmill.attention.backend",
-    "CausalLM": "tokenmill.models.base",
+    **_INTERFACES,
+    "CompletionOutput": "tokenmill.outputs",
     "EngineConfig": "tokenmill.config",
     "EngineCore": "tokenmill.engine",
-    "CompletionOutput": "tokenmill.outputs",
+    "EngineCoreOutput": "tokenmill.messages",
+    "EngineCoreRequest": "tokenmill.messages",
     "IncrementalDetokenizer": "tokenmill.tokenizer",
     "LLM": "tokenmill.llm",
-    "LoadedTensor": "tokenmill.weights.format",
-    "ArchitectureConfig": "tokenmill.models.architecture",
-    "block_hashes": "tokenmill.kv_cache.block_hash",
     "ModelConfig": "tokenmill.config",
     "PluginError": "tokenmill.plugin_manager",
-    "Quantizer": "tokenmill.layers.quantizer",
+    "Request": "tokenmill.request",
     "RequestOutput": "tokenmill.outputs",
     "SamplingParams": "tokenmill.sampling_params",
-    "Sampler": "tokenmill.sampler",
-    "SamplingMetadata": "tokenmill.sampler",
+    "TokenLogprobs": "tokenmill.messages",
     "Tokenizer": "tokenmill.tokenizer",
-    "WeightFormat": "tokenmill.weights.format",
     "WeightsError": "tokenmill.weights.format",
+    "block_hashes": "tokenmill.kv_cache.block_hash",
 }
 
-__all__ = ["__version__", "hookimpl", *_LAZY_EXPORTS]
+__all__ = ["__version__", "hookimpl", *sorted(_LAZY_EXPORTS)]
 
 
 def __getattr__(name: str) -> Any:

@@ -41,21 +41,83 @@ def main() -> None:
 
 
 @main.command()
-@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-@click.option("--disable-plugin", "disabled", multiple=True, help="Plugin not to load. Repeatable.")
-def plugins(as_json: bool, disabled: tuple[str, ...]) -> None:
-    """List installed plugins, their versions and what they provide."""
-    from tokenmill.plugin_manager import load_plugins
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+@config_options
+def plugins(config: EngineConfig, as_json: bool) -> None:
+    """List every slot, its implementations and which one the config selects, and each installed plugin
+    with its version, package, options, and the error that made it skipped."""
+    from tokenmill.plugin_manager import load_plugins, selected_names
 
-    system = load_plugins(disabled=disabled)
+    system = load_plugins(disabled=config.disable_plugins)
+    system.configure(config.plugins)
+    selected: dict[str, list[str]] = {}
+    for slot, name, _ in selected_names(config):
+        selected.setdefault(slot.value, []).append(name)
+    report = _plugins_report(system, config, selected)
     if as_json:
-        click.echo(json.dumps([info.__dict__ for info in system.infos], indent=2))
+        click.echo(json.dumps(report, indent=2))
         return
-    for info in system.infos:
-        status = f"FAILED: {info.error}" if info.error else ""
-        click.echo(f"{info.name} {info.version} ({info.source}) {status}".rstrip())
-        for slot, names in sorted(info.provides.items()):
+    for info in report["plugins"]:
+        where = (
+            info["source"]
+            if info["package"] in ("tokenmill", "unknown")
+            else f"{info['source']}, package {info['package']}"
+        )
+        status = f" FAILED: {info['error']}" if info["error"] else ""
+        click.echo(f"{info['name']} {info['version']} ({where}){status}")
+        for slot, names in sorted(info["provides"].items()):
             click.echo(f"    {slot}: {', '.join(names)}")
+        if info["options"]:
+            values = ", ".join(f"{key} = {json.dumps(value)}" for key, value in info["options"].items())
+            click.echo(f"    options [plugins.{info['name']}]: {values}")
+    click.echo("")
+    click.echo("slot: selected by; installed")
+    for slot in report["slots"]:
+        chosen = f"{slot['setting']} = {', '.join(slot['selected'])}" if slot["selected"] else slot["setting"]
+        click.echo(f"  {slot['slot']}: {chosen}; {', '.join(slot['installed']) or 'none yet'}")
+
+
+#: Which setting selects each slot, for `tokenmill plugins`.
+_SLOT_SETTINGS = {
+    "architecture": "the checkpoint's architectures[0]",
+    "weight_format": "model.weight_format, else the first that can read the model",
+    "quantizer": "model.quantization",
+    "attention_backend": "attention.backend",
+    "scheduler": "scheduler.policy",
+    "kv_cache_manager": "cache.kv_cache_manager",
+    "sampler": "sampler.sampler",
+    "logits_processor": "sampler.logits_processors",
+    "speculator": "not selectable yet (speculative decoding)",
+    "kv_tier": "not selectable yet (KV offload tiers)",
+    "router": "server.router",
+    "transport": "transport.backend",
+}
+
+
+def _plugins_report(system: Any, config: EngineConfig, selected: dict[str, list[str]]) -> dict[str, Any]:
+    import msgspec
+
+    from tokenmill.plugin_manager import Slot
+
+    defaults = {"attention_backend": [config.attention.backend], "quantizer": [config.model.quantization]}
+    plugins = []
+    for info in system.infos:
+        options = system.options(info.name) if info.error is None else None
+        plugins.append({
+            "name": info.name, "version": info.version, "source": info.source, "package": info.package,
+            "hooks": info.hooks, "provides": info.provides, "error": info.error,
+            "options": msgspec.to_builtins(options) if options is not None else None,
+        })  # fmt: skip
+    slots = [
+        {
+            "slot": slot.value,
+            "setting": _SLOT_SETTINGS[slot.value],
+            "selected": selected.get(slot.value) or defaults.get(slot.value, []),
+            "installed": system.registry.names(slot),
+        }
+        for slot in Slot
+    ]
+    return {"plugins": plugins, "slots": slots}
 
 
 @main.group()
@@ -67,7 +129,10 @@ def config() -> None:
 @config_options
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of TOML.")
 def config_show(config: EngineConfig, as_json: bool) -> None:
-    """Print the resolved config (file + flags + defaults) as TOML."""
+    """Print the resolved config (file + flags + defaults, plugin options included) as TOML."""
+    from tokenmill.plugin_manager import resolve_plugins
+
+    config = resolve_plugins(config).resolved_config(config)
     if as_json:
         click.echo(json.dumps(config.to_dict(), indent=2))
     else:
@@ -106,7 +171,7 @@ def generate(config: EngineConfig, input_path: Path, output_path: Path, no_progr
     from tokenmill.batch_generate import run_batch
     from tokenmill.llm import LLM
 
-    llm = LLM.from_config(config)
+    llm = LLM.from_config(config)  # checks the config's plugin names before loading anything
     summary = run_batch(llm, input_path, output_path, use_tqdm=not no_progress)
     click.echo(
         f"{summary.num_completed} completed, {summary.num_errors} errors, "
@@ -120,7 +185,10 @@ def generate(config: EngineConfig, input_path: Path, output_path: Path, no_progr
 @config_options
 def serve(config: EngineConfig) -> None:
     """Serve MODEL (or the config's model) over an OpenAI-compatible HTTP API."""
+    from tokenmill.plugin_manager import resolve_plugins
     from tokenmill.server.serve import run_server
+
+    resolve_plugins(config)  # a misspelled plugin name fails here, in well under a second
 
     raise SystemExit(run_server(config))
 
@@ -132,6 +200,9 @@ def serve(config: EngineConfig) -> None:
 def engine(config: EngineConfig, listen: str) -> None:
     """Run one engine process on LISTEN, for `tokenmill serve --engine LISTEN` on another host."""
     from tokenmill.engine_process import run_engine_process
+    from tokenmill.plugin_manager import resolve_plugins
+
+    resolve_plugins(config)
 
     run_engine_process(config.to_dict(), listen)
 

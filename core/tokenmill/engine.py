@@ -1,9 +1,18 @@
 """``EngineCore``: the engine loop. Requests in, token deltas out, no I/O.
 
-Each ``step`` schedules a batch, runs the model once over it, samples a token
-for every request that finished reading its known tokens, and applies
-token-level stopping. The same object runs in-process (offline ``LLM``) and,
-behind a transport, inside an engine process.
+Every component is the implementation the config names for its slot, built
+through the plugin system: the KV cache manager, the scheduler, the sampler
+and the logits processors (plus, inside the model loader, the architecture,
+weight format, quantizer and attention backend). Each ``step`` is three calls::
+
+    scheduler_output = scheduler.schedule()
+    runner_output = self.execute(scheduler_output)       # model runner, logits processors, sampler
+    outputs = scheduler.update_from_output(scheduler_output, runner_output)
+
+The scheduler owns everything that changes a request's state; this module
+only turns a schedule into a forward pass and sampled tokens. The same object
+runs in-process (offline ``LLM``) and, behind a transport, inside an engine
+process.
 """
 
 from __future__ import annotations
@@ -17,20 +26,15 @@ from tokenmill.config import EngineConfig
 from tokenmill.cuda_graphs import cuda_graph_batch_sizes
 from tokenmill.kv_cache.manager import KVCacheManager
 from tokenmill.memory import CacheLayout, plan_kv_cache
-from tokenmill.messages import (
-    EngineCoreOutput,
-    EngineCoreRequest,
-    EngineStatsMessage,
-    TokenLogprobs,
-    completion_request_id,
-)
+from tokenmill.messages import EngineCoreOutput, EngineCoreRequest, EngineStatsMessage, TokenLogprobs
 from tokenmill.model_loader import LoadedModel, load_model
 from tokenmill.model_runner import ModelRunner, SequenceChunk
-from tokenmill.plugin_manager import PluginSystem
+from tokenmill.plugin_manager import PluginSystem, Slot, resolve_plugins
 from tokenmill.request import Request
-from tokenmill.sampler import Sampler, SamplerOutput, SamplingMetadata
+from tokenmill.sampling.logits_processor import LogitsProcessor, SamplingRow
+from tokenmill.sampling.sampler import Sampler, SamplerOutput, SamplingMetadata
 from tokenmill.sampling_params import InvalidRequestError
-from tokenmill.scheduler import ScheduledRequest, Scheduler
+from tokenmill.scheduler import ModelRunnerOutput, ScheduledRequest, Scheduler, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +44,8 @@ _GENERATOR = "generator"  # Request.stash key: the request's own torch.Generator
 class EngineCore:
     def __init__(self, config: EngineConfig, plugins: PluginSystem | None = None) -> None:
         self.config = config
-        self.loaded: LoadedModel = load_model(config, plugins)
+        self.plugins = plugins if plugins is not None else resolve_plugins(config)
+        self.loaded: LoadedModel = load_model(config, self.plugins)
         arch = self.loaded.arch
         self.layout: CacheLayout = plan_kv_cache(
             config.cache, self.loaded.device, arch.num_layers, arch.num_kv_heads, arch.head_dim,
@@ -53,43 +58,46 @@ class EngineCore:
         self.runner = ModelRunner(
             self.loaded, self.layout.num_blocks, self.layout.block_size, cuda_graph_batch_sizes=graph_batch_sizes
         )
-        self.kv_cache = KVCacheManager(
-            self.layout.num_blocks,
-            self.layout.block_size,
-            enable_prefix_caching=config.cache.enable_prefix_caching,
-            hash_salt=f"{self.loaded.path}:{self.loaded.dtype}:{self.loaded.kv_cache_dtype}",
-        )
-        self.scheduler = Scheduler(
-            self.kv_cache, config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs
-        )
-        self.sampler = Sampler()
+        #: Salts every prefix-cache block hash: anything that changes the K/V values of the same tokens.
+        self.kv_cache_hash_salt = f"{self.loaded.path}:{self.loaded.dtype}:{self.loaded.kv_cache_dtype}"
+        self.kv_cache: KVCacheManager = self.plugins.create(
+            Slot.KV_CACHE_MANAGER, config.cache.kv_cache_manager, self.layout.num_blocks, self.layout.block_size,
+            enable_prefix_caching=config.cache.enable_prefix_caching, hash_salt=self.kv_cache_hash_salt,
+        )  # fmt: skip
+        self.scheduler: Scheduler = self.plugins.create(
+            Slot.SCHEDULER, config.scheduler.policy, self.kv_cache,
+            max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+            max_num_seqs=config.scheduler.max_num_seqs,
+        )  # fmt: skip
+        self.sampler: Sampler = self.plugins.create(Slot.SAMPLER, config.sampler.sampler)
+        self.logits_processors: list[LogitsProcessor] = [
+            self.plugins.create(Slot.LOGITS_PROCESSOR, name) for name in config.sampler.logits_processors
+        ]
         self.max_model_len = self.loaded.max_model_len
         self.vocab_size = arch.vocab_size
-        self._num_prompt_tokens = 0
-        self._num_generation_tokens = 0
 
     # ------------------------------------------------------------------ requests
 
     def add_request(self, message: EngineCoreRequest) -> None:
         """Queue a request. Raises ``InvalidRequestError`` (and queues nothing) when it can never run."""
-        if message.request_id in self.scheduler.requests:
-            raise InvalidRequestError(f"request id {message.request_id!r} is already in use")
-        prompt = message.prompt_token_ids
-        self.check_prompt(prompt)
-        request = Request(
-            request_id=message.request_id,
-            prompt_token_ids=list(prompt),
-            params=message.params,
-            eos_token_ids=tuple(message.eos_token_ids),
-            max_model_len=self.max_model_len,
-            arrival_time=message.arrival_time,
-            priority=message.priority,
-            cache_salt=message.cache_salt,
-            enqueued_at=time.monotonic(),
+        self.check_prompt(message.prompt_token_ids)
+        bias = message.params.logit_bias
+        if bias and any(token_id >= self.vocab_size for token_id in bias):
+            bad = next(token_id for token_id in bias if token_id >= self.vocab_size)
+            raise InvalidRequestError(f"logit_bias token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})")
+        self.scheduler.add_request(
+            Request(
+                request_id=message.request_id,
+                prompt_token_ids=list(message.prompt_token_ids),
+                params=message.params,
+                eos_token_ids=tuple(message.eos_token_ids),
+                max_model_len=self.max_model_len,
+                arrival_time=message.arrival_time,
+                priority=message.priority,
+                cache_salt=message.cache_salt,
+                enqueued_at=time.monotonic(),
+            )
         )
-        if message.params.seed is not None:
-            request.stash[_GENERATOR] = torch.Generator(self.loaded.device).manual_seed(message.params.seed)
-        self.scheduler.add_request(request)
 
     def check_prompt(self, prompt: list[int]) -> None:
         """Raise ``InvalidRequestError`` when a request with this prompt could never run."""
@@ -111,52 +119,43 @@ class EngineCore:
             )
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
-        """Finish these requests now (client gone, stop string matched); frees their blocks."""
-        outputs = []
-        for request_id in request_ids:
-            request = self.scheduler.abort_request(request_id)
-            if request is not None:
-                outputs.append(self._output(request, [], None))
-        return outputs
+        """Finish these requests now (client gone, stop string matched), all n completions of each; frees
+        their blocks."""
+        return self.scheduler.abort_requests(request_ids)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
     def stats(self) -> EngineStatsMessage:
-        """A snapshot for metrics; cheap to take every step."""
-        return EngineStatsMessage(
-            num_running=self.scheduler.num_running,
-            num_waiting=self.scheduler.num_waiting,
-            kv_cache_usage=self.kv_cache.usage,
-            prefix_cache_queries=self.kv_cache.prefix_cache_queries,
-            prefix_cache_hits=self.kv_cache.prefix_cache_hits,
-            num_preemptions=self.scheduler.num_preemptions,
-            num_prompt_tokens=self._num_prompt_tokens,
-            num_generation_tokens=self._num_generation_tokens,
-        )
+        """A snapshot for metrics and routers; cheap to take every step."""
+        return self.scheduler.stats()
 
     # ------------------------------------------------------------------ the step
 
     def step(self) -> list[EngineCoreOutput]:
         """Schedule, run the model once, sample, and report what changed."""
-        schedule = self.scheduler.schedule()
-        if not schedule.scheduled:
+        scheduler_output = self.scheduler.schedule()
+        if not scheduler_output.scheduled:
             return []
-        self.runner.copy_blocks(schedule.block_copies)
-        started = time.monotonic()
-        for scheduled in schedule.scheduled:
-            if scheduled.request.queue_time is None:
-                scheduled.request.queue_time = started - scheduled.request.enqueued_at
-        chunks = [self._chunk(s) for s in schedule.scheduled]
-        sampling = [i for i, s in enumerate(schedule.scheduled) if s.samples_token]
-        # The forward always runs: a step of prompt chunks only samples nothing but writes their K/V.
-        logits = self.runner.execute(chunks, logits_indices=sampling)
-        for scheduled in schedule.scheduled:
-            self.scheduler.finish_computed(scheduled)
-        if not sampling:
-            return []
-        rows = [schedule.scheduled[i].request for i in sampling]
-        return self._sample_and_update(rows, logits)
+        runner_output = self.execute(scheduler_output)
+        return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run the forward pass over the scheduled tokens and sample for every request that needs a token.
+
+        The forward always runs: a step of prompt chunks only samples nothing but writes their K/V.
+        Changes no request state."""
+        self.runner.copy_blocks(scheduler_output.block_copies)
+        chunks = [self._chunk(s) for s in scheduler_output.scheduled]
+        logits_indices = [i for i, s in enumerate(scheduler_output.scheduled) if s.samples_token]
+        logits = self.runner.execute(chunks, logits_indices=logits_indices)
+        targets = scheduler_output.sampling_requests
+        if not targets:
+            return ModelRunnerOutput()
+        if len(targets) != len(logits_indices):  # forked completions sample from their parent's row
+            row_of = {index: row for row, index in enumerate(logits_indices)}
+            logits = logits[torch.tensor([row_of[index] for index, _ in targets], device=logits.device)]
+        return self._sample([request for _, request in targets], logits)
 
     def _chunk(self, scheduled: ScheduledRequest) -> SequenceChunk:
         request = scheduled.request
@@ -164,98 +163,60 @@ class EngineCore:
         tokens = request.all_token_ids[start : start + scheduled.num_new_tokens]
         return SequenceChunk(tokens, start, self.kv_cache.block_ids(request.request_id))
 
-    def _sample_and_update(self, requests: list[Request], logits: torch.Tensor) -> list[EngineCoreOutput]:
-        # A request with n > 1 forks its other completions now, before its first token: they share
-        # its blocks and sample their own first tokens from the same logits row.
-        targets: list[Request] = []
-        logits_rows: list[int] = []
-        for row, request in enumerate(requests):
-            group = [request]
-            if request.params.n > 1 and request.parent_id is None and not request.output_token_ids:
-                group += [self._fork(request, index) for index in range(1, request.params.n)]
-            targets += group
-            logits_rows += [row] * len(group)
-        if len(targets) != len(requests):
-            logits = logits[torch.tensor(logits_rows, device=logits.device)]
+    def _sample(self, requests: list[Request], logits: torch.Tensor) -> ModelRunnerOutput:
+        rows = [
+            SamplingRow(r.request_id, r.params, r.prompt_token_ids, r.output_token_ids, r.eos_token_ids)
+            for r in requests
+        ]
         metadata = SamplingMetadata.from_requests(
-            params=[t.params for t in targets],
-            prompt_token_ids=[t.prompt_token_ids for t in targets],
-            output_token_ids=[t.output_token_ids for t in targets],
-            generators=[t.stash.get(_GENERATOR) for t in targets],
-            banned_token_ids=[self._banned_tokens(t) for t in targets],
+            params=[r.params for r in requests],
+            prompt_token_ids=[r.prompt_token_ids for r in requests],
+            output_token_ids=[r.output_token_ids for r in requests],
+            generators=[self._generator(r) for r in requests],
             vocab_size=logits.shape[-1],
             device=logits.device,
+            rows=rows,
+            logits_processors=self.logits_processors,
         )
         sampled = self.sampler(logits, metadata)
         token_ids = sampled.token_ids.tolist()
-        logprobs = _logprobs_per_row(sampled, token_ids, targets)
-        return [self._append(target, token_ids[row], logprobs[row]) for row, target in enumerate(targets)]
+        logprobs = _logprobs_per_row(sampled, token_ids, requests)
+        output = ModelRunnerOutput()
+        for row, request in enumerate(requests):
+            error = metadata.errors.get(row)
+            if error is not None:
+                output.errors[request.request_id] = error
+                continue
+            output.sampled_token_ids[request.request_id] = [token_ids[row]]
+            if logprobs[row] is not None:
+                output.logprobs[request.request_id] = [logprobs[row]]  # type: ignore[list-item]
+        return output
 
-    def _fork(self, parent: Request, index: int) -> Request:
-        child = Request(
-            request_id=completion_request_id(parent.request_id, index),
-            prompt_token_ids=parent.prompt_token_ids,
-            params=parent.params,
-            eos_token_ids=parent.eos_token_ids,
-            max_model_len=parent.max_model_len,
-            arrival_time=parent.arrival_time,
-            priority=parent.priority,
-            cache_salt=parent.cache_salt,
-            parent_id=parent.request_id,
-            index=index,
-            num_computed_tokens=parent.num_computed_tokens,
-            num_cached_tokens=parent.num_cached_tokens,
-        )
-        if parent.params.seed is not None:
-            # Completion i of a seeded request draws from its own stream, derived from (seed, i).
-            child_seed = parent.params.seed * 1_000_003 + index
-            child.stash[_GENERATOR] = torch.Generator(self.loaded.device).manual_seed(child_seed)
-        self.kv_cache.fork(parent.request_id, child.request_id)
-        self.scheduler.add_running(child)
-        return child
-
-    def _banned_tokens(self, request: Request) -> list[int]:
-        if len(request.output_token_ids) >= request.params.min_tokens:
-            return []
-        return [*request.eos_token_ids, *request.params.stop_token_ids]
-
-    def _append(self, request: Request, token_id: int, logprobs: TokenLogprobs | None) -> EngineCoreOutput:
-        request.append_token(token_id, logprobs)
-        self._num_generation_tokens += 1
-        if len(request.output_token_ids) == 1 and request.parent_id is None:
-            self._num_prompt_tokens += request.num_prompt_tokens
-        status = request.check_stop()
-        if status is not None:
-            self.scheduler.finish(request, status)
-        return self._output(request, [token_id], [logprobs] if logprobs is not None else None)
-
-    @staticmethod
-    def _output(request: Request, token_ids: list[int], logprobs: list[TokenLogprobs] | None) -> EngineCoreOutput:
-        return EngineCoreOutput(
-            request_id=request.request_id,
-            new_token_ids=token_ids,
-            new_logprobs=logprobs,
-            finish_reason=request.status.finish_reason,
-            parent_id=request.parent_id,
-            index=request.index,
-            num_cached_tokens=request.num_cached_tokens,
-            # Reported once, with the first token, for the queue-time metric.
-            queue_time=request.queue_time if len(request.output_token_ids) == 1 and token_ids else None,
-        )
+    def _generator(self, request: Request) -> torch.Generator | None:
+        """The request's own generator when it has a seed, made on its first draw. Completion i of a seeded
+        n > 1 request draws from its own stream, derived from (seed, i)."""
+        seed = request.params.seed
+        if seed is None:
+            return None
+        generator = request.stash.get(_GENERATOR)
+        if generator is None:
+            stream_seed = seed if request.index == 0 else seed * 1_000_003 + request.index
+            generator = request.stash[_GENERATOR] = torch.Generator(self.loaded.device).manual_seed(stream_seed)
+        return generator
 
 
 def _logprobs_per_row(
-    sampled: SamplerOutput, token_ids: list[int], targets: list[Request]
+    sampled: SamplerOutput, token_ids: list[int], requests: list[Request]
 ) -> list[TokenLogprobs | None]:
     """Each row's logprobs, as its request asked; tensors are turned into Python once per step, not per row."""
     if sampled.logprobs is None:
-        return [None] * len(targets)
+        return [None] * len(requests)
     logprobs = sampled.logprobs.tolist()
     top_ids = sampled.top_token_ids.tolist() if sampled.top_token_ids is not None else None
     top_values = sampled.top_logprobs.tolist() if sampled.top_logprobs is not None else None
     rows: list[TokenLogprobs | None] = []
-    for row, target in enumerate(targets):
-        wanted = target.params.logprobs
+    for row, request in enumerate(requests):
+        wanted = request.params.logprobs
         if wanted is None:
             rows.append(None)
             continue

@@ -5,16 +5,21 @@ the phase in which they are called. All of them run at start-up, once per
 process that loads plugins (front end, engine, workers), so implementations
 must be idempotent. Nothing calls a hook per step or per token.
 
-Registration hooks receive a ``register(name, import_path)`` callable. The
-import path (``"package.module:Attribute"``) is imported only when a config
-selects that name, so a plugin whose kernels need CUDA costs nothing to list on
-a CPU machine.
+Each registration hook fills one *slot* and receives a ``register(name,
+import_path)`` callable. The import path (``"package.module:Attribute"``) is
+imported only when a config selects that name, so a plugin whose kernels need
+CUDA costs nothing to list on a CPU machine. The interface each slot's classes
+implement is exported from ``tokenmill.interfaces``. Every hook states the
+version it appeared in (``Since``) and its ``Stability``: *stable* hooks change
+only after a deprecation that warns for one minor release; *provisional* ones
+may still change in a minor release, noted in the changelog.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import msgspec
 import pluggy
 
 PROJECT_NAME = "tokenmill"
@@ -37,79 +42,214 @@ def tokenmill_add_hookspecs(pluginmanager: pluggy.PluginManager) -> None:
         ``pluginmanager.add_hookspecs(module_or_class)``.
     :return: nothing; every implementation is called.
 
-    Called once per process, before any registration hook. Stability: provisional.
+    Called once per process, before any registration hook.
+    Since: 0.1. Stability: provisional.
     """
 
 
-# ---------------------------------------------------------------- registration
+@hookspec
+def tokenmill_plugin_options() -> type[msgspec.Struct] | None:
+    """Declare the options this plugin reads from its ``[plugins.NAME]`` table.
+
+    :return: a ``msgspec.Struct`` subclass whose fields (with defaults) are the
+        options, or None. ``NAME`` is the plugin's name as ``tokenmill plugins``
+        lists it (its entry point name). The table is validated against the
+        struct when the config is loaded (an unknown key is an error naming the
+        allowed ones), and every class the plugin registers that is built receives the
+        validated struct as the keyword argument ``options``.
+
+    Called once per process at start-up, after ``tokenmill_add_hookspecs``; each
+    plugin's implementation is called on its own.
+    Since: 0.1. Stability: provisional.
+    """
+
+
+# ---------------------------------------------------------------- registration: the model
 
 
 @hookspec
 def tokenmill_register_architectures(register: Register) -> None:
-    """Register model architectures.
+    """Register model architectures (slot ``architecture``).
 
     :param register: ``register(name, import_path)``. ``name`` is the
         Hugging Face architecture string found in ``config.json``
         (``"LlamaForCausalLM"``); the import path names a
-        ``tokenmill.CausalLM`` subclass, built on the meta device as
+        ``tokenmill.interfaces.CausalLM`` subclass, built on the meta device as
         ``cls(arch_config, attention_backend, quantizer, dtype, max_position)``
         and then filled by its ``load_weights``.
     :return: nothing; every implementation is called.
 
-    Called once per process at start-up (front end, engine). Stability: provisional.
-    """
-
-
-@hookspec
-def tokenmill_register_attention_backends(register: Register) -> None:
-    """Register attention backends.
-
-    :param register: ``register(name, import_path)``; the import path names a
-        class implementing ``tokenmill.AttentionBackend``, built with no
-        arguments.
-    :return: nothing; every implementation is called.
-
-    Called once per process at start-up. Selected by ``attention.backend`` in
-    the config. Stability: provisional.
+    Called once per process at start-up (front end, engine). Chosen by the
+    checkpoint's ``architectures[0]``.
+    Since: 0.1. Stability: provisional.
     """
 
 
 @hookspec
 def tokenmill_register_weight_formats(register: Register) -> None:
-    """Register readers of weight files (safetensors directories, GGUF, ...).
+    """Register readers of weight files (slot ``weight_format``: safetensors directories, GGUF, ...).
 
     :param register: ``register(name, import_path)``; the import path names a
-        class implementing ``tokenmill.WeightFormat``, built with no arguments.
+        ``tokenmill.interfaces.WeightFormat`` subclass, built with no arguments.
     :return: nothing; every implementation is called.
 
     Called once per process at start-up. The first format whose
     ``can_load(path)`` is true reads a model, unless ``model.weight_format``
-    names one. Stability: provisional.
-    """
-
-
-@hookspec
-def tokenmill_register_routing_policies(register: Register) -> None:
-    """Register routing policies: which engine replica serves a request.
-
-    :param register: ``register(name, import_path)``; the import path names a
-        class implementing ``tokenmill.RoutingPolicy``, built with no arguments.
-    :return: nothing; every implementation is called.
-
-    Called once at start-up in the API front end (which never imports torch, so
-    keep the policy's module free of it). Selected by ``server.router``.
-    Stability: provisional.
+    names one.
+    Since: 0.1. Stability: provisional.
     """
 
 
 @hookspec
 def tokenmill_register_quantizers(register: Register) -> None:
-    """Register quantizers: how a linear layer's weights are stored and multiplied.
+    """Register quantizers (slot ``quantizer``): how a linear layer's weights are stored and multiplied.
 
     :param register: ``register(name, import_path)``; the import path names a
-        class implementing ``tokenmill.Quantizer``, built with no arguments.
+        ``tokenmill.interfaces.Quantizer`` subclass, built with no arguments.
     :return: nothing; every implementation is called.
 
-    Called once per process at start-up. Selected by ``model.quantization``.
-    Stability: provisional.
+    Called once per process at start-up. Selected by ``model.quantization``
+    (``--quantization``); ``auto`` picks by the checkpoint's stored weight type.
+    Since: 0.1. Stability: provisional.
+    """
+
+
+@hookspec
+def tokenmill_register_attention_backends(register: Register) -> None:
+    """Register attention backends (slot ``attention_backend``).
+
+    :param register: ``register(name, import_path)``; the import path names a
+        ``tokenmill.interfaces.AttentionBackend`` subclass, built with no arguments.
+    :return: nothing; every implementation is called.
+
+    Called once per process at start-up. Selected by ``attention.backend``
+    (``--attention-backend``); ``auto`` picks the available one with the
+    highest ``auto_priority``.
+    Since: 0.1. Stability: provisional.
+    """
+
+
+# ---------------------------------------------------------------- registration: the engine step
+
+
+@hookspec
+def tokenmill_register_schedulers(register: Register) -> None:
+    """Register schedulers (slot ``scheduler``): which requests run each step, and their state between steps.
+
+    :param register: ``register(name, import_path)``; the import path names a
+        ``tokenmill.interfaces.Scheduler`` subclass, built as
+        ``cls(kv_cache, max_num_batched_tokens=..., max_num_seqs=...)``.
+    :return: nothing; every implementation is called.
+
+    Called once per engine process at start-up. Selected by ``scheduler.policy``
+    (``--scheduling-policy``; built in: ``fcfs``, ``priority``).
+    Since: 0.1. Stability: provisional.
+    """
+
+
+@hookspec
+def tokenmill_register_kv_cache_managers(register: Register) -> None:
+    """Register KV cache managers (slot ``kv_cache_manager``): blocks, block tables and the prefix cache.
+
+    :param register: ``register(name, import_path)``; the import path names a
+        ``tokenmill.interfaces.KVCacheManager`` subclass, built as
+        ``cls(num_blocks, block_size, enable_prefix_caching=..., hash_salt=...)``.
+    :return: nothing; every implementation is called.
+
+    Called once per engine process at start-up. Selected by
+    ``cache.kv_cache_manager`` (built in: ``paged``).
+    Since: 0.1. Stability: provisional.
+    """
+
+
+@hookspec
+def tokenmill_register_samplers(register: Register) -> None:
+    """Register samplers (slot ``sampler``): one token per request from the step's logits.
+
+    :param register: ``register(name, import_path)``; the import path names a
+        ``tokenmill.interfaces.Sampler`` subclass, built with no arguments.
+    :return: nothing; every implementation is called.
+
+    Called once per engine process at start-up. Selected by ``sampler.sampler``
+    (built in: ``torch``).
+    Since: 0.1. Stability: provisional.
+    """
+
+
+@hookspec
+def tokenmill_register_logits_processors(register: Register) -> None:
+    """Register logits processors (slot ``logits_processor``): per-request changes to logits before sampling.
+
+    :param register: ``register(name, import_path)``; the import path names a
+        ``tokenmill.interfaces.LogitsProcessor`` subclass, built with no arguments.
+    :return: nothing; every implementation is called.
+
+    Called once per engine process at start-up. ``sampler.logits_processors``
+    (``--logits-processors``) lists the ones the engine builds (built in:
+    ``logit_bias``, ``min_tokens``); each then applies to the requests whose
+    sampling parameters ask for it.
+    Since: 0.1. Stability: provisional.
+    """
+
+
+@hookspec
+def tokenmill_register_speculators(register: Register) -> None:
+    """Register speculators (slot ``speculator``): draft tokens that the core verifies in one target pass.
+
+    :param register: ``register(name, import_path)``; the import path names a
+        ``tokenmill.interfaces.Speculator`` subclass, built as
+        ``cls(num_speculative_tokens=k)``.
+    :return: nothing; every implementation is called.
+
+    Called once per engine process at start-up. The interface and the core's
+    verification contract are fixed here; selecting a speculator in the config
+    arrives with the core's verification step.
+    Since: 0.1. Stability: provisional.
+    """
+
+
+@hookspec
+def tokenmill_register_kv_tiers(register: Register) -> None:
+    """Register KV tiers (slot ``kv_tier``): KV blocks kept outside device memory, by block hash.
+
+    :param register: ``register(name, import_path)``; the import path names a
+        ``tokenmill.interfaces.KVTier`` subclass, built as ``cls(capacity_bytes=...)``.
+    :return: nothing; every implementation is called.
+
+    Called once per engine process at start-up. The KV cache manager stores a
+    block in the tiers when it evicts it and looks a prefix up in them when the
+    device cache misses.
+    Since: 0.1. Stability: provisional.
+    """
+
+
+# ---------------------------------------------------------------- registration: serving
+
+
+@hookspec
+def tokenmill_register_routers(register: Register) -> None:
+    """Register routers (slot ``router``): which engine replica serves a request.
+
+    :param register: ``register(name, import_path)``; the import path names a
+        ``tokenmill.interfaces.Router`` subclass, built with no arguments.
+    :return: nothing; every implementation is called.
+
+    Called once at start-up in the API front end (which never imports torch, so
+    keep the router's module free of it). Selected by ``server.router``
+    (``--router``; built in: ``round-robin``).
+    Since: 0.1. Stability: provisional.
+    """
+
+
+@hookspec
+def tokenmill_register_transports(register: Register) -> None:
+    """Register transports (slot ``transport``): the sockets between the front end and engines.
+
+    :param register: ``register(name, import_path)``; the import path names a
+        ``tokenmill.interfaces.Transport`` subclass, built with no arguments.
+    :return: nothing; every implementation is called.
+
+    Called once per process at start-up (front end and engine; both must pick
+    the same one). Selected by ``transport.backend`` (built in: ``zmq``).
+    Since: 0.1. Stability: provisional.
     """

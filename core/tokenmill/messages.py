@@ -53,6 +53,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     error: str | None = None
     #: Seconds the request waited in the engine before its first step; on its first output only.
     queue_time: float | None = None
+    #: True on the last output of a request: this completion and, for n > 1, all its siblings finished.
+    request_finished: bool = False
 
     @property
     def finished(self) -> bool:
@@ -92,6 +94,9 @@ class Ready(msgspec.Struct, array_like=True, frozen=True, gc=False, tag=True):
     max_model_len: int
     max_num_seqs: int
     error: str | None = None  # set when the handshake is refused (protocol mismatch)
+    #: How the engine's prefix cache hashes blocks, so routers can compute the same hashes.
+    block_size: int = 16
+    hash_salt: str = ""
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):

@@ -20,7 +20,7 @@ from tokenmill.layers.quantizer import Quantizer
 from tokenmill.model_files import resolve_model
 from tokenmill.models.architecture import ArchitectureConfig
 from tokenmill.models.base import CausalLM
-from tokenmill.plugin_manager import PluginError, PluginSystem, Registry, Slot, load_plugins
+from tokenmill.plugin_manager import PluginError, PluginSystem, Registry, Slot, resolve_plugins
 from tokenmill.weights.format import WeightFormat, WeightsError
 
 logger = logging.getLogger(__name__)
@@ -80,24 +80,25 @@ def resolve_kv_cache_dtype(
     return kv_cache_dtype
 
 
-def select_weight_format(path: Path, registry: Registry, name: str | None) -> WeightFormat:
+def select_weight_format(path: Path, plugins: PluginSystem, name: str | None) -> WeightFormat:
     """The named format, or the first registered one that recognises ``path``."""
     if name is not None:
-        return registry.load(Slot.WEIGHT_FORMAT, name)()
-    for registration in registry.registrations(Slot.WEIGHT_FORMAT):
-        weight_format = registry.load(Slot.WEIGHT_FORMAT, registration.name)()
+        return plugins.create(Slot.WEIGHT_FORMAT, name)
+    for registration in plugins.registry.registrations(Slot.WEIGHT_FORMAT):
+        weight_format: WeightFormat = plugins.create(Slot.WEIGHT_FORMAT, registration.name)
         if weight_format.can_load(path):
             return weight_format
-    names = ", ".join(registry.names(Slot.WEIGHT_FORMAT))
+    names = ", ".join(plugins.registry.names(Slot.WEIGHT_FORMAT))
     raise WeightsError(f"{path}: no installed weight format recognises it (installed: {names})")
 
 
-def _loadable(registry: Registry, slot: Slot) -> list[Any]:
-    """Every implementation registered in ``slot`` that imports; "auto" skips (and logs) broken ones."""
+def _loadable(registry: Registry, slot: Slot) -> list[tuple[str, Any]]:
+    """``(name, class)`` of every implementation registered in ``slot`` that imports; "auto" skips (and logs)
+    broken ones."""
     loaded = []
     for registration in registry.registrations(slot):
         try:
-            loaded.append(registry.load(slot, registration.name))
+            loaded.append((registration.name, registry.load(slot, registration.name)))
         except PluginError as exc:
             logger.warning("skipping %s %r for 'auto': %s", slot.value, registration.name, exc)
     return loaded
@@ -114,45 +115,52 @@ def _load_for_device(registry: Registry, slot: Slot, name: str, device: torch.de
     return implementation
 
 
-def select_attention_backend(name: str, device: torch.device, registry: Registry) -> AttentionBackend:
+def select_attention_backend(name: str, device: torch.device, plugins: PluginSystem) -> AttentionBackend:
     """The named backend, or for ``"auto"`` the available one with the highest priority on ``device``."""
     if name == "auto":
         candidates = [
-            backend_class
-            for backend_class in _loadable(registry, Slot.ATTENTION_BACKEND)
+            (backend_name, backend_class)
+            for backend_name, backend_class in _loadable(plugins.registry, Slot.ATTENTION_BACKEND)
             if device.type in backend_class.supported_devices and backend_class.is_available()
         ]
-        return max(candidates, key=lambda c: c.auto_priority)()  # the built-in torch backend runs everywhere
-    return _load_for_device(registry, Slot.ATTENTION_BACKEND, name, device, "attention.backend")()
+        # The built-in torch backend runs everywhere, so there is always a candidate.
+        best_name, best_class = max(candidates, key=lambda c: c[1].auto_priority)
+        return plugins.instantiate(Slot.ATTENTION_BACKEND, best_name, best_class)
+    implementation = _load_for_device(plugins.registry, Slot.ATTENTION_BACKEND, name, device, "attention.backend")
+    return plugins.instantiate(Slot.ATTENTION_BACKEND, name, implementation)
 
 
-def select_quantizer(name: str, arch: ArchitectureConfig, device: torch.device, registry: Registry) -> Quantizer:
+def select_quantizer(name: str, arch: ArchitectureConfig, device: torch.device, plugins: PluginSystem) -> Quantizer:
     """The named quantizer, or for ``"auto"`` the available one that holds the checkpoint's stored
     weight type exactly on this device (``"none"`` when the checkpoint is float or none fits)."""
     if name != "auto":
-        return _load_for_device(registry, Slot.QUANTIZER, name, device, "model.quantization")()
+        implementation = _load_for_device(plugins.registry, Slot.QUANTIZER, name, device, "model.quantization")
+        return plugins.instantiate(Slot.QUANTIZER, name, implementation)
     candidates = [
-        quantizer_class
-        for quantizer_class in (_loadable(registry, Slot.QUANTIZER) if arch.stored_weight_type else [])
+        (quantizer_name, quantizer_class)
+        for quantizer_name, quantizer_class in (
+            _loadable(plugins.registry, Slot.QUANTIZER) if arch.stored_weight_type else []
+        )
         if arch.stored_weight_type in quantizer_class.lossless_for
         and device.type in quantizer_class.supported_devices
         and quantizer_class.is_available()
     ]
     if not candidates:
-        return registry.load(Slot.QUANTIZER, "none")()
-    return max(candidates, key=lambda c: c.auto_priority)()
+        return plugins.create(Slot.QUANTIZER, "none")
+    best_name, best_class = max(candidates, key=lambda c: c[1].auto_priority)
+    return plugins.instantiate(Slot.QUANTIZER, best_name, best_class)
 
 
 def load_model(config: EngineConfig, plugins: PluginSystem | None = None) -> LoadedModel:
     """Build the configured model on its device and load its weights."""
-    registry = (plugins or load_plugins(disabled=config.disable_plugins)).registry
+    plugins = plugins if plugins is not None else resolve_plugins(config)
     path = resolve_model(config.model.model)
-    weight_format = select_weight_format(path, registry, config.model.weight_format)
+    weight_format = select_weight_format(path, plugins, config.model.weight_format)
     arch = ArchitectureConfig.from_hf_config(weight_format.read_config(path))
-    model_class = registry.load(Slot.ARCHITECTURE, arch.architecture)
+    model_class = plugins.load(Slot.ARCHITECTURE, arch.architecture)
     device = resolve_device(config.device.device)
-    attention = select_attention_backend(config.attention.backend, device, registry)
-    quantizer = select_quantizer(config.model.quantization, arch, device, registry)
+    attention = select_attention_backend(config.attention.backend, device, plugins)
+    quantizer = select_quantizer(config.model.quantization, arch, device, plugins)
     if config.device.num_threads is not None:
         torch.set_num_threads(config.device.num_threads)
     dtype = resolve_dtype(config.model.dtype, arch, device)

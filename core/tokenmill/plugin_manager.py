@@ -4,6 +4,11 @@ Built-in plugins (the modules in ``BUILTIN_PLUGINS``) and third-party ones
 (entry point group ``tokenmill``) go through the same hooks. Each registration
 hook fills one *slot* of the ``Registry``; the config then picks an
 implementation per slot by name, and only then is its module imported.
+
+A third-party plugin that cannot be used (its module fails to import, it
+registers a name another plugin already has, it implements a hook this version
+lacks, or one of its hooks raises) is recorded with its error and skipped: it
+becomes fatal only when the config selects something it would have provided.
 """
 
 from __future__ import annotations
@@ -14,16 +19,22 @@ import importlib.metadata
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import msgspec
 import pluggy
 
 from tokenmill import envs, hookspecs
 from tokenmill.errors import TokenmillError
 
+if TYPE_CHECKING:
+    from tokenmill.config import EngineConfig
+
 logger = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "tokenmill"
+#: The distribution whose entry points are first-party: an allowlist never drops them.
+FIRST_PARTY_DISTRIBUTION = "tokenmill"
 
 #: Modules of tokenmill itself that implement hooks, loaded like any plugin.
 #: Each is a registration-only module: it imports no torch, so any process can list plugins.
@@ -32,34 +43,36 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "tokenmill.attention.plugin",
     "tokenmill.weights.plugin",
     "tokenmill.layers.plugin",
+    "tokenmill.scheduler",
+    "tokenmill.kv_cache.plugin",
+    "tokenmill.sampling.plugin",
     "tokenmill.routing",
+    "tokenmill.transport.plugin",
 )
-#: Built-in plugins that ``--disable-plugin`` refuses to disable.
-ESSENTIAL_PLUGINS: tuple[str, ...] = (
-    "tokenmill.attention.plugin",
-    "tokenmill.layers.plugin",
-    "tokenmill.routing",
-)
+#: Built-in plugins that ``--disable-plugin`` refuses to disable: the reference implementations.
+ESSENTIAL_PLUGINS: tuple[str, ...] = BUILTIN_PLUGINS[1:]
 
 
 class Slot(enum.StrEnum):
     """A place in the runtime that a named implementation fills."""
 
     ARCHITECTURE = "architecture"
-    ATTENTION_BACKEND = "attention_backend"
     WEIGHT_FORMAT = "weight_format"
     QUANTIZER = "quantizer"
+    ATTENTION_BACKEND = "attention_backend"
+    SCHEDULER = "scheduler"
+    KV_CACHE_MANAGER = "kv_cache_manager"
+    SAMPLER = "sampler"
+    LOGITS_PROCESSOR = "logits_processor"
+    SPECULATOR = "speculator"
+    KV_TIER = "kv_tier"
     ROUTER = "router"
+    TRANSPORT = "transport"
 
-
-#: Which registration hook fills which slot.
-_SLOT_HOOKS: dict[Slot, str] = {
-    Slot.ARCHITECTURE: "tokenmill_register_architectures",
-    Slot.ATTENTION_BACKEND: "tokenmill_register_attention_backends",
-    Slot.WEIGHT_FORMAT: "tokenmill_register_weight_formats",
-    Slot.QUANTIZER: "tokenmill_register_quantizers",
-    Slot.ROUTER: "tokenmill_register_routing_policies",
-}
+    @property
+    def hook_name(self) -> str:
+        """The registration hook that fills this slot."""
+        return f"tokenmill_register_{self.value}s"
 
 
 class PluginError(TokenmillError):
@@ -79,10 +92,19 @@ class PluginInfo:
 
     name: str
     version: str
-    source: str  # "builtin" or "entry point"
+    source: str  # "builtin", "entry point" or "extra"
+    package: str = FIRST_PARTY_DISTRIBUTION  # the distribution that ships it
     hooks: list[str] = field(default_factory=list)
     provides: dict[str, list[str]] = field(default_factory=dict)
+    options_type: type[msgspec.Struct] | None = None
     error: str | None = None
+
+    @property
+    def label(self) -> str:
+        """How messages name it: the plugin and the package it comes from."""
+        if self.package == "unknown":  # registered as an object (tests), not from a distribution
+            return f"plugin {self.name!r}"
+        return f"plugin {self.name!r} (package {self.package} {self.version})"
 
 
 class Registry:
@@ -90,21 +112,19 @@ class Registry:
 
     def __init__(self) -> None:
         self._entries: dict[Slot, dict[str, Registration]] = {slot: {} for slot in Slot}
-        self.failed_plugins: dict[str, str] = {}
+        self.plugins: dict[str, PluginInfo] = {}
 
-    def register(self, slot: Slot, name: str, import_path: str, plugin: str) -> None:
-        if ":" not in import_path:
-            raise PluginError(
-                f"plugin {plugin!r} registered {slot.value} {name!r} with import path {import_path!r}; "
-                "expected 'package.module:Attribute'"
-            )
+    @property
+    def failed_plugins(self) -> dict[str, str]:
+        return {name: info.error for name, info in self.plugins.items() if info.error is not None}
+
+    def conflict(self, slot: Slot, name: str, import_path: str) -> Registration | None:
+        """The registration that ``name`` would clash with in ``slot`` (same name, another class)."""
         existing = self._entries[slot].get(name)
-        if existing is not None and existing.import_path != import_path:
-            raise PluginError(
-                f"{slot.value} {name!r} is registered by both {existing.plugin!r} and {plugin!r}; "
-                "disable one of them with --disable-plugin"
-            )
-        self._entries[slot][name] = Registration(name, import_path, plugin)
+        return existing if existing is not None and existing.import_path != import_path else None
+
+    def add(self, slot: Slot, registration: Registration) -> None:
+        self._entries[slot][registration.name] = registration
 
     def names(self, slot: Slot) -> list[str]:
         return sorted(self._entries[slot])
@@ -113,45 +133,152 @@ class Registry:
         """Registrations in the order they were made (built-ins first)."""
         return list(self._entries[slot].values())
 
-    def load(self, slot: Slot, name: str) -> Any:
-        """Import and return the object registered as ``name`` in ``slot``."""
+    def get(self, slot: Slot, name: str) -> Registration:
+        """The registration of ``name``; an unknown name is a ``PluginError`` listing the installed ones."""
         entry = self._entries[slot].get(name)
         if entry is None:
             installed = ", ".join(self.names(slot)) or "none"
             message = f"unknown {slot.value} {name!r}; installed: {installed}"
             if self.failed_plugins:
-                failed = "; ".join(f"{p} ({err})" for p, err in self.failed_plugins.items())
+                failed = "; ".join(f"{self.plugins[p].label}: {err}" for p, err in self.failed_plugins.items())
                 message += f"; plugins that failed to load: {failed}"
             raise PluginError(message)
+        return entry
+
+    def load(self, slot: Slot, name: str) -> Any:
+        """Import and return the object registered as ``name`` in ``slot``."""
+        entry = self.get(slot, name)
         module_name, _, attribute = entry.import_path.partition(":")
         try:
             target: Any = importlib.import_module(module_name)
             for part in attribute.split("."):
                 target = getattr(target, part)
         except Exception as exc:  # the selected plugin is broken: fatal, with its name
+            info = self.plugins.get(entry.plugin)
+            who = info.label if info is not None else f"plugin {entry.plugin!r}"
             raise PluginError(
-                f"{slot.value} {name!r} from plugin {entry.plugin!r} failed to import "
-                f"{entry.import_path!r}: {type(exc).__name__}: {exc}"
+                f"{slot.value} {name!r} from {who} failed to import {entry.import_path!r}: {type(exc).__name__}: {exc}"
             ) from exc
         return target
 
 
 class PluginSystem:
-    """The plugin manager of one process, with the registry it filled."""
+    """The plugin manager of one process, the registry it filled, and each plugin's validated options."""
 
     def __init__(self, pm: pluggy.PluginManager, registry: Registry, infos: list[PluginInfo]) -> None:
         self.pm = pm
         self.registry = registry
         self.infos = infos
+        self._options: dict[str, msgspec.Struct] = {}
 
     @property
     def hook(self) -> Any:
         return self.pm.hook
 
+    def configure(self, tables: dict[str, dict[str, Any]]) -> None:
+        """Validate the config's ``[plugins.NAME]`` tables against the options each plugin declared.
 
-def _distribution_version(entry_point: importlib.metadata.EntryPoint) -> str:
+        A table for a plugin that is not installed, or that declares no options, is an error; so is an
+        unknown key or a wrong type. A plugin that failed to load keeps its table unchecked.
+        """
+        infos = {info.name: info for info in self.infos}
+        for plugin_name, table in tables.items():
+            info = infos.get(plugin_name)
+            if info is not None and info.error is not None:
+                continue  # reported by `tokenmill plugins`; fatal only if the config selects what it provides
+            if info is None or info.options_type is None:
+                takes = ", ".join(sorted(i.name for i in self.infos if i.options_type is not None)) or "none"
+                what = "is not installed" if info is None else "declares no options"
+                raise PluginError(
+                    f"[plugins.{plugin_name}]: plugin {plugin_name!r} {what}; plugins with options: {takes}"
+                )
+            self._options[plugin_name] = _convert_options(info, table)
+        for info in self.infos:  # defaults for plugins without a table
+            if info.options_type is not None and info.error is None and info.name not in self._options:
+                self._options[info.name] = _convert_options(info, {})
+
+    def options(self, plugin_name: str) -> msgspec.Struct | None:
+        """The validated options of a plugin (defaults when the config has no table), or None."""
+        info = next((i for i in self.infos if i.name == plugin_name), None)
+        if info is None or info.options_type is None:
+            return None
+        if plugin_name not in self._options:
+            self._options[plugin_name] = _convert_options(info, {})
+        return self._options[plugin_name]
+
+    def load(self, slot: Slot, name: str) -> Any:
+        """The class registered as ``name`` in ``slot`` (imported now)."""
+        return self.registry.load(slot, name)
+
+    def create(self, slot: Slot, name: str, *args: Any, **kwargs: Any) -> Any:
+        """Build the implementation ``name`` of ``slot`` with ``args``, adding ``options=`` when its plugin
+        declared options."""
+        return self.instantiate(slot, name, self.registry.load(slot, name), *args, **kwargs)
+
+    def instantiate(self, slot: Slot, name: str, cls: Any, *args: Any, **kwargs: Any) -> Any:
+        """Build an already loaded implementation class, delivering its plugin's options."""
+        options = self.options(self.registry.get(slot, name).plugin)
+        if options is not None:
+            kwargs["options"] = options
+        return cls(*args, **kwargs)
+
+    def resolved_config(self, config: EngineConfig) -> EngineConfig:
+        """``config`` with a ``[plugins.NAME]`` table, defaults filled in, for every plugin that declares
+        options: what `tokenmill config show` prints, so a run can be reproduced."""
+        import msgspec.structs
+
+        tables = dict(config.plugins)
+        for info in self.infos:
+            options = self.options(info.name) if info.error is None else None
+            if options is not None:
+                tables[info.name] = msgspec.to_builtins(options)
+        return msgspec.structs.replace(config, plugins=tables)
+
+    def check_config(self, config: EngineConfig) -> None:
+        """Fail fast, before any model loads: every name the config selects is installed, and every
+        ``[plugins.NAME]`` table is valid. Raises ``PluginError`` with one line naming the setting."""
+        self.configure(config.plugins)
+        for slot, name, setting in selected_names(config):
+            try:
+                self.registry.get(slot, name)
+            except PluginError as exc:
+                raise PluginError(f"{setting}: {exc}") from None
+
+
+def selected_names(config: EngineConfig) -> list[tuple[Slot, str, str]]:
+    """``(slot, name, setting)`` for every implementation the config names explicitly (``auto`` excluded)."""
+    chosen = [
+        (Slot.ATTENTION_BACKEND, config.attention.backend, "attention.backend"),
+        (Slot.QUANTIZER, config.model.quantization, "model.quantization"),
+        (Slot.SCHEDULER, config.scheduler.policy, "scheduler.policy"),
+        (Slot.KV_CACHE_MANAGER, config.cache.kv_cache_manager, "cache.kv_cache_manager"),
+        (Slot.SAMPLER, config.sampler.sampler, "sampler.sampler"),
+        (Slot.ROUTER, config.server.router, "server.router"),
+        (Slot.TRANSPORT, config.transport.backend, "transport.backend"),
+    ]
+    if config.model.weight_format is not None:
+        chosen.append((Slot.WEIGHT_FORMAT, config.model.weight_format, "model.weight_format"))
+    chosen += [(Slot.LOGITS_PROCESSOR, name, "sampler.logits_processors") for name in config.sampler.logits_processors]
+    return [(slot, name, setting) for slot, name, setting in chosen if name != "auto"]
+
+
+def _convert_options(info: PluginInfo, table: dict[str, Any]) -> msgspec.Struct:
+    assert info.options_type is not None
+    try:
+        return msgspec.convert(table, info.options_type)
+    except msgspec.ValidationError as exc:
+        allowed = ", ".join(info.options_type.__struct_fields__) or "none"
+        text, _, where = str(exc).partition(" - at `$.")
+        if text.startswith("Object contains unknown field "):
+            key = text.removeprefix("Object contains unknown field ").strip("`")
+            raise PluginError(f"[plugins.{info.name}]: unknown option {key!r}; allowed: {allowed}") from None
+        setting = where.rstrip("`") or "?"
+        raise PluginError(f"[plugins.{info.name}]: invalid option {setting}: {text}") from None
+
+
+def _distribution(entry_point: importlib.metadata.EntryPoint) -> tuple[str, str]:
     dist = getattr(entry_point, "dist", None)
-    return dist.version if dist is not None else "unknown"
+    return (dist.name, dist.version) if dist is not None else ("unknown", "unknown")
 
 
 def load_plugins(
@@ -163,8 +290,8 @@ def load_plugins(
     """Load built-in and entry-point plugins and fill the registry.
 
     :param disabled: plugin names (entry point names or built-in module names) to skip.
-    :param allowlist: when given, only these entry-point plugins load
-        (defaults to ``TOKENMILL_PLUGINS``).
+    :param allowlist: when given, only these third-party entry-point plugins load
+        (defaults to ``TOKENMILL_PLUGINS``); first-party plugins always load.
     :param autoload: load entry-point plugins at all (defaults to not
         ``TOKENMILL_DISABLE_PLUGIN_AUTOLOAD``).
     :param extra_plugins: ``(name, plugin_object)`` pairs registered as well (tests).
@@ -186,59 +313,112 @@ def load_plugins(
     for module_name in BUILTIN_PLUGINS:
         if module_name in disabled:
             continue
-        module = importlib.import_module(module_name)
-        pm.register(module, name=module_name)
+        pm.register(importlib.import_module(module_name), name=module_name)
         infos.append(PluginInfo(module_name, __version__, "builtin"))
 
     if autoload:
         allowed = set(allowlist) if allowlist is not None else None
         for entry_point in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-            if entry_point.name in disabled or (allowed is not None and entry_point.name not in allowed):
+            package, version = _distribution(entry_point)
+            third_party = package != FIRST_PARTY_DISTRIBUTION
+            if entry_point.name in disabled or (
+                third_party and allowed is not None and entry_point.name not in allowed
+            ):
                 continue
-            if pm.has_plugin(entry_point.name):
+            if pm.has_plugin(entry_point.name) or any(i.name == entry_point.name for i in infos):
                 continue  # the same distribution seen twice on sys.path
-            info = PluginInfo(entry_point.name, _distribution_version(entry_point), "entry point")
+            info = PluginInfo(entry_point.name, version, "entry point", package)
             infos.append(info)
             try:
                 pm.register(entry_point.load(), name=entry_point.name)
             except Exception as exc:  # a broken plugin is reported, not fatal
-                info.error = f"{type(exc).__name__}: {exc}"
-                logger.warning("plugin %r failed to load: %s", entry_point.name, info.error)
+                _fail(pm, info, f"failed to import: {type(exc).__name__}: {exc}")
 
     for name, plugin in extra_plugins:
         pm.register(plugin, name=name)
-        infos.append(PluginInfo(name, "unknown", "extra"))
+        infos.append(PluginInfo(name, "unknown", "extra", "unknown"))
 
     pm.hook.tokenmill_add_hookspecs(pluginmanager=pm)
-    try:
-        pm.check_pending()  # a misspelled hook name fails here, loudly
-    except pluggy.PluginValidationError as exc:
-        raise PluginError(f"plugin {pm.get_name(exc.plugin)!r}: {exc}") from None
-
+    _reject_unknown_hooks(pm, infos)
     registry = Registry()
-    info_by_name = {info.name: info for info in infos}
     for info in infos:
-        if info.error is not None:
-            registry.failed_plugins[info.name] = info.error
-    for slot, hook_name in _SLOT_HOOKS.items():
-        # Call each implementation on its own so every name is attributed to its plugin.
-        for impl in getattr(pm.hook, hook_name).get_hookimpls():
-            info = info_by_name[impl.plugin_name]
-
-            def register(name: str, import_path: str, _slot: Slot = slot, _info: PluginInfo = info) -> None:
-                registry.register(_slot, name, import_path, _info.name)
-                _info.provides.setdefault(_slot.value, []).append(name)
-
-            try:
-                impl.function(register=register)
-            except PluginError:
-                raise
-            except Exception as exc:
-                info.error = f"{hook_name} raised {type(exc).__name__}: {exc}"
-                registry.failed_plugins[info.name] = info.error
-                logger.warning("plugin %r failed in %s: %s", info.name, hook_name, exc)
+        registry.plugins[info.name] = info
+        if info.error is None:
+            _register(pm, registry, info)
     for info in infos:
-        if info.error is None and pm.has_plugin(info.name):
-            plugin = pm.get_plugin(info.name)
-            info.hooks = sorted(caller.name for caller in pm.get_hookcallers(plugin) or [])
+        if info.error is None:
+            info.hooks = sorted(caller.name for caller in pm.get_hookcallers(pm.get_plugin(info.name)) or [])
     return PluginSystem(pm, registry, infos)
+
+
+def _fail(pm: pluggy.PluginManager, info: PluginInfo, error: str) -> None:
+    """Record why a plugin is skipped and take it out of the plugin manager."""
+    if info.source == "builtin":
+        raise PluginError(f"built-in {info.label}: {error}")  # a bug in tokenmill itself
+    info.error = error
+    info.provides.clear()
+    if pm.has_plugin(info.name):
+        pm.unregister(name=info.name)
+    logger.warning("%s is skipped: %s", info.label, error)
+
+
+def _reject_unknown_hooks(pm: pluggy.PluginManager, infos: list[PluginInfo]) -> None:
+    """Skip plugins implementing a ``tokenmill_*`` hook that no spec declares (a typo, or a newer hook)."""
+    from tokenmill import __version__
+
+    for info in infos:
+        plugin = pm.get_plugin(info.name) if info.error is None else None
+        if plugin is None:
+            continue
+        unknown = sorted(caller.name for caller in pm.get_hookcallers(plugin) or [] if not caller.has_spec())
+        if unknown:
+            _fail(pm, info, f"implements hook(s) that tokenmill {__version__} does not have: {', '.join(unknown)}")
+
+
+def _register(pm: pluggy.PluginManager, registry: Registry, info: PluginInfo) -> None:
+    """Run one plugin's registration hooks; commit its names only if all of them are valid and new."""
+    plugin = pm.get_plugin(info.name)
+    collected: list[tuple[Slot, Registration]] = []
+    try:
+        for slot in Slot:
+            for impl in getattr(pm.hook, slot.hook_name).get_hookimpls():
+                if impl.plugin is not plugin:
+                    continue
+
+                def register(name: str, import_path: str, _slot: Slot = slot) -> None:
+                    collected.append((_slot, Registration(name, import_path, info.name)))
+
+                impl.function(register=register)
+        options_impls = [i for i in pm.hook.tokenmill_plugin_options.get_hookimpls() if i.plugin is plugin]
+        options_type = options_impls[0].function() if options_impls else None
+    except Exception as exc:
+        _fail(pm, info, f"a registration hook raised {type(exc).__name__}: {exc}")
+        return
+    if options_type is not None and not (isinstance(options_type, type) and issubclass(options_type, msgspec.Struct)):
+        _fail(pm, info, f"tokenmill_plugin_options returned {options_type!r}, not a msgspec.Struct subclass")
+        return
+    for slot, registration in collected:
+        if ":" not in registration.import_path:
+            _fail(pm, info, f"registered {slot.value} {registration.name!r} with import path "
+                            f"{registration.import_path!r}; expected 'package.module:Attribute'")  # fmt: skip
+            return
+        clash = registry.conflict(slot, registration.name, registration.import_path)
+        if clash is not None:
+            owner = registry.plugins[clash.plugin].label
+            _fail(pm, info, f"registers {slot.value} {registration.name!r}, which {owner} already provides; "
+                            "disable one of them with --disable-plugin")  # fmt: skip
+            return
+    for slot, registration in collected:
+        registry.add(slot, registration)
+        names = info.provides.setdefault(slot.value, [])
+        if registration.name not in names:
+            names.append(registration.name)
+    info.options_type = options_type
+
+
+def resolve_plugins(config: EngineConfig) -> PluginSystem:
+    """Load the plugins a config asks for and check its selections and options; the first thing every
+    command does, so a misspelled name fails in well under a second, before any model loads."""
+    system = load_plugins(disabled=config.disable_plugins)
+    system.check_config(config)
+    return system

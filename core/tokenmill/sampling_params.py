@@ -6,6 +6,8 @@ Field names and defaults follow what users know from vLLM and OpenAI.
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from tokenmill.errors import TokenmillError
@@ -48,6 +50,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=Tr
     """Return the sampled token's logprob and this many top alternatives (0: only the sampled token)."""
     skip_special_tokens: bool = True
     """Leave special tokens out of the output text."""
+    logit_bias: dict[int, float] | None = None
+    """Added to the logits of these token ids before sampling, each in [-100, 100] (OpenAI's ``logit_bias``)."""
+    extra_args: dict[str, Any] | None = None
+    """Arguments for logits processor plugins, by key (``vllm_xargs`` over HTTP, as in vLLM)."""
 
     def __post_init__(self) -> None:
         checks = [
@@ -64,6 +70,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=Tr
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", self.logprobs, "from 0 to 20"),
             (all(s for s in self.stop), "stop", self.stop, "non-empty strings"),
             (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", self.stop_token_ids, "token ids >= 0"),
+            (
+                not self.logit_bias or all(t >= 0 and -100 <= b <= 100 for t, b in self.logit_bias.items()),
+                "logit_bias",
+                self.logit_bias,
+                "token ids >= 0 mapped to biases in [-100, 100]",
+            ),
         ]
         for ok, name, value, allowed in checks:
             if not ok:

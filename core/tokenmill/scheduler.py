@@ -1,47 +1,63 @@
-"""The FCFS token-budget scheduler: continuous batching with chunked prefill and preemption.
+"""The scheduler: which requests run each step, and every request's state between steps.
 
-Policy, each step (see docs/engine.md):
+One engine step is three calls (docs/engine.md)::
 
-1. Running requests, in ``(priority, arrival)`` order, each get
-   ``min(uncomputed tokens, remaining budget)`` tokens: one for a generating
-   request, a chunk for one still reading its prompt. When the KV cache cannot
-   hold a request's new tokens, the running request that sorts *last* (lowest
-   priority, latest arrival) is preempted: its blocks are freed and it goes back
-   to the waiting queue to recompute later. If that is the request itself, it
-   is the one preempted.
-2. If nothing was preempted, waiting requests are admitted in ``(priority,
-   arrival)`` order while the token budget, ``max_num_seqs`` and the KV cache
-   last. A new request first reuses every cached block of its prompt's prefix.
+    scheduler_output = scheduler.schedule()                      # batch, blocks, n > 1 forks
+    runner_output = <model runner + sampler>(scheduler_output)   # tokens per request, no state changes
+    outputs = scheduler.update_from_output(scheduler_output, runner_output)
 
-The scheduler never runs the model and never calls hooks; it moves requests
-between queues and asks the KV cache manager for blocks.
+Everything that changes a request after a step happens in ``update_from_output``:
+appending tokens, token-level stop checks, finishing, freeing blocks and
+publishing full blocks to the prefix cache. The engine loop itself only moves
+messages and calls these in order.
+
+Built-in policies (``scheduler.policy``), both token-budget schedulers with
+continuous batching, chunked prefill and preemption (see docs/engine.md):
+
+- ``fcfs``: requests run and are admitted in arrival order; the latest arrival
+  is preempted first. A request with a nonzero ``priority`` is refused.
+- ``priority``: the lowest ``priority`` value runs first (ties by arrival), and
+  the request that sorts last is preempted first.
+
+A scheduler never runs the model and never calls hooks; it moves requests
+between queues and asks the KV cache manager for blocks. Imports no torch.
 """
 
 from __future__ import annotations
 
 import heapq
 import logging
+import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
+from tokenmill.hookspecs import Register, hookimpl
 from tokenmill.kv_cache.manager import KVCacheManager
+from tokenmill.messages import EngineCoreOutput, EngineStatsMessage, TokenLogprobs, completion_request_id
 from tokenmill.request import Request, RequestStatus
+from tokenmill.sampling_params import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class ScheduledRequest:
+    """One request's share of a step."""
+
     request: Request
     num_new_tokens: int
-
-    @property
-    def samples_token(self) -> bool:
-        """Whether this step computes the request's last known token, so a new one is sampled."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+    #: Whether this step computes the request's last known token, so a new one is sampled.
+    samples_token: bool
+    #: Completions 1..n-1 of an n > 1 request, forked this step: they share the request's blocks and
+    #: sample their first tokens from its logits row.
+    forks: tuple[Request, ...] = ()
 
 
 @dataclass
 class SchedulerOutput:
+    """What ``schedule`` decided for one step; read by the engine, then handed back to ``update_from_output``."""
+
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     #: Copy-on-write block copies (src, dst) the runner performs before the forward.
     block_copies: list[tuple[int, int]] = field(default_factory=list)
@@ -51,9 +67,88 @@ class SchedulerOutput:
     def num_scheduled_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
 
+    @property
+    def sampling_requests(self) -> list[tuple[int, Request]]:
+        """``(scheduled index, request)`` for every request that gets a token this step, in sampling-row
+        order: each scheduled request that samples, followed by its forks (which share its logits row)."""
+        rows: list[tuple[int, Request]] = []
+        for index, scheduled in enumerate(self.scheduled):
+            if scheduled.samples_token:
+                rows += [(index, request) for request in (scheduled.request, *scheduled.forks)]
+        return rows
 
-class Scheduler:
-    """Owns the waiting and running queues. Called by the engine loop, once per step."""
+
+@dataclass
+class ModelRunnerOutput:
+    """What the runner and sampler produced for one step, by request id; changes no request state."""
+
+    #: Tokens each sampling request gets, in order (one per step; up to k+1 when speculating).
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    #: The logprobs of those tokens, for requests that asked for logprobs.
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    #: Requests a plugin failed on this step (a logits processor raised): id -> error. They are finished.
+    errors: dict[str, str] = field(default_factory=dict)
+
+
+class Scheduler(ABC):
+    """Decides each step's batch and owns every request's state between steps.
+
+    Built once per engine process as ``cls(kv_cache, max_num_batched_tokens=..., max_num_seqs=...)``
+    (plus ``options=`` when its plugin declares options). Every method is called from the engine loop, in
+    the engine process; none may block, touch tensors or call hooks. A policy that only changes the order
+    of requests subclasses ``FCFSScheduler`` and overrides ``sort_key``.
+    """
+
+    #: Registered name.
+    name: ClassVar[str]
+    #: Whether requests may set ``priority``; a scheduler without it refuses a nonzero one.
+    supports_priority: ClassVar[bool] = False
+
+    @abstractmethod
+    def add_request(self, request: Request) -> None:
+        """Queue a new request. Called once per request; raise ``InvalidRequestError`` to refuse it."""
+
+    @abstractmethod
+    def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
+        """Finish these requests now, wherever they are, with their completions (an id of an n > 1 request
+        aborts all n). Unknown ids are ignored. Returns one final output per request finished."""
+
+    @abstractmethod
+    def schedule(self) -> SchedulerOutput:
+        """Choose this step's requests and token counts, allocating their KV slots. Once per step."""
+
+    @abstractmethod
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Apply a step's results: count computed tokens, append sampled tokens, check stops, finish and
+        free. Returns one output per request that gained tokens or finished (token deltas, never text)."""
+
+    @abstractmethod
+    def has_unfinished_requests(self) -> bool:
+        """Whether any request is waiting or running. Called every loop iteration."""
+
+    @abstractmethod
+    def stats(self) -> EngineStatsMessage:
+        """Counters and gauges for metrics and routers; cheap, called after every step."""
+
+
+class FCFSScheduler(Scheduler):
+    """A token-budget scheduler; requests are ordered by ``sort_key`` (here: arrival).
+
+    Each step (see docs/engine.md):
+
+    1. Running requests, in ``sort_key`` order, each get ``min(uncomputed tokens, remaining budget)``
+       tokens: one for a generating request, a chunk for one still reading its prompt. When the KV cache
+       cannot hold a request's new tokens, the running request that sorts *last* is preempted: its blocks
+       are freed and it goes back to the waiting queue to recompute later. If that is the request itself,
+       it is the one preempted.
+    2. If nothing was preempted, waiting requests are admitted in ``sort_key`` order while the token
+       budget, ``max_num_seqs`` and the KV cache last. A new request first reuses every cached block of
+       its prompt's prefix.
+    """
+
+    name: ClassVar[str] = "fcfs"
 
     def __init__(self, kv_cache: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int) -> None:
         self.kv_cache = kv_cache
@@ -61,8 +156,20 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.requests: dict[str, Request] = {}
         self.running: list[Request] = []
-        self._waiting: list[tuple[tuple[int, float, str], Request]] = []  # heap by sort key
+        self._waiting: list[tuple[Any, Request]] = []  # heap by sort key
+        # Per request id (completion 0's): its n, and how many of its completions have not finished yet.
+        self._num_completions: dict[str, int] = {}
+        self._num_live_completions: dict[str, int] = {}
         self.num_preemptions = 0
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+
+    def sort_key(self, request: Request) -> Any:
+        """Scheduling order: smaller runs first and is preempted last. Must be a total order (end with
+        the request id) and must not change while the request is queued."""
+        return (request.arrival_time, request.request_id)
+
+    # ------------------------------------------------------------ queues
 
     @property
     def num_waiting(self) -> int:
@@ -75,30 +182,51 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.running or self._waiting)
 
+    def stats(self) -> EngineStatsMessage:
+        return EngineStatsMessage(
+            num_running=self.num_running,
+            num_waiting=self.num_waiting,
+            kv_cache_usage=self.kv_cache.usage,
+            prefix_cache_queries=self.kv_cache.prefix_cache_queries,
+            prefix_cache_hits=self.kv_cache.prefix_cache_hits,
+            num_preemptions=self.num_preemptions,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_generation_tokens=self.num_generation_tokens,
+        )
+
     def add_request(self, request: Request) -> None:
-        """Queue a new request (or a preempted one) for admission."""
+        if request.priority != 0 and not self.supports_priority:
+            raise InvalidRequestError(
+                f"priority={request.priority} was given, but the {self.name!r} scheduler ignores priorities; "
+                "start the engine with --scheduling-policy priority"
+            )
+        if request.request_id in self.requests or request.request_id in self._num_live_completions:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
-        heapq.heappush(self._waiting, (request.sort_key, request))
+        self._num_completions[request.request_id] = request.params.n
+        self._num_live_completions[request.request_id] = 1  # its forks add theirs
+        self._push_waiting(request)
 
-    def add_running(self, request: Request) -> None:
-        """Start a request that already holds blocks (a forked completion of an n > 1 request)."""
-        request.status = RequestStatus.RUNNING
-        self.requests[request.request_id] = request
-        self.running.append(request)
+    def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
+        outputs = []
+        for request_id in request_ids:
+            targets = [request_id]
+            if request_id in self._num_live_completions:  # a request's id aborts all n of its completions
+                targets = [completion_request_id(request_id, i) for i in range(self._num_completions[request_id])]
+            for target in targets:
+                request = self.requests.get(target)
+                if request is not None and not request.is_finished:
+                    self._finish(request, RequestStatus.FINISHED_ABORTED)
+                    outputs.append(self._output(request, []))
+        return outputs
 
-    def abort_request(self, request_id: str) -> Request | None:
-        """Finish a request now, wherever it is, freeing its blocks. Unknown ids are ignored."""
-        request = self.requests.get(request_id)
-        if request is None:
-            return None
-        self._finish(request, RequestStatus.FINISHED_ABORTED)
-        return request
+    # ------------------------------------------------------------ the step
 
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        self.running.sort(key=lambda r: r.sort_key)
-        # Requests later in this list are the preemption candidates, lowest priority last.
+        self.running.sort(key=self.sort_key)
+        # Requests later in this list are the preemption candidates, the one that sorts last first.
         candidates = list(self.running)
         for request in list(candidates):
             if request.status != RequestStatus.RUNNING:
@@ -117,13 +245,17 @@ class Scheduler:
             if allocation is None:
                 continue
             output.block_copies.extend(allocation.copies)
-            output.scheduled.append(ScheduledRequest(request, num_new))
+            output.scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
         if not output.preempted:
-            budget = self._admit_waiting(output, budget)
+            self._admit_waiting(output, budget)
+        started = time.monotonic()
+        for scheduled in output.scheduled:
+            if scheduled.request.queue_time is None:
+                scheduled.request.queue_time = started - scheduled.request.enqueued_at
         return output
 
-    def _admit_waiting(self, output: SchedulerOutput, budget: int) -> int:
+    def _admit_waiting(self, output: SchedulerOutput, budget: int) -> None:
         while self._waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self._waiting[0][1]
             prefix = self.kv_cache.lookup_prefix(request.all_token_ids, request.cache_salt)
@@ -138,9 +270,83 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             output.block_copies.extend(allocation.copies)
-            output.scheduled.append(ScheduledRequest(request, num_new))
+            output.scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
-        return budget
+
+    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        """Schedule ``num_new`` tokens of ``request``; an n > 1 request about to sample its first token
+        forks its other completions now, so they sample from the same logits row."""
+        samples_token = request.num_computed_tokens + num_new == request.num_tokens
+        forks: tuple[Request, ...] = ()
+        if samples_token and request.params.n > 1 and request.parent_id is None and not request.output_token_ids:
+            forks = tuple(self._fork(request, index, num_new) for index in range(1, request.params.n))
+        return ScheduledRequest(request, num_new, samples_token, forks)
+
+    def _fork(self, parent: Request, index: int, num_new: int) -> Request:
+        child = Request(
+            request_id=completion_request_id(parent.request_id, index),
+            prompt_token_ids=parent.prompt_token_ids,
+            params=parent.params,
+            eos_token_ids=parent.eos_token_ids,
+            max_model_len=parent.max_model_len,
+            arrival_time=parent.arrival_time,
+            priority=parent.priority,
+            cache_salt=parent.cache_salt,
+            parent_id=parent.request_id,
+            index=index,
+            # Its prompt is computed once this step's forward has run; it is not scheduled before then.
+            num_computed_tokens=parent.num_computed_tokens + num_new,
+            num_cached_tokens=parent.num_cached_tokens,
+            status=RequestStatus.RUNNING,
+            queue_time=parent.queue_time,
+        )
+        self.kv_cache.fork(parent.request_id, child.request_id)
+        self.requests[child.request_id] = child
+        self._num_live_completions[parent.request_id] += 1
+        self.running.append(child)
+        return child
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        for scheduled in scheduler_output.scheduled:
+            request = scheduled.request
+            request.num_computed_tokens += scheduled.num_new_tokens
+            self.kv_cache.cache_full_blocks(
+                request.request_id, request.all_token_ids, request.num_computed_tokens, request.cache_salt
+            )
+        outputs = []
+        for _, request in scheduler_output.sampling_requests:
+            if request.is_finished:
+                continue
+            error = runner_output.errors.get(request.request_id)
+            if error is not None:
+                self._finish(request, RequestStatus.FINISHED_ABORTED)
+                outputs.append(self._output(request, [], error=error))
+                continue
+            token_ids = runner_output.sampled_token_ids.get(request.request_id, [])
+            logprobs = runner_output.logprobs.get(request.request_id)
+            accepted = self._append(request, token_ids, logprobs)
+            outputs.append(self._output(request, token_ids[:accepted], logprobs[:accepted] if logprobs else None))
+        return outputs
+
+    def _append(self, request: Request, token_ids: list[int], logprobs: list[TokenLogprobs] | None) -> int:
+        """Append tokens until one stops the request; returns how many were appended."""
+        if token_ids and not request.output_token_ids and request.parent_id is None:
+            self.num_prompt_tokens += request.num_prompt_tokens
+        for position, token_id in enumerate(token_ids):
+            request.append_token(token_id, logprobs[position] if logprobs else None)
+            self.num_generation_tokens += 1
+            status = request.check_stop()
+            if status is not None:
+                self._finish(request, status)
+                return position + 1
+        return len(token_ids)
+
+    # ------------------------------------------------------------ internals
+
+    def _push_waiting(self, request: Request) -> None:
+        heapq.heappush(self._waiting, (self.sort_key(request), request))
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache.free(request.request_id)
@@ -149,20 +355,8 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        heapq.heappush(self._waiting, (request.sort_key, request))
+        self._push_waiting(request)
         logger.debug("preempted %s (%d tokens to recompute)", request.request_id, request.num_tokens)
-
-    def finish_computed(self, scheduled: ScheduledRequest) -> None:
-        """Record that a step computed ``scheduled``'s tokens and publish its full blocks for reuse."""
-        request = scheduled.request
-        request.num_computed_tokens += scheduled.num_new_tokens
-        self.kv_cache.cache_full_blocks(
-            request.request_id, request.all_token_ids, request.num_computed_tokens, request.cache_salt
-        )
-
-    def finish(self, request: Request, status: RequestStatus) -> None:
-        """End a running request (stopped or out of length) and free its blocks."""
-        self._finish(request, status)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         if request.is_finished:
@@ -176,3 +370,45 @@ class Scheduler:
         elif request in self.running:
             self.running.remove(request)
         self.requests.pop(request.request_id, None)
+        root = request.parent_id or request.request_id
+        self._num_live_completions[root] -= 1
+        if self._num_live_completions[root] == 0:
+            del self._num_live_completions[root], self._num_completions[root]
+
+    def _output(
+        self,
+        request: Request,
+        token_ids: list[int],
+        logprobs: list[TokenLogprobs] | None = None,
+        error: str | None = None,
+    ) -> EngineCoreOutput:
+        root = request.parent_id or request.request_id
+        return EngineCoreOutput(
+            request_id=request.request_id,
+            new_token_ids=token_ids,
+            new_logprobs=logprobs or None,
+            finish_reason=request.status.finish_reason,
+            parent_id=request.parent_id,
+            index=request.index,
+            num_cached_tokens=request.num_cached_tokens,
+            error=error,
+            # Reported once, with the first token, for the queue-time metric.
+            queue_time=request.queue_time if token_ids and len(request.output_token_ids) == len(token_ids) else None,
+            request_finished=request.is_finished and root not in self._num_live_completions,
+        )
+
+
+class PriorityScheduler(FCFSScheduler):
+    """The token-budget scheduler ordered by request ``priority`` (lower first), then arrival."""
+
+    name: ClassVar[str] = "priority"
+    supports_priority: ClassVar[bool] = True
+
+    def sort_key(self, request: Request) -> Any:
+        return (request.priority, request.arrival_time, request.request_id)
+
+
+@hookimpl
+def tokenmill_register_schedulers(register: Register) -> None:
+    register("fcfs", "tokenmill.scheduler:FCFSScheduler")
+    register("priority", "tokenmill.scheduler:PriorityScheduler")

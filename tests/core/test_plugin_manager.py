@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
@@ -18,6 +21,7 @@ from tokenmill.config import load_config
 from tokenmill.model_loader import load_model
 from tokenmill.model_runner import ModelRunner, SequenceChunk
 from tokenmill.plugin_manager import ESSENTIAL_PLUGINS, PluginError, Slot, load_plugins
+from tokenmill.routing import RoundRobinRouter
 
 REPO = Path(__file__).resolve().parents[2]
 CONTRIB_PLUGIN = REPO / "contrib" / "tokenmill-eager-attention"
@@ -78,7 +82,8 @@ def test_contrib_plugin_found_through_its_entry_point(contrib_on_path: Path) -> 
     info = next(info for info in system.infos if info.name == "eager-attention")
     assert (info.version, info.source, info.error) == ("0.1.0", "entry point", None)
     assert info.provides == {"attention_backend": ["eager"]}
-    assert system.registry.names(Slot.ATTENTION_BACKEND) == ["eager", "torch"]
+    # The allowlist names third-party plugins only: the first-party fast path stays.
+    assert system.registry.names(Slot.ATTENTION_BACKEND) == ["cpu", "cuda", "eager", "torch", "triton"]
 
 
 def test_contrib_plugin_listed_by_cli(installed_contrib: Path) -> None:
@@ -87,7 +92,10 @@ def test_contrib_plugin_listed_by_cli(installed_contrib: Path) -> None:
         [sys.executable, "-m", "tokenmill.cli", "plugins", "--json"], capture_output=True, text=True, env=env
     )
     assert result.returncode == 0, result.stderr
-    listing = {info["name"]: info for info in json.loads(result.stdout)}
+    report = json.loads(result.stdout)
+    listing = {info["name"]: info for info in report["plugins"]}
+    slots = {slot["slot"]: slot for slot in report["slots"]}
+    assert "eager" in slots["attention_backend"]["installed"] and slots["scheduler"]["selected"] == ["fcfs"]
     assert listing["eager-attention"]["provides"] == {"attention_backend": ["eager"]}
     assert listing["eager-attention"]["version"] == "0.1.0"
 
@@ -121,16 +129,19 @@ def test_broken_plugin_is_reported_not_fatal(tmp_path: Path, monkeypatch: pytest
     system = load_plugins(allowlist=["broken"])
     broken = next(info for info in system.infos if info.name == "broken")
     assert broken.version == "0.3"
-    assert broken.error == "ModuleNotFoundError: No module named 'not_a_real_dependency_of_anything'"
-    assert system.registry.names(Slot.ATTENTION_BACKEND) == ["torch"]  # the rest still works
-    with pytest.raises(PluginError, match=r"unknown attention_backend 'x'; installed: torch; plugins that failed"):
+    assert broken.error == "failed to import: ModuleNotFoundError: No module named 'not_a_real_dependency_of_anything'"
+    assert broken.package == "broken-plugin"
+    assert "torch" in system.registry.names(Slot.ATTENTION_BACKEND)  # the rest still works
+    with pytest.raises(PluginError, match=r"unknown attention_backend 'x'; installed: .*torch.*; plugins that failed"):
         system.registry.load(Slot.ATTENTION_BACKEND, "x")
     env = {**os.environ, "PYTHONPATH": str(tmp_path), "TOKENMILL_PLUGINS": "broken"}
     listing = subprocess.run(
         [sys.executable, "-m", "tokenmill.cli", "plugins"], capture_output=True, text=True, env=env
     )
     assert listing.returncode == 0
-    assert "broken 0.3 (entry point) FAILED: ModuleNotFoundError" in listing.stdout
+    assert "broken 0.3 (entry point, package broken-plugin) FAILED: failed to import: ModuleNotFoundError" in (
+        listing.stdout
+    )
 
 
 def test_allowlist_and_disable(contrib_on_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -157,14 +168,16 @@ def test_plugin_object_registers_and_hooks_are_recorded() -> None:
     assert backend_class.__name__ == "TorchAttentionBackend"
 
 
-def test_misspelled_hook_fails_loudly() -> None:
+def test_unknown_hook_skips_that_plugin_with_a_clear_error() -> None:
     class Misspelled:
         @hookimpl
         def tokenmill_register_attention_backend(self, register):  # missing "s"
-            pass
+            register("never", "x:y")
 
-    with pytest.raises(PluginError, match="misspelled|unknown hook"):
-        load_plugins(autoload=False, extra_plugins=[("misspelled", Misspelled())])
+    system = load_plugins(autoload=False, extra_plugins=[("misspelled", Misspelled())])
+    info = next(info for info in system.infos if info.name == "misspelled")
+    assert info.error == "implements hook(s) that tokenmill 0.1.0 does not have: tokenmill_register_attention_backend"
+    assert not system.pm.has_plugin("misspelled") and "never" not in system.registry.names(Slot.ATTENTION_BACKEND)
 
 
 def test_conflicting_registrations_name_both_plugins() -> None:
@@ -173,8 +186,11 @@ def test_conflicting_registrations_name_both_plugins() -> None:
         def tokenmill_register_attention_backends(self, register):
             register("torch", "impostor.module:Backend")
 
-    with pytest.raises(PluginError, match="registered by both 'tokenmill.attention.plugin' and 'impostor'"):
-        load_plugins(autoload=False, extra_plugins=[("impostor", Impostor())])
+    system = load_plugins(autoload=False, extra_plugins=[("impostor", Impostor())])
+    impostor = next(info for info in system.infos if info.name == "impostor")
+    assert impostor.error is not None
+    assert "registers attention_backend 'torch', which plugin 'tokenmill.attention.plugin'" in impostor.error
+    assert system.registry.get(Slot.ATTENTION_BACKEND, "torch").plugin == "tokenmill.attention.plugin"
 
 
 def test_broken_selected_plugin_is_fatal_with_its_name() -> None:
@@ -201,3 +217,68 @@ def test_entry_point_module_import_is_cheap(installed_contrib: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(installed_contrib)}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert out.stdout.strip() == "False"
+
+
+class _Options(msgspec.Struct, forbid_unknown_fields=True):
+    greeting: str = "hello"
+    times: int = 1
+
+
+class _OptionsPlugin:
+    """Declares options and registers a router that keeps what it was given."""
+
+    @hookimpl
+    def tokenmill_plugin_options(self):
+        return _Options
+
+    @hookimpl
+    def tokenmill_register_routers(self, register):
+        register("remembering", f"{__name__}:RememberingRouter")
+
+
+class RememberingRouter(RoundRobinRouter):
+    name = "remembering"
+
+    def __init__(self, options: _Options) -> None:
+        super().__init__()
+        self.options = options
+
+
+def test_plugin_options_are_validated_and_delivered() -> None:
+    system = load_plugins(autoload=False, extra_plugins=[("greeter", _OptionsPlugin())])
+    system.configure({"greeter": {"greeting": "hi", "times": 3}})
+    router = system.create(Slot.ROUTER, "remembering")
+    assert router.options == _Options(greeting="hi", times=3)
+    assert system.create(Slot.ROUTER, "round-robin").__class__ is RoundRobinRouter  # built-ins take none
+    with pytest.raises(PluginError, match=r"^\[plugins.greeter\]: unknown option 'time'; allowed: greeting, times$"):
+        system.configure({"greeter": {"time": 3}})
+    with pytest.raises(PluginError, match=r"^\[plugins.greeter\]: invalid option times: Expected `int`"):
+        system.configure({"greeter": {"times": "x"}})
+    with pytest.raises(PluginError, match=r"plugin 'nobody' is not installed; plugins with options: greeter"):
+        system.configure({"nobody": {}})
+
+
+def test_config_selections_are_checked_before_any_model_loads() -> None:
+    system = load_plugins(autoload=False)
+    for overrides, message in [
+        ({"model": {"quantization": "in4"}}, "model.quantization: unknown quantizer 'in4'; installed: none"),
+        ({"scheduler": {"policy": "lifo"}}, "scheduler.policy: unknown scheduler 'lifo'; installed: fcfs, priority"),
+        ({"sampler": {"logits_processors": ["nope"]}}, "sampler.logits_processors: unknown logits_processor 'nope'"),
+        ({"server": {"router": "random"}}, "server.router: unknown router 'random'; installed: round-robin"),
+    ]:
+        with pytest.raises(PluginError, match="^" + re.escape(message)):
+            system.check_config(load_config(overrides=overrides))
+
+
+def test_a_misspelled_name_fails_the_cli_in_one_line_and_under_two_seconds(tmp_path: Path) -> None:
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "tokenmill.cli", "serve", str(tmp_path / "no-model-needed"), "--quantization", "in4"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    elapsed = time.monotonic() - started
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        "Error: model.quantization: unknown quantizer 'in4'; installed: int4, int8, none"
+    ]
+    assert elapsed < 2.0, f"took {elapsed:.2f} s"

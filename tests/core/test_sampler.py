@@ -9,11 +9,26 @@ import msgspec
 import pytest
 import torch
 
-from tokenmill.sampler import Sampler, SamplingMetadata
+from tokenmill.sampling.logits_processor import LogitsProcessor, SamplingRow
+from tokenmill.sampling.sampler import SamplingMetadata, TorchSampler
 from tokenmill.sampling_params import SamplingParams
 
 VOCAB = 32
 CPU = torch.device("cpu")
+
+
+class _BanProcessor(LogitsProcessor):
+    """Bans, per row, the ids given as that row's ``eos_token_ids``: how these tests ban tokens."""
+
+    name = "ban"
+
+    def is_active(self, row: SamplingRow) -> bool:
+        return bool(row.eos_token_ids)
+
+    def apply(self, logits: torch.Tensor, rows: list[int], states: list[SamplingRow]) -> torch.Tensor:
+        for row, state in zip(rows, states, strict=True):
+            logits[row, list(state.eos_token_ids)] = float("-inf")
+        return logits
 
 
 def _metadata(
@@ -26,14 +41,19 @@ def _metadata(
     vocab_size: int = VOCAB,
 ) -> SamplingMetadata:
     empty: list[list[int]] = [[] for _ in params]
+    rows = [
+        SamplingRow(str(i), p, (prompts or empty)[i], (outputs or empty)[i], tuple((banned or empty)[i]))
+        for i, p in enumerate(params)
+    ]
     return SamplingMetadata.from_requests(
         params,
         prompts or empty,
         outputs or empty,
         generators or [None] * len(params),
-        banned or empty,
         vocab_size,
         CPU,
+        rows=rows,
+        logits_processors=[_BanProcessor()],
     )
 
 
@@ -86,7 +106,7 @@ def test_greedy_rows_are_the_argmax_of_penalised_logits() -> None:
     expected = _reference_penalties(logits, params, prompts, outputs).argmax(dim=-1)
     assert not torch.equal(expected[0::2], logits[0::2].argmax(dim=-1))  # the penalties matter here
     for seed in range(5):
-        token_ids = Sampler(torch.Generator().manual_seed(seed))(logits, metadata).token_ids
+        token_ids = TorchSampler(torch.Generator().manual_seed(seed))(logits, metadata).token_ids
         assert torch.equal(token_ids[0::2], expected[0::2])
 
 
@@ -96,7 +116,7 @@ def test_greedy_rows_consume_no_randomness() -> None:
     seeded_greedy = torch.Generator().manual_seed(5)
     state_before = seeded_greedy.get_state()
     alone_generator, mixed_generator = torch.Generator().manual_seed(0), torch.Generator().manual_seed(0)
-    alone, mixed = Sampler(alone_generator), Sampler(mixed_generator)
+    alone, mixed = TorchSampler(alone_generator), TorchSampler(mixed_generator)
     mixed_params = [
         SamplingParams(temperature=0.0, seed=5),
         random_params[0],
@@ -125,7 +145,7 @@ def _seeded_run(seed: int, position: int, batch_size: int, num_steps: int = 20) 
     target_generator = torch.Generator().manual_seed(seed)
     target_logits = torch.Generator().manual_seed(7)  # the target's logits: the same in every run
     others = torch.Generator().manual_seed(1000 * batch_size + position)  # different in every run
-    sampler = Sampler(torch.Generator().manual_seed(batch_size))
+    sampler = TorchSampler(torch.Generator().manual_seed(batch_size))
     params: list[SamplingParams] = []
     generators: list[torch.Generator | None] = []
     for row in range(batch_size):
@@ -203,7 +223,7 @@ def test_truncation_samples_exactly_the_allowed_set(temperature: float, top_k: i
     # Every allowed token is expected often enough that missing it by chance is negligible (< e^-20).
     assert num_draws * float(probs.min() / probs.sum()) > 20
     params = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)] * num_draws
-    sampler = Sampler(torch.Generator().manual_seed(0))
+    sampler = TorchSampler(torch.Generator().manual_seed(0))
     token_ids = sampler(logits.repeat(num_draws, 1), _metadata(params)).token_ids
     assert set(token_ids.tolist()) == set(allowed)
 
@@ -220,7 +240,7 @@ def test_temperature_sampling_follows_the_distribution(seeded: bool) -> None:
     params = [SamplingParams(temperature=temperature, seed=row if seeded else None) for row in range(num_draws)]
     generators = [torch.Generator().manual_seed(row) if seeded else None for row in range(num_draws)]
     metadata = _metadata(params, generators=generators, vocab_size=len(logits))
-    token_ids = Sampler(torch.Generator().manual_seed(0))(logits.repeat(num_draws, 1), metadata).token_ids
+    token_ids = TorchSampler(torch.Generator().manual_seed(0))(logits.repeat(num_draws, 1), metadata).token_ids
     counts = torch.bincount(token_ids, minlength=len(logits)).double()
     # 7 degrees of freedom: P(chi2 > 24.32) = 0.001 when the sampler is right.
     assert _chi_square(counts, torch.softmax(logits.double() / temperature, dim=-1)) < 24.32
@@ -244,7 +264,7 @@ def test_penalties_match_the_reference() -> None:
     params[1] = SamplingParams(repetition_penalty=1.5)  # prompt tokens count too
     params[2] = SamplingParams(presence_penalty=1.0, frequency_penalty=0.5)  # output tokens only
     metadata = _metadata(params, prompts=prompts, outputs=outputs)
-    processed = Sampler().process_logits(logits, metadata)
+    processed = TorchSampler().process_logits(logits, metadata)
     expected = _reference_penalties(logits, params, prompts, outputs)
     torch.testing.assert_close(processed, expected)
     assert torch.equal(processed[0], logits[0])  # neutral row untouched
@@ -264,9 +284,9 @@ def test_banned_tokens_are_never_sampled() -> None:
     num_copies = 500
     params = kinds * num_copies
     metadata = _metadata(params, outputs=[[3, 3, 3, 7]] * len(params), banned=[[3, 7]] * len(params))
-    processed = Sampler().process_logits(logits.repeat(len(params), 1), metadata)
+    processed = TorchSampler().process_logits(logits.repeat(len(params), 1), metadata)
     assert torch.isneginf(processed[:, [3, 7]]).all()
-    token_ids = Sampler(torch.Generator().manual_seed(0))(logits.repeat(len(params), 1), metadata).token_ids
+    token_ids = TorchSampler(torch.Generator().manual_seed(0))(logits.repeat(len(params), 1), metadata).token_ids
     assert not set(token_ids.tolist()) & {3, 7}
     assert (token_ids[0::4] == 5).all()  # greedy takes the best allowed token
     assert len(set(token_ids[2::4].tolist())) == 2  # top_k=2 counts allowed tokens only
@@ -286,7 +306,7 @@ def test_logprobs_describe_the_raw_distribution() -> None:
     raw_favourite = int(logits[2].argmax())
     banned: list[list[int]] = [[], [], [raw_favourite], [], [], []]
     metadata = _metadata(params, prompts=[[1, 2]] * 6, outputs=[[3, 3]] * 6, banned=banned, vocab_size=50)
-    out = Sampler(torch.Generator().manual_seed(0))(logits, metadata)
+    out = TorchSampler(torch.Generator().manual_seed(0))(logits, metadata)
     assert torch.equal(logits, original)  # the engine's logits are not modified
     raw = torch.log_softmax(logits, dim=-1)
     assert out.logprobs is not None and out.top_token_ids is not None and out.top_logprobs is not None
@@ -301,9 +321,9 @@ def test_logprobs_describe_the_raw_distribution() -> None:
 
 def test_no_logprobs_unless_asked() -> None:
     logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(6))
-    out = Sampler()(logits, _metadata([SamplingParams()] * 3))
+    out = TorchSampler()(logits, _metadata([SamplingParams()] * 3))
     assert (out.logprobs, out.top_token_ids, out.top_logprobs) == (None, None, None)
-    out = Sampler()(logits, _metadata([SamplingParams(logprobs=0)] * 3))
+    out = TorchSampler()(logits, _metadata([SamplingParams(logprobs=0)] * 3))
     assert out.logprobs is not None and out.top_token_ids is not None
     assert out.logprobs.shape == (3,) and out.top_token_ids.shape == (3, 0)
     assert torch.isfinite(out.logprobs).all() and (out.logprobs <= 0).all()
@@ -327,7 +347,7 @@ def test_from_requests_normalises_and_flags() -> None:
     assert metadata.top_k.tolist() == [VOCAB, VOCAB, 5, VOCAB]
     assert list(metadata.generators) == [2]  # the greedy row's generator is left alone
     assert metadata.unseeded_rows is not None and metadata.unseeded_rows.tolist() == [1, 3]
-    assert metadata.banned_token_ids == [(1, [2])]
+    assert [(processor.name, rows) for processor, rows, _ in metadata.logits_processors] == [("ban", [1])]
     assert metadata.max_num_logprobs == 4
     assert (metadata.all_greedy, metadata.all_random, metadata.no_penalties) == (False, False, True)
     assert (metadata.no_top_k, metadata.no_top_p, metadata.no_min_p) == (False, False, True)
@@ -347,5 +367,5 @@ def test_hand_built_metadata_derives_the_random_rows() -> None:
     by_hand = dataclasses.replace(built, generators=generators, unseeded_rows=None, all_random=False, no_top_k=False)
     assert list(by_hand.generators) == [2]  # the greedy row's generator is dropped
     assert by_hand.unseeded_rows is not None and by_hand.unseeded_rows.tolist() == [1]
-    expected = Sampler(torch.Generator().manual_seed(0))(logits, built).token_ids
-    assert torch.equal(Sampler(torch.Generator().manual_seed(0))(logits, by_hand).token_ids, expected)
+    expected = TorchSampler(torch.Generator().manual_seed(0))(logits, built).token_ids
+    assert torch.equal(TorchSampler(torch.Generator().manual_seed(0))(logits, by_hand).token_ids, expected)

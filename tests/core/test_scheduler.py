@@ -4,21 +4,20 @@ from __future__ import annotations
 
 import dataclasses
 
+import msgspec
+import pytest
+
 from tests.factories import make_requests, make_scheduler
+from tokenmill.messages import EngineCoreOutput
 from tokenmill.request import RequestStatus
-from tokenmill.scheduler import SchedulerOutput
+from tokenmill.sampling_params import InvalidRequestError
+from tokenmill.scheduler import ModelRunnerOutput, SchedulerOutput
 
 
-def _complete(scheduler, output: SchedulerOutput, token: int = 7) -> None:  # type: ignore[no-untyped-def]
-    """Do what the engine does after the forward: count computed tokens, append sampled ones, stop."""
-    for scheduled in output.scheduled:
-        samples = scheduled.samples_token
-        scheduler.finish_computed(scheduled)
-        if samples:
-            scheduled.request.append_token(token)
-            status = scheduled.request.check_stop()
-            if status is not None:
-                scheduler.finish(scheduled.request, status)
+def _complete(scheduler, output: SchedulerOutput, token: int = 7) -> list[EngineCoreOutput]:  # type: ignore[no-untyped-def]
+    """Play the runner and sampler: every request that samples gets ``token``; the scheduler does the rest."""
+    runner_output = ModelRunnerOutput(sampled_token_ids={r.request_id: [token] for _, r in output.sampling_requests})
+    return scheduler.update_from_output(output, runner_output)
 
 
 def _plan(output: SchedulerOutput) -> list[tuple[str, int]]:
@@ -59,7 +58,7 @@ def test_new_requests_join_at_every_step_up_to_max_num_seqs() -> None:
 
 def test_preemption_takes_the_lowest_priority_latest_request() -> None:
     # 8 blocks of 4 tokens: three 8-token prompts fill 6; decoding soon needs more.
-    scheduler = make_scheduler(num_blocks=8)
+    scheduler = make_scheduler("priority", num_blocks=8)
     requests = make_requests(3, prompt_len=8, max_tokens=8)
     requests[0].priority = 1  # least important, though first to arrive
     for request in requests:
@@ -111,8 +110,11 @@ def test_abort_frees_everything_wherever_the_request_is() -> None:
     for request in requests:
         scheduler.add_request(request)
     _complete(scheduler, scheduler.schedule())  # r0 and r1 (partly) running, r2 and r3 waiting
-    for request_id in ("r0", "r3", "unknown"):
-        scheduler.abort_request(request_id)
+    finished = scheduler.abort_requests(["r0", "r3", "unknown"])
+    assert [(o.request_id, o.finish_reason, o.request_finished) for o in finished] == [
+        ("r0", "abort", True),
+        ("r3", "abort", True),
+    ]
     assert requests[0].status == requests[3].status == RequestStatus.FINISHED_ABORTED
     assert scheduler.num_waiting == 1 and [r.request_id for r in scheduler.running] == ["r1"]
     while scheduler.has_unfinished_requests():
@@ -131,3 +133,82 @@ def test_prefix_cache_hit_on_admission() -> None:
     output = scheduler.schedule()
     assert _plan(output) == [("r1", 2)]  # 3 full blocks (12 tokens) reused
     assert second.num_cached_tokens == 12
+
+
+def test_fcfs_runs_in_arrival_order_and_refuses_priorities() -> None:
+    scheduler = make_scheduler(max_num_batched_tokens=8)
+    late, early = make_requests(2, prompt_len=8, max_tokens=1)
+    late.arrival_time, early.arrival_time = 5.0, 1.0
+    scheduler.add_request(late)
+    scheduler.add_request(early)
+    assert _plan(scheduler.schedule()) == [("r1", 8)]
+    (urgent,) = make_requests(1, priority=-1)
+    urgent.request_id = "urgent"
+    with pytest.raises(InvalidRequestError, match="--scheduling-policy priority"):
+        scheduler.add_request(urgent)
+    assert "urgent" not in scheduler.requests
+
+
+def test_priority_policy_admits_the_lowest_value_first() -> None:
+    scheduler = make_scheduler("priority", max_num_batched_tokens=8)
+    requests = make_requests(3, prompt_len=8, max_tokens=1)
+    for request, priority in zip(requests, (2, 0, 1), strict=True):
+        request.priority = priority
+        scheduler.add_request(request)
+    order = []
+    while scheduler.has_unfinished_requests():
+        output = scheduler.schedule()
+        order += [s.request.request_id for s in output.scheduled]
+        _complete(scheduler, output)
+    assert order == ["r1", "r2", "r0"]
+
+
+def test_n_completions_are_forked_by_the_scheduler_and_finish_together() -> None:
+    scheduler = make_scheduler()
+    (request,) = make_requests(1, prompt_len=6, max_tokens=2)
+    request.params = msgspec.structs.replace(request.params, n=3)
+    scheduler.add_request(request)
+    first = scheduler.schedule()
+    (scheduled,) = first.scheduled
+    assert [r.request_id for r in scheduled.forks] == ["r0#1", "r0#2"]
+    assert [r.request_id for _, r in first.sampling_requests] == ["r0", "r0#1", "r0#2"]
+    outputs = _complete(scheduler, first)
+    assert [(o.request_id, o.new_token_ids, o.parent_id) for o in outputs] == [
+        ("r0", [7], None), ("r0#1", [7], "r0"), ("r0#2", [7], "r0"),
+    ]  # fmt: skip
+    outputs = _complete(scheduler, scheduler.schedule())
+    assert [o.finish_reason for o in outputs] == ["length"] * 3
+    assert [o.request_finished for o in outputs] == [False, False, True]  # the last of the three says so
+    assert scheduler.kv_cache.usage == 0
+    scheduler.kv_cache.check_invariants()
+
+
+def test_aborting_a_request_id_aborts_all_its_completions() -> None:
+    scheduler = make_scheduler()
+    (request,) = make_requests(1, prompt_len=6, max_tokens=5)
+    request.params = msgspec.structs.replace(request.params, n=2)
+    scheduler.add_request(request)
+    _complete(scheduler, scheduler.schedule())
+    outputs = scheduler.abort_requests(["r0"])
+    assert [(o.request_id, o.finish_reason, o.request_finished) for o in outputs] == [
+        ("r0", "abort", False),
+        ("r0#1", "abort", True),
+    ]
+    assert not scheduler.has_unfinished_requests() and scheduler.kv_cache.usage == 0
+
+
+def test_a_runner_error_finishes_only_that_request() -> None:
+    scheduler = make_scheduler()
+    requests = make_requests(2, prompt_len=4, max_tokens=3)
+    for request in requests:
+        scheduler.add_request(request)
+    output = scheduler.schedule()
+    runner_output = ModelRunnerOutput(sampled_token_ids={"r0": [7]}, errors={"r1": "logits processor 'x' failed"})
+    outputs = scheduler.update_from_output(output, runner_output)
+    assert [(o.request_id, o.finish_reason, o.error) for o in outputs] == [
+        ("r0", None, None),
+        ("r1", "abort", "logits processor 'x' failed"),
+    ]
+    while scheduler.has_unfinished_requests():
+        _complete(scheduler, scheduler.schedule())
+    assert requests[0].output_token_ids == [7, 7, 7]

@@ -5,15 +5,15 @@ from __future__ import annotations
 import pytest
 
 from tests.kv_cache.kv_util import prefill, snapshot
-from tokenmill.kv_cache import KVCacheManager, PrefixMatch, block_hashes
+from tokenmill.kv_cache import PagedKVCacheManager, PrefixMatch, block_hashes
 
 BS = 4
 PROMPT_A = [1, 2, 3, 4, 5, 6, 7, 8]  # exactly two full blocks
 PROMPT_B = [9, 10, 11, 12, 13, 14, 15, 16]
 
 
-def make(num_blocks: int = 16, **kwargs: object) -> KVCacheManager:
-    return KVCacheManager(num_blocks=num_blocks, block_size=BS, **kwargs)  # type: ignore[arg-type]
+def make(num_blocks: int = 16, **kwargs: object) -> PagedKVCacheManager:
+    return PagedKVCacheManager(num_blocks=num_blocks, block_size=BS, **kwargs)  # type: ignore[arg-type]
 
 
 # ----------------------------------------------------------------- allocate / free

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from tests.kv_cache.kv_util import snapshot
-from tokenmill.kv_cache import KVCacheManager, PrefixMatch, SlotAllocation
+from tokenmill.kv_cache import PagedKVCacheManager, PrefixMatch, SlotAllocation
 
 BS = 4
 NUM_BLOCKS = 12
@@ -51,7 +51,7 @@ class KVCacheMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.manager = KVCacheManager(NUM_BLOCKS, BS, self.enable_prefix_caching, hash_salt="model")
+        self.manager = PagedKVCacheManager(NUM_BLOCKS, BS, self.enable_prefix_caching, hash_salt="model")
         self.requests: dict[str, _Request] = {}
         self.kv: list[list[Key | None]] = [[None] * BS for _ in range(NUM_BLOCKS)]  # simulated KV slots
         self.next_id = 0

@@ -49,31 +49,31 @@ class _Registrations:
             register(name, path)
 
 
-def _registry(**backends: str):  # type: ignore[no-untyped-def]
-    return load_plugins(extra_plugins=[("test-backends", _Registrations(**backends))]).registry
+def _plugins(**backends: str):  # type: ignore[no-untyped-def]
+    return load_plugins(extra_plugins=[("test-backends", _Registrations(**backends))])
 
 
 @pytest.mark.skipif(not CpuAttentionBackend.is_available(), reason="the CPU kernels need AVX2, FMA and a compiler")
 def test_auto_prefers_the_cpu_kernels_on_cpu() -> None:
-    assert select_attention_backend("auto", CPU, load_plugins().registry).name == "cpu"
-    without = load_plugins(disabled=["attention"]).registry  # the entry point that ships "cpu"
+    assert select_attention_backend("auto", CPU, load_plugins()).name == "cpu"
+    without = load_plugins(disabled=["attention"])  # the entry point that ships "cpu"
     assert select_attention_backend("auto", CPU, without).name == "torch"
 
 
 def test_auto_skips_unavailable_foreign_device_and_broken_backends(caplog: pytest.LogCaptureFixture) -> None:
     module = __name__
-    registry = _registry(
+    plugins = _plugins(
         preferred=f"{module}:PreferredBackend",
         unavailable=f"{module}:UnavailableBackend",
         **{"gpu-only": f"{module}:GpuOnlyBackend", "broken": "no_such_module:Backend"},
     )
     with caplog.at_level(logging.WARNING, logger="tokenmill.model_loader"):
-        assert select_attention_backend("auto", CPU, registry).name == "preferred"
+        assert select_attention_backend("auto", CPU, plugins).name == "preferred"
     assert "skipping attention_backend 'broken'" in caplog.text
 
 
 def test_auto_quantization_follows_the_stored_weight_type() -> None:
-    registry = load_plugins().registry
+    plugins = load_plugins()
     hf = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 64, "hidden_size": 64,
         "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4,
@@ -87,9 +87,9 @@ def test_auto_quantization_follows_the_stored_weight_type() -> None:
     for weight_type, expected in stored.items():
         config = dict(hf, quantization_config={"quant_method": "gguf", "weight_type": weight_type})
         arch = ArchitectureConfig.from_hf_config(config)
-        if expected != "none" and not registry.load(Slot.QUANTIZER, expected).is_available():
+        if expected != "none" and not plugins.load(Slot.QUANTIZER, expected).is_available():
             continue  # no AVX2 or compiler here: auto falls back to "none", tested by the None case
-        assert select_quantizer("auto", arch, CPU, registry).name == expected, weight_type
+        assert select_quantizer("auto", arch, CPU, plugins).name == expected, weight_type
 
 
 class _PackedWeights(DenseQuantizer):

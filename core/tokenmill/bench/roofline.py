@@ -129,8 +129,8 @@ def read_architecture(config: EngineConfig) -> ArchitectureConfig:
     from tokenmill.plugin_manager import load_plugins
 
     path = resolve_model(config.model.model)
-    registry = load_plugins(disabled=config.disable_plugins).registry
-    weight_format = select_weight_format(path, registry, config.model.weight_format)
+    plugins = load_plugins(disabled=config.disable_plugins)
+    weight_format = select_weight_format(path, plugins, config.model.weight_format)
     return ArchitectureConfig.from_hf_config(weight_format.read_config(path))
 
 

@@ -5,8 +5,10 @@ from tokenmill.config.cache import CacheConfig
 from tokenmill.config.device import DeviceConfig
 from tokenmill.config.engine import ConfigError, EngineConfig, load_config
 from tokenmill.config.model import ModelConfig
+from tokenmill.config.sampler import SamplerConfig
 from tokenmill.config.scheduler import SchedulerConfig
 from tokenmill.config.server import ServerConfig
+from tokenmill.config.transport import TransportConfig
 
 __all__ = [
     "AttentionConfig",
@@ -15,7 +17,9 @@ __all__ = [
     "DeviceConfig",
     "EngineConfig",
     "ModelConfig",
+    "SamplerConfig",
     "SchedulerConfig",
     "ServerConfig",
+    "TransportConfig",
     "load_config",
 ]

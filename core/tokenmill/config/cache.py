@@ -58,6 +58,10 @@ class CacheConfig(ConfigSection):
         bool,
         describe("Reuse the KV blocks of identical prompt prefixes across requests."),
     ] = True
+    kv_cache_manager: Annotated[
+        str,
+        describe("KV cache manager plugin by name: blocks, block tables and the prefix cache ('paged' is built in)."),
+    ] = "paged"
 
     def __post_init__(self) -> None:
         if self.block_size & (self.block_size - 1):

@@ -14,8 +14,10 @@ from tokenmill.config.base import ConfigSection, describe
 from tokenmill.config.cache import CacheConfig
 from tokenmill.config.device import DeviceConfig
 from tokenmill.config.model import ModelConfig
+from tokenmill.config.sampler import SamplerConfig
 from tokenmill.config.scheduler import SchedulerConfig
 from tokenmill.config.server import ServerConfig
+from tokenmill.config.transport import TransportConfig
 from tokenmill.errors import TokenmillError
 
 
@@ -32,13 +34,18 @@ class EngineConfig(ConfigSection):
     scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
     attention: AttentionConfig = msgspec.field(default_factory=AttentionConfig)
+    sampler: SamplerConfig = msgspec.field(default_factory=SamplerConfig)
+    transport: TransportConfig = msgspec.field(default_factory=TransportConfig)
     disable_plugins: Annotated[
         list[str],
         describe("Plugins (entry point names) not to load.", flag="--disable-plugin"),
     ] = msgspec.field(default_factory=list)
     plugins: Annotated[
         dict[str, dict[str, Any]],
-        describe("Options for each plugin, as `[plugins.NAME]` tables; read by the plugin."),
+        describe(
+            "Options for each plugin, as `[plugins.NAME]` tables, checked against the options the plugin "
+            "declares and handed to the classes it registers; `tokenmill plugins` lists them."
+        ),
     ] = msgspec.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Continuous batching limits."""
+"""Continuous batching: limits, and which scheduler plugin decides each step."""
 
 from __future__ import annotations
 
@@ -19,3 +19,12 @@ class SchedulerConfig(ConfigSection):
         PositiveInt,
         describe("Most requests running at once (each completion of n > 1 counts)."),
     ] = 256
+    policy: Annotated[
+        str,
+        describe(
+            "Scheduler plugin by name. 'fcfs' runs requests in arrival order; 'priority' runs the lowest "
+            "request `priority` value first (ties by arrival) and preempts the highest last. A request that sets "
+            "a priority under 'fcfs' is refused, as in vLLM.",
+            flag="--scheduling-policy",
+        ),
+    ] = "fcfs"

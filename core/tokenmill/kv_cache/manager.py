@@ -20,9 +20,11 @@ Call order, per request, from the scheduler in the engine process::
 from __future__ import annotations
 
 import logging
+from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from tokenmill.kv_cache.block_hash import hash_block, root_hash
 from tokenmill.kv_cache.block_pool import BlockPool
@@ -57,7 +59,71 @@ class _RequestState:
     cache_salt: str | None = None  # the salt block_hashes were computed with, once there are any
 
 
-class KVCacheManager:
+class KVCacheManager(ABC):
+    """The bookkeeping of the paged KV cache: each request's block table, and the prefix cache.
+
+    One per engine process, built at start-up once the number of blocks is known as
+    ``cls(num_blocks, block_size, enable_prefix_caching=..., hash_salt=...)`` (plus ``options=`` when its
+    plugin declares options), and called only by the scheduler, from the engine loop, in the order the
+    module docstring shows. No method may block, touch device memory or call hooks. ``hash_salt`` names
+    the model and KV dtype: block hashes (``tokenmill.kv_cache.block_hash``) must be salted with it so
+    that a router or KV tier computing them elsewhere gets the same values.
+    """
+
+    #: Registered name.
+    name: ClassVar[str]
+
+    @property
+    @abstractmethod
+    def block_size(self) -> int:
+        """Tokens per block."""
+
+    @property
+    @abstractmethod
+    def usage(self) -> float:
+        """Fraction of blocks referenced by requests, 0..1 (the KV-cache-usage gauge). Read once per step."""
+
+    @abstractmethod
+    def lookup_prefix(self, token_ids: Sequence[int], cache_salt: str | None = None) -> PrefixMatch:
+        """The longest run of leading full blocks of ``token_ids`` that is cached. Once per admission attempt."""
+
+    @abstractmethod
+    def allocate_slots(
+        self, request_id: str, num_computed_tokens: int, num_new_tokens: int, prefix: PrefixMatch | None = None
+    ) -> SlotAllocation | None:
+        """Make the request's block table cover ``num_computed_tokens + num_new_tokens`` tokens, or return
+        None and change nothing when blocks run out. Once per scheduled request per step, before it runs."""
+
+    @abstractmethod
+    def cache_full_blocks(
+        self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int, cache_salt: str | None = None
+    ) -> None:
+        """Publish the request's filled blocks for reuse. Once per request that ran, after each step."""
+
+    @abstractmethod
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """Give ``child_id`` the parent's block table, sharing every block (n > 1 sampling)."""
+
+    @abstractmethod
+    def free(self, request_id: str) -> None:
+        """Drop the request's block table (finished, aborted or preempted). Unknown ids: no-op."""
+
+    @abstractmethod
+    def block_ids(self, request_id: str) -> list[int]:
+        """A copy of the request's block table. Once per scheduled request per step."""
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        """Prompt tokens looked up in the prefix cache so far (a counter); 0 without a prefix cache."""
+        return 0
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        """Prompt tokens reused from the prefix cache so far (a counter)."""
+        return 0
+
+
+class PagedKVCacheManager(KVCacheManager):
     """Block tables, ref counts, prefix caching and copy-on-write over one pool of KV blocks.
 
     One per engine process, built at startup once the number of blocks is known
@@ -65,6 +131,8 @@ class KVCacheManager:
     touches device memory or calls hooks; each is O(blocks it touches) except
     ``reset_prefix_cache`` and ``check_invariants``.
     """
+
+    name: ClassVar[str] = "paged"
 
     def __init__(
         self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, hash_salt: str = ""

@@ -1,22 +1,26 @@
-"""Choosing each request's next token from the model's logits.
+"""The sampler interface, and ``TorchSampler``: each request's next token from the model's logits.
 
-The engine calls ``Sampler`` once per step, in the engine process, with the
+The engine calls the sampler once per step, in the engine process, with the
 float32 logits of the last position of every request that needs a token (R
 rows). All work is vectorised over the batch; the only per-row Python is
 drawing random numbers for seeded requests from their own generators.
 
-Order (vLLM/OpenAI semantics): raw logprobs → banned tokens → repetition
-penalty → frequency and presence penalties → greedy rows take the argmax;
-other rows: temperature → top-k → top-p → min-p → exponential-race draw.
+Order (vLLM/OpenAI semantics): raw logprobs → logits processors (``logit_bias``,
+``min_tokens``, plugins) → repetition penalty → frequency and presence
+penalties → greedy rows take the argmax; other rows: temperature → top-k →
+top-p → min-p → exponential-race draw.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
+from tokenmill.sampling.logits_processor import LogitsProcessor, SamplingRow
 from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -41,7 +45,6 @@ class SamplingMetadata:
     prompt_token_ids: torch.Tensor  # [R, max_prompt_len] int64, padded with vocab_size
     output_token_ids: torch.Tensor  # [R, max_output_len] int64, padded with vocab_size
     generators: dict[int, torch.Generator]  # row -> that request's own generator (seeded rows that sample)
-    banned_token_ids: list[tuple[int, list[int]]]  # (row, ids that must not be sampled this step)
     max_num_logprobs: int | None  # max over rows of SamplingParams.logprobs; None when no row wants logprobs
     all_greedy: bool = False
     all_random: bool = False
@@ -50,6 +53,11 @@ class SamplingMetadata:
     no_top_p: bool = False
     no_min_p: bool = False
     unseeded_rows: torch.Tensor | None = None  # [num_unseeded] int64: rows that sample with the sampler's generator
+    #: Each active logits processor with the rows it applies to and their states.
+    logits_processors: list[tuple[LogitsProcessor, list[int], list[SamplingRow]]] = field(default_factory=list)
+    #: Rows whose logits processor raised this step: row -> error naming the processor. Filled by
+    #: ``apply_logits_processors``; the engine fails those requests.
+    errors: dict[int, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.unseeded_rows is None:
@@ -59,6 +67,23 @@ class SamplingMetadata:
             rows = [row for row, greedy in enumerate(is_greedy) if not greedy and row not in self.generators]
             self.unseeded_rows = torch.tensor(rows, dtype=torch.int64, device=self.temperature.device)  # [num_unseeded]
 
+    def apply_logits_processors(self, logits: torch.Tensor) -> torch.Tensor:
+        """Run each active logits processor over its rows; a processor that raises leaves the logits as they
+        were and records an error for each of its rows in ``errors``. Samplers call this once per step,
+        after taking raw logprobs and before penalties. Never modifies ``logits``; returns a new tensor
+        when a processor ran."""
+        if not self.logits_processors:
+            return logits
+        logits = logits.clone()
+        for processor, rows, states in self.logits_processors:
+            try:
+                logits = processor.apply(logits, rows, states)
+            except Exception as exc:  # a plugin's failure fails its requests, not the engine
+                logger.exception("logits processor %r failed", processor.name)
+                for row in rows:
+                    self.errors[row] = f"logits processor {processor.name!r} failed: {type(exc).__name__}: {exc}"
+        return logits
+
     @classmethod
     def from_requests(
         cls,
@@ -66,20 +91,22 @@ class SamplingMetadata:
         prompt_token_ids: list[list[int]],
         output_token_ids: list[list[int]],
         generators: list[torch.Generator | None],
-        banned_token_ids: list[list[int]],
         vocab_size: int,
         device: torch.device,
+        rows: list[SamplingRow] | None = None,
+        logits_processors: list[LogitsProcessor] = (),  # type: ignore[assignment]
     ) -> SamplingMetadata:
         """Build one step's metadata; the engine calls it once per step, in the engine process.
 
         Row i belongs to ``params[i]``. ``generators[i]`` is that request's own generator (on
-        ``device``) or None to draw from the sampler's. ``banned_token_ids[i]`` are ids row i must
-        not sample this step (EOS and stop ids until min_tokens is reached). ``vocab_size`` is the
-        logits' width (it is also the padding id). Token histories are copied to ``device`` only
-        when some row has a penalty that reads them.
+        ``device``) or None to draw from the sampler's. ``vocab_size`` is the logits' width (it is
+        also the padding id). Token histories are copied to ``device`` only when some row has a
+        penalty that reads them. Each of ``logits_processors`` applies to the rows (``rows[i]``
+        describes row i) for which its ``is_active`` is true.
         """
         num_reqs = len(params)
-        assert len(prompt_token_ids) == len(output_token_ids) == len(generators) == len(banned_token_ids) == num_reqs
+        assert len(prompt_token_ids) == len(output_token_ids) == len(generators) == num_reqs
+        active, errors = _active_processors(logits_processors, rows) if rows is not None else ([], {})
         is_greedy = [p.is_greedy for p in params]
         # Seeded greedy rows draw nothing, so their generators stay untouched.
         seeded = {row: g for row, g in enumerate(generators) if g is not None and not is_greedy[row]}
@@ -104,7 +131,6 @@ class SamplingMetadata:
             prompt_token_ids=_pad(prompt_token_ids if has_repetition else no_history, vocab_size, device),
             output_token_ids=_pad(output_token_ids if not no_penalties else no_history, vocab_size, device),
             generators=seeded,
-            banned_token_ids=[(row, ids) for row, ids in enumerate(banned_token_ids) if ids],
             max_num_logprobs=max(num_logprobs) if num_logprobs else None,
             all_greedy=all(is_greedy),
             all_random=not any(is_greedy),
@@ -113,6 +139,8 @@ class SamplingMetadata:
             no_top_p=all(p.top_p == 1.0 for p in params),
             no_min_p=all(p.min_p == 0.0 for p in params),
             unseeded_rows=_to_device(torch.tensor(unseeded, dtype=torch.int64), device),  # [num_unseeded]
+            logits_processors=active,
+            errors=errors,
         )
 
 
@@ -126,23 +154,35 @@ class SamplerOutput:
     top_logprobs: torch.Tensor | None  # [R, max_num_logprobs] float32
 
 
-class Sampler:
+class Sampler(ABC):
     """Turns one step's logits into one token per row.
 
-    Built once by the engine. ``generator`` serves rows without a seed of their own (the
-    engine seed); None uses torch's default generator on the logits' device.
+    Built once per engine process with no arguments (plus ``options=`` when its plugin declares
+    options); called once per step, in the engine process. A sampler must not modify ``logits``,
+    call hooks or wait on the device (no ``.item()``/``.tolist()``); it takes raw logprobs first,
+    then calls ``metadata.apply_logits_processors``, then honours every field of ``metadata``.
+    ``tokenmill.testing.check_sampler`` checks a sampler against ``TorchSampler``.
     """
+
+    #: Registered name.
+    name: ClassVar[str]
+
+    @abstractmethod
+    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        """Sample one token per row of ``logits`` [R, vocab_size] float32."""
+
+
+class TorchSampler(Sampler):
+    """The vectorised torch sampler. ``generator`` serves rows without a seed of their own (the
+    engine seed); None uses torch's default generator on the logits' device."""
+
+    name: ClassVar[str] = "torch"
 
     def __init__(self, generator: torch.Generator | None = None) -> None:
         self.generator = generator
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
-        """Sample one token per row of ``logits`` [R, vocab_size] float32.
-
-        Called by the engine once per step, in the engine process. It does not modify
-        ``logits``, calls no hooks and never waits on the device (no ``.item()``/``.tolist()``,
-        host copies are non-blocking).
-        """
+        """Sample one token per row of ``logits`` [R, vocab_size] float32 (see ``Sampler``)."""
         assert logits.dim() == 2 and logits.dtype == torch.float32, (logits.shape, logits.dtype)
         # Logprobs describe the model's own distribution, so they come before any processing.
         raw_logprobs = logits.log_softmax(dim=-1) if metadata.max_num_logprobs is not None else None
@@ -165,19 +205,13 @@ class Sampler:
         )
 
     def process_logits(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        """``logits`` with banned tokens at -inf and penalties applied; a new tensor if anything changed.
+        """``logits`` after the logits processors and penalties; a new tensor if anything changed.
 
         Never modifies ``logits``. Greedy rows take the argmax of the result. Called by ``__call__``
         once per step; public so tests (and later, speculative verification) see the same logits
         the sampler does.
         """
-        if metadata.banned_token_ids:
-            # A handful of EOS/stop ids per row in its min_tokens phase: cheap to flatten here.
-            rows = [row for row, ids in metadata.banned_token_ids for _ in ids]
-            cols = [token_id for _, ids in metadata.banned_token_ids for token_id in ids]
-            index = _to_device(torch.tensor([rows, cols], dtype=torch.int64), logits.device)  # [2, num_banned]
-            logits = logits.clone()
-            logits[index[0], index[1]] = float("-inf")
+        logits = metadata.apply_logits_processors(logits)
         if metadata.no_penalties:
             return logits
         num_reqs, vocab_size = logits.shape
@@ -245,6 +279,25 @@ def _apply_top_k_top_p(logits: torch.Tensor, metadata: SamplingMetadata) -> torc
         # top_p == 1 is "off": rounding in the cumsum must not drop the tail.
         sorted_logits.masked_fill_((mass_before >= top_p) & (top_p < 1.0), float("-inf"))
     return torch.empty_like(logits).scatter_(-1, sorted_ids, sorted_logits)
+
+
+def _active_processors(
+    processors: list[LogitsProcessor], rows: list[SamplingRow]
+) -> tuple[list[tuple[LogitsProcessor, list[int], list[SamplingRow]]], dict[int, str]]:
+    """Each processor with the rows it applies to; a row whose ``is_active`` raised gets an error instead."""
+    active = []
+    errors: dict[int, str] = {}
+    for processor in processors:
+        indices = []
+        for index, row in enumerate(rows):
+            try:
+                if processor.is_active(row):
+                    indices.append(index)
+            except Exception as exc:  # a plugin's failure fails its request, not the engine
+                errors[index] = f"logits processor {processor.name!r} failed: {type(exc).__name__}: {exc}"
+        if indices:
+            active.append((processor, indices, [rows[i] for i in indices]))
+    return active, errors
 
 
 def _pad(token_ids: list[list[int]], pad_id: int, device: torch.device) -> torch.Tensor:

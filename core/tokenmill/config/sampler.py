@@ -1,0 +1,24 @@
+"""Sampling: which sampler plugin picks tokens, and which logits processors the engine builds."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+
+from tokenmill.config.base import ConfigSection, describe
+
+
+class SamplerConfig(ConfigSection):
+    sampler: Annotated[
+        str,
+        describe("Sampler plugin by name: turns each step's logits into tokens ('torch' is built in)."),
+    ] = "torch"
+    logits_processors: Annotated[
+        list[str],
+        describe(
+            "Logits processor plugins the engine builds, by name; each applies to the requests whose sampling "
+            "parameters ask for it. 'logit_bias' (OpenAI `logit_bias`) and 'min_tokens' are built in.",
+            flag="--logits-processors",
+        ),
+    ] = msgspec.field(default_factory=lambda: ["logit_bias", "min_tokens"])

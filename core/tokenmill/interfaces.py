@@ -1,0 +1,79 @@
+"""Every interface a plugin can implement, from one public module.
+
+Each slot of the runtime has an interface here, a registration hook in
+``tokenmill.hookspecs`` and at least one built-in implementation registered
+through that same hook (``tokenmill plugins`` lists them all):
+
+========================  ==============================  ======================================
+slot                      interface                       built in
+========================  ==============================  ======================================
+``architecture``          ``CausalLM``                    Llama, Mistral, Qwen2, Qwen3
+``weight_format``         ``WeightFormat``                ``safetensors``, ``gguf``
+``quantizer``             ``Quantizer``                   ``none``, ``int8``, ``int4``
+``attention_backend``     ``AttentionBackend``            ``torch``, ``cpu``, ``triton``, ``cuda``
+``scheduler``             ``Scheduler``                   ``fcfs``, ``priority``
+``kv_cache_manager``      ``KVCacheManager``              ``paged``
+``sampler``               ``Sampler``                     ``torch``
+``logits_processor``      ``LogitsProcessor``             ``logit_bias``, ``min_tokens``
+``speculator``            ``Speculator``                  (none yet)
+``kv_tier``               ``KVTier``                      (none yet)
+``router``                ``Router``                      ``round-robin``
+``transport``             ``Transport``                   ``zmq``
+========================  ==============================  ======================================
+
+Names are imported on first use, so a front-end process that imports a
+router's interface never imports torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    pass
+
+#: name -> module that defines it.
+_EXPORTS: dict[str, str] = {
+    "ArchitectureConfig": "tokenmill.models.architecture",
+    "AttentionBackend": "tokenmill.attention.backend",
+    "AttentionLayerSpec": "tokenmill.attention.backend",
+    "AttentionMetadata": "tokenmill.attention.backend",
+    "CausalLM": "tokenmill.models.base",
+    "EngineEndpoint": "tokenmill.transport.base",
+    "EngineState": "tokenmill.routing",
+    "FrontendConnection": "tokenmill.transport.base",
+    "KVCacheManager": "tokenmill.kv_cache.manager",
+    "KVTier": "tokenmill.kv_cache.tier",
+    "KVTierStats": "tokenmill.kv_cache.tier",
+    "LoadedTensor": "tokenmill.weights.format",
+    "LogitsProcessor": "tokenmill.sampling.logits_processor",
+    "ModelRunnerOutput": "tokenmill.scheduler",
+    "PrefixMatch": "tokenmill.kv_cache.manager",
+    "Proposal": "tokenmill.speculator",
+    "Quantizer": "tokenmill.layers.quantizer",
+    "Router": "tokenmill.routing",
+    "Sampler": "tokenmill.sampling.sampler",
+    "SamplerOutput": "tokenmill.sampling.sampler",
+    "SamplingMetadata": "tokenmill.sampling.sampler",
+    "SamplingRow": "tokenmill.sampling.logits_processor",
+    "ScheduledRequest": "tokenmill.scheduler",
+    "Scheduler": "tokenmill.scheduler",
+    "SchedulerOutput": "tokenmill.scheduler",
+    "SlotAllocation": "tokenmill.kv_cache.manager",
+    "SpeculationInput": "tokenmill.speculator",
+    "Speculator": "tokenmill.speculator",
+    "Transport": "tokenmill.transport.base",
+    "WeightFormat": "tokenmill.weights.format",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module_name = _EXPORTS.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'tokenmill.interfaces' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module_name), name)
+    globals()[name] = value
+    return value

@@ -1,0 +1,1 @@
+"""Sampling: the sampler interface and its torch implementation, and logits processors."""
