@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import numpy
 import torch
 
+from tokenmill.attention.backend import AttentionMetadata
 from tokenmill.cuda_graphs import CudaGraphRunner
 from tokenmill.model_loader import LoadedModel
 from tokenmill.step_batch import SequenceChunk, build_batch
@@ -80,6 +81,17 @@ class ModelRunner:
         for kv_cache in self.kv_caches:
             kv_cache[:, dst] = kv_cache[:, src]
 
+    def prepare_batch(self, chunks: Sequence[SequenceChunk]) -> tuple[torch.Tensor, AttentionMetadata]:
+        """Lay ``chunks`` out as one batch on the device and let the attention backend prepare it:
+        input ids [num_tokens] and the step's metadata, ready for the forward.
+
+        Called by ``execute`` once per eagerly run step, and by ``bench step`` to time attention
+        over a decode batch.
+        """
+        input_ids, metadata = build_batch(chunks, self.block_size, self.loaded.device)
+        self.loaded.attention.prepare(metadata, self.block_size)
+        return input_ids, metadata
+
     @torch.inference_mode()
     def execute(
         self,
@@ -100,8 +112,7 @@ class ModelRunner:
                 if logits_indices is not None and not all_logits and logits_indices != list(range(len(chunks))):
                     hidden = hidden[torch.tensor(logits_indices, device=hidden.device)]
                 return self.loaded.model.compute_logits(hidden)
-        input_ids, metadata = build_batch(chunks, self.block_size, self.loaded.device)
-        self.loaded.attention.prepare(metadata, self.block_size)
+        input_ids, metadata = self.prepare_batch(chunks)
         hidden = self.loaded.model(input_ids, metadata.positions, self.kv_caches, metadata)
         if not all_logits:
             last_positions = metadata.query_start_loc[1:].long() - 1  # [num_reqs]

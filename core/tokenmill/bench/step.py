@@ -3,12 +3,14 @@
 A decode step is timed end to end through ``EngineCore.step`` (scheduling, batch building,
 forward, logits, sampling, output bookkeeping). Then its parts are timed alone on the same
 model with the same shapes: every linear layer of one forward (the output projection
-included) and every layer's attention (cache write plus paged attention) over the step's
-real batch metadata. What the parts do not account for is the rest of the step: norms,
-rope, activations, residual adds, Python and the sampler.
+included) and every layer's attention (cache write plus paged attention) over the model
+runner's batch layout of the next decode step. What the parts do not account for is the
+rest of the step: norms, rope, activations, residual adds, Python and the sampler.
 
 Timing the parts separately, rather than through a profiler, keeps the numbers honest for
-C++ kernels that a profiler does not see and costs nothing in the engine's hot path.
+C++ kernels that a profiler does not see and costs nothing in the engine's hot path. Only
+public API is used: the engine's ``add_request``/``step``/``abort_requests`` and its model
+runner's ``prepare_batch``, model and KV cache tensors.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from tokenmill.bench.workload import random_token_ids
 
 if TYPE_CHECKING:
     from tokenmill.engine import EngineCore
+    from tokenmill.model_runner import ModelRunner, SequenceChunk
 
 
 @dataclass(frozen=True)
@@ -41,27 +44,31 @@ def run_step(engine: EngineCore, *, batch_size: int, context_len: int, num_steps
     import torch
 
     from tokenmill.engine import now
+    from tokenmill.layers.linear import Linear
     from tokenmill.messages import EngineCoreRequest
-    from tokenmill.model_runner import build_batch
     from tokenmill.sampling_params import SamplingParams
 
     prompts = random_token_ids([context_len] * batch_size, seed=seed, vocab_size=engine.vocab_size)
     params = SamplingParams(temperature=0, max_tokens=num_steps * 3 + 8, ignore_eos=True)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(EngineCoreRequest(f"step-{i}", prompt, params, [], now()))
-    requests = list(engine.scheduler.requests.values())
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in requests):
-        engine.step()  # prefill
+    request_ids = [f"step-{i}" for i in range(batch_size)]
+    for request_id, prompt in zip(request_ids, prompts, strict=True):
+        engine.add_request(EngineCoreRequest(request_id, prompt, params, [], now()))
+    prefilling = set(request_ids)
+    while prefilling and engine.has_unfinished_requests():  # the step that ends a prompt samples its first token
+        prefilling -= {output.request_id for output in engine.step() if output.new_token_ids}
     for _ in range(2):
         engine.step()  # warm-up decode steps
     step_ms = _median_ms(engine.step, num_steps)
+    # The parts below write K/V wherever their batch says: free the requests' blocks first.
+    engine.abort_requests(request_ids)
 
     # The parts, over the same shapes as the steps just timed.
-    model = engine.runner.loaded.model
-    linears = [m for m in model.modules() if isinstance(m, _linear_class())]
+    runner = engine.runner
+    model = runner.loaded.model
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
     inputs = {id(m): torch.randn(batch_size, m.in_features) for m in linears}
 
-    hidden = torch.randn(batch_size, engine.runner.loaded.arch.hidden_size)  # [batch, hidden]
+    hidden = torch.randn(batch_size, runner.loaded.arch.hidden_size)  # [batch, hidden]
     tied_dense_head = getattr(model, "lm_head", None) is None
 
     def all_linears() -> None:
@@ -70,25 +77,23 @@ def run_step(engine: EngineCore, *, batch_size: int, context_len: int, num_steps
         if tied_dense_head:  # the output projection reads the embedding: not a Linear
             model.compute_logits(hidden)
 
-    chunks = [engine._chunk(s) for s in engine.scheduler.schedule().scheduled]
-    _, metadata = build_batch(chunks, engine.runner.block_size, engine.runner.loaded.device)
-    backend = engine.runner.loaded.attention
-    backend.prepare(metadata, engine.runner.block_size)
-    attention_layers = [layer.self_attn for layer in model.model.layers]
-    spec = attention_layers[0].spec
+    # The next decode step of the timed ones: each request has context_len + 2 + num_steps tokens cached.
+    _, metadata = runner.prepare_batch(_decode_chunks(batch_size, context_len + 2 + num_steps, runner))
+    backend = runner.loaded.attention
+    specs = model.attention_specs()
+    spec = specs[0]
     num_tokens = metadata.num_tokens
     query = torch.randn(num_tokens, spec.num_heads, spec.head_dim)  # [num_tokens, heads, head_dim]
     key = torch.randn(num_tokens, spec.num_kv_heads, spec.head_dim)  # [num_tokens, kv_heads, head_dim]
     value = torch.randn(num_tokens, spec.num_kv_heads, spec.head_dim)
 
     def all_attention() -> None:
-        for layer, kv_cache in zip(attention_layers, engine.runner.kv_caches, strict=True):
-            backend.forward(layer.spec, query, key, value, kv_cache, metadata)
+        for layer_spec, kv_cache in zip(specs, runner.kv_caches, strict=True):
+            backend.forward(layer_spec, query, key, value, kv_cache, metadata)
 
     with torch.inference_mode():
         linear_ms = _median_ms(all_linears, num_steps)
         attention_ms = _median_ms(all_attention, num_steps)
-    engine.abort_requests([r.request_id for r in requests])
     summary = StepBreakdown(
         batch_size=batch_size,
         context_len=context_len,
@@ -110,10 +115,21 @@ def run_step(engine: EngineCore, *, batch_size: int, context_len: int, num_steps
     return build_report("step", parameters, summary)
 
 
-def _linear_class() -> type:
-    from tokenmill.layers.linear import Linear
+def _decode_chunks(batch_size: int, num_computed_tokens: int, runner: ModelRunner) -> list[SequenceChunk]:
+    """A decode step of ``batch_size`` requests with ``num_computed_tokens`` cached each: one new token
+    apiece, each request's blocks consecutive (as a fresh cache hands them out), wrapping around the
+    cache if it holds fewer."""
+    from tokenmill.model_runner import SequenceChunk
 
-    return Linear
+    blocks_per_request = -(-(num_computed_tokens + 1) // runner.block_size)
+    return [
+        SequenceChunk(
+            [0],
+            num_computed_tokens,
+            [(i * blocks_per_request + j) % runner.num_blocks for j in range(blocks_per_request)],
+        )
+        for i in range(batch_size)
+    ]
 
 
 def _median_ms(function: Callable[[], Any], repeats: int) -> float:

@@ -10,7 +10,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from tokenmill.attention.backend import AttentionMetadata
+from tokenmill.attention.backend import AttentionLayerSpec, AttentionMetadata
 from tokenmill.layers.linear import Linear, MergedLinear
 from tokenmill.weights.format import LoadedTensor, WeightsError
 
@@ -41,6 +41,17 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Float32 logits [num_selected, vocab_size] for the selected hidden states."""
         raise NotImplementedError
+
+    def attention_specs(self) -> list[AttentionLayerSpec]:
+        """Each attention layer's spec, in layer order (the order of the runner's ``kv_caches``).
+
+        Called by tools that drive the attention backend without the model (``bench step``),
+        not per step. The default collects every submodule's ``spec`` attribute; an
+        architecture whose layers keep their spec elsewhere overrides it.
+        """
+        return [
+            module.spec for module in self.modules() if isinstance(getattr(module, "spec", None), AttentionLayerSpec)
+        ]
 
     def load_weights(self, tensors: Iterable[LoadedTensor]) -> None:
         """Copy checkpoint tensors (Hugging Face names) into the parameters, one at a time.

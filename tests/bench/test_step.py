@@ -1,0 +1,37 @@
+"""``bench step`` on a tiny in-memory model, through the engine's and the model runner's public API."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.factories import make_engine, save_hf_model
+from tokenmill.bench.step import run_step
+
+
+def test_step_times_a_decode_step_and_its_parts(tmp_path: Path) -> None:
+    save_hf_model("llama-tiny", tmp_path)
+    engine = make_engine(tmp_path)
+    report = run_step(engine, batch_size=3, context_len=10, num_steps=2, seed=0)
+    results, parameters = report["results"], report["parameters"]
+    assert report["benchmark"] == "step" and (results["batch_size"], results["context_len"]) == (3, 10)
+    assert min(results["step_ms"], results["linear_ms"], results["attention_ms"]) > 0
+    assert results["other_ms"] == pytest.approx(results["step_ms"] - results["linear_ms"] - results["attention_ms"])
+    assert results["output_throughput"] == pytest.approx(3 / (results["step_ms"] / 1000))
+    assert parameters["attention_backend"] == engine.runner.loaded.attention.name
+    assert parameters["quantization"] == "none"
+    assert not engine.has_unfinished_requests()  # its requests are aborted, their blocks free
+
+    again = run_step(engine, batch_size=1, context_len=4, num_steps=1, seed=1)  # the same engine serves more runs
+    assert again["results"]["batch_size"] == 1
+
+
+def test_attention_specs_one_per_layer(tmp_path: Path) -> None:
+    save_hf_model("llama-tiny", tmp_path)
+    loaded = make_engine(tmp_path).runner.loaded
+    specs = loaded.model.attention_specs()
+    assert len(specs) == loaded.arch.num_layers
+    assert {(s.num_heads, s.num_kv_heads, s.head_dim) for s in specs} == {
+        (loaded.arch.num_attention_heads, loaded.arch.num_kv_heads, loaded.arch.head_dim)
+    }
