@@ -35,7 +35,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_OPENMP_FLAGS = ["-fopenmp"]
+_OPENMP_FLAGS = ("-fopenmp",)
 
 
 class CppExtension:
@@ -92,7 +92,7 @@ class CppExtension:
         """Where the build of ``source`` (this extension's C++) with this torch and Python lives."""
         root = os.environ.get("TORCH_EXTENSIONS_DIR") or _cpp_extension().get_default_build_root()
         key = build_key(
-            source, [*self.cflags, *_OPENMP_FLAGS], _OPENMP_FLAGS, _compiler(), torch.__version__, _python_abi()
+            source, [*self.cflags, *_OPENMP_FLAGS], [*_OPENMP_FLAGS], _compiler(), torch.__version__, _python_abi()
         )
         return Path(root) / f"{self.name}-{key}"
 
@@ -119,7 +119,7 @@ class CppExtension:
             name=self.name,
             sources=[str(copy)],
             extra_cflags=[*self.cflags, *_OPENMP_FLAGS],
-            extra_ldflags=_OPENMP_FLAGS,
+            extra_ldflags=[*_OPENMP_FLAGS],  # a list of its own: torch appends its libraries to it
             build_directory=str(directory),
             verbose=False,
         )

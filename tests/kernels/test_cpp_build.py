@@ -84,8 +84,11 @@ def test_a_build_logs_one_line_and_a_cached_load_none(
     source.write_text("// a kernel\n")
     calls = []
 
-    def fake_load(name: str, sources: list[str], build_directory: str, **kwargs: object) -> ModuleType:
+    def fake_load(
+        name: str, sources: list[str], build_directory: str, extra_ldflags: list[str], **_: object
+    ) -> ModuleType:
         calls.append((name, sources, build_directory))
+        extra_ldflags.append("-ltorch")  # as torch does to the list it is given
         (Path(build_directory) / f"{name}.so").write_bytes(b"")
         return ModuleType(name)
 
@@ -103,3 +106,4 @@ def test_a_build_logs_one_line_and_a_cached_load_none(
     caplog.clear()
     CppExtension("tokenmill_test", source, ["-O3"], "test kernels").load()  # a new process: built already
     assert len(calls) == 2 and not [r for r in caplog.records if r.levelno >= logging.INFO]
+    assert calls[1][2] == build_directory  # the first load changed nothing the key depends on
