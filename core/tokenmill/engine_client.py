@@ -1,11 +1,12 @@
-"""The front end's side of the engines: ZeroMQ clients, local engine processes, routing.
+"""The front end's side of the engines: engine clients, local engine processes, routing.
 
-Each ``EngineClient`` talks to one engine over a DEALER socket. A receive task
-routes every ``EngineCoreOutput`` to the queue of the request it belongs to; a
-watchdog marks the engine dead when its process exits or its heartbeats stop,
-and then fails every request still waiting on it with ``EngineDeadError``, so
-no caller hangs. ``EngineGroup`` spreads requests over several engines with a
-routing policy. Runs in the asyncio front end; imports no torch.
+Each ``EngineClient`` talks to one engine over a connection of the configured
+``Transport``. A receive task routes every ``EngineCoreOutput`` to the queue of
+the request it belongs to; a watchdog marks the engine dead when its process
+exits or its heartbeats stop, and then fails every request still waiting on it
+with ``EngineDeadError``, so no caller hangs. ``EngineGroup`` asks a ``Router``
+plugin which engine serves each request; a router that fails fails only that
+request, with ``RouterError``. Runs in the asyncio front end; imports no torch.
 """
 
 from __future__ import annotations
@@ -16,14 +17,13 @@ import multiprocessing
 import os
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import zmq
-import zmq.asyncio
-
 from tokenmill.config import EngineConfig
 from tokenmill.errors import TokenmillError
+from tokenmill.kv_cache.block_hash import block_hashes
 from tokenmill.messages import (
     PROTOCOL_VERSION,
     AbortRequests,
@@ -34,7 +34,8 @@ from tokenmill.messages import (
     Hello,
     Ready,
 )
-from tokenmill.routing import EngineState, RoutingPolicy
+from tokenmill.routing import EngineState, Router
+from tokenmill.transport.base import FrontendConnection, Transport
 from tokenmill.transport.serde import decode_from_engine, encode
 
 logger = logging.getLogger(__name__)
@@ -44,6 +45,10 @@ _WATCHDOG_INTERVAL_S = 0.2
 
 class EngineDeadError(TokenmillError):
     """The engine serving a request stopped answering (its process died or its heartbeats stopped)."""
+
+
+class RouterError(TokenmillError):
+    """The router plugin raised, or picked something that is not a healthy engine, for one request."""
 
 
 @dataclass
@@ -56,8 +61,11 @@ class RequestStream:
 
 
 class EngineClient:
-    def __init__(self, address: str, index: int = 0, process: Any = None, heartbeat_timeout: float = 5.0) -> None:
+    def __init__(
+        self, address: str, transport: Transport, index: int = 0, process: Any = None, heartbeat_timeout: float = 5.0
+    ) -> None:
         self.address = address
+        self.transport = transport
         self.index = index
         self.process = process  # a multiprocessing.Process for a local engine, else None
         self.heartbeat_timeout = heartbeat_timeout
@@ -66,8 +74,7 @@ class EngineClient:
         self.is_dead = False
         self.death_reason = ""
         self._streams: dict[str, RequestStream] = {}
-        self._context = zmq.asyncio.Context.instance()
-        self._socket: zmq.asyncio.Socket | None = None
+        self._connection: FrontendConnection | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._last_seen = 0.0
 
@@ -77,11 +84,9 @@ class EngineClient:
 
     async def start(self, timeout: float) -> Ready:
         """Connect, handshake, and start receiving. Raises ``EngineDeadError`` if no engine answers in time."""
-        socket = self._context.socket(zmq.DEALER)
-        socket.setsockopt(zmq.LINGER, 0)
-        socket.connect(self.address)
-        self._socket = socket
-        await socket.send(encode(Hello(PROTOCOL_VERSION)))
+        connection = self.transport.connect(self.address)
+        self._connection = connection
+        connection.send(encode(Hello(PROTOCOL_VERSION)))
         deadline = time.monotonic() + timeout
         while self.ready is None:
             if self.process is not None and not self.process.is_alive():
@@ -90,8 +95,8 @@ class EngineClient:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise EngineDeadError(f"no engine answered at {self.address} within {timeout:.0f} s")
-            if await socket.poll(min(remaining, 0.5) * 1000):
-                message = decode_from_engine(await socket.recv())
+            if await connection.poll(min(remaining, 0.5)):
+                message = decode_from_engine(await connection.recv())
                 if isinstance(message, Ready):
                     if message.error:
                         raise EngineDeadError(f"engine at {self.address} refused the handshake: {message.error}")
@@ -105,24 +110,27 @@ class EngineClient:
             raise EngineDeadError(f"engine at {self.address} is down: {self.death_reason}")
         stream = RequestStream(request.request_id, asyncio.Queue(), self)
         self._streams[request.request_id] = stream
-        assert self._socket is not None
-        self._socket.send(encode(request))  # zmq.asyncio: queued without waiting
+        assert self._connection is not None
+        self._connection.send(encode(request))
         return stream
 
-    def abort(self, request_ids: list[str]) -> None:
-        for request_id in request_ids:
-            self._streams.pop(request_id, None)
-        if request_ids and not self.is_dead and self._socket is not None:
-            self._socket.send(encode(AbortRequests(request_ids)))
+    def abort(self, request_ids: list[str], completions_only: bool = False) -> None:
+        """Abort whole requests (every completion; their streams end here), or with ``completions_only``
+        single completions whose stop string matched (the request's stream stays for its other completions)."""
+        if not completions_only:
+            for request_id in request_ids:
+                self._streams.pop(request_id, None)
+        if request_ids and not self.is_dead and self._connection is not None:
+            self._connection.send(encode(AbortRequests(request_ids, completions_only)))
 
     def release(self, request_id: str) -> None:
         """Forget a finished request's queue."""
         self._streams.pop(request_id, None)
 
     async def _receive(self) -> None:
-        assert self._socket is not None
+        assert self._connection is not None
         while True:
-            message = decode_from_engine(await self._socket.recv())
+            message = decode_from_engine(await self._connection.recv())
             self._last_seen = time.monotonic()
             if not isinstance(message, EngineCoreOutputs):
                 continue
@@ -162,8 +170,8 @@ class EngineClient:
     async def close(self) -> None:
         for task in self._tasks:
             task.cancel()
-        if self._socket is not None:
-            self._socket.close()
+        if self._connection is not None:
+            self._connection.close()
         if self.process is not None and self.process.is_alive():
             self.process.terminate()
             await asyncio.to_thread(self.process.join, 10)
@@ -172,11 +180,20 @@ class EngineClient:
 
 
 class EngineGroup:
-    """Every engine the front end serves from, and the policy that picks one per request."""
+    """Every engine the front end serves from, and the router that picks one per request.
 
-    def __init__(self, clients: list[EngineClient], policy: RoutingPolicy) -> None:
+    :param router_name: the name the config selected the router by, and ``plugin_name`` the plugin that
+        registered it; a ``RouterError`` names both, so the user knows which plugin to fix or unselect.
+    """
+
+    def __init__(
+        self, clients: list[EngineClient], router: Router, router_name: str | None = None, plugin_name: str = "unknown"
+    ) -> None:
+        assert all(client.index == position for position, client in enumerate(clients)), "index is the position"
         self.clients = clients
-        self.policy = policy
+        self.router = router
+        name = router_name or getattr(router, "name", type(router).__name__)
+        self.router_label = f"router {name!r} (plugin {plugin_name!r})"
 
     @property
     def is_healthy(self) -> bool:
@@ -195,21 +212,48 @@ class EngineGroup:
         return sum(client.num_in_flight for client in self.clients)
 
     def add_request(self, request: EngineCoreRequest) -> RequestStream:
+        """Send ``request`` to the engine the router picks.
+
+        Raises ``EngineDeadError`` when no engine is up, and ``RouterError`` when the router raises or
+        picks an engine that is not a healthy one; either way nothing was sent.
+        """
         states = [client.state() for client in self.clients]
         if not any(state.is_healthy for state in states):
             reasons = "; ".join(c.death_reason for c in self.clients)
             raise EngineDeadError(f"no engine is available: {reasons}")
-        return self.clients[self.policy.select(request, states)].add_request(request)
+        prefix_hashes = self._prefix_hashes(request) if self.router.needs_prefix_hashes else ()
+        try:
+            index = self.router.select(request, states, prefix_hashes)
+        except Exception as exc:  # a broken router fails this request, not the server
+            logger.error("%s failed for request %s", self.router_label, request.request_id, exc_info=exc)
+            raise RouterError(f"{self.router_label} failed: {type(exc).__name__}: {exc}") from exc
+        is_engine = isinstance(index, int) and not isinstance(index, bool) and 0 <= index < len(states)
+        if not is_engine or not states[index].is_healthy:
+            healthy = [state.index for state in states if state.is_healthy]
+            message = f"{self.router_label} failed: returned {index!r}, not a healthy engine (healthy: {healthy})"
+            logger.error("%s", message)
+            raise RouterError(message)
+        return self.clients[index].add_request(request)
+
+    def _prefix_hashes(self, request: EngineCoreRequest) -> Sequence[bytes]:
+        """The prompt's block hashes as the engines' prefix caches compute them (all engines serve the same
+        model, so the first one's block size and salt stand for all)."""
+        ready = next((client.ready for client in self.clients if client.ready is not None), None)
+        if ready is None:
+            return ()
+        return block_hashes(request.prompt_token_ids, ready.block_size, ready.hash_salt, request.cache_salt)
 
     async def close(self) -> None:
         await asyncio.gather(*(client.close() for client in self.clients))
 
 
-def start_local_engines(config: EngineConfig, count: int) -> list[EngineClient]:
+def start_local_engines(config: EngineConfig, count: int, transport: Transport) -> list[EngineClient]:
     """Start ``count`` engine processes on ipc:// addresses; returns their (unstarted) clients.
 
     Processes are spawned, not forked: the child starts a fresh interpreter, so
     the front end never imports torch and never shares state with the engine.
+    Each engine builds its own instance of the transport ``config`` selects;
+    ``transport`` is this process's instance of it.
     """
     from tokenmill.engine_process import run_engine_process
 
@@ -225,5 +269,5 @@ def start_local_engines(config: EngineConfig, count: int) -> list[EngineClient]:
             daemon=True,
         )
         process.start()
-        clients.append(EngineClient(address, index, process, config.server.engine_timeout))
+        clients.append(EngineClient(address, transport, index, process, config.server.engine_timeout))
     return clients

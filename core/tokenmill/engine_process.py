@@ -1,12 +1,13 @@
-"""The engine process: an ``EngineCore`` behind a ZeroMQ ROUTER socket.
+"""The engine process: an ``EngineCore`` behind the endpoint of a ``Transport``.
 
-Front ends connect DEALER sockets to the engine's address (``ipc://`` on one
-host, ``tcp://`` across hosts) and say ``Hello``; the engine answers
-``Ready``, then takes requests and aborts and sends each front end the outputs
-of its own requests after every step, plus a heartbeat while idle so a front
-end can tell a live engine from a dead one. The loop is single-threaded: it
-drains the socket without blocking between steps and blocks on it only when
-there is nothing to compute.
+The transport is the plugin that ``transport.backend`` names (built in: ZeroMQ,
+``ipc://`` on one host, ``tcp://`` across hosts); the front ends use the same
+one. Front ends connect to the engine's address and say ``Hello``; the engine
+answers ``Ready``, then takes requests and aborts and sends each front end the
+outputs of its own requests after every step, plus a heartbeat while idle so a
+front end can tell a live engine from a dead one. The loop is single-threaded:
+it drains the endpoint without blocking between steps and blocks on it only
+when there is nothing to compute.
 
 This module imports no torch at import time: the front end imports it to
 start engine processes.
@@ -21,7 +22,6 @@ import time
 from typing import Any
 
 import msgspec
-import zmq
 
 from tokenmill.messages import (
     PROTOCOL_VERSION,
@@ -32,6 +32,7 @@ from tokenmill.messages import (
     Hello,
     Ready,
 )
+from tokenmill.transport.base import EngineEndpoint
 from tokenmill.transport.serde import decode_to_engine, encode
 
 logger = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ def run_engine_process(config_data: dict[str, Any], address: str, watch_parent: 
     """
     from tokenmill.config import EngineConfig
     from tokenmill.engine import EngineCore
+    from tokenmill.plugin_manager import Slot, resolve_plugins
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine: %(message)s")
     _set_process_title("tokenmill-engine")
@@ -61,14 +63,13 @@ def run_engine_process(config_data: dict[str, Any], address: str, watch_parent: 
     signal.signal(signal.SIGINT, request_stop)
 
     config = msgspec.convert(config_data, EngineConfig)
-    context = zmq.Context()
-    socket = context.socket(zmq.ROUTER)
-    socket.setsockopt(zmq.LINGER, 0)
-    socket.bind(address)
-    engine = EngineCore(config)
-    server = _EngineServer(engine, socket)
-    logger.info("serving %s on %s", engine.loaded.path, address)
+    plugins = resolve_plugins(config)
+    transport = plugins.create(Slot.TRANSPORT, config.transport.backend)
+    endpoint: EngineEndpoint = transport.bind(address)  # before loading: front ends' Hello waits there
     try:
+        engine = EngineCore(config, plugins)
+        server = _EngineServer(engine, endpoint)
+        logger.info("serving %s on %s (transport %r)", engine.loaded.path, address, config.transport.backend)
         while not stopping:
             if watch_parent and os.getppid() != parent:
                 logger.warning("parent process died; exiting")
@@ -79,29 +80,24 @@ def run_engine_process(config_data: dict[str, Any], address: str, watch_parent: 
                 server.send_outputs(engine.step())
             server.heartbeat()
     finally:
-        socket.close()
-        context.term()
+        endpoint.close()
 
 
 class _EngineServer:
-    """Moves messages between the socket and the engine; keeps which client owns which request."""
+    """Moves messages between the endpoint and the engine; keeps which client owns which request."""
 
-    def __init__(self, engine: Any, socket: zmq.Socket) -> None:
+    def __init__(self, engine: Any, endpoint: EngineEndpoint) -> None:
         self.engine = engine
-        self.socket = socket
+        self.endpoint = endpoint
         self.clients: set[bytes] = set()
-        self.owners: dict[str, bytes] = {}
-        self.num_unfinished: dict[str, int] = {}  # completions of each request still running (n of them)
+        self.owners: dict[str, bytes] = {}  # request id -> the peer that sent it, until its last output
         self.last_sent = 0.0
 
     def receive(self, timeout_ms: int) -> None:
-        if not self.socket.poll(timeout_ms):
+        if not self.endpoint.poll(timeout_ms):
             return
-        while True:
-            try:
-                identity, frame = self.socket.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
+        while (received := self.endpoint.recv()) is not None:
+            identity, frame = received
             try:
                 message = decode_to_engine(frame)
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -120,19 +116,21 @@ class _EngineServer:
             ready = Ready(
                 PROTOCOL_VERSION, str(engine.loaded.path), engine.max_model_len,
                 engine.config.scheduler.max_num_seqs, error,
+                block_size=engine.layout.block_size, hash_salt=engine.kv_cache_hash_salt,
             )  # fmt: skip
-            self.socket.send_multipart([identity, encode(ready)])
+            self.endpoint.send(identity, encode(ready))
         elif isinstance(message, EngineCoreRequest):
             try:
                 self.engine.add_request(message)
             except Exception as exc:  # a bad request must never take the engine down
-                refusal = EngineCoreOutput(message.request_id, [], finish_reason="abort", error=str(exc))
+                refusal = EngineCoreOutput(
+                    message.request_id, [], finish_reason="abort", error=str(exc), request_finished=True
+                )
                 self._send(identity, [refusal])
                 return
             self.owners[message.request_id] = identity
-            self.num_unfinished[message.request_id] = message.params.n
         elif isinstance(message, AbortRequests):
-            self.send_outputs(self.engine.abort_requests(message.request_ids))
+            self.send_outputs(self.engine.abort_requests(message.request_ids, message.completions_only))
 
     def send_outputs(self, outputs: list[EngineCoreOutput]) -> None:
         by_client: dict[bytes, list[EngineCoreOutput]] = {}
@@ -142,10 +140,8 @@ class _EngineServer:
             if identity is None:
                 continue
             by_client.setdefault(identity, []).append(output)
-            if output.finished:
-                self.num_unfinished[root] -= 1
-                if self.num_unfinished[root] <= 0:  # the last of its n completions
-                    del self.owners[root], self.num_unfinished[root]
+            if output.request_finished:  # the scheduler's word that every completion of it is done
+                del self.owners[root]
         for identity, client_outputs in by_client.items():
             self._send(identity, client_outputs)
 
@@ -156,7 +152,7 @@ class _EngineServer:
 
     def _send(self, identity: bytes, outputs: list[EngineCoreOutput]) -> None:
         message = EngineCoreOutputs(outputs, self.engine.stats())
-        self.socket.send_multipart([identity, encode(message)])
+        self.endpoint.send(identity, encode(message))
         self.last_sent = time.monotonic()
 
 

@@ -147,10 +147,14 @@ class OpenAIServer:
         message = EngineCoreRequest(
             request_id, prompt_token_ids, params, list(self.state.tokenizer.eos_token_ids), arrival, priority
         )
+        from tokenmill.engine_client import RouterError
+
         try:
             stream = self.state.group.add_request(message)
         except EngineDeadError as exc:
             raise ProtocolError(503, str(exc), type="server_error", code="engine_unavailable") from None
+        except RouterError as exc:  # a plugin's bug: this request fails, the server keeps serving
+            raise ProtocolError(500, str(exc), type="server_error", code="router_error") from None
         processor = OutputProcessor(self.state.tokenizer)
         output = processor.add_request(request_id, prompt, prompt_token_ids, params)
         return _Generation(request_id, stream, processor, output, params, arrival)

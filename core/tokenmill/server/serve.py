@@ -22,7 +22,7 @@ import uvicorn
 from tokenmill.config import EngineConfig
 from tokenmill.engine_client import EngineClient, EngineGroup, start_local_engines
 from tokenmill.model_files import DEFAULT_MODEL, resolve_tokenizer
-from tokenmill.plugin_manager import Slot, load_plugins
+from tokenmill.plugin_manager import Slot, resolve_plugins
 from tokenmill.server.app import ServerState, build_app
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.tokenizer import Tokenizer
@@ -60,16 +60,20 @@ def run_server(config: EngineConfig) -> int:
 
 
 async def _serve(config: EngineConfig) -> int:
-    plugins = load_plugins(disabled=config.disable_plugins)
-    policy = plugins.registry.load(Slot.ROUTER, config.server.router)()
+    # Every plugin name and option is checked here, before any engine starts or model loads, so a
+    # misspelled router or transport fails at once with one line.
+    plugins = resolve_plugins(config)
+    transport = plugins.create(Slot.TRANSPORT, config.transport.backend)
+    router = plugins.create(Slot.ROUTER, config.server.router)
+    router_plugin = plugins.registry.get(Slot.ROUTER, config.server.router).plugin
     if config.server.engines:
         clients = [
-            EngineClient(address, index, None, config.server.engine_timeout)
+            EngineClient(address, transport, index, None, config.server.engine_timeout)
             for index, address in enumerate(config.server.engines)
         ]
     else:
-        clients = start_local_engines(config, config.server.data_parallel_size)
-    group = EngineGroup(clients, policy)
+        clients = start_local_engines(config, config.server.data_parallel_size, transport)
+    group = EngineGroup(clients, router, config.server.router, router_plugin)
     try:
         await asyncio.gather(*(client.start(ENGINE_START_TIMEOUT_S) for client in clients))
         tokenizer = await asyncio.to_thread(

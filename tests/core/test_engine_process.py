@@ -1,0 +1,124 @@
+"""The engine process's message pump (``_EngineServer``) with a fake engine and a fake endpoint: the
+handshake, which front end gets which outputs, and when a request's owner is forgotten."""
+
+from __future__ import annotations
+
+from collections import deque
+from types import SimpleNamespace
+from typing import Any
+
+from tokenmill.engine_process import _EngineServer
+from tokenmill.messages import (
+    PROTOCOL_VERSION,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineStatsMessage,
+    Hello,
+    Ready,
+)
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.transport.base import EngineEndpoint
+from tokenmill.transport.serde import decode_from_engine, encode
+
+
+class _FakeEndpoint(EngineEndpoint):
+    def __init__(self) -> None:
+        self.inbox: deque[tuple[bytes, bytes]] = deque()
+        self.sent: list[tuple[bytes, Any]] = []
+
+    def poll(self, timeout_ms: int) -> bool:
+        return bool(self.inbox)
+
+    def recv(self) -> tuple[bytes, bytes] | None:
+        return self.inbox.popleft() if self.inbox else None
+
+    def send(self, peer: bytes, frame: bytes) -> None:
+        self.sent.append((peer, decode_from_engine(frame)))
+
+    def close(self) -> None:
+        pass
+
+    def take(self) -> list[tuple[bytes, Any]]:
+        sent, self.sent = self.sent, []
+        return sent
+
+
+class _FakeEngine:
+    def __init__(self) -> None:
+        self.loaded = SimpleNamespace(path="/models/x")
+        self.max_model_len = 256
+        self.config = SimpleNamespace(scheduler=SimpleNamespace(max_num_seqs=8))
+        self.layout = SimpleNamespace(block_size=32)
+        self.kv_cache_hash_salt = "x:float32"
+        self.request_ids: list[str] = []
+
+    def add_request(self, message: EngineCoreRequest) -> None:
+        if not message.prompt_token_ids:
+            raise ValueError("empty prompt")
+        self.request_ids.append(message.request_id)
+
+    def stats(self) -> EngineStatsMessage:
+        return EngineStatsMessage(0, 0, 0.0, 0, 0, 0, 0, 0)
+
+
+def _server() -> tuple[_EngineServer, _FakeEndpoint]:
+    endpoint = _FakeEndpoint()
+    return _EngineServer(_FakeEngine(), endpoint), endpoint
+
+
+def _request(request_id: str, n: int = 1, prompt_token_ids: list[int] | None = None) -> bytes:
+    prompt = [1, 2, 3] if prompt_token_ids is None else prompt_token_ids
+    return encode(EngineCoreRequest(request_id, prompt, SamplingParams(n=n), [0], 0.0))
+
+
+def test_hello_gets_ready_with_the_prefix_cache_hashing() -> None:
+    server, endpoint = _server()
+    endpoint.inbox.append((b"front-end", encode(Hello(PROTOCOL_VERSION))))
+    server.receive(timeout_ms=0)
+    [(peer, ready)] = endpoint.take()
+    assert peer == b"front-end"
+    assert isinstance(ready, Ready)
+    assert (ready.error, ready.block_size, ready.hash_salt, ready.max_model_len) == (None, 32, "x:float32", 256)
+
+
+def test_outputs_go_to_their_owner_until_the_request_finishes() -> None:
+    server, endpoint = _server()
+    endpoint.inbox.extend([(b"a", _request("r1", n=2)), (b"b", _request("r2"))])
+    server.receive(timeout_ms=0)
+    # Completion 0 of r1 finishes first: r1 stays owned until the scheduler says all of it is done.
+    server.send_outputs([
+        EngineCoreOutput("r1", [5], finish_reason="length"),
+        EngineCoreOutput("r1#1", [6], parent_id="r1", index=1),
+        EngineCoreOutput("r2", [7]),
+    ])  # fmt: skip
+    sent = {peer: message.outputs for peer, message in endpoint.take()}
+    assert [o.request_id for o in sent[b"a"]] == ["r1", "r1#1"]
+    assert [o.request_id for o in sent[b"b"]] == ["r2"]
+    assert set(server.owners) == {"r1", "r2"}
+    server.send_outputs(
+        [EngineCoreOutput("r1#1", [8], finish_reason="length", parent_id="r1", index=1, request_finished=True)]
+    )
+    [(peer, message)] = endpoint.take()
+    assert peer == b"a" and message.outputs[0].request_finished
+    assert set(server.owners) == {"r2"}
+    server.send_outputs([EngineCoreOutput("r1", [9])])  # nobody owns it any more: dropped
+    assert endpoint.take() == []
+
+
+def test_a_refused_request_is_answered_finished_and_not_owned() -> None:
+    server, endpoint = _server()
+    endpoint.inbox.append((b"a", _request("bad", prompt_token_ids=[])))
+    server.receive(timeout_ms=0)
+    [(peer, message)] = endpoint.take()
+    assert isinstance(message, EngineCoreOutputs)
+    [refusal] = message.outputs
+    assert (refusal.finish_reason, refusal.error, refusal.request_finished) == ("abort", "empty prompt", True)
+    assert server.owners == {}
+
+
+def test_a_malformed_frame_is_dropped() -> None:
+    server, endpoint = _server()
+    endpoint.inbox.extend([(b"a", b"\xff not msgpack"), (b"a", _request("r1"))])
+    server.receive(timeout_ms=0)
+    assert server.engine.request_ids == ["r1"]
