@@ -20,10 +20,12 @@ one torch has loaded, so ``torch.set_num_threads`` governs the kernels' threads 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
 import shutil
+import subprocess
 import sys
 import sysconfig
 import threading
@@ -68,7 +70,7 @@ class CppExtension:
         compiler = _compiler()
         if shutil.which(compiler) is None:
             missing.append(f"a C++ compiler ({compiler!r} is not on PATH; set CXX to choose one)")
-        if not _cpp_extension().is_ninja_available():
+        if _ninja_version() is None:
             missing.append("ninja (pip install ninja)")
         return missing
 
@@ -91,8 +93,9 @@ class CppExtension:
     def build_directory(self, source: bytes) -> Path:
         """Where the build of ``source`` (this extension's C++) with this torch and Python lives."""
         root = os.environ.get("TORCH_EXTENSIONS_DIR") or _cpp_extension().get_default_build_root()
+        toolchain = f"{_compiler()} ninja {_ninja_version()}"
         key = build_key(
-            source, [*self.cflags, *_OPENMP_FLAGS], [*_OPENMP_FLAGS], _compiler(), torch.__version__, _python_abi()
+            source, [*self.cflags, *_OPENMP_FLAGS], [*_OPENMP_FLAGS], toolchain, torch.__version__, _python_abi()
         )
         return Path(root) / f"{self.name}-{key}"
 
@@ -129,12 +132,15 @@ class CppExtension:
 
 
 def build_key(
-    source: bytes, cflags: list[str], ldflags: list[str], compiler: str, torch_version: str, python_abi: str
+    source: bytes, cflags: list[str], ldflags: list[str], toolchain: str, torch_version: str, python_abi: str
 ) -> str:
-    """A short hash of everything a build's binary depends on: the source's bytes, the flags, the
-    compiler's name, the torch version and the Python ABI (``cpython-311-x86_64-linux-gnu``)."""
+    """A short hash of everything a build depends on: the source's bytes, the flags, the toolchain (the
+    compiler's name and ninja's version), the torch version and the Python ABI (``cpython-311-x86_64-linux-gnu``).
+
+    Ninja is in it because versions record commands differently: a build directory shared by two
+    ninjas (a venv's and the system's) was rebuilt by each after the other."""
     digest = hashlib.sha256(source)
-    for part in (" ".join(cflags), " ".join(ldflags), compiler, torch_version, python_abi):
+    for part in (" ".join(cflags), " ".join(ldflags), toolchain, torch_version, python_abi):
         digest.update(b"\0" + str(part).encode())
     return digest.hexdigest()[:16]
 
@@ -158,6 +164,16 @@ def _python_abi() -> str:
 def _compiler() -> str:
     # torch's build runs $CXX, else c++.
     return os.environ.get("CXX", "c++")
+
+
+@functools.cache
+def _ninja_version() -> str | None:
+    """The version of the ninja torch's build runs (the first on PATH), or None when there is none."""
+    try:
+        result = subprocess.run(["ninja", "--version"], capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return result.stdout.strip()
 
 
 def _cpp_extension() -> ModuleType:
