@@ -1,0 +1,222 @@
+"""Tiny random models, engines, schedulers and requests for tests, built in memory and seeded.
+
+Hugging Face initialises biases to zero and norm weights to one, which would
+let a missing bias or norm go unnoticed; ``make_hf_model`` perturbs every
+parameter so each one changes the logits. ``transformers`` (a test-only
+dependency) is imported only when a model is built, and nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from tokenmill.engine import EngineCore
+    from tokenmill.messages import EngineCoreRequest
+    from tokenmill.request import Request
+    from tokenmill.scheduler import Scheduler
+
+__all__ = [
+    "TINY_CONFIGS",
+    "make_engine",
+    "make_hf_model",
+    "make_requests",
+    "make_scheduler",
+    "run_to_completion",
+    "save_hf_model",
+    "save_tiny_model",
+    "save_tiny_tokenizer",
+]
+
+_BASE: dict[str, Any] = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=512,
+    max_position_embeddings=1024,
+)
+
+#: name -> (transformers config class name, config overrides)
+TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama-tiny": ("LlamaConfig", {}),
+    "llama-tied": ("LlamaConfig", {"tie_word_embeddings": True}),
+    "llama-bias": ("LlamaConfig", {"attention_bias": True, "mlp_bias": True}),
+    "llama3-rope": (
+        "LlamaConfig",
+        {
+            "rope_theta": 500000.0,
+            # A short original context makes every frequency band (kept, interpolated, scaled) occur.
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        },
+    ),
+    "mistral-tiny": ("MistralConfig", {"sliding_window": 8}),
+    "qwen2-tiny": ("Qwen2Config", {}),
+    "qwen2-sliding": ("Qwen2Config", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
+    "qwen3-tiny": ("Qwen3Config", {"head_dim": 32}),
+}
+
+#: The tiny tokenizer's special tokens; ids 0, 1 and 2.
+_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def make_hf_model(name: str, seed: int = 0, **config_overrides: Any) -> torch.nn.Module:
+    """A transformers model for ``TINY_CONFIGS[name]``, float32, eval mode, every parameter perturbed."""
+    import torch
+    import transformers
+
+    config_class_name, overrides = TINY_CONFIGS[name]
+    config_class = getattr(transformers, config_class_name)
+    architecture = config_class_name.replace("Config", "ForCausalLM")
+    config = config_class(**{**_BASE, **overrides, **config_overrides}, architectures=[architecture])
+    torch.manual_seed(seed)
+    model = getattr(transformers, architecture)._from_config(config, attn_implementation="eager")
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            if param.dim() == 1 and "norm" in param_name:
+                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+            elif param.dim() == 1:
+                param.copy_(0.1 * torch.randn_like(param))
+            else:
+                param.copy_(0.08 * torch.randn_like(param))
+    return model.float().eval()
+
+
+def save_hf_model(
+    name: str, directory: Path, seed: int = 0, dtype: torch.dtype | None = None, **config_overrides: Any
+) -> torch.nn.Module:
+    """Build ``name`` and save it as a Hugging Face directory (safetensors, ``dtype``, float32 by default);
+    returns the model in float32."""
+    import torch
+
+    model: Any = make_hf_model(name, seed, **config_overrides)  # a transformers PreTrainedModel
+    model.to(dtype or torch.float32).save_pretrained(directory)
+    return model.float()
+
+
+def save_tiny_tokenizer(directory: Path, vocab_size: int = 512) -> None:
+    """Write a byte-level BPE tokenizer of exactly ``vocab_size`` ids into ``directory`` (``tokenizer.json``
+    and ``tokenizer_config.json`` with a ChatML template), so a tiny model serves text without a download.
+
+    Ids 0-2 are ``<|endoftext|>`` (EOS), ``<|im_start|>`` and ``<|im_end|>``, then the 256 bytes, then
+    two-letter merges of lowercase letters and spaces until the vocabulary is full.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    alphabet = sorted(ByteLevel.alphabet())  # the 256 printable stand-ins for bytes
+    vocab = {token: i for i, token in enumerate(_SPECIAL_TOKENS)}
+    vocab.update({token: len(_SPECIAL_TOKENS) + i for i, token in enumerate(alphabet)})
+    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)] + ["Ġ"]  # "Ġ" stands for a space
+    merges: list[tuple[str, str]] = []
+    for first in letters:
+        for second in letters:
+            if len(vocab) >= vocab_size:
+                break
+            merges.append((first, second))
+            vocab[first + second] = len(vocab)
+    if len(vocab) != vocab_size:
+        raise ValueError(f"vocab_size={vocab_size} is outside the tiny tokenizer's range 259..{3 + 256 + 27 * 27}")
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(list(_SPECIAL_TOKENS))
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    config = {"eos_token": _SPECIAL_TOKENS[0], "pad_token": _SPECIAL_TOKENS[0], "chat_template": _CHAT_TEMPLATE}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+
+
+def save_tiny_model(directory: Path, name: str = "llama-tiny", seed: int = 0, **config_overrides: Any) -> Path:
+    """A tiny random model with its own tokenizer, saved as a Hugging Face directory that ``tokenmill serve``
+    and ``make_engine`` load as is; returns ``directory``."""
+    save_hf_model(name, directory, seed, **config_overrides)
+    save_tiny_tokenizer(directory, {**_BASE, **TINY_CONFIGS[name][1], **config_overrides}["vocab_size"])
+    return directory
+
+
+def make_engine(model_dir: Path, **sections: dict[str, Any]) -> EngineCore:
+    """An in-process ``EngineCore`` on CPU with tiny defaults (block_size 4, 256 blocks); each keyword is a
+    config section to merge over them (``make_engine(path, scheduler={"policy": "priority"})``)."""
+    from tokenmill.config import load_config
+    from tokenmill.engine import EngineCore
+
+    overrides: dict[str, Any] = {
+        "model": {"model": str(model_dir)},
+        "device": {"device": "cpu"},
+        "cache": {"block_size": 4, "num_kv_blocks": 256},
+    }
+    for section, values in sections.items():
+        overrides[section] = {**overrides[section], **values} if isinstance(overrides.get(section), dict) else values
+    return EngineCore(load_config(overrides=overrides))
+
+
+def run_to_completion(engine: EngineCore, requests: Iterable[EngineCoreRequest]) -> dict[str, list[int]]:
+    """Add ``EngineCoreRequest``s, step until all finish; returns each request's generated token ids."""
+    tokens: dict[str, list[int]] = {}
+    for request in requests:
+        engine.add_request(request)
+        tokens[request.request_id] = []
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
+    return tokens
+
+
+def make_scheduler(policy: str | type[Scheduler] = "fcfs", **overrides: Any) -> Scheduler:
+    """A scheduler (``policy``: a registered name or a ``Scheduler`` subclass) over a real
+    ``PagedKVCacheManager`` with tiny numbers: block_size 4, 32 blocks, a 16-token step budget and at most
+    8 running requests. Pure Python: no model. The KV cache manager is ``scheduler.kv_cache``."""
+    from tokenmill.kv_cache.manager import PagedKVCacheManager
+
+    settings: dict[str, Any] = dict(
+        num_blocks=32, block_size=4, enable_prefix_caching=True, max_num_batched_tokens=16, max_num_seqs=8
+    )
+    unknown = set(overrides) - set(settings)
+    if unknown:
+        raise TypeError(f"make_scheduler got unknown settings {sorted(unknown)}; allowed: {sorted(settings)}")
+    settings.update(overrides)
+    kv_cache = PagedKVCacheManager(settings["num_blocks"], settings["block_size"], settings["enable_prefix_caching"])
+    limits = dict(max_num_batched_tokens=settings["max_num_batched_tokens"], max_num_seqs=settings["max_num_seqs"])
+    if not isinstance(policy, str):
+        return policy(kv_cache, **limits)  # type: ignore[call-arg]  # concrete policies take these
+    from tokenmill.plugin_manager import Slot, load_plugins
+
+    # Built through the plugin system, so a plugin's policy gets its options as the engine would give them.
+    return load_plugins().create(Slot.SCHEDULER, policy, kv_cache, **limits)
+
+
+def make_requests(n: int, prompt_len: int = 8, max_tokens: int = 4, **fields: Any) -> list[Request]:
+    """``n`` greedy requests with distinct prompts, arriving in order."""
+    from tokenmill.request import Request
+    from tokenmill.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return [
+        Request(
+            request_id=f"r{i}",
+            prompt_token_ids=[100 * (i + 1) + t for t in range(prompt_len)],
+            params=params,
+            eos_token_ids=(),
+            max_model_len=1024,
+            arrival_time=float(i),
+            **fields,
+        )
+        for i in range(n)
+    ]
