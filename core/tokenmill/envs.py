@@ -51,6 +51,19 @@ TOKENMILL_CACHE_DIR: EnvVar[Path] = EnvVar(
     Path("~/.cache/tokenmill"),
     "Where `tokenmill pull` stores downloaded models.",
 )
+TOKENMILL_WEIGHT_CACHE: EnvVar[bool] = EnvVar(
+    "TOKENMILL_WEIGHT_CACHE",
+    _parse_bool,
+    True,
+    "When true, a quantized model's repacked weights are cached after the first load, so later starts skip "
+    "the repacking; set 0 to always load from the checkpoint.",
+)
+TOKENMILL_WEIGHT_CACHE_DIR: EnvVar[Path | None] = EnvVar(
+    "TOKENMILL_WEIGHT_CACHE_DIR",
+    Path,
+    None,
+    "Where the weight cache lives; unset is the `weights` folder of TOKENMILL_CACHE_DIR. Safe to delete.",
+)
 TOKENMILL_PLUGINS: EnvVar[tuple[str, ...] | None] = EnvVar(
     "TOKENMILL_PLUGINS",
     _parse_list,
@@ -69,6 +82,8 @@ TOKENMILL_LOG_LEVEL: EnvVar[str] = EnvVar(
 
 ALL_ENV_VARS: tuple[EnvVar, ...] = (
     TOKENMILL_CACHE_DIR,
+    TOKENMILL_WEIGHT_CACHE,
+    TOKENMILL_WEIGHT_CACHE_DIR,
     TOKENMILL_PLUGINS,
     TOKENMILL_DISABLE_PLUGIN_AUTOLOAD,
     TOKENMILL_LOG_LEVEL,

@@ -21,6 +21,7 @@ from tokenmill.model_files import resolve_model
 from tokenmill.models.architecture import ArchitectureConfig
 from tokenmill.models.base import CausalLM
 from tokenmill.plugin_manager import PluginError, PluginSystem, Registry, Slot, resolve_plugins
+from tokenmill.weights.cache import load_model_weights
 from tokenmill.weights.format import WeightFormat, WeightsError
 
 logger = logging.getLogger(__name__)
@@ -179,6 +180,6 @@ def load_model(config: EngineConfig, plugins: PluginSystem | None = None) -> Loa
     with torch.device("meta"):
         model = model_class(arch, attention, quantizer, dtype, max(max_model_len, arch.max_position_embeddings))
     model = model.to_empty(device=device)
-    model.load_weights(weight_format.iter_tensors(path))
+    load_model_weights(model, path, weight_format, dtype, device)  # a warm start reads the repacked weights
     model.eval()
     return LoadedModel(model, arch, attention, device, dtype, path, max_model_len, kv_cache_dtype)
