@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.layers.quantizer import Quantizer
+from tokenmill.layers.quantizer import Quantizer, layer_bias, layer_tensor
 
 
 class DenseQuantizer(Quantizer):
@@ -18,11 +18,13 @@ class DenseQuantizer(Quantizer):
     def create_weights(
         self, layer: nn.Module, in_features: int, out_features: int, bias: bool, dtype: torch.dtype
     ) -> None:
-        layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
-        layer.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+        weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+        layer.register_parameter("weight", weight)
+        bias_param = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+        layer.register_parameter("bias", bias_param)  # None declares it absent
 
     def load_weight(self, layer: nn.Module, param_name: str, tensor: torch.Tensor) -> None:
-        getattr(layer, param_name).data.copy_(tensor)
+        layer_tensor(layer, param_name).data.copy_(tensor)
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, layer.weight, layer.bias)
+        return F.linear(x, layer_tensor(layer, "weight"), layer_bias(layer))

@@ -59,3 +59,21 @@ class Quantizer(ABC):
     @abstractmethod
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """``x @ weight.T + bias`` for ``x`` of shape ``[num_tokens, in_features]``."""
+
+
+# A type checker reads any ``nn.Module`` attribute as ``Tensor | Module``; these read back what a
+# quantizer registered on its layer as what it is (an assert each, in every forward).
+
+
+def layer_tensor(layer: nn.Module, name: str) -> torch.Tensor:
+    """The parameter or buffer ``name`` that the quantizer registered on ``layer``."""
+    value = getattr(layer, name)
+    assert isinstance(value, torch.Tensor), f"{type(layer).__name__}.{name} is a {type(value).__name__}"
+    return value
+
+
+def layer_bias(layer: nn.Module) -> torch.Tensor | None:
+    """``layer``'s ``bias``: None when the quantizer registered it as absent."""
+    bias = getattr(layer, "bias", None)
+    assert bias is None or isinstance(bias, torch.Tensor), f"{type(layer).__name__}.bias is a {type(bias).__name__}"
+    return bias

@@ -49,9 +49,8 @@ class CausalLM(nn.Module):
         not per step. The default collects every submodule's ``spec`` attribute; an
         architecture whose layers keep their spec elsewhere overrides it.
         """
-        return [
-            module.spec for module in self.modules() if isinstance(getattr(module, "spec", None), AttentionLayerSpec)
-        ]
+        specs = (getattr(module, "spec", None) for module in self.modules())
+        return [spec for spec in specs if isinstance(spec, AttentionLayerSpec)]
 
     def load_weights(self, tensors: Iterable[LoadedTensor]) -> None:
         """Copy checkpoint tensors (Hugging Face names) into the parameters, one at a time.

@@ -29,19 +29,24 @@ LM_HEAD = (49152, 576)
 Linear = Callable[[Tensor], Tensor]
 
 
+def _bind(function: Callable[..., Tensor], *weights: Tensor) -> Linear:
+    """``x -> function(x, *weights)``: one layer's weights bound into its matmul."""
+    return lambda x: function(x, *weights)
+
+
 def _linears(kind: str, shapes: list[tuple[int, int]], generator: torch.Generator) -> list[tuple[int, Linear]]:
     """One ``(K, apply)`` per weight of the given shapes."""
     out: list[tuple[int, Linear]] = []
     for n, k in shapes:
         weight = torch.randn(n, k, generator=generator) * 0.02
         if kind == "f32":
-            out.append((k, lambda x, w=weight: F.linear(x, w)))
+            out.append((k, _bind(F.linear, weight)))
         elif kind == "int8":
             q, s = reference.quantize_int8(weight)
-            out.append((k, lambda x, q=q, s=s: cpu.matmul_int8(x, q, s)))
+            out.append((k, _bind(cpu.matmul_int8, q, s)))
         else:
             q, s, m = reference.quantize_int4(weight)
-            out.append((k, lambda x, q=q, s=s, m=m: cpu.matmul_int4(x, q, s, m)))
+            out.append((k, _bind(cpu.matmul_int4, q, s, m)))
     return out
 
 

@@ -24,7 +24,7 @@ from tokenmill_kernels import quant_matmul
 from tokenmill_kernels.quant_matmul import cpu as quant_cpu
 from torch import nn
 
-from tokenmill.layers.quantizer import Quantizer
+from tokenmill.layers.quantizer import Quantizer, layer_bias, layer_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -57,11 +57,12 @@ class _WeightOnlyQuantizer(Quantizer):
         # placeholders now, replaced in load_weight.
         for name in self.storage_names:
             layer.register_buffer(name, torch.empty(0, dtype=torch.uint8))
-        layer.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+        bias_param = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+        layer.register_parameter("bias", bias_param)  # None declares it absent
 
     def load_weight(self, layer: nn.Module, param_name: str, tensor: torch.Tensor) -> None:
         if param_name == "bias":
-            layer.bias.data.copy_(tensor)
+            layer_tensor(layer, "bias").data.copy_(tensor)
             return
         device = getattr(layer, self.storage_names[0]).device
         try:
@@ -75,8 +76,8 @@ class _WeightOnlyQuantizer(Quantizer):
         x = x.float().contiguous()
         storage = [getattr(layer, name) for name in self.storage_names]
         if self.max_kernel_rows is not None and x.shape[0] > self.max_kernel_rows:
-            return F.linear(x, self.dequantize(*storage), layer.bias)
-        return self.matmul(x, *storage, layer.bias)
+            return F.linear(x, self.dequantize(*storage), layer_bias(layer))
+        return self.matmul(x, *storage, bias=layer_bias(layer))
 
     # What each scheme supplies.
     storage_names: ClassVar[tuple[str, ...]]
@@ -87,7 +88,7 @@ class _WeightOnlyQuantizer(Quantizer):
     def dequantize(self, *storage: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def matmul(self, x: torch.Tensor, *storage_and_bias: torch.Tensor | None) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor, *storage: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
 
 
@@ -105,8 +106,8 @@ class Int8Quantizer(_WeightOnlyQuantizer):
     def dequantize(self, *storage: torch.Tensor) -> torch.Tensor:
         return quant_matmul.dequantize_int8(*storage)
 
-    def matmul(self, x: torch.Tensor, *storage_and_bias: torch.Tensor | None) -> torch.Tensor:
-        qweight, scales, bias = storage_and_bias
+    def matmul(self, x: torch.Tensor, *storage: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        qweight, scales = storage
         return quant_matmul.matmul_int8(x, qweight, scales, bias)
 
 
@@ -128,6 +129,6 @@ class Int4Quantizer(_WeightOnlyQuantizer):
     def dequantize(self, *storage: torch.Tensor) -> torch.Tensor:
         return quant_matmul.dequantize_int4(*storage)
 
-    def matmul(self, x: torch.Tensor, *storage_and_bias: torch.Tensor | None) -> torch.Tensor:
-        qweight, scales, mins, bias = storage_and_bias
+    def matmul(self, x: torch.Tensor, *storage: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        qweight, scales, mins = storage
         return quant_matmul.matmul_int4(x, qweight, scales, mins, bias)
