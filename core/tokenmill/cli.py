@@ -98,8 +98,13 @@ def _plugins_report(system: Any, config: EngineConfig, selected: dict[str, list[
     import msgspec
 
     from tokenmill.plugin_manager import Slot
+    from tokenmill.sampling.plugin import BUILTIN_LOGITS_PROCESSORS
 
-    defaults = {"attention_backend": [config.attention.backend], "quantizer": [config.model.quantization]}
+    defaults = {
+        "attention_backend": [config.attention.backend],
+        "quantizer": [config.model.quantization],
+        "logits_processor": list(dict.fromkeys([*BUILTIN_LOGITS_PROCESSORS, *config.sampler.logits_processors])),
+    }
     plugins = []
     for info in system.infos:
         options = system.options(info.name) if info.error is None else None
@@ -112,7 +117,7 @@ def _plugins_report(system: Any, config: EngineConfig, selected: dict[str, list[
         {
             "slot": slot.value,
             "setting": _SLOT_SETTINGS[slot.value],
-            "selected": selected.get(slot.value) or defaults.get(slot.value, []),
+            "selected": defaults.get(slot.value) or selected.get(slot.value, []),
             "installed": system.registry.names(slot),
         }
         for slot in Slot

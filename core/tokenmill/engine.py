@@ -32,6 +32,7 @@ from tokenmill.model_runner import ModelRunner, SequenceChunk
 from tokenmill.plugin_manager import PluginSystem, Slot, resolve_plugins
 from tokenmill.request import Request
 from tokenmill.sampling.logits_processor import LogitsProcessor, SamplingRow
+from tokenmill.sampling.plugin import BUILTIN_LOGITS_PROCESSORS
 from tokenmill.sampling.sampler import Sampler, SamplerOutput, SamplingMetadata
 from tokenmill.sampling_params import InvalidRequestError
 from tokenmill.scheduler import ModelRunnerOutput, ScheduledRequest, Scheduler, SchedulerOutput
@@ -71,7 +72,8 @@ class EngineCore:
         )  # fmt: skip
         self.sampler: Sampler = self.plugins.create(Slot.SAMPLER, config.sampler.sampler)
         self.logits_processors: list[LogitsProcessor] = [
-            self.plugins.create(Slot.LOGITS_PROCESSOR, name) for name in config.sampler.logits_processors
+            self.plugins.create(Slot.LOGITS_PROCESSOR, name)
+            for name in dict.fromkeys([*BUILTIN_LOGITS_PROCESSORS, *config.sampler.logits_processors])
         ]
         self.max_model_len = self.loaded.max_model_len
         self.vocab_size = arch.vocab_size
@@ -118,10 +120,10 @@ class EngineCore:
                 "raise cache.kv_cache_memory"
             )
 
-    def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
-        """Finish these requests now (client gone, stop string matched), all n completions of each; frees
-        their blocks."""
-        return self.scheduler.abort_requests(request_ids)
+    def abort_requests(self, request_ids: list[str], completions_only: bool = False) -> list[EngineCoreOutput]:
+        """Finish these requests now and free their blocks: all n completions of each (client gone), or with
+        ``completions_only`` just the completions named (a stop string matched)."""
+        return self.scheduler.abort_requests(request_ids, completions_only)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

@@ -184,10 +184,10 @@ def tokenmill_register_logits_processors(register: Register) -> None:
         ``tokenmill.interfaces.LogitsProcessor`` subclass, built with no arguments.
     :return: nothing; every implementation is called.
 
-    Called once per engine process at start-up. ``sampler.logits_processors``
-    (``--logits-processors``) lists the ones the engine builds (built in:
-    ``logit_bias``, ``min_tokens``); each then applies to the requests whose
-    sampling parameters ask for it.
+    Called once per engine process at start-up. The engine builds the built-in
+    ``logit_bias`` and ``min_tokens`` (they implement those sampling parameters)
+    and the ones ``sampler.logits_processors`` (``--logits-processors``) names;
+    each then applies to the requests whose sampling parameters ask for it.
     Since: 0.1. Stability: provisional.
     """
 

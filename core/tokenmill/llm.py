@@ -28,9 +28,10 @@ Conversation = list[dict[str, Any]]
 
 
 def config_from_kwargs(config_file: str | Path | None, model: str | None, **settings: Any) -> EngineConfig:
-    """Build an ``EngineConfig`` from flat keyword arguments named like the config fields
-    (``block_size=32``, ``max_num_batched_tokens=512``), on top of an optional TOML file."""
-    paths = {spec.path[-1]: spec.path for spec in flag_specs()}
+    """Build an ``EngineConfig`` from flat keyword arguments named like the CLI flags (``block_size=32``,
+    ``attention_backend="torch"``, ``scheduling_policy="priority"``, as vLLM's ``LLM`` takes them) or like
+    a config field where that name is unambiguous, on top of an optional TOML file."""
+    paths = keyword_paths()
     overrides: dict[str, Any] = {}
     if model is not None:
         overrides["model"] = {"model": model}
@@ -43,6 +44,18 @@ def config_from_kwargs(config_file: str | Path | None, model: str | None, **sett
             target = target.setdefault(section, {})
         target[path[-1]] = value
     return load_config(config_file, overrides)
+
+
+def keyword_paths() -> dict[str, tuple[str, ...]]:
+    """``LLM(...)`` keyword -> config path: each flag's name, and each field's name unless two fields share it
+    (``backend`` is both ``attention.backend`` and ``transport.backend``)."""
+    specs = flag_specs()
+    paths = {spec.flag.removeprefix("--").replace("-", "_"): spec.path for spec in specs}
+    field_names = [spec.path[-1] for spec in specs]
+    for spec in specs:
+        if field_names.count(spec.path[-1]) == 1:
+            paths.setdefault(spec.path[-1], spec.path)
+    return paths
 
 
 class LLM:
@@ -145,7 +158,7 @@ class LLM:
             while self.engine.has_unfinished_requests():
                 step = processor.process(self.engine.step())
                 if step.to_abort:
-                    processor.process(self.engine.abort_requests(step.to_abort))
+                    processor.process(self.engine.abort_requests(step.to_abort, completions_only=True))
                 for output in step.updated:
                     if output.finished and output.request_id in position:
                         progress.update(1)

@@ -62,9 +62,11 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
 
 
 class AbortRequests(msgspec.Struct, array_like=True, frozen=True, gc=False, tag=True):
-    """Front end -> engine: finish these requests now (client gone, stop string matched)."""
+    """Front end -> engine: finish these requests now: all n completions of each (client gone), or with
+    ``completions_only`` just the completions named (a stop string matched)."""
 
     request_ids: list[str]
+    completions_only: bool = False
 
 
 class Hello(msgspec.Struct, array_like=True, frozen=True, gc=False, tag=True):

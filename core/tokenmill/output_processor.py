@@ -1,9 +1,13 @@
-"""Turning engine token deltas into text: incremental detokenization and stop strings.
+"""Turning engine token deltas into text deltas: one pass, beside the tokenizer.
 
-Runs beside the tokenizer (offline in the caller's process, when serving in
-the front end), never in the engine. A stop string can span tokens, so text
-is matched as it grows; when one matches, the text is cut before it and the
-caller must abort the request in the engine (``ProcessedStep.to_abort``).
+Runs in the caller's process offline and in the front end when serving, never
+in the engine. Each token is detokenized once (``IncrementalDetokenizer``), and
+each logprob entry's text is decoded once. Stop strings are matched here and
+only here: text that could still be the start of a stop string is held back
+until it is known not to be one, so what a completion has released
+(``CompletionOutput.text``, and each ``CompletionDelta.text``) never needs to
+be taken back. When a stop string matches, the text is cut before it and the
+caller aborts that completion in the engine (``ProcessedStep.to_abort``).
 """
 
 from __future__ import annotations
@@ -16,19 +20,34 @@ from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
+@dataclass(frozen=True)
+class CompletionDelta:
+    """What one completion gained from one engine output."""
+
+    request_id: str  # the id the caller gave
+    index: int  # which of the n completions
+    text: str  # newly released text
+    text_offset: int  # where ``text`` starts in the completion's text
+    token_ids: list[int]
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None  # set on the completion's last delta
+
+
 @dataclass
 class _CompletionState:
     output: CompletionOutput
     detokenizer: IncrementalDetokenizer
-    #: Text matched so far; a stop string is searched only where new text could complete one.
-    full_text: str = ""
+    #: Decoded text not yet released: it could be the start of a stop string.
+    held: str = ""
 
 
 @dataclass
 class ProcessedStep:
     #: Requests (by the id the caller gave) that gained text or finished this step.
     updated: list[RequestOutput] = field(default_factory=list)
-    #: Engine request ids to abort because a stop string ended them.
+    #: Per completion that changed, in engine output order: its delta.
+    deltas: list[CompletionDelta] = field(default_factory=list)
+    #: Engine ids of completions to abort because a stop string ended them.
     to_abort: list[str] = field(default_factory=list)
 
 
@@ -49,6 +68,28 @@ class OutputProcessor:
 
     def has_unfinished(self) -> bool:
         return bool(self._requests)
+
+    def process(self, engine_outputs: list[EngineCoreOutput]) -> ProcessedStep:
+        step = ProcessedStep()
+        updated: dict[str, RequestOutput] = {}
+        for engine_output in engine_outputs:
+            found = self._completion(engine_output)
+            if found is None:
+                continue
+            request, params, state = found
+            if state.output.finished:
+                continue  # already ended by a stop string; the engine's abort echo adds nothing
+            delta = self._apply(engine_output, params, state, step)
+            if delta is not None:
+                step.deltas.append(delta)
+            updated[request.request_id] = request
+        for request_id, request in updated.items():
+            if len(request.outputs) == self._requests[request_id][1].n and request.finished:
+                del self._requests[request_id]
+                for completion in request.outputs:
+                    self._completions.pop(completion_request_id(request_id, completion.index), None)
+            step.updated.append(request)
+        return step
 
     def _completion(
         self, engine_output: EngineCoreOutput
@@ -74,67 +115,79 @@ class OutputProcessor:
         request.num_cached_tokens = engine_output.num_cached_tokens
         return request, params, state
 
-    def process(self, engine_outputs: list[EngineCoreOutput]) -> ProcessedStep:
-        step = ProcessedStep()
-        updated: dict[str, RequestOutput] = {}
-        for engine_output in engine_outputs:
-            found = self._completion(engine_output)
-            if found is None:
-                continue
-            request, params, state = found
-            completion = state.output
-            if completion.finished:
-                continue  # already ended by a stop string; the engine's abort echo adds nothing
-            for position, token_id in enumerate(engine_output.new_token_ids):
-                completion.token_ids.append(token_id)
-                if completion.logprobs is not None and engine_output.new_logprobs:
-                    completion.logprobs.append(self._logprobs(engine_output.new_logprobs[position]))
-                delta = state.detokenizer.push([token_id])
-                if delta and self._apply_stop_strings(state, delta, params):
-                    step.to_abort.append(engine_output.request_id)
-                    break
-            if not completion.finished and engine_output.finish_reason is not None:
-                self._finish_text(state, params)
+    def _apply(
+        self, engine_output: EngineCoreOutput, params: SamplingParams, state: _CompletionState, step: ProcessedStep
+    ) -> CompletionDelta | None:
+        """Add one engine output to a completion; returns what it released, or None if nothing changed."""
+        completion = state.output
+        text_offset = len(completion.text)
+        token_ids: list[int] = []
+        logprobs: list[dict[int, Logprob]] | None = [] if completion.logprobs is not None else None
+        for position, token_id in enumerate(engine_output.new_token_ids):
+            completion.token_ids.append(token_id)
+            token_ids.append(token_id)
+            if logprobs is not None and completion.logprobs is not None and engine_output.new_logprobs:
+                entry = self._logprobs(engine_output.new_logprobs[position])
+                completion.logprobs.append(entry)
+                logprobs.append(entry)
+            text = state.detokenizer.push([token_id])
+            if text and self._add_text(state, text, params):
+                step.to_abort.append(engine_output.request_id)
+                break
+        if not completion.finished and engine_output.finish_reason is not None:
+            tail = state.detokenizer.finish()
+            if not (tail and self._add_text(state, tail, params)):
+                completion.text += state.held  # no stop string can complete now
+                state.held = ""
                 completion.finish_reason = engine_output.finish_reason
                 last = completion.token_ids[-1] if completion.token_ids else None
                 if engine_output.finish_reason == "stop" and last in params.stop_token_ids:
                     completion.stop_reason = last
-            updated[request.request_id] = request
-        for request_id, request in updated.items():
-            if len(request.outputs) == self._expected_outputs(request_id) and request.finished:
-                del self._requests[request_id]
-                for completion in request.outputs:
-                    self._completions.pop(completion_request_id(request_id, completion.index), None)
-            step.updated.append(request)
-        return step
+        released = completion.text[text_offset:]
+        if not released and not token_ids and not completion.finished:
+            return None
+        return CompletionDelta(
+            request_id=engine_output.parent_id or engine_output.request_id,
+            index=completion.index,
+            text=released,
+            text_offset=text_offset,
+            token_ids=token_ids,
+            logprobs=logprobs,
+            finish_reason=completion.finish_reason,
+        )
 
-    def _expected_outputs(self, request_id: str) -> int:
-        return self._requests[request_id][1].n
-
-    def _apply_stop_strings(self, state: _CompletionState, delta: str, params: SamplingParams) -> bool:
-        """Append ``delta``; if a stop string now occurs, cut the text before it and finish. Returns True then."""
-        previous = len(state.full_text)
-        state.full_text += delta
+    @staticmethod
+    def _add_text(state: _CompletionState, text: str, params: SamplingParams) -> bool:
+        """Add newly decoded text: release what cannot start a stop string, hold the rest. If a stop string
+        now occurs, release the text before it, finish the completion and return True."""
+        candidate = state.held + text
+        output = state.output
         if params.stop:
-            longest = max(len(s) for s in params.stop)
-            search_from = max(0, previous - longest + 1)
-            matches = [(i, s) for s in params.stop if (i := state.full_text.find(s, search_from)) != -1]
+            # Released text never ends in the start of a stop string, so a match lies within ``candidate``.
+            matches = [(i, s) for s in params.stop if (i := candidate.find(s)) != -1]
             if matches:
                 cut, stop = min(matches)
-                state.full_text = state.full_text[:cut]
-                state.output.text = state.full_text
-                state.output.finish_reason = "stop"
-                state.output.stop_reason = stop
+                output.text += candidate[:cut]
+                state.held = ""
+                output.finish_reason = "stop"
+                output.stop_reason = stop
                 return True
-        state.output.text = state.full_text
+        keep = _stop_prefix_length(candidate, params.stop)
+        output.text += candidate[: len(candidate) - keep]
+        state.held = candidate[len(candidate) - keep :]
         return False
-
-    def _finish_text(self, state: _CompletionState, params: SamplingParams) -> None:
-        tail = state.detokenizer.finish()
-        if tail:
-            self._apply_stop_strings(state, tail, params)
 
     def _logprobs(self, token_logprobs: TokenLogprobs) -> dict[int, Logprob]:
         entries = {token_logprobs.token_id: token_logprobs.logprob}
         entries.update(zip(token_logprobs.top_token_ids, token_logprobs.top_logprobs, strict=True))
         return {token_id: Logprob(logprob, self.tokenizer.decode([token_id])) for token_id, logprob in entries.items()}
+
+
+def _stop_prefix_length(text: str, stops: list[str]) -> int:
+    """Length of the longest end of ``text`` that is the beginning of some stop string (0 if none)."""
+    longest = max((len(s) - 1 for s in stops), default=0)
+    for length in range(min(longest, len(text)), 0, -1):
+        end = text[-length:]
+        if any(stop.startswith(end) for stop in stops):
+            return length
+    return 0

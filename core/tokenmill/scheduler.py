@@ -109,9 +109,10 @@ class Scheduler(ABC):
         """Queue a new request. Called once per request; raise ``InvalidRequestError`` to refuse it."""
 
     @abstractmethod
-    def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
-        """Finish these requests now, wherever they are, with their completions (an id of an n > 1 request
-        aborts all n). Unknown ids are ignored. Returns one final output per request finished."""
+    def abort_requests(self, request_ids: list[str], completions_only: bool = False) -> list[EngineCoreOutput]:
+        """Finish these requests now, wherever they are. A request's id aborts all n of its completions (the
+        client went away); with ``completions_only`` each id names one completion (a stop string ended it).
+        Unknown ids are ignored. Returns one final output per completion finished."""
 
     @abstractmethod
     def schedule(self) -> SchedulerOutput:
@@ -207,11 +208,11 @@ class FCFSScheduler(Scheduler):
         self._num_live_completions[request.request_id] = 1  # its forks add theirs
         self._push_waiting(request)
 
-    def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
+    def abort_requests(self, request_ids: list[str], completions_only: bool = False) -> list[EngineCoreOutput]:
         outputs = []
         for request_id in request_ids:
             targets = [request_id]
-            if request_id in self._num_live_completions:  # a request's id aborts all n of its completions
+            if not completions_only and request_id in self._num_live_completions:
                 targets = [completion_request_id(request_id, i) for i in range(self._num_completions[request_id])]
             for target in targets:
                 request = self.requests.get(target)

@@ -78,3 +78,22 @@ def test_every_field_has_a_flag_and_documentation() -> None:
     assert specs[("attention", "backend")].flag == "--attention-backend"
     assert specs[("disable_plugins",)].flag == "--disable-plugin"
     assert all(spec.description for spec in specs.values())
+
+
+def test_llm_keywords_select_every_slot_by_flag_name() -> None:
+    from tokenmill.llm import config_from_kwargs
+
+    config = config_from_kwargs(
+        None, None, attention_backend="torch", scheduling_policy="priority", kv_cache_manager="paged",
+        sampler="torch", logits_processors=["banned-words"], router="least-loaded", transport="zmq",
+        quantization="none", block_size=32,
+    )  # fmt: skip
+    assert (config.attention.backend, config.scheduler.policy, config.cache.kv_cache_manager) == (
+        "torch", "priority", "paged",
+    )  # fmt: skip
+    assert (config.sampler.logits_processors, config.server.router, config.transport.backend) == (
+        ["banned-words"], "least-loaded", "zmq",
+    )  # fmt: skip
+    # "backend" names two settings (attention.backend, transport.backend): refused, not guessed.
+    with pytest.raises(ConfigError, match="unknown setting 'backend'; valid settings: .*attention_backend"):
+        config_from_kwargs(None, None, backend="torch")

@@ -103,3 +103,40 @@ def test_logprobs_are_decoded(tokenizer: Tokenizer) -> None:
         hello: (-0.5, "Hello"),
         world: (-1.5, " world"),
     }
+
+
+def test_deltas_are_released_once_and_add_up_to_the_text(tokenizer: Tokenizer) -> None:
+    """Each delta is new text only (never taken back); together they are the completion's text."""
+    token_ids = tokenizer.encode(TEXT)
+    processor = OutputProcessor(tokenizer)
+    request = processor.add_request("r", None, [1], SamplingParams(stop=["END!", "zzz"]))
+    steps = _stream(processor, "r", token_ids)
+    deltas = [delta for step in steps for delta in step.deltas]
+    assert "".join(d.text for d in deltas) == request.outputs[0].text == TEXT
+    assert [d.text_offset for d in deltas] == [sum(len(x.text) for x in deltas[:i]) for i in range(len(deltas))]
+    assert [t for d in deltas for t in d.token_ids] == token_ids
+    assert deltas[-1].finish_reason == "length" and all(d.finish_reason is None for d in deltas[:-1])
+
+
+def test_only_a_possible_stop_string_start_is_held_back(tokenizer: Tokenizer) -> None:
+    processor = OutputProcessor(tokenizer)
+    processor.add_request("r", None, [1], SamplingParams(stop=["END!"]))
+    released = []
+    for token_id in tokenizer.encode("Hello world, this is the END of it"):
+        (step,) = [processor.process([EngineCoreOutput("r", [token_id])])]
+        released.append("".join(d.text for d in step.deltas))
+    # "END" could begin "END!": held until " of" shows it does not; everything else goes out at once.
+    assert released[:5] == ["Hello", " world", ",", " this", " is"]
+    assert released[5:8] == [" the", " ", "END of"]
+
+
+def test_a_stop_string_in_one_of_n_completions_leaves_the_others_running(tokenizer: Tokenizer) -> None:
+    processor = OutputProcessor(tokenizer)
+    request = processor.add_request("r", None, [1], SamplingParams(n=2, stop=[" world"]))
+    hello, world, comma = tokenizer.encode("Hello world,")[:3]
+    step = processor.process([EngineCoreOutput("r", [hello]), EngineCoreOutput("r#1", [hello], parent_id="r", index=1)])
+    step = processor.process([EngineCoreOutput("r", [world]), EngineCoreOutput("r#1", [comma], parent_id="r", index=1)])
+    assert step.to_abort == ["r"]  # completion 0 only: the caller aborts it with completions_only
+    assert [c.finish_reason for c in request.outputs] == ["stop", None] and processor.has_unfinished()
+    processor.process([EngineCoreOutput("r#1", [hello], finish_reason="length", parent_id="r", index=1)])
+    assert [c.text for c in request.outputs] == ["Hello", "Hello,Hello"] and not processor.has_unfinished()

@@ -102,6 +102,29 @@ def test_n_stop_logprobs_and_seed(client: openai.OpenAI, default_server: Server)
     assert entries and all(len(e.top_logprobs) == 3 and e.logprob <= 0 for e in entries)
 
 
+def test_logit_bias_steers_and_a_stop_string_ends_one_of_n(client, default_server, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    model = default_server.model
+    greedy = client.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0)
+    forced = tokenizer.encode(" banana")[0]
+    biased = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=6, temperature=0, logit_bias={str(forced): 100}, logprobs=0
+    )
+    assert biased.choices[0].text != greedy.choices[0].text
+    assert set(biased.choices[0].logprobs.tokens) == {tokenizer.decode([forced])}  # every token forced
+    banned = tokenizer.encode(greedy.choices[0].text)[0]
+    avoided = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=6, temperature=0, logit_bias={str(banned): -100}, logprobs=0
+    )
+    assert tokenizer.decode([banned]) not in avoided.choices[0].logprobs.tokens
+    with pytest.raises(openai.BadRequestError, match="logit_bias token id 999999 is outside the vocabulary"):
+        client.completions.create(model=model, prompt=PROMPT, max_tokens=2, logit_bias={"999999": 1})
+    # n=2 with a stop string that only the biased completion... every completion still finishes.
+    two = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=1.0, n=2, seed=5,
+                                    stop=[greedy.choices[0].text[3:6]])  # fmt: skip
+    assert sorted(c.index for c in two.choices) == [0, 1] and all(c.finish_reason for c in two.choices)
+    _good_request_succeeds(client, model)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "status"),
     [

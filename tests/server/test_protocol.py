@@ -18,6 +18,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.shared import ErrorObject
 
 from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
+from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.protocol import (
     SSE_DONE,
     ChatCompletionRequest,
@@ -27,6 +28,7 @@ from tokenmill.server.protocol import (
     chat_logprobs,
     chat_messages,
     chat_response,
+    check_context_length,
     completion_chunk,
     completion_logprobs,
     completion_prompt,
@@ -38,7 +40,6 @@ from tokenmill.server.protocol import (
     model_not_found,
     models_response,
     sse_event,
-    to_sampling_params,
     usage_chunk,
 )
 
@@ -50,11 +51,19 @@ def body(**fields: Any) -> bytes:
 
 
 def completion(**fields: Any) -> CompletionRequest:
-    return decode_completion_request(body(model="m", prompt="hello", **fields))
+    return decode_completion_request(body(model="m", prompt="hello", **fields))[0]
 
 
 def chat(**fields: Any) -> ChatCompletionRequest:
-    return decode_chat_request(body(model="m", messages=fields.pop("messages", USER), **fields))
+    return decode_chat_request(body(model="m", messages=fields.pop("messages", USER), **fields))[0]
+
+
+def completion_params(**fields: Any) -> SamplingParams:
+    return decode_completion_request(body(model="m", prompt="hello", **fields))[1]
+
+
+def chat_params(**fields: Any) -> SamplingParams:
+    return decode_chat_request(body(model="m", messages=fields.pop("messages", USER), **fields))[1]
 
 
 # ---------------------------------------------------------------- decoding valid bodies
@@ -66,7 +75,7 @@ def chat(**fields: Any) -> ChatCompletionRequest:
     ids=["str", "list-of-one-str", "token-ids", "list-of-one-token-list", "empty-str"],
 )
 def test_every_prompt_shape_decodes_to_one_prompt(prompt: Any, expected: str | list[int]) -> None:
-    request = decode_completion_request(body(model="m", prompt=prompt))
+    request, _ = decode_completion_request(body(model="m", prompt=prompt))
     assert request.prompt == expected  # the decoder stores the one prompt back
     assert completion_prompt(request) == expected  # and normalizing again changes nothing
 
@@ -84,8 +93,7 @@ def test_completion_defaults_and_extensions() -> None:
 
 
 def test_null_optional_fields_take_the_defaults() -> None:
-    request = completion(temperature=None, top_p=None, n=None, stop=None, top_k=None, stream=None)
-    params = to_sampling_params(request, prompt_len=4, max_model_len=64)
+    params = completion_params(temperature=None, top_p=None, n=None, stop=None, top_k=None, stream=None)
     assert (params.temperature, params.top_p, params.n, params.stop, params.top_k) == (1.0, 1.0, 1, [], 0)
 
 
@@ -147,7 +155,10 @@ INVALID = [
     (C, body(**PROMPT, echo=True), "echo is not supported", "echo"),
     (C, body(**PROMPT, suffix="!"), "suffix is not supported", "suffix"),
     (C, body(**PROMPT, best_of=3), "best_of is not supported: leave it out or set it equal to n", "best_of"),
-    (C, body(**PROMPT, logit_bias={"50256": -100}), "logit_bias is not supported", "logit_bias"),
+    (C, body(**PROMPT, logit_bias={"x": -100}), 'logit_bias keys must be token ids, such as {"50256": -100}',
+     "logit_bias"),
+    (C, body(**PROMPT, logit_bias={"5": -101}),
+     "logit_bias={5: -101.0} is invalid: must be token ids >= 0 mapped to biases in [-100, 100]", "logit_bias"),
     (C, body(model="m", prompt=["a", "b"]), "only one prompt per request is supported", "prompt"),
     (C, body(model="m", prompt=[[1], [2]]), "only one prompt per request is supported", "prompt"),
     (C, body(model="m", prompt=[]), "prompt must be a string, a list of token ids, or a list holding one of either",
@@ -186,7 +197,7 @@ def test_extensions_and_openai_fields_pass_through() -> None:
         logprobs=3, top_k=40, min_p=0.05, repetition_penalty=1.1, ignore_eos=True, min_tokens=2,
         stop_token_ids=[9], skip_special_tokens=False, max_tokens=20,
     )  # fmt: skip
-    params = to_sampling_params(request, prompt_len=10, max_model_len=100)
+    params = decode_completion_request(msgspec.json.encode(request))[1]
     assert params == msgspec.convert(
         {
             "n": 2, "temperature": 0.5, "top_p": 0.9, "top_k": 40, "min_p": 0.05, "repetition_penalty": 1.1,
@@ -198,26 +209,32 @@ def test_extensions_and_openai_fields_pass_through() -> None:
 
 
 def test_max_completion_tokens_wins_over_max_tokens() -> None:
-    assert to_sampling_params(chat(max_tokens=5, max_completion_tokens=7), 3, 100).max_tokens == 7
-    assert to_sampling_params(chat(max_tokens=5), 3, 100).max_tokens == 5
+    assert chat_params(max_tokens=5, max_completion_tokens=7).max_tokens == 7
+    assert chat_params(max_tokens=5).max_tokens == 5
 
 
 def test_missing_max_tokens_means_the_rest_of_the_context() -> None:
-    assert to_sampling_params(chat(), prompt_len=30, max_model_len=100).max_tokens == 70
-    assert to_sampling_params(completion(max_tokens=None), prompt_len=99, max_model_len=100).max_tokens == 1
-    assert to_sampling_params(completion(), prompt_len=84, max_model_len=100).max_tokens == 16  # exactly fits
+    # None: the engine stops the request at the context window.
+    assert chat_params().max_tokens is None and completion_params(max_tokens=None).max_tokens is None
+    check_context_length(completion(max_tokens=None), completion_params(max_tokens=None), 99, 100)
+    check_context_length(completion(), completion_params(), prompt_len=84, max_model_len=100)  # exactly fits
+
+
+def test_logit_bias_and_vllm_xargs_reach_the_sampling_params() -> None:
+    params = completion_params(logit_bias={"5": -100, "17": 2.5}, vllm_xargs={"banned": [3]})
+    assert params.logit_bias == {5: -100.0, 17: 2.5} and params.extra_args == {"banned": [3]}
 
 
 @pytest.mark.parametrize(
     ("fields", "expected"), [({}, None), ({"logprobs": True}, 0), ({"logprobs": True, "top_logprobs": 4}, 4)]
 )
 def test_chat_logprobs_map_to_the_number_of_alternatives(fields: dict[str, Any], expected: int | None) -> None:
-    assert to_sampling_params(chat(**fields), 3, 100).logprobs == expected
+    assert chat_params(**fields).logprobs == expected
 
 
 def test_context_length_exceeded_uses_openais_wording() -> None:
     with pytest.raises(ProtocolError) as caught:
-        to_sampling_params(chat(max_tokens=50), prompt_len=60, max_model_len=100)
+        check_context_length(chat(max_tokens=50), chat_params(max_tokens=50), prompt_len=60, max_model_len=100)
     error = caught.value
     assert (error.status, error.param, error.code) == (400, "messages", "context_length_exceeded")
     assert error.message == (
@@ -225,13 +242,13 @@ def test_context_length_exceeded_uses_openais_wording() -> None:
         "(60 in the messages, 50 for the completion). Please reduce the length of the messages or completion."
     )
     with pytest.raises(ProtocolError) as caught:
-        to_sampling_params(completion(max_tokens=17), prompt_len=84, max_model_len=100)
+        check_context_length(completion(max_tokens=17), completion_params(max_tokens=17), 84, 100)
     assert caught.value.param == "max_tokens" and "(84 in the prompt, 17 for the completion)" in caught.value.message
 
 
 def test_prompt_that_fills_the_context_is_rejected() -> None:
     with pytest.raises(ProtocolError) as caught:
-        to_sampling_params(chat(), prompt_len=100, max_model_len=100)
+        check_context_length(chat(), chat_params(), prompt_len=100, max_model_len=100)
     assert caught.value.message == (
         "This model's maximum context length is 100 tokens. However, your messages resulted in 100 tokens. "
         "Please reduce the length of the messages."
@@ -312,12 +329,13 @@ def test_completion_response_parses_as_openai_completion() -> None:
     assert logprobs.top_logprobs == [{" a": -0.1, " b": -2.5}, {" a": -0.2, " b": -1.9}]
 
 
-def test_completion_response_without_logprobs_and_with_a_decoder() -> None:
+def test_completion_response_without_logprobs_and_running_offsets() -> None:
     response = completion_response("cmpl-1", "m", 1, finished_output(with_logprobs=False), 3)
     assert Completion.model_validate(response).choices[0].logprobs is None
     entries = {5: lp(-0.1, " a"), 6: lp(-2.5, " b")}
-    decoded = completion_logprobs([5], [entries], text_offset=7, tokenizer_decode=str)
-    assert decoded == {"tokens": ["5"], "token_logprobs": [-0.1], "top_logprobs": [{"5": -0.1, "6": -2.5}],
+    decoded = completion_logprobs([5], [entries], text_offset=7)
+    # Token texts are the ones the output processor decoded, never decoded again here.
+    assert decoded == {"tokens": [" a"], "token_logprobs": [-0.1], "top_logprobs": [{" a": -0.1, " b": -2.5}],
                        "text_offset": [7]}  # fmt: skip
 
 

@@ -52,7 +52,12 @@ def _collect(struct_type: type, prefix: tuple[str, ...]) -> list[FlagSpec]:
         type_info, description, flag = _unwrap(field.type)
         if isinstance(type_info, mi.DictType):
             continue  # per-plugin tables: TOML only
-        default = None if field.default is msgspec.NODEFAULT else field.default
+        if field.default is not msgspec.NODEFAULT:
+            default = field.default
+        elif field.default_factory is not msgspec.NODEFAULT:
+            default = field.default_factory()
+        else:
+            default = None
         name = flag or "--" + field.name.replace("_", "-")
         specs.append(FlagSpec(name, (*prefix, field.name), type_info, description, default))
     return specs

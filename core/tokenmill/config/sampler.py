@@ -17,8 +17,9 @@ class SamplerConfig(ConfigSection):
     logits_processors: Annotated[
         list[str],
         describe(
-            "Logits processor plugins the engine builds, by name; each applies to the requests whose sampling "
-            "parameters ask for it. 'logit_bias' (OpenAI `logit_bias`) and 'min_tokens' are built in.",
+            "Logits processor plugins to build besides the built-in 'logit_bias' and 'min_tokens' (which implement "
+            "those sampling parameters and always run, as in vLLM); each applies to the requests whose sampling "
+            "parameters ask for it.",
             flag="--logits-processors",
         ),
-    ] = msgspec.field(default_factory=lambda: ["logit_bias", "min_tokens"])
+    ] = msgspec.field(default_factory=list)

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from tokenmill.hookspecs import Register, hookimpl
 
+#: The processors that implement ``SamplingParams`` fields: the engine always builds them, before the ones
+#: ``sampler.logits_processors`` adds.
+BUILTIN_LOGITS_PROCESSORS: tuple[str, ...] = ("logit_bias", "min_tokens")
+
 
 @hookimpl
 def tokenmill_register_samplers(register: Register) -> None:

@@ -26,9 +26,9 @@ from starlette.routing import Route
 
 from tokenmill import __version__
 from tokenmill.config import EngineConfig
-from tokenmill.engine_client import EngineDeadError, EngineGroup, RequestStream
-from tokenmill.messages import EngineCoreOutput, EngineCoreRequest, completion_request_id
-from tokenmill.output_processor import OutputProcessor
+from tokenmill.engine_client import EngineDeadError, EngineGroup, RequestStream, RouterError
+from tokenmill.messages import EngineCoreOutput, EngineCoreRequest
+from tokenmill.output_processor import CompletionDelta, OutputProcessor
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server import protocol
@@ -70,16 +70,6 @@ def _error(exc: ProtocolError) -> JSONResponse:
     )  # type: ignore[return-value]
 
 
-@dataclass(frozen=True)
-class _Delta:
-    index: int
-    text: str
-    text_offset: int  # where ``text`` starts in the completion
-    token_ids: list[int]
-    logprobs: list[Any] | None
-    finish_reason: str | None
-
-
 @dataclass
 class _Generation:
     """One request in flight: its engine stream and the text built from it."""
@@ -92,20 +82,6 @@ class _Generation:
     arrival: float
     last_token_at: dict[int, float] = field(default_factory=dict)
     num_tokens: int = 0
-
-
-def _delta(completion: Any, sent_text: dict[int, int], sent_tokens: dict[int, int], holdback: int) -> _Delta | None:
-    """What of ``completion`` is new since the last delta (None if nothing), and mark it sent."""
-    index = completion.index
-    text_start, token_start = sent_text.get(index, 0), sent_tokens.get(index, 0)
-    text_end = len(completion.text) if completion.finished else max(text_start, len(completion.text) - holdback)
-    token_ids = completion.token_ids[token_start:]
-    logprobs = completion.logprobs[token_start:] if completion.logprobs is not None else None
-    reason = completion.finish_reason if completion.finished else None
-    if text_end == text_start and not token_ids and reason is None:
-        return None
-    sent_text[index], sent_tokens[index] = text_end, len(completion.token_ids)
-    return _Delta(index, completion.text[text_start:text_end], text_start, token_ids, logprobs, reason)
 
 
 class OpenAIServer:
@@ -147,8 +123,6 @@ class OpenAIServer:
         message = EngineCoreRequest(
             request_id, prompt_token_ids, params, list(self.state.tokenizer.eos_token_ids), arrival, priority
         )
-        from tokenmill.engine_client import RouterError
-
         try:
             stream = self.state.group.add_request(message)
         except EngineDeadError as exc:
@@ -159,8 +133,9 @@ class OpenAIServer:
         output = processor.add_request(request_id, prompt, prompt_token_ids, params)
         return _Generation(request_id, stream, processor, output, params, arrival)
 
-    async def _updates(self, generation: _Generation) -> AsyncIterator[RequestOutput]:
-        """Yield the request's output after every engine delta until it finishes.
+    async def _updates(self, generation: _Generation) -> AsyncIterator[list[CompletionDelta]]:
+        """Yield the text deltas of every engine output until the request finishes; ``generation.output``
+        holds the whole request as it grows.
 
         Raises ``ProtocolError`` 503 if the engine dies and 400 if the engine refused the request.
         """
@@ -177,15 +152,15 @@ class OpenAIServer:
                 self._observe(generation, item)
                 step = generation.processor.process([item])
                 if step.to_abort:
-                    client.abort(step.to_abort)
-                yield generation.output
+                    client.abort(step.to_abort, completions_only=True)
+                yield step.deltas
                 if generation.output.finished:
                     self._observe_finished(generation)
                     return
         finally:
             if not generation.output.finished and not client.is_dead:
-                # The client went away (or the handler failed): stop generating and free the blocks.
-                client.abort([completion_request_id(generation.request_id, i) for i in range(generation.params.n)])
+                # The client went away (or the handler failed): stop all its completions and free the blocks.
+                client.abort([generation.request_id])
                 metrics.requests_finished.labels(metrics.model, "aborted").inc()
             client.release(generation.request_id)
 
@@ -212,9 +187,9 @@ class OpenAIServer:
 
         async def consume() -> RequestOutput:
             async with aclosing(self._updates(generation)) as updates:
-                async for output in updates:
-                    last = output
-            return last
+                async for _ in updates:
+                    pass
+            return generation.output
 
         async def disconnected() -> None:
             while (await request.receive())["type"] != "http.disconnect":
@@ -235,7 +210,7 @@ class OpenAIServer:
     async def completions(self, request: Request) -> Response:
         try:
             self._check_auth(request)
-            body = protocol.decode_completion_request(await request.body())
+            body, params = protocol.decode_completion_request(await request.body())
             self._check_model(body.model)
             prompt = protocol.completion_prompt(body)
             if isinstance(prompt, str):
@@ -244,7 +219,7 @@ class OpenAIServer:
             else:
                 prompt_text, token_ids = None, list(prompt)
             return await self._respond(
-                request, body, prompt_text, token_ids, "cmpl", body.logprobs,
+                request, body, params, prompt_text, token_ids, "cmpl", body.logprobs,
                 self._stream_completion, protocol.completion_response,
             )  # fmt: skip
         except ProtocolError as exc:
@@ -253,7 +228,7 @@ class OpenAIServer:
     async def chat_completions(self, request: Request) -> Response:
         try:
             self._check_auth(request)
-            body = protocol.decode_chat_request(await request.body())
+            body, params = protocol.decode_chat_request(await request.body())
             self._check_model(body.model)
             messages = protocol.chat_messages(body)
             try:
@@ -264,7 +239,7 @@ class OpenAIServer:
             token_ids = self.state.tokenizer.encode(prompt_text, add_special_tokens=False)
             top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
             return await self._respond(
-                request, body, prompt_text, token_ids, "chatcmpl", top_logprobs,
+                request, body, params, prompt_text, token_ids, "chatcmpl", top_logprobs,
                 self._stream_chat, protocol.chat_response,
             )  # fmt: skip
         except ProtocolError as exc:
@@ -274,6 +249,7 @@ class OpenAIServer:
         self,
         request: Request,
         body: protocol.CompletionRequest | protocol.ChatCompletionRequest,
+        params: SamplingParams,
         prompt_text: str | None,
         token_ids: list[int],
         id_prefix: str,
@@ -282,7 +258,7 @@ class OpenAIServer:
         build_response: Callable[..., dict[str, Any]],
     ) -> Response:
         """What both endpoints do once the prompt is tokenized: start, then stream or wait and answer."""
-        params = protocol.to_sampling_params(body, len(token_ids), self.state.group.max_model_len)
+        protocol.check_context_length(body, params, len(token_ids), self.state.group.max_model_len)
         generation = self._start(token_ids, prompt_text, params, body.priority, id_prefix)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -297,34 +273,16 @@ class OpenAIServer:
                 self.state.created,
                 output,
                 len(token_ids),
-                self._decode_token,
                 num_top_logprobs=num_top_logprobs,
             )  # fmt: skip
         )
 
-    def _decode_token(self, token_id: int) -> str:
-        return self.state.tokenizer.decode([token_id])
-
-    async def _stream_text(self, generation: _Generation) -> AsyncIterator[_Delta]:
-        """Per completion, the text that became final since the last delta, with its tokens.
-
-        Text that could be the start of a stop string is held back until it is known not to be one.
-        Token ids and logprobs are sent as they arrive.
-        """
-        holdback = max((len(s) for s in generation.params.stop), default=1) - 1
-        sent_text: dict[int, int] = {}
-        sent_tokens: dict[int, int] = {}
-        done: set[int] = set()
+    async def _stream_text(self, generation: _Generation) -> AsyncIterator[CompletionDelta]:
+        """Each completion's deltas as the output processor releases them (it holds back stop strings)."""
         async with aclosing(self._updates(generation)) as updates:
-            async for output in updates:
-                for completion in output.outputs:
-                    if completion.index in done:
-                        continue
-                    delta = _delta(completion, sent_text, sent_tokens, holdback)
-                    if delta is not None:
-                        yield delta
-                    if completion.finished:
-                        done.add(completion.index)
+            async for deltas in updates:
+                for delta in deltas:
+                    yield delta
 
     async def _stream_completion(
         self, generation: _Generation, include_usage: bool, num_top_logprobs: int | None
@@ -337,7 +295,7 @@ class OpenAIServer:
                     if delta.logprobs is not None:
                         logprobs = protocol.completion_logprobs(
                             delta.token_ids, delta.logprobs, text_offset=delta.text_offset,
-                            num_top_logprobs=num_top_logprobs, tokenizer_decode=self._decode_token,
+                            num_top_logprobs=num_top_logprobs,
                         )  # fmt: skip
                     chunk = protocol.completion_chunk(
                         generation.request_id, model, created, delta.index, delta.text, delta.finish_reason, logprobs
@@ -364,7 +322,6 @@ class OpenAIServer:
                         if delta.logprobs is not None:
                             logprobs = protocol.chat_logprobs(
                                 delta.token_ids, delta.logprobs, num_top_logprobs=num_top_logprobs,
-                                tokenizer_decode=self._decode_token,
                             )  # fmt: skip
                         content = {"content": delta.text}
                         chunk = protocol.chat_chunk(request_id, model, created, delta.index, content, None, logprobs)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import math
 import re
-from collections.abc import Callable
 from typing import Any, Literal, TypeVar, cast
 
 import msgspec
@@ -113,7 +112,8 @@ class _RequestBase(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     frequency_penalty: float | None = 0.0
     seed: int | None = None
     user: str | None = None  # accepted and ignored
-    logit_bias: dict[str, float] | None = None  # only None or {}
+    logit_bias: dict[str, float] | None = None
+    """OpenAI's map from token id (as a string) to a bias in [-100, 100]."""
     # tokenmill/vLLM extensions
     top_k: int | None = 0
     min_p: float | None = 0.0
@@ -124,6 +124,8 @@ class _RequestBase(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     skip_special_tokens: bool | None = True
     priority: int = 0
     """Scheduling priority; the server passes it to the engine beside the SamplingParams."""
+    vllm_xargs: dict[str, Any] | None = None
+    """Arguments for logits processor plugins (vLLM's name); they become ``SamplingParams.extra_args``."""
 
 
 class CompletionRequest(_RequestBase, kw_only=True, forbid_unknown_fields=True):
@@ -197,8 +199,9 @@ def _validation_error(text: str) -> ProtocolError:
     return _bad(path, f"invalid value for '{path}': {detail}")
 
 
-def decode_completion_request(body: bytes) -> CompletionRequest:
-    """Decode and check a ``/v1/completions`` body; raises ProtocolError (400) naming the bad parameter."""
+def decode_completion_request(body: bytes) -> tuple[CompletionRequest, SamplingParams]:
+    """Decode and check a ``/v1/completions`` body, building its SamplingParams (the one time they are built
+    and validated in the front end); raises ProtocolError (400) naming the bad parameter."""
     request = _decode(body, CompletionRequest)
     # From here on a string or a list of token ids (a list is invariant, hence the ignore).
     request.prompt = completion_prompt(request)  # type: ignore[assignment]
@@ -210,12 +213,12 @@ def decode_completion_request(body: bytes) -> CompletionRequest:
         raise _bad("best_of", "best_of is not supported: leave it out or set it equal to n")
     if request.logprobs is not None and not 0 <= request.logprobs <= MAX_COMPLETION_LOGPROBS:
         raise _bad("logprobs", f"logprobs={request.logprobs} is invalid: must be from 0 to {MAX_COMPLETION_LOGPROBS}")
-    _check_common(request)
-    return request
+    return request, _check_common(request)
 
 
-def decode_chat_request(body: bytes) -> ChatCompletionRequest:
-    """Decode and check a ``/v1/chat/completions`` body; raises ProtocolError (400) naming the bad parameter."""
+def decode_chat_request(body: bytes) -> tuple[ChatCompletionRequest, SamplingParams]:
+    """Decode and check a ``/v1/chat/completions`` body, building its SamplingParams once; raises
+    ProtocolError (400) naming the bad parameter."""
     request = _decode(body, ChatCompletionRequest)
     for name in ("response_format", "tools", "tool_choice"):
         if getattr(request, name) is not None:
@@ -234,15 +237,12 @@ def decode_chat_request(body: bytes) -> ChatCompletionRequest:
             raise _bad(
                 "top_logprobs", f"top_logprobs={request.top_logprobs} is invalid: must be from 0 to {MAX_TOP_LOGPROBS}"
             )
-    _check_common(request)
-    return request
+    return request, _check_common(request)
 
 
-def _check_common(request: CompletionRequest | ChatCompletionRequest) -> None:
+def _check_common(request: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
     if request.stream_options is not None and not request.stream:
         raise _bad("stream_options", "stream_options is only allowed when stream is true")
-    if request.logit_bias:
-        raise _unsupported("logit_bias")
     if isinstance(request.stop, list) and len(request.stop) > MAX_STOP_SEQUENCES:
         raise _bad("stop", f"stop has {len(request.stop)} sequences: at most {MAX_STOP_SEQUENCES} are allowed")
     if request.n is not None and request.n > MAX_N:
@@ -252,7 +252,8 @@ def _check_common(request: CompletionRequest | ChatCompletionRequest) -> None:
         uses_new_name = isinstance(request, ChatCompletionRequest) and request.max_completion_tokens is not None
         name = "max_completion_tokens" if uses_new_name else "max_tokens"
         raise _bad(name, f"{name}={max_tokens} is invalid: must be at least 1")
-    _sampling_params(request, max_tokens)  # the ranges SamplingParams checks, before any tokenizing
+    # A missing max_tokens stays None: the engine stops at the context window.
+    return _sampling_params(request, max_tokens)
 
 
 def completion_prompt(request: CompletionRequest) -> str | list[int]:
@@ -308,6 +309,12 @@ _PASSTHROUGH = (
 def _sampling_params(request: CompletionRequest | ChatCompletionRequest, max_tokens: int | None) -> SamplingParams:
     fields = {name: getattr(request, name) for name in _PASSTHROUGH}
     fields["stop"] = [request.stop] if isinstance(request.stop, str) else request.stop
+    fields["extra_args"] = request.vllm_xargs or None
+    if request.logit_bias:
+        try:
+            fields["logit_bias"] = {int(token_id): bias for token_id, bias in request.logit_bias.items()}
+        except ValueError:
+            raise _bad("logit_bias", 'logit_bias keys must be token ids, such as {"50256": -100}') from None
     if isinstance(request, ChatCompletionRequest):
         fields["logprobs"] = (request.top_logprobs or 0) if request.logprobs else None
     else:
@@ -322,22 +329,17 @@ def _sampling_params(request: CompletionRequest | ChatCompletionRequest, max_tok
         raise _bad(param, str(exc)) from None
 
 
-def to_sampling_params(
-    request: CompletionRequest | ChatCompletionRequest, prompt_len: int, max_model_len: int
-) -> SamplingParams:
-    """Map a decoded request onto SamplingParams once its prompt is tokenized.
-
-    A missing ``max_tokens`` becomes the rest of the context window. A prompt
-    plus ``max_tokens`` over ``max_model_len`` is a 400 with OpenAI's wording
-    and code ``context_length_exceeded``; so are out-of-range values.
-    """
+def check_context_length(
+    request: CompletionRequest | ChatCompletionRequest, params: SamplingParams, prompt_len: int, max_model_len: int
+) -> None:
+    """Once the prompt is tokenized: a prompt plus ``max_tokens`` over ``max_model_len`` (or a prompt that
+    leaves no room at all) is a 400 with OpenAI's wording and code ``context_length_exceeded``."""
     is_chat = isinstance(request, ChatCompletionRequest)
     where = "messages" if is_chat else "prompt"
     limit = f"This model's maximum context length is {max_model_len} tokens."
-    max_tokens = _requested_max_tokens(request)
+    max_tokens = params.max_tokens
     if max_tokens is None:
-        max_tokens = max_model_len - prompt_len
-        if max_tokens < 1:  # nothing left to generate into
+        if max_model_len - prompt_len < 1:  # nothing left to generate into
             message = (
                 f"{limit} However, your {where} resulted in {prompt_len} tokens. "
                 f"Please reduce the length of the {where}."
@@ -350,7 +352,6 @@ def to_sampling_params(
         )
         param = "messages" if is_chat else "max_tokens"
         raise ProtocolError(400, message, param=param, code="context_length_exceeded")
-    return _sampling_params(request, max_tokens)
 
 
 # ---------------------------------------------------------------- responses
@@ -378,44 +379,40 @@ def _ranked(entries: dict[int, Logprob], num_top_logprobs: int | None) -> list[t
     return ranked if num_top_logprobs is None else ranked[:num_top_logprobs]
 
 
-def _text(token_id: int, logprob: Logprob, tokenizer_decode: Callable[[int], str] | None) -> str:
-    return tokenizer_decode(token_id) if tokenizer_decode is not None else logprob.decoded_token
-
-
 def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], *, text_offset: int = 0,
-                        num_top_logprobs: int | None = None,
-                        tokenizer_decode: Callable[[int], str] | None = None) -> dict[str, Any]:  # fmt: skip
+                        num_top_logprobs: int | None = None) -> dict[str, Any]:  # fmt: skip
     """``/v1/completions`` logprobs: ``{tokens, token_logprobs, top_logprobs, text_offset}``.
 
     ``text_offset`` counts characters from the start of the completion (not the
     prompt: echo is unsupported); a stream passes the running offset. With
     ``num_top_logprobs`` None the top dicts hold every entry the engine sent.
-    Token texts come from ``tokenizer_decode`` when given, else each Logprob's own.
+    Token texts are each Logprob's ``decoded_token``, decoded once by the output processor.
     """
     result: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for token_id, entries in zip(token_ids, logprobs, strict=True):
-        text = _text(token_id, entries[token_id], tokenizer_decode)
+        text = entries[token_id].decoded_token
         result["tokens"].append(text)
         result["token_logprobs"].append(_logprob(entries[token_id].logprob))
-        top = {_text(t, lp, tokenizer_decode): _logprob(lp.logprob) for t, lp in _ranked(entries, num_top_logprobs)}
+        top = {lp.decoded_token: _logprob(lp.logprob) for _, lp in _ranked(entries, num_top_logprobs)}
         result["top_logprobs"].append(top)
         result["text_offset"].append(text_offset)
         text_offset += len(text)
     return result
 
 
-def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], *, num_top_logprobs: int | None = None,
-                  tokenizer_decode: Callable[[int], str] | None = None) -> dict[str, Any]:  # fmt: skip
+def chat_logprobs(
+    token_ids: list[int], logprobs: list[dict[int, Logprob]], *, num_top_logprobs: int | None = None
+) -> dict[str, Any]:
     """``/v1/chat/completions`` logprobs: ``{content: [{token, logprob, bytes, top_logprobs}]}``."""
 
-    def entry(token_id: int, logprob: Logprob) -> dict[str, Any]:
-        text = _text(token_id, logprob, tokenizer_decode)
+    def entry(logprob: Logprob) -> dict[str, Any]:
+        text = logprob.decoded_token
         return {"token": text, "logprob": _logprob(logprob.logprob), "bytes": list(text.encode())}
 
     content = []
     for token_id, entries in zip(token_ids, logprobs, strict=True):
-        top = [entry(t, lp) for t, lp in _ranked(entries, num_top_logprobs)]
-        content.append({**entry(token_id, entries[token_id]), "top_logprobs": top})
+        top = [entry(lp) for _, lp in _ranked(entries, num_top_logprobs)]
+        content.append({**entry(entries[token_id]), "top_logprobs": top})
     return {"content": content}
 
 
@@ -424,8 +421,7 @@ def _envelope(request_id: str, obj: str, created: int, model: str, choices: list
 
 
 def _full_response(chat: bool, request_id: str, model: str, created: int, outputs: RequestOutput,
-                   prompt_tokens: int, tokenizer_decode: Callable[[int], str] | None,
-                   num_top_logprobs: int | None) -> dict[str, Any]:  # fmt: skip
+                   prompt_tokens: int, num_top_logprobs: int | None) -> dict[str, Any]:  # fmt: skip
     assert outputs.finished, "a full response needs every completion finished"
     choices = []
     for c in sorted(outputs.outputs, key=lambda c: c.index):
@@ -436,35 +432,31 @@ def _full_response(chat: bool, request_id: str, model: str, created: int, output
             choice["text"] = c.text
         if c.logprobs is not None:
             build = chat_logprobs if chat else completion_logprobs
-            choice["logprobs"] = build(
-                c.token_ids, c.logprobs, num_top_logprobs=num_top_logprobs, tokenizer_decode=tokenizer_decode
-            )
+            choice["logprobs"] = build(c.token_ids, c.logprobs, num_top_logprobs=num_top_logprobs)
         choices.append(choice)
     completion_tokens = sum(len(c.token_ids) for c in outputs.outputs)
     obj = "chat.completion" if chat else "text_completion"
     return {**_envelope(request_id, obj, created, model, choices), "usage": _usage(prompt_tokens, completion_tokens)}
 
 
-def completion_response(request_id: str, model: str, created: int, outputs: RequestOutput, prompt_tokens: int,
-                        tokenizer_decode: Callable[[int], str] | None = None, *,
+def completion_response(request_id: str, model: str, created: int, outputs: RequestOutput, prompt_tokens: int, *,
                         num_top_logprobs: int | None = None) -> dict[str, Any]:  # fmt: skip
     """A finished ``/v1/completions`` response (``openai.types.Completion``); ``request_id`` is its ``id``.
 
     Pass the request's ``logprobs`` as ``num_top_logprobs`` for OpenAI's number
     of alternatives. An aborted choice raises ProtocolError (503).
     """
-    return _full_response(False, request_id, model, created, outputs, prompt_tokens, tokenizer_decode, num_top_logprobs)
+    return _full_response(False, request_id, model, created, outputs, prompt_tokens, num_top_logprobs)
 
 
-def chat_response(request_id: str, model: str, created: int, outputs: RequestOutput, prompt_tokens: int,
-                  tokenizer_decode: Callable[[int], str] | None = None, *,
+def chat_response(request_id: str, model: str, created: int, outputs: RequestOutput, prompt_tokens: int, *,
                   num_top_logprobs: int | None = None) -> dict[str, Any]:  # fmt: skip
     """A finished ``/v1/chat/completions`` response (``openai.types.chat.ChatCompletion``).
 
     Pass the request's ``top_logprobs or 0`` as ``num_top_logprobs``. An aborted
     choice raises ProtocolError (503).
     """
-    return _full_response(True, request_id, model, created, outputs, prompt_tokens, tokenizer_decode, num_top_logprobs)
+    return _full_response(True, request_id, model, created, outputs, prompt_tokens, num_top_logprobs)
 
 
 def completion_chunk(request_id: str, model: str, created: int, index: int, text: str, finish_reason: str | None = None,
