@@ -15,18 +15,29 @@ from tokenmill.hookspecs import hookimpl
 from tokenmill.interfaces import _EXPORTS as _INTERFACES
 
 if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and IDEs
-    from tokenmill.config import EngineConfig, ModelConfig  # noqa: F401
-    from tokenmill.engine import EngineCore  # noqa: F401
+    from tokenmill.config import EngineConfig as EngineConfig
+    from tokenmill.config import ModelConfig as ModelConfig
+    from tokenmill.engine import EngineCore as EngineCore
     from tokenmill.interfaces import *  # noqa: F403
-    from tokenmill.kv_cache.block_hash import block_hashes  # noqa: F401
-    from tokenmill.llm import LLM  # noqa: F401
-    from tokenmill.messages import EngineCoreOutput, EngineCoreRequest, TokenLogprobs  # noqa: F401
-    from tokenmill.outputs import CompletionOutput, RequestOutput  # noqa: F401
-    from tokenmill.plugin_manager import PluginError  # noqa: F401
-    from tokenmill.request import Request  # noqa: F401
-    from tokenmill.sampling_params import SamplingParams  # noqa: F401
-    from tokenmill.tokenizer import IncrementalDetokenizer, Tokenizer  # noqa: F401
-    from tokenmill.weights.format import WeightsError  # noqa: F401
+    from tokenmill.kv_cache.block_hash import block_hashes as block_hashes
+    from tokenmill.llm import LLM as LLM
+    from tokenmill.messages import (
+        EngineCoreOutput as EngineCoreOutput,
+    )
+    from tokenmill.messages import (
+        EngineCoreRequest as EngineCoreRequest,
+    )
+    from tokenmill.messages import (
+        TokenLogprobs as TokenLogprobs,
+    )
+    from tokenmill.outputs import CompletionOutput as CompletionOutput
+    from tokenmill.outputs import RequestOutput as RequestOutput
+    from tokenmill.plugin_manager import PluginError as PluginError
+    from tokenmill.request import Request as Request
+    from tokenmill.sampling_params import SamplingParams as SamplingParams
+    from tokenmill.tokenizer import IncrementalDetokenizer as IncrementalDetokenizer
+    from tokenmill.tokenizer import Tokenizer as Tokenizer
+    from tokenmill.weights.format import WeightsError as WeightsError
 
 
 __version__ = "0.1.0"

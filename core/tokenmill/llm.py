@@ -6,7 +6,7 @@ import itertools
 import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from tqdm import tqdm
 
@@ -111,8 +111,12 @@ class LLM:
         **template_kwargs: Any,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation, then generate."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        encoded = [self.render_chat(c, add_generation_prompt, **template_kwargs) for c in conversations]
+        conversations = cast(
+            list[Conversation], [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        )
+        encoded: list[tuple[str | None, list[int]]] = [
+            self.render_chat(c, add_generation_prompt, **template_kwargs) for c in conversations
+        ]
         return self._run(encoded, sampling_params, use_tqdm)
 
     def render_chat(

@@ -7,7 +7,7 @@ from typing import Annotated
 from tokenmill.config.base import ConfigSection, describe
 
 
-class AttentionConfig(ConfigSection):
+class AttentionConfig(ConfigSection, frozen=True):
     backend: Annotated[
         str,
         describe(

@@ -29,7 +29,7 @@ def parse_memory(text: str) -> tuple[int | None, float | None]:
     return int(number * _UNITS[unit.lower()]), None
 
 
-class CacheConfig(ConfigSection):
+class CacheConfig(ConfigSection, frozen=True):
     block_size: Annotated[
         Annotated[int, msgspec.Meta(ge=1, le=256)],
         describe("Tokens per KV cache block: a power of two from 1 to 256."),

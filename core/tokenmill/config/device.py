@@ -12,7 +12,7 @@ from tokenmill.config.base import ConfigSection, PositiveInt, describe
 DEFAULT_CUDA_GRAPH_BATCH_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 
 
-class DeviceConfig(ConfigSection):
+class DeviceConfig(ConfigSection, frozen=True):
     device: Annotated[
         Literal["auto", "cpu", "cuda"],
         describe("Device to run on; 'auto' picks cuda when a GPU is visible, else cpu."),

@@ -25,7 +25,7 @@ class ConfigError(TokenmillError, ValueError):
     """The config file or a flag is wrong; the message names the setting and the fix."""
 
 
-class EngineConfig(ConfigSection):
+class EngineConfig(ConfigSection, frozen=True):
     """A whole runtime: one table per subsystem, plus per-plugin options."""
 
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
@@ -95,7 +95,9 @@ def _valid_keys(path: list[str]) -> list[str]:
     """Field names of the section at ``path`` ([] is the top level)."""
     struct_type: Any = EngineConfig
     for key in path:
-        fields = {f.name: f.type for f in msgspec.inspect.type_info(struct_type).fields}
+        info = msgspec.inspect.type_info(struct_type)
+        assert isinstance(info, msgspec.inspect.StructType)
+        fields = {f.name: f.type for f in info.fields}
         field_type = fields.get(key)
         if not isinstance(field_type, msgspec.inspect.StructType):
             return []

@@ -10,7 +10,7 @@ from tokenmill.model_files import DEFAULT_MODEL
 DType = Literal["auto", "float32", "float16", "bfloat16"]
 
 
-class ModelConfig(ConfigSection):
+class ModelConfig(ConfigSection, frozen=True):
     model: Annotated[
         str,
         describe(

@@ -111,12 +111,12 @@ def config_options(command: Callable[..., Any]) -> Callable[..., Any]:
         kwargs["config"] = load_config(config_file, overrides)
         return command(*args, **kwargs)
 
+    decorated: Callable[..., Any] = wrapper
     for spec in reversed(flag_specs()):
-        wrapper = _click_option(spec)(wrapper)
-    wrapper = click.option(
+        decorated = _click_option(spec)(decorated)
+    return click.option(
         "--config",
         "config_file",
         type=click.Path(dir_okay=False),
         help="TOML config file; flags given on the command line override it.",
-    )(wrapper)
-    return wrapper
+    )(decorated)

@@ -9,7 +9,7 @@ import msgspec
 from tokenmill.config.base import ConfigSection, describe
 
 
-class SamplerConfig(ConfigSection):
+class SamplerConfig(ConfigSection, frozen=True):
     sampler: Annotated[
         str,
         describe("Sampler plugin by name: turns each step's logits into tokens ('torch' is built in)."),

@@ -7,7 +7,7 @@ from typing import Annotated
 from tokenmill.config.base import ConfigSection, PositiveInt, describe
 
 
-class SchedulerConfig(ConfigSection):
+class SchedulerConfig(ConfigSection, frozen=True):
     max_num_batched_tokens: Annotated[
         PositiveInt,
         describe(

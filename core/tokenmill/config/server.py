@@ -9,7 +9,7 @@ import msgspec
 from tokenmill.config.base import ConfigSection, PositiveInt, describe
 
 
-class ServerConfig(ConfigSection):
+class ServerConfig(ConfigSection, frozen=True):
     host: Annotated[str, describe("Address the HTTP server listens on.")] = "127.0.0.1"
     port: Annotated[Annotated[int, msgspec.Meta(ge=0, le=65535)], describe("HTTP port (0 picks a free one).")] = 8000
     api_key: Annotated[

@@ -13,10 +13,10 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
@@ -59,7 +59,11 @@ class _ClosingStreamingResponse(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await self.body_iterator.aclose()  # type: ignore[union-attr]
+            # Our endpoints stream async generators, which have aclose (Starlette types the body as any
+            # async iterable).
+            body = self.body_iterator
+            assert isinstance(body, AsyncGenerator)
+            await body.aclose()
 
 
 def _error(exc: ProtocolError) -> JSONResponse:
@@ -133,7 +137,7 @@ class OpenAIServer:
         output = processor.add_request(request_id, prompt, prompt_token_ids, params)
         return _Generation(request_id, stream, processor, output, params, arrival)
 
-    async def _updates(self, generation: _Generation) -> AsyncIterator[list[CompletionDelta]]:
+    async def _updates(self, generation: _Generation) -> AsyncGenerator[list[CompletionDelta]]:
         """Yield the text deltas of every engine output until the request finishes; ``generation.output``
         holds the whole request as it grows.
 
@@ -277,7 +281,7 @@ class OpenAIServer:
             )  # fmt: skip
         )
 
-    async def _stream_text(self, generation: _Generation) -> AsyncIterator[CompletionDelta]:
+    async def _stream_text(self, generation: _Generation) -> AsyncGenerator[CompletionDelta]:
         """Each completion's deltas as the output processor releases them (it holds back stop strings)."""
         async with aclosing(self._updates(generation)) as updates:
             async for deltas in updates:
@@ -335,7 +339,9 @@ class OpenAIServer:
             yield protocol.sse_event(protocol.error_dict(exc.status, exc.message, exc.type, exc.param, exc.code))
         yield protocol.SSE_DONE
 
-    def _usage_chunk(self, generation: _Generation, kind: str) -> dict[str, Any]:
+    def _usage_chunk(
+        self, generation: _Generation, kind: Literal["text_completion", "chat.completion.chunk"]
+    ) -> dict[str, Any]:
         prompt_tokens = len(generation.output.prompt_token_ids)
         completion_tokens = sum(len(c.token_ids) for c in generation.output.outputs)
         return protocol.usage_chunk(
