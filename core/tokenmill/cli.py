@@ -88,7 +88,7 @@ _SLOT_SETTINGS = {
     "sampler": "sampler.sampler",
     "logits_processor": "sampler.logits_processors",
     "speculator": "not selectable yet (speculative decoding)",
-    "kv_tier": "not selectable yet (KV offload tiers)",
+    "kv_tier": "cache.kv_tiers",
     "router": "server.router",
     "transport": "transport.backend",
 }

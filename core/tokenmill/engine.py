@@ -23,8 +23,10 @@ import time
 import torch
 
 from tokenmill.config import EngineConfig
+from tokenmill.config.cache import kv_tier_spec
 from tokenmill.cuda_graphs import cuda_graph_batch_sizes
 from tokenmill.kv_cache.manager import KVCacheManager
+from tokenmill.kv_cache.tier import KVTier
 from tokenmill.memory import CacheLayout, plan_kv_cache
 from tokenmill.messages import EngineCoreOutput, EngineCoreRequest, EngineStatsMessage, TokenLogprobs
 from tokenmill.model_loader import LoadedModel, load_model
@@ -61,9 +63,14 @@ class EngineCore:
         )
         #: Salts every prefix-cache block hash: anything that changes the K/V values of the same tokens.
         self.kv_cache_hash_salt = f"{self.loaded.path}:{self.loaded.dtype}:{self.loaded.kv_cache_dtype}"
+        self.kv_tiers: list[KVTier] = []
+        for entry in config.cache.kv_tiers:
+            name, capacity_bytes = kv_tier_spec(entry)
+            self.kv_tiers.append(self.plugins.create(Slot.KV_TIER, name, capacity_bytes=capacity_bytes))
         self.kv_cache: KVCacheManager = self.plugins.create(
             Slot.KV_CACHE_MANAGER, config.cache.kv_cache_manager, self.layout.num_blocks, self.layout.block_size,
             enable_prefix_caching=config.cache.enable_prefix_caching, hash_salt=self.kv_cache_hash_salt,
+            **({"tiers": self.kv_tiers} if self.kv_tiers else {}),
         )  # fmt: skip
         self.scheduler: Scheduler = self.plugins.create(
             Slot.SCHEDULER, config.scheduler.policy, self.kv_cache,
@@ -147,6 +154,14 @@ class EngineCore:
 
         The forward always runs: a step of prompt chunks only samples nothing but writes their K/V.
         Changes no request state."""
+        transfers = scheduler_output.kv_transfers
+        if transfers:
+            # Evicted blocks are read before anything (a load, a copy, the forward) overwrites them.
+            if transfers.stores:
+                blocks = self.runner.read_blocks([block_id for block_id, _ in transfers.stores])
+                self.kv_cache.store_evicted([(h, b) for (_, h), b in zip(transfers.stores, blocks, strict=True)])
+            if transfers.loads:
+                self.runner.write_blocks(transfers.loads)
         self.runner.copy_blocks(scheduler_output.block_copies)
         chunks = [self._chunk(s) for s in scheduler_output.scheduled]
         logits_indices = [i for i, s in enumerate(scheduler_output.scheduled) if s.samples_token]

@@ -216,9 +216,10 @@ def tokenmill_register_kv_tiers(register: Register) -> None:
         ``tokenmill.interfaces.KVTier`` subclass, built as ``cls(capacity_bytes=...)``.
     :return: nothing; every implementation is called.
 
-    Called once per engine process at start-up. The KV cache manager stores a
-    block in the tiers when it evicts it and looks a prefix up in them when the
-    device cache misses.
+    Called once per engine process at start-up. Selected by ``cache.kv_tiers``
+    (``--kv-tier NAME:CAPACITY``, repeatable, nearest first). The KV cache
+    manager writes a cached block back to the first tier when it evicts it and
+    looks a prefix up in the tiers when the device cache misses.
     Since: 0.1. Stability: provisional.
     """
 

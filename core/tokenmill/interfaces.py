@@ -16,7 +16,7 @@ slot                      interface                       built in
 ``sampler``               ``Sampler``                     ``torch``
 ``logits_processor``      ``LogitsProcessor``             ``logit_bias``, ``min_tokens``
 ``speculator``            ``Speculator``                  (none yet)
-``kv_tier``               ``KVTier``                      (none yet)
+``kv_tier``               ``KVTier``                      (none yet; ``tokenmill.testing.DictKVTier``)
 ``router``                ``Router``                      ``round-robin``
 ``transport``             ``Transport``                   ``zmq``
 ========================  ==============================  ======================================

@@ -72,6 +72,22 @@ class ModelRunner:
             self.cuda_graphs.capture()
 
     @torch.inference_mode()
+    def read_blocks(self, block_ids: list[int]) -> list[torch.Tensor]:
+        """Copies of whole blocks, on the CPU, each [num_layers, 2, block_size, num_kv_heads, head_dim] in the
+        cache's dtype: what a KV tier stores. Needs the default cache layout (``kv_cache_shape``)."""
+        index = torch.tensor(block_ids, device=self.loaded.device)
+        stacked = torch.stack([kv_cache[:, index] for kv_cache in self.kv_caches])  # [layers, 2, n, block_size, ...]
+        return list(stacked.permute(2, 0, 1, 3, 4, 5).to("cpu").unbind(0))
+
+    @torch.inference_mode()
+    def write_blocks(self, blocks: list[tuple[int, torch.Tensor]]) -> None:
+        """Write whole blocks, as ``read_blocks`` returns them, into the cache (KV tier loads)."""
+        index = torch.tensor([block_id for block_id, _ in blocks], device=self.loaded.device)
+        data = torch.stack([b for _, b in blocks]).to(self.loaded.device)  # [n, layers, 2, block_size, ...]
+        for layer, kv_cache in enumerate(self.kv_caches):
+            kv_cache[:, index] = data[:, layer].transpose(0, 1).to(kv_cache.dtype)
+
+    @torch.inference_mode()
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: copy whole blocks (src -> dst) in every layer, before the step's forward."""
         if not copies:

@@ -259,6 +259,7 @@ def selected_names(config: EngineConfig) -> list[tuple[Slot, str, str]]:
     if config.model.weight_format is not None:
         chosen.append((Slot.WEIGHT_FORMAT, config.model.weight_format, "model.weight_format"))
     chosen += [(Slot.LOGITS_PROCESSOR, name, "sampler.logits_processors") for name in config.sampler.logits_processors]
+    chosen += [(Slot.KV_TIER, entry.partition(":")[0], "cache.kv_tiers") for entry in config.cache.kv_tiers]
     return [(slot, name, setting) for slot, name, setting in chosen if name != "auto"]
 
 

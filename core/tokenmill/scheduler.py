@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from tokenmill.hookspecs import Register, hookimpl
-from tokenmill.kv_cache.manager import KVCacheManager
+from tokenmill.kv_cache.manager import KVCacheManager, KVTransfers
 from tokenmill.messages import EngineCoreOutput, EngineStatsMessage, TokenLogprobs, completion_request_id
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import InvalidRequestError
@@ -61,6 +61,8 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     #: Copy-on-write block copies (src, dst) the runner performs before the forward.
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    #: KV tier transfers (write-back of evicted blocks, prefix blocks to load) due before the copies.
+    kv_transfers: KVTransfers = field(default_factory=KVTransfers)
     preempted: list[Request] = field(default_factory=list)
 
     @property
@@ -250,6 +252,7 @@ class FCFSScheduler(Scheduler):
             budget -= num_new
         if not output.preempted:
             self._admit_waiting(output, budget)
+        output.kv_transfers = self.kv_cache.take_transfers()
         started = time.monotonic()
         for scheduled in output.scheduled:
             if scheduled.request.queue_time is None:

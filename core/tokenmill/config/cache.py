@@ -29,6 +29,18 @@ def parse_memory(text: str) -> tuple[int | None, float | None]:
     return int(number * _UNITS[unit.lower()]), None
 
 
+def kv_tier_spec(entry: str) -> tuple[str, int]:
+    """``"cpu:4GiB"`` -> ("cpu", bytes). Raises ValueError naming the entry otherwise."""
+    name, _, capacity = entry.partition(":")
+    try:
+        capacity_bytes, _ = parse_memory(capacity) if capacity else (None, None)
+    except ValueError:
+        capacity_bytes = None
+    if not name or capacity_bytes is None:
+        raise ValueError(f"kv_tiers entry {entry!r} must be 'NAME:CAPACITY' with a size, such as 'cpu:4GiB'")
+    return name, capacity_bytes
+
+
 class CacheConfig(ConfigSection, frozen=True):
     block_size: Annotated[
         Annotated[int, msgspec.Meta(ge=1, le=256)],
@@ -62,10 +74,21 @@ class CacheConfig(ConfigSection, frozen=True):
         str,
         describe("KV cache manager plugin by name: blocks, block tables and the prefix cache ('paged' is built in)."),
     ] = "paged"
+    kv_tiers: Annotated[
+        list[str],
+        describe(
+            "KV tier plugins below the device cache, nearest first, each 'NAME:CAPACITY' (e.g. 'cpu:4GiB'): "
+            "blocks evicted from the device are written to the first; a prefix that misses on the device is "
+            "loaded from the tiers instead of recomputed.",
+            flag="--kv-tier",
+        ),
+    ] = msgspec.field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two (8, 16, 32, ...), got {self.block_size}")
+        for tier in self.kv_tiers:
+            kv_tier_spec(tier)  # raises naming the entry
         if self.kv_cache_memory != "auto":
             try:
                 parse_memory(self.kv_cache_memory)

@@ -39,6 +39,10 @@ class BlockPool:
         # OrderedDicts as O(1) linked lists: popitem(last=False) takes the oldest, pop(id) unlinks any.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()
+        #: When set, every cached block that ``allocate`` evicts is appended to ``evicted`` as
+        #: ``(block_id, block_hash)``, for its owner to write back to a KV tier before it is overwritten.
+        self.record_evictions = False
+        self.evicted: list[tuple[int, bytes]] = []
         self._index: dict[bytes, int] = {}  # block hash -> the one block holding it
 
     # ------------------------------------------------------------------ state
@@ -93,6 +97,8 @@ class BlockPool:
                 assert block_hash is not None
                 del self._index[block_hash]
                 self._hashes[block_id] = None
+                if self.record_evictions:
+                    self.evicted.append((block_id, block_hash))
             assert self._ref_counts[block_id] == 0
             self._ref_counts[block_id] = 1
             block_ids.append(block_id)

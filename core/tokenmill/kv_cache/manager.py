@@ -24,10 +24,13 @@ from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from tokenmill.kv_cache.block_hash import hash_block, root_hash
 from tokenmill.kv_cache.block_pool import BlockPool
+
+if TYPE_CHECKING:
+    from tokenmill.kv_cache.tier import KVTier
 
 logger = logging.getLogger(__name__)
 
@@ -37,9 +40,26 @@ class PrefixMatch:
     """Cached full blocks matching a request's leading tokens, from ``lookup_prefix``."""
 
     block_ids: list[int]  # cached full blocks matching the request's leading tokens
-    num_tokens: int  # len(block_ids) * block_size
+    num_tokens: int  # (len(block_ids) + len(loaded)) * block_size
     # The hash each block had at lookup time: allocate_slots refuses the match if one was evicted since.
     block_hashes: tuple[bytes, ...] = ()
+    #: The blocks that follow ``block_ids``, fetched from the KV tiers: ``(block hash, block data)``.
+    #: ``allocate_slots`` gives each a device block and queues its data to be written there.
+    loaded: tuple[tuple[bytes, Any], ...] = ()
+
+
+@dataclass
+class KVTransfers:
+    """Block copies between the device cache and the KV tiers that must happen before a step's forward, in
+    this order: ``stores`` (read evicted blocks before anything overwrites them), then ``loads``."""
+
+    #: ``(block_id, block_hash)`` of cached blocks evicted this step, to read and pass to ``store_evicted``.
+    stores: list[tuple[int, bytes]] = field(default_factory=list)
+    #: ``(block_id, data)``: blocks fetched from a tier, to write into these device blocks.
+    loads: list[tuple[int, Any]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.stores or self.loads)
 
 
 @dataclass(frozen=True)
@@ -117,6 +137,14 @@ class KVCacheManager(ABC):
         """Prompt tokens looked up in the prefix cache so far (a counter); 0 without a prefix cache."""
         return 0
 
+    def take_transfers(self) -> KVTransfers:
+        """The tier transfers queued since the last call (evictions to write back, prefix blocks to load).
+        Called by the scheduler once per step, at the end of ``schedule``; none without KV tiers."""
+        return KVTransfers()
+
+    def store_evicted(self, blocks: list[tuple[bytes, Any]]) -> None:
+        """Write evicted blocks' data (read by the engine from the device) to the nearest KV tier."""
+
     @property
     def prefix_cache_hits(self) -> int:
         """Prompt tokens reused from the prefix cache so far (a counter)."""
@@ -135,11 +163,21 @@ class PagedKVCacheManager(KVCacheManager):
     name: ClassVar[str] = "paged"
 
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, hash_salt: str = ""
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        hash_salt: str = "",
+        tiers: Sequence[KVTier] = (),
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}; set cache.block_size")
         self._pool = BlockPool(num_blocks)
+        # KV tiers, nearest first: evicted cached blocks are written back to tiers[0], and a prefix that misses
+        # on the device continues down the tiers.
+        self._tiers = list(tiers) if enable_prefix_caching else []
+        self._pool.record_evictions = bool(self._tiers)
+        self._pending_loads: list[tuple[int, Any]] = []
         self._block_size = block_size
         self._enable_prefix_caching = enable_prefix_caching
         self._hash_salt = hash_salt  # names the model: every block hash is salted with it
@@ -224,7 +262,39 @@ class PagedKVCacheManager(KVCacheManager):
                 break
             block_ids.append(block_id)
             hashes.append(parent)
-        return PrefixMatch(block_ids=block_ids, num_tokens=len(block_ids) * block_size, block_hashes=tuple(hashes))
+        loaded = self._fetch_from_tiers(token_ids, len(block_ids), max_blocks, parent) if self._tiers else ()
+        return PrefixMatch(
+            block_ids=block_ids,
+            num_tokens=(len(block_ids) + len(loaded)) * block_size,
+            block_hashes=tuple(hashes),
+            loaded=loaded,
+        )
+
+    def _fetch_from_tiers(
+        self, token_ids: Sequence[int], first: int, max_blocks: int, first_hash: bytes
+    ) -> tuple[tuple[bytes, Any], ...]:
+        """Blocks ``first``, ``first + 1``, ... of ``token_ids`` from the nearest tier holding each, until one
+        is in none; ``first_hash`` is block ``first``'s hash (the device cache missed it)."""
+        loaded: list[tuple[bytes, Any]] = []
+        block_hash = first_hash
+        for i in range(first, max_blocks):
+            if i > first:
+                block_hash = hash_block(block_hash, token_ids[i * self._block_size : (i + 1) * self._block_size])
+            data = next((d for tier in self._tiers if (d := tier.fetch(block_hash)) is not None), None)
+            if data is None:
+                break
+            loaded.append((block_hash, data))
+        return tuple(loaded)
+
+    def take_transfers(self) -> KVTransfers:
+        transfers = KVTransfers(stores=self._pool.evicted, loads=self._pending_loads)
+        self._pool.evicted, self._pending_loads = [], []
+        return transfers
+
+    def store_evicted(self, blocks: list[tuple[bytes, Any]]) -> None:
+        if self._tiers:
+            for block_hash, data in blocks:
+                self._tiers[0].store(block_hash, data)
 
     def cache_full_blocks(
         self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int, cache_salt: str | None = None
@@ -364,6 +434,12 @@ class PagedKVCacheManager(KVCacheManager):
             del state.block_hashes[first_written:]
         new_block_ids = pool.allocate(num_new_blocks)
         table.extend(new_block_ids)
+        if prefix is not None and prefix.loaded:
+            # The first new blocks hold the tier's data once the engine has written it, before the forward:
+            # publish them under their hashes like any computed full block.
+            for block_id, (block_hash, data) in zip(new_block_ids, prefix.loaded, strict=False):
+                self._pending_loads.append((block_id, data))
+                pool.cache_block(block_id, block_hash)
         if prefix_block_ids:
             new_block_ids = list(prefix_block_ids) + new_block_ids
         return SlotAllocation(new_block_ids=new_block_ids, copies=copies)
@@ -423,9 +499,10 @@ class PagedKVCacheManager(KVCacheManager):
         return state
 
     def _check_prefix(self, prefix: PrefixMatch) -> None:
-        if prefix.num_tokens != len(prefix.block_ids) * self._block_size:
+        num_blocks = len(prefix.block_ids) + len(prefix.loaded)
+        if prefix.num_tokens != num_blocks * self._block_size:
             raise ValueError(
-                f"PrefixMatch.num_tokens={prefix.num_tokens} but {len(prefix.block_ids)} blocks of "
+                f"PrefixMatch.num_tokens={prefix.num_tokens} but {num_blocks} blocks of "
                 f"{self._block_size} tokens; use lookup_prefix"
             )
         if prefix.block_hashes and len(prefix.block_hashes) != len(prefix.block_ids):
