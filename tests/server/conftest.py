@@ -1,79 +1,19 @@
-"""Real `tokenmill serve` subprocesses on free loopback ports, for the server tests."""
+"""Real `tokenmill serve` subprocesses on free loopback ports, for the server tests (through the test kit)."""
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import pytest
 
 from tests.factories import save_hf_model
+from tokenmill.testing.server import TokenmillServer as Server
+from tokenmill.testing.server import free_port, start_server
+
+__all__ = ["API_KEY", "Server", "free_port", "start_server", "start_tiny_server"]
 
 API_KEY = "test-key"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@dataclass
-class Server:
-    process: subprocess.Popen[str]
-    url: str
-    model: str
-    log: Path
-
-    def metrics(self) -> dict[str, float]:
-        """Unlabelled-by-engine samples of /metrics, keyed by name plus labels, summed over engines."""
-        text = httpx.get(f"{self.url}/metrics").text
-        samples: dict[str, float] = {}
-        for line in text.splitlines():
-            if line.startswith("#") or not line.strip():
-                continue
-            name, value = line.rsplit(" ", 1)
-            if 'engine="' in name:
-                name = name.split("{")[0]
-            samples[name] = samples.get(name, 0.0) + float(value)
-        return samples
-
-    def stop(self) -> int:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(60)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-        return self.process.wait()
-
-
-def start_server(tmp_path: Path, *args: str, model_name: str) -> Server:
-    port = free_port()
-    log = tmp_path / f"server-{port}.log"
-    command = [sys.executable, "-m", "tokenmill.cli", "serve", *args, "--port", str(port), "--device", "cpu"]
-    process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, text=True,
-                               env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return Server(process, url, model_name, log)
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    process.kill()
-    raise RuntimeError(f"server did not become healthy:\n{log.read_text()[-3000:]}")
 
 
 @pytest.fixture(scope="session")
@@ -89,7 +29,8 @@ def default_server(tmp_path_factory: pytest.TempPathFactory, smollm2_gguf: Path)
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random Llama with the default model's vocabulary size, so its tokenizer fits."""
+    """A tiny random Llama with the default model's vocabulary size, so its tokenizer fits (here it takes
+    the place of the test kit's ``tiny_model_dir``, which has a tokenizer of its own)."""
     directory = tmp_path_factory.mktemp("tiny-llama")
     save_hf_model("llama-tiny", directory, vocab_size=49152)
     return directory

@@ -6,7 +6,8 @@
   case when an implementation breaks its interface's contract;
 - tiny random models and engines: ``save_tiny_model``, ``make_engine``, ``run_to_completion``,
   ``make_scheduler``, ``make_requests``, ``TINY_CONFIGS``;
-- a real server: ``start_server`` / ``TokenmillServer``;
+- a real server: ``start_server`` / ``TokenmillServer``; a plugin package installed by pip outside the tree:
+  ``install_package``, ``pythonpath_env``;
 - ``DictKVTier``, an in-memory reference KV tier;
 - pytest fixtures (``tiny_model_dir``, ``tiny_engine``, ``tokenmill_server``, ``plugin_manager``) from
   ``tokenmill.testing.plugin``, which pytest loads by itself once tokenmill is installed.
@@ -27,6 +28,7 @@ if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and
     from tokenmill.testing.conformance import *  # noqa: F403
     from tokenmill.testing.factories import *  # noqa: F403
     from tokenmill.testing.kv_tier import DictKVTier  # noqa: F401
+    from tokenmill.testing.packages import install_package, pythonpath_env  # noqa: F401
     from tokenmill.testing.server import TokenmillServer, free_port, start_server  # noqa: F401
 
 _EXPORTS: dict[str, str] = {
@@ -35,6 +37,8 @@ _EXPORTS: dict[str, str] = {
     "DictKVTier": "tokenmill.testing.kv_tier",
     "TokenmillServer": "tokenmill.testing.server",
     "free_port": "tokenmill.testing.server",
+    "install_package": "tokenmill.testing.packages",
+    "pythonpath_env": "tokenmill.testing.packages",
     "start_server": "tokenmill.testing.server",
 }
 

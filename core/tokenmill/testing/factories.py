@@ -114,7 +114,7 @@ def save_tiny_tokenizer(directory: Path, vocab_size: int = 512) -> None:
     """Write a byte-level BPE tokenizer of exactly ``vocab_size`` ids into ``directory`` (``tokenizer.json``
     and ``tokenizer_config.json`` with a ChatML template), so a tiny model serves text without a download.
 
-    Ids 0-2 are ``<|endoftext|>`` (EOS), ``<|im_start|>`` and ``<|im_end|>``, then the 256 bytes, then
+    Ids 0-2 are ``<|endoftext|>`` (padding), ``<|im_start|>`` and ``<|im_end|>`` (EOS), then the 256 bytes, then
     two-letter merges of lowercase letters and spaces until the vocabulary is full.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -139,7 +139,8 @@ def save_tiny_tokenizer(directory: Path, vocab_size: int = 512) -> None:
     tokenizer.add_special_tokens(list(_SPECIAL_TOKENS))
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(directory / "tokenizer.json"))
-    config = {"eos_token": _SPECIAL_TOKENS[0], "pad_token": _SPECIAL_TOKENS[0], "chat_template": _CHAT_TEMPLATE}
+    # EOS is <|im_end|> (id 2), the id transformers' tiny configs also name as eos_token_id.
+    config = {"eos_token": _SPECIAL_TOKENS[2], "pad_token": _SPECIAL_TOKENS[0], "chat_template": _CHAT_TEMPLATE}
     (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
 
 

@@ -1,0 +1,371 @@
+"""The conformance checks of ``tokenmill.testing``, through the public module.
+
+Every first-party implementation of every slot, found in the registry as a plugin author's would be,
+passes its slot's check; and for each check, a planted wrong implementation fails it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+import torch
+
+from tokenmill import SamplingParams
+from tokenmill.interfaces import (
+    AttentionLayerSpec,
+    EngineState,
+    LogitsProcessor,
+    Proposal,
+    SamplingRow,
+    SpeculationInput,
+    Speculator,
+)
+from tokenmill.kv_cache.manager import PagedKVCacheManager, PrefixMatch, SlotAllocation
+from tokenmill.messages import EngineCoreRequest
+from tokenmill.plugin_manager import FIRST_PARTY_DISTRIBUTION, Slot, load_plugins
+from tokenmill.testing import (
+    DictKVTier,
+    check_attention_backend,
+    check_kv_cache_manager,
+    check_kv_tier,
+    check_logits_processor,
+    check_quantizer,
+    check_router,
+    check_sampler,
+    check_scheduler,
+    check_speculator,
+    check_transport,
+)
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # the triton backend runs under Triton's interpreter
+
+#: Sampling parameters under which each first-party logits processor applies.
+ACTIVATING_PARAMS = {
+    "logit_bias": SamplingParams(logit_bias={3: 5.0, 7: -100.0}),
+    "min_tokens": SamplingParams(min_tokens=4),
+}
+#: Slots that have no conformance check (the model itself is checked against transformers).
+UNCHECKED_SLOTS = {Slot.ARCHITECTURE, Slot.WEIGHT_FORMAT}
+
+
+def _first_party() -> list[tuple[Slot, str]]:
+    system = load_plugins(allowlist=[])
+    return [
+        (slot, registration.name)
+        for slot in Slot
+        if slot not in UNCHECKED_SLOTS
+        for registration in system.registry.registrations(slot)
+        if system.registry.plugins[registration.plugin].package == FIRST_PARTY_DISTRIBUTION
+    ]
+
+
+def _runnable(cls: Any, slot: Slot, name: str) -> None:
+    """Skip what this machine cannot run (a GPU backend, kernels that need AVX2), saying why."""
+    if slot is Slot.ATTENTION_BACKEND and name == "triton":
+        pytest.importorskip("triton")
+        return  # runs under the interpreter without a GPU
+    devices = getattr(cls, "supported_devices", ("cpu",))
+    if "cpu" not in devices and not torch.cuda.is_available():
+        pytest.skip(f"{slot.value} {name!r} needs {devices}")
+    if hasattr(cls, "is_available") and not cls.is_available():
+        pytest.skip(f"{slot.value} {name!r} is not available on this machine")
+
+
+@pytest.mark.parametrize(("slot", "name"), _first_party(), ids=lambda value: str(value))
+def test_first_party_implementation_passes_its_check(slot: Slot, name: str) -> None:
+    cls = load_plugins(allowlist=[]).load(slot, name)
+    _runnable(cls, slot, name)
+    if slot is Slot.ATTENTION_BACKEND:
+        interpreted = name == "triton" and not torch.cuda.is_available()
+        # The interpreter runs each kernel instance in Python: one block size and head size there.
+        grid = {"head_dims": (32,), "block_sizes": (16,)} if interpreted else {}
+        check_attention_backend(cls, **grid)
+    elif slot is Slot.QUANTIZER:
+        check_quantizer(cls)
+    elif slot is Slot.SAMPLER:
+        check_sampler(cls)
+    elif slot is Slot.LOGITS_PROCESSOR:
+        check_logits_processor(cls, ACTIVATING_PARAMS[name])
+    elif slot is Slot.SCHEDULER:
+        check_scheduler(cls)
+    elif slot is Slot.KV_CACHE_MANAGER:
+        check_kv_cache_manager(cls)
+    elif slot is Slot.ROUTER:
+        check_router(cls)
+    elif slot is Slot.TRANSPORT:
+        check_transport(cls)
+    else:
+        pytest.fail(f"no conformance check is wired up for first-party {slot.value} {name!r}")
+
+
+def test_every_checked_slot_has_a_first_party_implementation_or_a_reference() -> None:
+    """Speculators and KV tiers have no first-party implementation yet: the references below stand in."""
+    covered = {slot for slot, _ in _first_party()} | {Slot.SPECULATOR, Slot.KV_TIER}
+    assert covered == set(Slot) - UNCHECKED_SLOTS
+
+
+def test_in_memory_kv_tier_passes() -> None:
+    check_kv_tier(DictKVTier)
+
+
+class PromptLookupSpeculator(Speculator):
+    """Drafts the tokens that followed the last earlier occurrence of the latest token."""
+
+    name: ClassVar[str] = "prompt-lookup"
+
+    def propose(self, requests: list[SpeculationInput]) -> Proposal:
+        drafts = []
+        for request in requests:
+            tokens = list(request.token_ids)
+            limit = min(self.num_speculative_tokens, request.max_num_tokens)
+            earlier = [i for i in range(len(tokens) - 1) if tokens[i] == tokens[-1]]
+            drafts.append(tokens[earlier[-1] + 1 :][:limit] if earlier and limit else [])
+        return Proposal(drafts)
+
+
+def test_reference_speculator_passes() -> None:
+    check_speculator(PromptLookupSpeculator)
+
+
+# ---------------------------------------------------------------- planted wrong implementations
+
+
+def _fails(check: Callable[..., None], implementation: Any, *args: Any, match: str, **kwargs: Any) -> None:
+    with pytest.raises(AssertionError, match=match):
+        check(implementation, *args, **kwargs)
+
+
+def test_attention_backend_with_a_wrong_scale_fails() -> None:
+    from tokenmill.attention.torch_backend import TorchAttentionBackend
+
+    class WrongScale(TorchAttentionBackend):
+        def forward(self, layer: AttentionLayerSpec, *args: Any) -> torch.Tensor:
+            return super().forward(dataclasses.replace(layer, scale=layer.head_dim**-0.5), *args)
+
+    # Layer 0 uses head_dim**-0.5, so only the second layer (another scale) differs.
+    _fails(check_attention_backend, WrongScale, match="layer 1 .*output differs from the reference")
+
+
+def test_attention_backend_that_ignores_the_sliding_window_fails() -> None:
+    from tokenmill.attention.torch_backend import TorchAttentionBackend
+
+    class NoWindow(TorchAttentionBackend):
+        def forward(self, layer: AttentionLayerSpec, *args: Any) -> torch.Tensor:
+            return super().forward(dataclasses.replace(layer, sliding_window=None), *args)
+
+    _fails(check_attention_backend, NoWindow, match=r"sliding_window=6\): output differs")
+
+
+def test_quantizer_that_drops_the_bias_fails() -> None:
+    from tokenmill.layers.dense import DenseQuantizer
+
+    class NoBias(DenseQuantizer):
+        def apply(self, layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.linear(x, layer.weight)
+
+    _fails(check_quantizer, NoBias, match="differ from the loaded ones")
+
+
+def test_quantizer_whose_matmul_disagrees_with_its_weights_fails() -> None:
+    from tokenmill.layers.dense import DenseQuantizer
+
+    class Skewed(DenseQuantizer):
+        def apply(self, layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+            out = super().apply(layer, x)
+            return out * (1.0 + 0.05 * (x.abs().amax(-1, keepdim=True) > 1.5))  # wrong only off the identity
+
+    _fails(check_quantizer, Skewed, match=r"but x @ W_dq.T \+ bias is")
+
+
+def test_sampler_that_skips_logits_processors_fails() -> None:
+    from tokenmill.sampling.sampler import SamplingMetadata, TorchSampler
+
+    class NoProcessors(TorchSampler):
+        def process_logits(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+            return logits
+
+    _fails(check_sampler, NoProcessors, match="where TorchSampler picks")
+
+
+def test_sampler_that_ignores_seeds_fails() -> None:
+    from tokenmill.sampling.sampler import SamplerOutput, SamplingMetadata, TorchSampler
+
+    class Unseeded(TorchSampler):
+        def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+            metadata.generators = {}
+            metadata.unseeded_rows = (metadata.temperature != 0).nonzero().flatten()
+            return super().__call__(logits, metadata)
+
+    _fails(check_sampler, Unseeded, match="seed must give the same tokens")
+
+
+def test_logits_processor_that_changes_inactive_rows_fails() -> None:
+    from tokenmill.sampling.logits_processor import LogitBiasLogitsProcessor
+
+    class Leaky(LogitBiasLogitsProcessor):
+        def apply(self, logits: torch.Tensor, rows: list[int], states: list[SamplingRow]) -> torch.Tensor:
+            return super().apply(logits, rows, states) + 0.5  # every row
+
+    _fails(check_logits_processor, Leaky, ACTIVATING_PARAMS["logit_bias"], match="which were not in rows")
+
+
+def test_logits_processor_active_for_everyone_fails_unless_declared() -> None:
+    class Everyone(LogitsProcessor):
+        name: ClassVar[str] = "everyone"
+
+        def is_active(self, row: SamplingRow) -> bool:
+            return True
+
+        def apply(self, logits: torch.Tensor, rows: list[int], states: list[SamplingRow]) -> torch.Tensor:
+            logits[rows, 0] = float("-inf")
+            return logits
+
+    _fails(check_logits_processor, Everyone, SamplingParams(), match="pass inactive_params=None")
+    check_logits_processor(Everyone, SamplingParams(), inactive_params=None)
+
+
+def test_scheduler_that_leaks_a_block_fails() -> None:
+    from tokenmill.request import Request, RequestStatus
+    from tokenmill.scheduler import FCFSScheduler
+
+    class LeakOnFinish(FCFSScheduler):
+        def _finish(self, request: Request, status: RequestStatus) -> None:
+            free = self.kv_cache.free
+            self.kv_cache.free = lambda request_id: None  # type: ignore[method-assign]
+            try:
+                super()._finish(request, status)
+            finally:
+                self.kv_cache.free = free  # type: ignore[method-assign]
+
+    _fails(check_scheduler, LeakOnFinish, match="KV blocks leaked")
+
+
+def test_scheduler_over_its_token_budget_fails() -> None:
+    from tokenmill.kv_cache.manager import KVCacheManager
+    from tokenmill.scheduler import FCFSScheduler
+
+    class OverBudget(FCFSScheduler):
+        def __init__(self, kv_cache: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+            super().__init__(kv_cache, 2 * max_num_batched_tokens, max_num_seqs)
+
+    _fails(check_scheduler, OverBudget, match="over max_num_batched_tokens=16")
+
+
+def test_scheduler_that_ignores_aborts_fails() -> None:
+    from tokenmill.messages import EngineCoreOutput
+    from tokenmill.scheduler import FCFSScheduler
+
+    class NoAborts(FCFSScheduler):
+        def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
+            return []
+
+    _fails(check_scheduler, NoAborts, match="expected 'abort'")
+
+
+def test_kv_cache_manager_without_copy_on_write_fails() -> None:
+    class NoCopies(PagedKVCacheManager):
+        def allocate_slots(
+            self, request_id: str, num_computed_tokens: int, num_new_tokens: int, prefix: PrefixMatch | None = None
+        ) -> SlotAllocation | None:
+            allocation = super().allocate_slots(request_id, num_computed_tokens, num_new_tokens, prefix)
+            return None if allocation is None else SlotAllocation(allocation.new_block_ids, copies=[])
+
+    _fails(check_kv_cache_manager, NoCopies, match="shared partial block")
+
+
+def test_kv_cache_manager_that_ignores_the_cache_salt_fails() -> None:
+    class Unsalted(PagedKVCacheManager):
+        def lookup_prefix(self, token_ids: Sequence[int], cache_salt: str | None = None) -> PrefixMatch:
+            return super().lookup_prefix(token_ids)
+
+    _fails(check_kv_cache_manager, Unsalted, match="another cache_salt")
+
+
+def test_kv_tier_that_evicts_in_arrival_order_fails() -> None:
+    class FirstInFirstOut(DictKVTier):
+        def fetch(self, block_hash: bytes) -> torch.Tensor | None:
+            block = self._blocks.get(block_hash)
+            if block is None:
+                self.stats.misses += 1
+            else:
+                self.stats.hits += 1
+            return block
+
+    _fails(check_kv_tier, FirstInFirstOut, match="least recently used")
+
+
+def test_kv_tier_that_keeps_the_callers_tensor_fails() -> None:
+    class NoCopy(DictKVTier):
+        def store(self, block_hash: bytes, block: torch.Tensor) -> None:
+            self._blocks[block_hash] = block
+
+    _fails(check_kv_tier, NoCopy, match="kept rather than copied")
+
+
+def test_router_that_returns_an_unhealthy_engine_fails() -> None:
+    from tokenmill.routing import Router
+
+    class FirstEngine(Router):
+        name: ClassVar[str] = "first"
+
+        def select(self, request: EngineCoreRequest, engines: list[EngineState], prefix_hashes: Sequence[bytes]) -> int:
+            return engines[0].index
+
+    _fails(check_router, FirstEngine, match="must return the index of a healthy one", torch_free=False)
+
+
+def test_router_whose_module_imports_torch_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    module = (
+        "import torch\nfrom tokenmill.routing import RoundRobinRouter\n\nclass TorchyRouter(RoundRobinRouter): ...\n"
+    )
+    (tmp_path / "torchy_router.py").write_text(module)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # for the fresh interpreter the check starts
+    from torchy_router import TorchyRouter  # type: ignore[import-not-found]
+
+    _fails(check_router, TorchyRouter, match="imports torch")
+
+
+def test_speculator_drafting_too_many_tokens_fails() -> None:
+    class Greedy(PromptLookupSpeculator):
+        def propose(self, requests: list[SpeculationInput]) -> Proposal:
+            return Proposal([[1] * (self.num_speculative_tokens + 1) for _ in requests])
+
+    _fails(check_speculator, Greedy, match="at most min")
+
+
+def test_speculator_with_invalid_draft_probabilities_fails() -> None:
+    class Unnormalised(PromptLookupSpeculator):
+        def propose(self, requests: list[SpeculationInput]) -> Proposal:
+            proposal = super().propose(requests)
+            proposal.draft_probs = [torch.ones(len(drafts), 64) for drafts in proposal.token_ids]
+            return proposal
+
+    _fails(check_speculator, Unnormalised, match="not probability distributions")
+
+
+def test_transport_that_reorders_frames_fails() -> None:
+    from tokenmill.transport.zmq_transport import ZmqTransport
+
+    class Reordering(ZmqTransport):
+        def connect(self, address: str) -> Any:
+            connection = super().connect(address)
+            pending: list[bytes] = []
+            send = connection.send
+
+            def send_in_pairs(frame: bytes) -> None:  # holds a frame back and sends it after the next
+                pending.append(frame)
+                if len(pending) == 2:
+                    send(pending.pop())
+                    send(pending.pop())
+
+            connection.send = send_in_pairs
+            return connection
+
+    _fails(check_transport, Reordering, match="changed or out of order")
