@@ -67,7 +67,7 @@ def test_selected_by_config_and_in_effect_through_a_real_server(
 policy = "shortest-first"
 
 [sampler]
-logits_processors = ["logit_bias", "min_tokens", "banned-words"]
+logits_processors = ["banned-words"]  # besides the built-in logit_bias and min_tokens
 
 [server]
 router = "least-in-flight"

@@ -70,7 +70,7 @@ policy = "shortest-first"
 max_num_seqs = 1
 
 [sampler]
-logits_processors = ["logit_bias", "min_tokens", "banned-words"]
+logits_processors = ["banned-words"]  # besides the built-in logit_bias and min_tokens
 
 [server]
 router = "{router}"

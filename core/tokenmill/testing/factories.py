@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 
     from tokenmill.engine import EngineCore
     from tokenmill.messages import EngineCoreRequest
+    from tokenmill.plugin_manager import PluginSystem
     from tokenmill.request import Request
     from tokenmill.scheduler import Scheduler
 
@@ -152,9 +153,15 @@ def save_tiny_model(directory: Path, name: str = "llama-tiny", seed: int = 0, **
     return directory
 
 
-def make_engine(model_dir: Path, **sections: dict[str, Any]) -> EngineCore:
+def make_engine(model_dir: Path, plugin_system: PluginSystem | None = None, **sections: dict[str, Any]) -> EngineCore:
     """An in-process ``EngineCore`` on CPU with tiny defaults (block_size 4, 256 blocks); each keyword is a
-    config section to merge over them (``make_engine(path, scheduler={"policy": "priority"})``)."""
+    config section to merge over them (``make_engine(path, scheduler={"policy": "priority"})``;
+    ``plugins={"NAME": {...}}`` sets a plugin's options).
+
+    :param plugin_system: a plugin system to build from (the ``plugin_manager`` fixture's, with plugin objects that
+        are not installed); its selections and ``[plugins.NAME]`` options are checked against the config
+        first, as at start-up. Default: the installed plugins.
+    """
     from tokenmill.config import load_config
     from tokenmill.engine import EngineCore
 
@@ -165,7 +172,10 @@ def make_engine(model_dir: Path, **sections: dict[str, Any]) -> EngineCore:
     }
     for section, values in sections.items():
         overrides[section] = {**overrides[section], **values} if isinstance(overrides.get(section), dict) else values
-    return EngineCore(load_config(overrides=overrides))
+    config = load_config(overrides=overrides)
+    if plugin_system is not None:
+        plugin_system.check_config(config)
+    return EngineCore(config, plugin_system)
 
 
 def run_to_completion(engine: EngineCore, requests: Iterable[EngineCoreRequest]) -> dict[str, list[int]]:
