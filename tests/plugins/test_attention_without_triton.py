@@ -15,7 +15,7 @@ logging.basicConfig(level=logging.DEBUG, format="%(levelname)s %(name)s: %(messa
 import torch
 from tokenmill.model_loader import select_attention_backend
 from tokenmill.plugin_manager import PluginError, Slot, load_plugins
-registry = load_plugins(allowlist=["attention"]).registry
+plugins = load_plugins(allowlist=["attention"])
 """
 
 
@@ -26,7 +26,7 @@ def _run(code: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_auto_selection_without_triton_warns_about_nothing() -> None:
-    result = _run('print(select_attention_backend("auto", torch.device("cpu"), registry).name)')
+    result = _run('print(select_attention_backend("auto", torch.device("cpu"), plugins).name)')
     assert result.stdout.strip() == "cpu"
     assert not [line for line in result.stderr.splitlines() if line.startswith(("WARNING", "ERROR"))], result.stderr
     assert "triton" not in result.stderr.lower().replace("tokenmill_plugins.attention.triton_backend", "")
@@ -35,10 +35,10 @@ def test_auto_selection_without_triton_warns_about_nothing() -> None:
 def test_naming_a_gpu_backend_without_triton_says_what_to_install() -> None:
     code = """
 for name in ("triton", "cuda"):
-    backend_class = registry.load(Slot.ATTENTION_BACKEND, name)  # the module imports without Triton
+    backend_class = plugins.load(Slot.ATTENTION_BACKEND, name)  # the module imports without Triton
     assert not backend_class.is_available()
 try:
-    registry.load(Slot.ATTENTION_BACKEND, "triton")()
+    plugins.load(Slot.ATTENTION_BACKEND, "triton")()
 except PluginError as exc:
     print(exc)
 """
