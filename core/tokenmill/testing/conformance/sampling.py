@@ -116,14 +116,22 @@ def check_sampler(
             fail(f"{name} picked {got.tolist()} where TorchSampler picks {expected.tolist()} ({what}; these rows "
                  "must take the argmax of the logits after processors and penalties)")  # fmt: skip
 
-    seeded = [SamplingParams(temperature=1.0, seed=s) for s in (11, 12, 13)]
-    first = _sample(candidate, logits[:3], seeded, device, "seeded rows").token_ids
-    again = _sample(candidate, logits[:3], seeded, device, "seeded rows").token_ids
-    in_batch = _sample(candidate, logits[[4, 0, 5, 1, 2]], [_GREEDY, seeded[0], SamplingParams(), *seeded[1:]],
-                       device, "seeded rows in another batch").token_ids  # fmt: skip
-    if not torch.equal(first, again) or in_batch[[1, 3, 4]].tolist() != first.tolist():
-        fail(f"{name}: seeded rows drew {first.tolist()}, then {again.tolist()}, then {in_batch[[1, 3, 4]].tolist()} "
-             "in another batch; a request's seed must give the same tokens whatever else is in the batch")  # fmt: skip
+    # Nearly flat rows, so that draws from anything but each row's own generator differ almost surely.
+    flat = (torch.randn(8, vocab_size, generator=generator) * 0.1).to(device)  # [8, vocab_size]
+    seeded = [SamplingParams(temperature=1.0, seed=11 + row) for row in range(8)]
+    first = _sample(candidate, flat, seeded, device, "seeded rows").token_ids
+    again = _sample(candidate, flat, seeded, device, "seeded rows").token_ids
+    # The same rows, in another order, between a greedy and an unseeded row.
+    order = [3, 0, 7, 1, 6, 2, 5, 4]
+    batch = torch.cat([logits[:1], flat[order], logits[1:2]])
+    params = [_GREEDY, *(seeded[row] for row in order), SamplingParams()]
+    in_batch = _sample(candidate, batch, params, device, "seeded rows in another batch").token_ids[1:-1]
+    reordered = [0] * 8
+    for position, row in enumerate(order):
+        reordered[row] = int(in_batch[position])
+    if not torch.equal(first, again) or reordered != first.tolist():
+        fail(f"{name}: seeded rows drew {first.tolist()}, then {again.tolist()}, then {reordered} in another "
+             "batch; a request's seed must give the same tokens whatever else is in the batch")  # fmt: skip
 
     masked = logits.clone()
     masked[:, ::2] = float("-inf")
@@ -153,7 +161,9 @@ def check_sampler(
 def _check_distribution(candidate: Sampler, row_logits: torch.Tensor, device: str) -> None:
     num_draws, temperature = 4000, 0.7
     logits = row_logits[:8].repeat(num_draws, 1)  # [num_draws, 8]
-    drawn = _sample(candidate, logits, [SamplingParams(temperature=temperature)] * num_draws, device, "temperature")
+    # Each draw seeded by its own row, so a correct sampler gives the same frequencies on every run.
+    params = [SamplingParams(temperature=temperature, seed=seed) for seed in range(num_draws)]
+    drawn = _sample(candidate, logits, params, device, "temperature")
     counts = torch.bincount(drawn.token_ids.cpu(), minlength=8).double() / num_draws
     expected = (row_logits[:8].double().cpu() / temperature).softmax(-1)
     distance = 0.5 * (counts - expected).abs().sum().item()
