@@ -18,6 +18,7 @@ if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and
     from tokenmill.config import EngineConfig as EngineConfig
     from tokenmill.config import ModelConfig as ModelConfig
     from tokenmill.engine import EngineCore as EngineCore
+    from tokenmill.hookspecs import Register as Register
     from tokenmill.interfaces import *  # noqa: F403
     from tokenmill.kv_cache.block_hash import block_hashes as block_hashes
     from tokenmill.llm import LLM as LLM
@@ -33,8 +34,10 @@ if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and
     from tokenmill.outputs import CompletionOutput as CompletionOutput
     from tokenmill.outputs import RequestOutput as RequestOutput
     from tokenmill.plugin_manager import PluginError as PluginError
+    from tokenmill.plugin_manager import Slot as Slot
     from tokenmill.request import Request as Request
     from tokenmill.sampling_params import SamplingParams as SamplingParams
+    from tokenmill.scheduler import FCFSScheduler as FCFSScheduler
     from tokenmill.tokenizer import IncrementalDetokenizer as IncrementalDetokenizer
     from tokenmill.tokenizer import Tokenizer as Tokenizer
     from tokenmill.weights.format import WeightsError as WeightsError
@@ -50,13 +53,16 @@ _LAZY_EXPORTS: dict[str, str] = {
     "EngineCore": "tokenmill.engine",
     "EngineCoreOutput": "tokenmill.messages",
     "EngineCoreRequest": "tokenmill.messages",
+    "FCFSScheduler": "tokenmill.scheduler",
     "IncrementalDetokenizer": "tokenmill.tokenizer",
     "LLM": "tokenmill.llm",
     "ModelConfig": "tokenmill.config",
     "PluginError": "tokenmill.plugin_manager",
+    "Register": "tokenmill.hookspecs",
     "Request": "tokenmill.request",
     "RequestOutput": "tokenmill.outputs",
     "SamplingParams": "tokenmill.sampling_params",
+    "Slot": "tokenmill.plugin_manager",
     "TokenLogprobs": "tokenmill.messages",
     "Tokenizer": "tokenmill.tokenizer",
     "WeightsError": "tokenmill.weights.format",

@@ -72,11 +72,15 @@ class OutputProcessor:
     def process(self, engine_outputs: list[EngineCoreOutput]) -> ProcessedStep:
         step = ProcessedStep()
         updated: dict[str, RequestOutput] = {}
+        # Requests the engine says are done: all n completions, or fewer when aborted before the others forked.
+        done: set[str] = set()
         for engine_output in engine_outputs:
             found = self._completion(engine_output)
             if found is None:
                 continue
             request, params, state = found
+            if engine_output.request_finished:
+                done.add(request.request_id)
             if state.output.finished:
                 continue  # already ended by a stop string; the engine's abort echo adds nothing
             delta = self._apply(engine_output, params, state, step)
@@ -84,7 +88,8 @@ class OutputProcessor:
                 step.deltas.append(delta)
             updated[request.request_id] = request
         for request_id, request in updated.items():
-            if len(request.outputs) == self._requests[request_id][1].n and request.finished:
+            complete = len(request.outputs) == self._requests[request_id][1].n or request_id in done
+            if complete and request.finished:
                 del self._requests[request_id]
                 for completion in request.outputs:
                     self._completions.pop(completion_request_id(request_id, completion.index), None)

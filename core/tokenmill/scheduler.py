@@ -114,7 +114,8 @@ class Scheduler(ABC):
     def abort_requests(self, request_ids: list[str], completions_only: bool = False) -> list[EngineCoreOutput]:
         """Finish these requests now, wherever they are. A request's id aborts all n of its completions (the
         client went away); with ``completions_only`` each id names one completion (a stop string ended it).
-        Unknown ids are ignored. Returns one final output per completion finished."""
+        Unknown ids are ignored. Returns one final output per completion finished: an n > 1 request aborted
+        before it forked has only completion 0, whose output carries ``request_finished``."""
 
     @abstractmethod
     def schedule(self) -> SchedulerOutput:

@@ -140,3 +140,10 @@ def test_a_stop_string_in_one_of_n_completions_leaves_the_others_running(tokeniz
     assert [c.finish_reason for c in request.outputs] == ["stop", None] and processor.has_unfinished()
     processor.process([EngineCoreOutput("r#1", [hello], finish_reason="length", parent_id="r", index=1)])
     assert [c.text for c in request.outputs] == ["Hello", "Hello,Hello"] and not processor.has_unfinished()
+
+
+def test_an_n_request_aborted_before_it_forked_is_done_with_one_completion(tokenizer: Tokenizer) -> None:
+    processor = OutputProcessor(tokenizer)
+    request = processor.add_request("r", None, [1], SamplingParams(n=3))
+    processor.process([EngineCoreOutput("r", [], finish_reason="abort", request_finished=True)])
+    assert request.finished and len(request.outputs) == 1 and not processor.has_unfinished()
