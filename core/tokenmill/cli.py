@@ -205,9 +205,9 @@ def serve(config: EngineConfig) -> None:
 def engine(config: EngineConfig, listen: str) -> None:
     """Run one engine process on LISTEN, for `tokenmill serve --engine LISTEN` on another host."""
     from tokenmill.engine_process import run_engine_process
-    from tokenmill.plugin_manager import resolve_plugins
+    from tokenmill.plugin_manager import FRONT_END_SLOTS, resolve_plugins
 
-    resolve_plugins(config)
+    resolve_plugins(config, skip=FRONT_END_SLOTS)  # its front end, on another host, builds the router
 
     run_engine_process(config.to_dict(), listen)
 

@@ -31,7 +31,7 @@ from tokenmill.memory import CacheLayout, plan_kv_cache
 from tokenmill.messages import EngineCoreOutput, EngineCoreRequest, EngineStatsMessage, TokenLogprobs
 from tokenmill.model_loader import LoadedModel, load_model
 from tokenmill.model_runner import ModelRunner, SequenceChunk
-from tokenmill.plugin_manager import PluginSystem, Slot, resolve_plugins
+from tokenmill.plugin_manager import FRONT_END_SLOTS, PluginSystem, Slot, resolve_plugins
 from tokenmill.request import Request
 from tokenmill.sampling.logits_processor import LogitsProcessor, SamplingRow
 from tokenmill.sampling.plugin import BUILTIN_LOGITS_PROCESSORS
@@ -47,7 +47,7 @@ _GENERATOR = "generator"  # Request.stash key: the request's own torch.Generator
 class EngineCore:
     def __init__(self, config: EngineConfig, plugins: PluginSystem | None = None) -> None:
         self.config = config
-        self.plugins = plugins if plugins is not None else resolve_plugins(config)
+        self.plugins = plugins if plugins is not None else resolve_plugins(config, skip=FRONT_END_SLOTS)
         self.loaded: LoadedModel = load_model(config, self.plugins)
         arch = self.loaded.arch
         self.layout: CacheLayout = plan_kv_cache(

@@ -48,7 +48,7 @@ def run_engine_process(config_data: dict[str, Any], address: str, watch_parent: 
     """
     from tokenmill.config import EngineConfig
     from tokenmill.engine import EngineCore
-    from tokenmill.plugin_manager import Slot, resolve_plugins
+    from tokenmill.plugin_manager import FRONT_END_SLOTS, Slot, resolve_plugins
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine: %(message)s")
     _set_process_title("tokenmill-engine")
@@ -63,7 +63,7 @@ def run_engine_process(config_data: dict[str, Any], address: str, watch_parent: 
     signal.signal(signal.SIGINT, request_stop)
 
     config = msgspec.convert(config_data, EngineConfig)
-    plugins = resolve_plugins(config)
+    plugins = resolve_plugins(config, skip=FRONT_END_SLOTS)  # the router runs in the front end
     transport = plugins.create(Slot.TRANSPORT, config.transport.backend)
     endpoint: EngineEndpoint = transport.bind(address)  # before loading: front ends' Hello waits there
     try:

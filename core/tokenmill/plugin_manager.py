@@ -234,11 +234,15 @@ class PluginSystem:
                 tables[info.name] = msgspec.to_builtins(options)
         return msgspec.structs.replace(config, plugins=tables)
 
-    def check_config(self, config: EngineConfig) -> None:
-        """Fail fast, before any model loads: every name the config selects is installed, and every
-        ``[plugins.NAME]`` table is valid. Raises ``PluginError`` with one line naming the setting."""
+    def check_config(self, config: EngineConfig, skip: Iterable[Slot] = ()) -> None:
+        """Fail fast, before any model loads: every name the config selects is installed (except in the
+        slots ``skip`` names, which this process never builds), and every ``[plugins.NAME]`` table is valid.
+        Raises ``PluginError`` with one line naming the setting."""
         self.configure(config.plugins)
+        skipped = set(skip)
         for slot, name, setting in selected_names(config):
+            if slot in skipped:
+                continue
             try:
                 self.registry.get(slot, name)
             except PluginError as exc:
@@ -417,9 +421,14 @@ def _register(pm: pluggy.PluginManager, registry: Registry, info: PluginInfo) ->
     info.options_type = options_type
 
 
-def resolve_plugins(config: EngineConfig) -> PluginSystem:
-    """Load the plugins a config asks for and check its selections and options; the first thing every
-    command does, so a misspelled name fails in well under a second, before any model loads."""
+#: Slots only the API front end builds: an engine process does not need their plugins installed.
+FRONT_END_SLOTS: tuple[Slot, ...] = (Slot.ROUTER,)
+
+
+def resolve_plugins(config: EngineConfig, skip: Iterable[Slot] = ()) -> PluginSystem:
+    """Load the plugins a config asks for and check its selections (but those in ``skip``) and options;
+    the first thing every command does, so a misspelled name fails in well under a second, before any
+    model loads."""
     system = load_plugins(disabled=config.disable_plugins)
-    system.check_config(config)
+    system.check_config(config, skip)
     return system

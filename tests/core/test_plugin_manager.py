@@ -20,7 +20,7 @@ from tokenmill import hookimpl
 from tokenmill.config import load_config
 from tokenmill.model_loader import load_model
 from tokenmill.model_runner import ModelRunner, SequenceChunk
-from tokenmill.plugin_manager import ESSENTIAL_PLUGINS, PluginError, Slot, load_plugins
+from tokenmill.plugin_manager import ESSENTIAL_PLUGINS, FRONT_END_SLOTS, PluginError, Slot, load_plugins
 from tokenmill.routing import RoundRobinRouter
 
 REPO = Path(__file__).resolve().parents[2]
@@ -282,3 +282,10 @@ def test_a_misspelled_name_fails_the_cli_in_one_line_and_under_two_seconds(tmp_p
         "Error: model.quantization: unknown quantizer 'in4'; installed: int4, int8, none"
     ]
     assert elapsed < 2.0, f"took {elapsed:.2f} s"
+
+
+def test_an_engine_does_not_need_the_front_ends_router_installed() -> None:
+    config = load_config(overrides={"server": {"router": "installed-only-on-the-front-end"}})
+    with pytest.raises(PluginError, match="server.router: unknown router"):
+        load_plugins(autoload=False).check_config(config)
+    load_plugins(autoload=False).check_config(config, skip=FRONT_END_SLOTS)  # what an engine process checks
