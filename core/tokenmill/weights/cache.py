@@ -83,8 +83,8 @@ def cache_key(
     device: torch.device,
 ) -> str:
     """The hash naming the entry for ``model`` loaded from ``sources`` (path -> size and modification time)."""
-    classes = sorted({type(module.quantizer) for module in model.modules() if isinstance(module, Linear)}, key=_name)
-    classes = [type(model), type(weight_format), *classes]
+    quantizers = {type(module.quantizer) for module in model.modules() if isinstance(module, Linear)}
+    classes: list[type] = [type(model), type(weight_format), *sorted(quantizers, key=_name)]
     parts = {
         "entry": _ENTRY_VERSION,
         "sources": sorted(sources.items()),
@@ -127,11 +127,11 @@ def _code_fingerprint(classes: Iterable[type]) -> list[tuple[str, int, int]]:
                 packages.add(name.partition(".")[0])
     fingerprint = []
     for package in sorted(packages - _VERSIONED_PACKAGES):
-        module = sys.modules.get(package)
-        if module is None or getattr(module, "__file__", None) is None:
-            continue  # a namespace package or a builtin: nothing to stat
-        root = Path(module.__file__).parent
-        files = sorted(root.rglob("*.py")) if Path(module.__file__).name == "__init__.py" else [Path(module.__file__)]
+        source = getattr(sys.modules.get(package), "__file__", None)
+        if source is None:
+            continue  # not imported, a namespace package or a builtin: nothing to stat
+        root = Path(source).parent
+        files = sorted(root.rglob("*.py")) if Path(source).name == "__init__.py" else [Path(source)]
         for file in files:
             try:
                 stat = file.stat()
