@@ -1,7 +1,8 @@
 """GGUF files (llama.cpp): the config rebuilt from metadata, tensors under Hugging Face names.
 
-The file is memory-mapped by ``gguf.GGUFReader`` and its metadata read through
-``tokenmill.gguf_metadata``; tensors are decoded one at a time
+The config comes from the header alone (``tokenmill.gguf_metadata``: keys,
+values and the tensor index, parsed in milliseconds); ``gguf.GGUFReader``
+memory-maps the file only when tensor data is read, and tensors are decoded one at a time
 (``gguf_tensors``), and llama.cpp's q/k row permutation is undone for the
 ``llama`` architecture so that every tensor equals the original checkpoint's.
 """
@@ -10,12 +11,12 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from tokenmill.gguf_metadata import GGUFError, GGUFMetadata, has_gguf_magic, open_gguf
+from tokenmill.gguf_metadata import GGUFError, GGUFMetadata, TensorInfo, has_gguf_magic, open_gguf
 from tokenmill.weights.format import LoadedTensor, WeightsError
 from tokenmill.weights.gguf_rope import ROPE_FREQS_TENSOR, rope_scaling_from_freqs, rope_scaling_from_metadata
 from tokenmill.weights.gguf_tensors import can_decode, decode, hf_tensor_name, unpermute_qk_rows
@@ -51,19 +52,25 @@ def _error(file: Path, problem: str, tensor: str | None = None) -> WeightsError:
 
 @dataclass
 class _GGUFFile:
-    """One opened file: its reader and metadata plus the values both read_config and iter_tensors need."""
+    """One opened file: its header, the values both read_config and iter_tensors need, and a reader of its
+    tensor data, opened on first use."""
 
     file: Path
-    reader: GGUFReader
-    metadata: GGUFMetadata = field(init=False)
+    metadata: GGUFMetadata
+    open_reader: Callable[[], GGUFReader]
     arch: str = ""
     num_heads: int = 0
     num_kv_heads: int = 0
     head_dim: int = 0
     rope_theta: float = 10000.0
+    _reader: GGUFReader | None = None
 
-    def __post_init__(self) -> None:
-        self.metadata = GGUFMetadata(self.file, self.reader)
+    @property
+    def reader(self) -> GGUFReader:
+        """``gguf.GGUFReader`` over the file, for tensor data (parsing its header takes seconds)."""
+        if self._reader is None:
+            self._reader = self.open_reader()
+        return self._reader
 
     def get(self, key: str, default: Any = None) -> Any:
         try:
@@ -79,15 +86,15 @@ class _GGUFFile:
             raise _error(self.file, f"metadata key {key!r} has per-layer values, which are not supported")
         return int(value)
 
-    def tensors(self) -> dict[str, ReaderTensor]:
-        return {tensor.name: tensor for tensor in self.reader.tensors}
+    def tensors(self) -> dict[str, TensorInfo]:
+        return self.metadata.tensors
 
     def rope_scaling(self) -> dict[str, Any] | None:
         """From metadata, or from llama.cpp's ``rope_freqs`` tensor (Llama 3.x); both at once is refused."""
         from_metadata = rope_scaling_from_metadata(self.get, self.arch)
-        freqs = self.tensors().get(ROPE_FREQS_TENSOR)
-        if freqs is None:
+        if ROPE_FREQS_TENSOR not in self.tensors():
             return from_metadata
+        freqs = next(tensor for tensor in self.reader.tensors if tensor.name == ROPE_FREQS_TENSOR)
         try:
             from_freqs = rope_scaling_from_freqs(decode(freqs).double().numpy(), self.head_dim, self.rope_theta)
         except (ValueError, RuntimeError, NotImplementedError) as exc:
@@ -103,9 +110,9 @@ class GGUFFormat:
     name: ClassVar[str] = "gguf"
 
     def __init__(self) -> None:
-        # read_config and iter_tensors open the same file back to back, and parsing
-        # the header (the tokenizer is ~100k strings) takes seconds: keep the last one.
-        self._cached: tuple[tuple[str, int, int], GGUFReader] | None = None
+        # read_config and iter_tensors open the same file back to back: keep the last one, so that the
+        # tensor reader (seconds to open) is opened at most once per load.
+        self._cached: tuple[tuple[str, int, int], _GGUFFile] | None = None
 
     def can_load(self, path: Path) -> bool:
         return has_gguf_magic(path)
@@ -183,8 +190,29 @@ class GGUFFormat:
     # ------------------------------------------------------------------ helpers
 
     def _open(self, file: Path, keep: bool) -> _GGUFFile:
-        """Open ``file`` (reusing the last reader if the file is unchanged); ``keep`` caches the reader."""
-        source = _GGUFFile(file, self._reader(file, keep))
+        """Open ``file`` (reusing the last one if the file is unchanged); ``keep`` keeps it for the next call."""
+        try:
+            stat = os.stat(file)
+        except OSError as exc:
+            raise _error(file, f"cannot read: {exc.strerror or exc}") from exc
+        key = (str(file.resolve()), stat.st_size, stat.st_mtime_ns)
+        cached, self._cached = self._cached, None
+        source = cached[1] if cached is not None and cached[0] == key else self._parse(file)
+        if keep:
+            self._cached = (key, source)
+        return source
+
+    def _parse(self, file: Path) -> _GGUFFile:
+        try:
+            metadata = GGUFMetadata.open(file)
+        except GGUFError as exc:
+            raise _error(file, exc.reason) from exc
+        source = _GGUFFile(file, metadata, lambda: self._tensor_reader(file))
+        split_count = source.get("split.count", 1)
+        if split_count and int(split_count) > 1:
+            raise _error(
+                file, f"split GGUF ({split_count} files) is not supported; merge with llama-gguf-split --merge"
+            )
         arch = source.get("general.architecture")
         if arch is None:
             raise _error(file, "metadata key 'general.architecture' is missing")
@@ -203,33 +231,17 @@ class GGUFFormat:
         source.rope_theta = float(source.get(f"{arch}.rope.freq_base", 10000.0))
         return source
 
-    def _reader(self, file: Path, keep: bool) -> GGUFReader:
+    @staticmethod
+    def _tensor_reader(file: Path) -> GGUFReader:
         try:
-            stat = os.stat(file)
-        except OSError as exc:
-            raise _error(file, f"cannot read: {exc.strerror or exc}") from exc
-        key = (str(file.resolve()), stat.st_size, stat.st_mtime_ns)
-        cached, self._cached = self._cached, None
-        if cached is not None and cached[0] == key:
-            reader = cached[1]
-        else:
-            try:
-                reader = open_gguf(file)
-            except GGUFError as exc:
-                raise _error(file, exc.reason) from exc
-            if reader.byte_order != "I":
-                raise _error(file, "GGUF file has the opposite byte order of this machine; not supported")
-            split_count = _GGUFFile(file, reader).get("split.count", 1)
-            if split_count and int(split_count) > 1:
-                raise _error(
-                    file,
-                    f"split GGUF ({split_count} files) is not supported; merge with llama-gguf-split --merge",
-                )
-        if keep:
-            self._cached = (key, reader)
+            reader = open_gguf(file)
+        except GGUFError as exc:
+            raise _error(file, exc.reason) from exc
+        if reader.byte_order != "I":
+            raise _error(file, "GGUF file has the opposite byte order of this machine; not supported")
         return reader
 
-    def _vocab_size(self, source: _GGUFFile, tensors: dict[str, ReaderTensor]) -> int:
+    def _vocab_size(self, source: _GGUFFile, tensors: dict[str, TensorInfo]) -> int:
         vocab_size = source.get(f"{source.arch}.vocab_size")
         if vocab_size is not None:
             return int(vocab_size)
@@ -250,7 +262,7 @@ class GGUFFormat:
             raise _error(file, problem, tensor.name) from exc
 
 
-def _linear_weight_type(tensors: dict[str, ReaderTensor]) -> str | None:
+def _linear_weight_type(tensors: dict[str, TensorInfo]) -> str | None:
     """The storage type of most transformer-block matrices (``"Q4_1"``), or None when they are float."""
     from collections import Counter
 
