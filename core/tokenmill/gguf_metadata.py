@@ -128,6 +128,8 @@ class _Header:
         for _ in range(num_tensors):
             name, position = self._string(position)
             (num_dims,) = struct.unpack_from("<I", buffer, position)
+            if num_dims > 4:  # GGML_MAX_DIMS; a corrupt count must not build a huge struct format
+                raise ValueError(f"tensor {name!r} has {num_dims} dimensions")
             shape = struct.unpack_from(f"<{num_dims}Q", buffer, position + 4)
             position += 4 + 8 * num_dims
             type_id, offset = struct.unpack_from("<IQ", buffer, position)

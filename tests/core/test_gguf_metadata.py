@@ -70,3 +70,20 @@ def test_malformed_value_names_the_key(tmp_path: Path) -> None:
     path.write_bytes(data.replace(b"abc", b"\xff\xfe\xfd", 1))  # not UTF-8
     with pytest.raises(GGUFError, match=r"m\.gguf: metadata key 'a\.name' is unreadable: UnicodeDecodeError"):
         GGUFMetadata.open(path).get("a.name")
+
+
+def test_the_header_parser_reads_what_gguf_wrote_and_refuses_corruption(tmp_path: Path) -> None:
+    path = _write(tmp_path / "m.gguf", {"a.count": (7, GGUFValueType.UINT32)})
+    metadata = GGUFMetadata.open(path)
+    reader = gguf.GGUFReader(path, "r")  # the reference: gguf's own parser
+    (info,) = metadata.tensors.values()
+    (tensor,) = reader.tensors
+    assert (info.name, list(info.shape), info.tensor_type, info.offset) == (
+        tensor.name, [int(d) for d in tensor.shape], tensor.tensor_type, int(tensor.data_offset) - reader.data_offset,
+    )  # fmt: skip
+    data = bytearray(path.read_bytes())
+    where = data.index(b"token_embd.weight") + len(b"token_embd.weight")
+    data[where : where + 4] = (1 << 31).to_bytes(4, "little")  # an absurd number of dimensions
+    path.write_bytes(bytes(data))
+    with pytest.raises(GGUFError, match=r"truncated or corrupt GGUF file: ValueError: tensor 'token_embd.weight' has"):
+        GGUFMetadata.open(path)
