@@ -165,10 +165,15 @@ def test_router_sends_each_request_to_the_engine_with_the_fewest_in_flight(token
 
     async def two_at_once():
         async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
-            body = {"model": server.model, "prompt": "hello", "max_tokens": 200, "temperature": 0}
-            first = asyncio.create_task(client.post("/v1/completions", json=body))
-            await asyncio.sleep(0.2)  # the first is in flight on engine 0 when the second is routed
-            second = await client.post("/v1/completions", json=body)
+            # The first runs long (900 tokens, EOS ignored) so it is surely in flight when the second is routed.
+            long = {"model": server.model, "prompt": "hello", "max_tokens": 900, "ignore_eos": True, "temperature": 0}
+            first = asyncio.create_task(client.post("/v1/completions", json=long))
+            deadline = time.monotonic() + 30
+            while _metric(server, "tokenmill_num_requests_running", 0) < 1:  # engine 0 has it
+                assert time.monotonic() < deadline, "the first request never ran on engine 0"
+                await asyncio.sleep(0.02)
+            short = {"model": server.model, "prompt": "hello", "max_tokens": 2, "temperature": 0}
+            second = await client.post("/v1/completions", json=short)
             assert second.status_code == (await first).status_code == 200
 
     asyncio.run(two_at_once())
