@@ -8,9 +8,9 @@ modules need torch are imported lazily, so a process that never touches them
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from tokenmill._lazy import lazy_getattr
 from tokenmill.hookspecs import hookimpl
 from tokenmill.interfaces import _EXPORTS as _INTERFACES
 
@@ -72,10 +72,4 @@ _LAZY_EXPORTS: dict[str, str] = {
 __all__ = ["__version__", "hookimpl", *sorted(_LAZY_EXPORTS)]
 
 
-def __getattr__(name: str) -> Any:
-    module_name = _LAZY_EXPORTS.get(name)
-    if module_name is None:
-        raise AttributeError(f"module 'tokenmill' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module_name), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _LAZY_EXPORTS, globals())

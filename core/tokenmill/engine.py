@@ -90,9 +90,8 @@ class EngineCore:
     def add_request(self, message: EngineCoreRequest) -> None:
         """Queue a request. Raises ``InvalidRequestError`` (and queues nothing) when it can never run."""
         self.check_prompt(message.prompt_token_ids)
-        bias = message.params.logit_bias
-        if bias and any(token_id >= self.vocab_size for token_id in bias):
-            bad = next(token_id for token_id in bias if token_id >= self.vocab_size)
+        bad = next((t for t in message.params.logit_bias or () if t >= self.vocab_size), None)
+        if bad is not None:
             raise InvalidRequestError(f"logit_bias token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})")
         self.scheduler.add_request(
             Request(
@@ -186,13 +185,10 @@ class EngineCore:
             for r in requests
         ]
         metadata = SamplingMetadata.from_requests(
-            params=[r.params for r in requests],
-            prompt_token_ids=[r.prompt_token_ids for r in requests],
-            output_token_ids=[r.output_token_ids for r in requests],
+            rows,
             generators=[self._generator(r) for r in requests],
             vocab_size=logits.shape[-1],
             device=logits.device,
-            rows=rows,
             logits_processors=self.logits_processors,
         )
         sampled = self.sampler(logits, metadata)

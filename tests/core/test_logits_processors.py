@@ -22,10 +22,7 @@ def _row(params: SamplingParams, output: list[int] | None = None, eos: tuple[int
 
 
 def _metadata(params: list[SamplingParams], rows: list[SamplingRow], processors: list[LogitsProcessor]):  # type: ignore[no-untyped-def]
-    empty: list[list[int]] = [[] for _ in params]
-    return SamplingMetadata.from_requests(
-        params, empty, empty, [None] * len(params), VOCAB, CPU, rows=rows, logits_processors=processors
-    )
+    return SamplingMetadata.from_requests(rows, [None] * len(params), VOCAB, CPU, logits_processors=processors)
 
 
 def test_logit_bias_adds_to_the_named_tokens_of_its_rows_only() -> None:

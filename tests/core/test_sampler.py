@@ -46,14 +46,7 @@ def _metadata(
         for i, p in enumerate(params)
     ]
     return SamplingMetadata.from_requests(
-        params,
-        prompts or empty,
-        outputs or empty,
-        generators or [None] * len(params),
-        vocab_size,
-        CPU,
-        rows=rows,
-        logits_processors=[_BanProcessor()],
+        rows, generators or [None] * len(params), vocab_size, CPU, logits_processors=[_BanProcessor()]
     )
 
 

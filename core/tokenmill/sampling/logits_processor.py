@@ -93,14 +93,11 @@ class MinTokensLogitsProcessor(LogitsProcessor):
         )
 
     def apply(self, logits: torch.Tensor, rows: list[int], states: list[SamplingRow]) -> torch.Tensor:
-        row_index = [row for row, state in zip(rows, states, strict=True) for _ in _banned(state)]
-        token_ids = [token_id for state in states for token_id in _banned(state)]
-        logits[torch.tensor(row_index, device=logits.device), torch.tensor(token_ids, device=logits.device)] = float(
-            "-inf"
-        )
+        pairs = [
+            (row, token_id)
+            for row, state in zip(rows, states, strict=True)
+            for token_id in {*state.eos_token_ids, *state.params.stop_token_ids}
+        ]
+        index = torch.tensor(pairs, device=logits.device).T  # [2, num_banned]: rows, token ids
+        logits[index[0], index[1]] = float("-inf")
         return logits
-
-
-def _banned(state: SamplingRow) -> list[int]:
-    vocab_ids = [*state.eos_token_ids, *state.params.stop_token_ids]
-    return list(dict.fromkeys(vocab_ids))  # a stop id that is also EOS counts once

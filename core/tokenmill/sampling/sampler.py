@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 
 from tokenmill.sampling.logits_processor import LogitsProcessor, SamplingRow
-from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -87,26 +87,24 @@ class SamplingMetadata:
     @classmethod
     def from_requests(
         cls,
-        params: list[SamplingParams],
-        prompt_token_ids: list[list[int]],
-        output_token_ids: list[list[int]],
-        generators: list[torch.Generator | None],
+        rows: Sequence[SamplingRow],
+        generators: Sequence[torch.Generator | None],
         vocab_size: int,
         device: torch.device,
-        rows: list[SamplingRow] | None = None,
-        logits_processors: list[LogitsProcessor] = (),  # type: ignore[assignment]
+        logits_processors: Sequence[LogitsProcessor] = (),
     ) -> SamplingMetadata:
         """Build one step's metadata; the engine calls it once per step, in the engine process.
 
-        Row i belongs to ``params[i]``. ``generators[i]`` is that request's own generator (on
-        ``device``) or None to draw from the sampler's. ``vocab_size`` is the logits' width (it is
-        also the padding id). Token histories are copied to ``device`` only when some row has a
-        penalty that reads them. Each of ``logits_processors`` applies to the rows (``rows[i]``
-        describes row i) for which its ``is_active`` is true.
+        Row i is the request ``rows[i]`` (its params and token histories). ``generators[i]`` is that
+        request's own generator (on ``device``) or None to draw from the sampler's. ``vocab_size`` is
+        the logits' width (it is also the padding id). Token histories are copied to ``device`` only
+        when some row has a penalty that reads them. Each of ``logits_processors`` applies to the rows
+        for which its ``is_active`` is true.
         """
-        num_reqs = len(params)
-        assert len(prompt_token_ids) == len(output_token_ids) == len(generators) == num_reqs
-        active, errors = _active_processors(logits_processors, rows) if rows is not None else ([], {})
+        num_reqs = len(rows)
+        assert len(generators) == num_reqs
+        params = [row.params for row in rows]
+        active, errors = _active_processors(logits_processors, rows)
         is_greedy = [p.is_greedy for p in params]
         # Seeded greedy rows draw nothing, so their generators stay untouched.
         seeded = {row: g for row, g in enumerate(generators) if g is not None and not is_greedy[row]}
@@ -115,7 +113,7 @@ class SamplingMetadata:
         has_repetition = any(p.repetition_penalty != 1.0 for p in params)
         no_penalties = not has_repetition and all(p.presence_penalty == p.frequency_penalty == 0 for p in params)
         num_logprobs = [p.logprobs for p in params if p.logprobs is not None]
-        no_history: list[list[int]] = [[] for _ in params]
+        no_history: list[Sequence[int]] = [[] for _ in params]
 
         def floats(values: list[float]) -> torch.Tensor:
             return _to_device(torch.tensor(values, dtype=torch.float32), device)  # [num_reqs]
@@ -128,8 +126,12 @@ class SamplingMetadata:
             repetition_penalty=floats([p.repetition_penalty for p in params]),
             presence_penalty=floats([p.presence_penalty for p in params]),
             frequency_penalty=floats([p.frequency_penalty for p in params]),
-            prompt_token_ids=_pad(prompt_token_ids if has_repetition else no_history, vocab_size, device),
-            output_token_ids=_pad(output_token_ids if not no_penalties else no_history, vocab_size, device),
+            prompt_token_ids=_pad(
+                [r.prompt_token_ids for r in rows] if has_repetition else no_history, vocab_size, device
+            ),
+            output_token_ids=_pad(
+                [r.output_token_ids for r in rows] if not no_penalties else no_history, vocab_size, device
+            ),
             generators=seeded,
             max_num_logprobs=max(num_logprobs) if num_logprobs else None,
             all_greedy=all(is_greedy),
@@ -282,7 +284,7 @@ def _apply_top_k_top_p(logits: torch.Tensor, metadata: SamplingMetadata) -> torc
 
 
 def _active_processors(
-    processors: list[LogitsProcessor], rows: list[SamplingRow]
+    processors: Sequence[LogitsProcessor], rows: Sequence[SamplingRow]
 ) -> tuple[list[tuple[LogitsProcessor, list[int], list[SamplingRow]]], dict[int, str]]:
     """Each processor with the rows it applies to; a row whose ``is_active`` raised gets an error instead."""
     active = []
@@ -300,7 +302,7 @@ def _active_processors(
     return active, errors
 
 
-def _pad(token_ids: list[list[int]], pad_id: int, device: torch.device) -> torch.Tensor:
+def _pad(token_ids: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> torch.Tensor:
     """Rows of ``token_ids`` right-padded with ``pad_id``, on ``device``."""
     max_len = max((len(ids) for ids in token_ids), default=0)
     padded = [list(ids) + [pad_id] * (max_len - len(ids)) for ids in token_ids]

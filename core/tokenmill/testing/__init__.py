@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from tokenmill._lazy import lazy_getattr
 from tokenmill.testing import factories as _factories
-from tokenmill.testing._lazy import lazy_getattr
 from tokenmill.testing.conformance import _EXPORTS as _CHECKS
 
 if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and IDEs

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from tokenmill.testing._lazy import lazy_getattr
+from tokenmill._lazy import lazy_getattr
 
 if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and IDEs
     from tokenmill.testing.conformance._util import ConformanceError  # noqa: F401

@@ -51,9 +51,8 @@ def _metadata(
     histories = histories or [[] for _ in params]
     generators = [None if p.seed is None else torch.Generator(device=device).manual_seed(p.seed) for p in params]
     return SamplingMetadata.from_requests(
-        list(params), [[1, 2, 3] for _ in params], [list(h) for h in histories], generators, vocab_size,
-        torch.device(device), rows=_rows(params, histories), logits_processors=list(processors),
-    )  # fmt: skip
+        _rows(params, histories), generators, vocab_size, torch.device(device), logits_processors=processors
+    )
 
 
 def _sample(

@@ -1,4 +1,4 @@
-"""Names imported on first use, so that importing the test kit imports neither torch nor transformers."""
+"""Names imported on first use: a package that re-exports heavy modules (torch, transformers) stays cheap to import."""
 
 from __future__ import annotations
 
