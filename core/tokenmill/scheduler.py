@@ -30,6 +30,7 @@ import logging
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, ClassVar
 
 from tokenmill.hookspecs import Register, hookimpl
@@ -69,10 +70,11 @@ class SchedulerOutput:
     def num_scheduled_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
 
-    @property
+    @cached_property
     def sampling_requests(self) -> list[tuple[int, Request]]:
         """``(scheduled index, request)`` for every request that gets a token this step, in sampling-row
-        order: each scheduled request that samples, followed by its forks (which share its logits row)."""
+        order: each scheduled request that samples, followed by its forks (which share its logits row).
+        Read by the engine and again by ``update_from_output``, once the schedule is complete."""
         rows: list[tuple[int, Request]] = []
         for index, scheduled in enumerate(self.scheduled):
             if scheduled.samples_token:
