@@ -46,14 +46,11 @@ def main() -> None:
 def plugins(config: EngineConfig, as_json: bool) -> None:
     """List every slot, its implementations and which one the config selects, and each installed plugin
     with its version, package, options, and the error that made it skipped."""
-    from tokenmill.plugin_manager import load_plugins, selected_names
+    from tokenmill.plugin_manager import load_plugins
 
     system = load_plugins(disabled=config.disable_plugins)
     system.configure(config.plugins)
-    selected: dict[str, list[str]] = {}
-    for slot, name, _ in selected_names(config):
-        selected.setdefault(slot.value, []).append(name)
-    report = _plugins_report(system, config, selected)
+    report = _plugins_report(system, config)
     if as_json:
         click.echo(json.dumps(report, indent=2))
         return
@@ -77,34 +74,11 @@ def plugins(config: EngineConfig, as_json: bool) -> None:
         click.echo(f"  {slot['slot']}: {chosen}; {', '.join(slot['installed']) or 'none yet'}")
 
 
-#: Which setting selects each slot, for `tokenmill plugins`.
-_SLOT_SETTINGS = {
-    "architecture": "the checkpoint's architectures[0]",
-    "weight_format": "model.weight_format, else the first that can read the model",
-    "quantizer": "model.quantization",
-    "attention_backend": "attention.backend",
-    "scheduler": "scheduler.policy",
-    "kv_cache_manager": "cache.kv_cache_manager",
-    "sampler": "sampler.sampler",
-    "logits_processor": "sampler.logits_processors",
-    "speculator": "not selectable yet (speculative decoding)",
-    "kv_tier": "cache.kv_tiers",
-    "router": "server.router",
-    "transport": "transport.backend",
-}
-
-
-def _plugins_report(system: Any, config: EngineConfig, selected: dict[str, list[str]]) -> dict[str, Any]:
+def _plugins_report(system: Any, config: EngineConfig) -> dict[str, Any]:
     import msgspec
 
-    from tokenmill.plugin_manager import Slot
-    from tokenmill.sampling.plugin import BUILTIN_LOGITS_PROCESSORS
+    from tokenmill.plugin_manager import slot_selections
 
-    defaults = {
-        "attention_backend": [config.attention.backend],
-        "quantizer": [config.model.quantization],
-        "logits_processor": list(dict.fromkeys([*BUILTIN_LOGITS_PROCESSORS, *config.sampler.logits_processors])),
-    }
     plugins = []
     for info in system.infos:
         options = system.options(info.name) if info.error is None else None
@@ -114,13 +88,8 @@ def _plugins_report(system: Any, config: EngineConfig, selected: dict[str, list[
             "options": msgspec.to_builtins(options) if options is not None else None,
         })  # fmt: skip
     slots = [
-        {
-            "slot": slot.value,
-            "setting": _SLOT_SETTINGS[slot.value],
-            "selected": defaults.get(slot.value) or selected.get(slot.value, []),
-            "installed": system.registry.names(slot),
-        }
-        for slot in Slot
+        {"slot": slot.value, "setting": setting, "selected": names, "installed": system.registry.names(slot)}
+        for slot, (setting, names) in slot_selections(config).items()
     ]
     return {"plugins": plugins, "slots": slots}
 

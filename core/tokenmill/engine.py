@@ -31,10 +31,9 @@ from tokenmill.memory import CacheLayout, plan_kv_cache
 from tokenmill.messages import EngineCoreOutput, EngineCoreRequest, EngineStatsMessage, TokenLogprobs
 from tokenmill.model_loader import LoadedModel, load_model
 from tokenmill.model_runner import ModelRunner, SequenceChunk
-from tokenmill.plugin_manager import FRONT_END_SLOTS, PluginSystem, Slot, resolve_plugins
+from tokenmill.plugin_manager import FRONT_END_SLOTS, PluginSystem, Slot, resolve_plugins, slot_selections
 from tokenmill.request import Request
 from tokenmill.sampling.logits_processor import LogitsProcessor, SamplingRow
-from tokenmill.sampling.plugin import BUILTIN_LOGITS_PROCESSORS
 from tokenmill.sampling.sampler import Sampler, SamplerOutput, SamplingMetadata
 from tokenmill.sampling_params import InvalidRequestError
 from tokenmill.scheduler import ModelRunnerOutput, ScheduledRequest, Scheduler, SchedulerOutput
@@ -78,9 +77,9 @@ class EngineCore:
             max_num_seqs=config.scheduler.max_num_seqs,
         )  # fmt: skip
         self.sampler: Sampler = self.plugins.create(Slot.SAMPLER, config.sampler.sampler)
+        _, processor_names = slot_selections(config)[Slot.LOGITS_PROCESSOR]
         self.logits_processors: list[LogitsProcessor] = [
-            self.plugins.create(Slot.LOGITS_PROCESSOR, name)
-            for name in dict.fromkeys([*BUILTIN_LOGITS_PROCESSORS, *config.sampler.logits_processors])
+            self.plugins.create(Slot.LOGITS_PROCESSOR, name) for name in processor_names
         ]
         self.max_model_len = self.loaded.max_model_len
         self.vocab_size = arch.vocab_size

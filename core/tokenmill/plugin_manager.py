@@ -249,22 +249,37 @@ class PluginSystem:
                 raise PluginError(f"{setting}: {exc}") from None
 
 
+def slot_selections(config: EngineConfig) -> dict[Slot, tuple[str, list[str]]]:
+    """For every slot, the setting that selects it and the names the config selects there (``auto`` kept;
+    the built-in logits processors, which always run, first). The one place that maps settings to slots."""
+    from tokenmill.sampling.plugin import BUILTIN_LOGITS_PROCESSORS
+
+    weight_format = config.model.weight_format
+    return {
+        Slot.ARCHITECTURE: ("the checkpoint's architectures[0]", []),
+        Slot.WEIGHT_FORMAT: ("model.weight_format", [weight_format] if weight_format is not None else []),
+        Slot.QUANTIZER: ("model.quantization", [config.model.quantization]),
+        Slot.ATTENTION_BACKEND: ("attention.backend", [config.attention.backend]),
+        Slot.SCHEDULER: ("scheduler.policy", [config.scheduler.policy]),
+        Slot.KV_CACHE_MANAGER: ("cache.kv_cache_manager", [config.cache.kv_cache_manager]),
+        Slot.SAMPLER: ("sampler.sampler", [config.sampler.sampler]),
+        Slot.LOGITS_PROCESSOR: ("sampler.logits_processors",
+                                list(dict.fromkeys([*BUILTIN_LOGITS_PROCESSORS, *config.sampler.logits_processors]))),
+        Slot.SPECULATOR: ("not selectable yet (speculative decoding)", []),
+        Slot.KV_TIER: ("cache.kv_tiers", [entry.partition(":")[0] for entry in config.cache.kv_tiers]),
+        Slot.ROUTER: ("server.router", [config.server.router]),
+        Slot.TRANSPORT: ("transport.backend", [config.transport.backend]),
+    }  # fmt: skip
+
+
 def selected_names(config: EngineConfig) -> list[tuple[Slot, str, str]]:
-    """``(slot, name, setting)`` for every implementation the config names explicitly (``auto`` excluded)."""
-    chosen = [
-        (Slot.ATTENTION_BACKEND, config.attention.backend, "attention.backend"),
-        (Slot.QUANTIZER, config.model.quantization, "model.quantization"),
-        (Slot.SCHEDULER, config.scheduler.policy, "scheduler.policy"),
-        (Slot.KV_CACHE_MANAGER, config.cache.kv_cache_manager, "cache.kv_cache_manager"),
-        (Slot.SAMPLER, config.sampler.sampler, "sampler.sampler"),
-        (Slot.ROUTER, config.server.router, "server.router"),
-        (Slot.TRANSPORT, config.transport.backend, "transport.backend"),
+    """``(slot, name, setting)`` for every implementation the config names (``auto`` excluded)."""
+    return [
+        (slot, name, setting)
+        for slot, (setting, names) in slot_selections(config).items()
+        for name in names
+        if name != "auto"
     ]
-    if config.model.weight_format is not None:
-        chosen.append((Slot.WEIGHT_FORMAT, config.model.weight_format, "model.weight_format"))
-    chosen += [(Slot.LOGITS_PROCESSOR, name, "sampler.logits_processors") for name in config.sampler.logits_processors]
-    chosen += [(Slot.KV_TIER, entry.partition(":")[0], "cache.kv_tiers") for entry in config.cache.kv_tiers]
-    return [(slot, name, setting) for slot, name, setting in chosen if name != "auto"]
 
 
 def _convert_options(info: PluginInfo, table: dict[str, Any]) -> msgspec.Struct:
