@@ -305,7 +305,7 @@ class FCFSScheduler(Scheduler):
             num_computed_tokens=parent.num_computed_tokens + num_new,
             num_cached_tokens=parent.num_cached_tokens,
             status=RequestStatus.RUNNING,
-            queue_time=parent.queue_time,
+            enqueued_at=parent.enqueued_at,
         )
         self.kv_cache.fork(parent.request_id, child.request_id)
         self.requests[child.request_id] = child
