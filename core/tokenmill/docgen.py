@@ -41,7 +41,8 @@ def configuration_reference() -> str:
                 "|---|---|---|---|",
             ]
         default = "unset" if spec.default in (None, []) else f"`{spec.default!r}`"
-        lines.append(f"| `{spec.path[-1]}` | `{spec.flag}` | {default} | {spec.description} |")
+        flag = f"`{spec.flag}` (JSON key `{spec.json_key}`)" if spec.json_key else f"`{spec.flag}`"
+        lines.append(f"| `{spec.path[-1]}` | {flag} | {default} | {spec.description} |")
     lines += ["", "## Environment variables", "", "| variable | default | meaning |", "|---|---|---|"]
     for var in envs.ALL_ENV_VARS:
         default = "unset" if var.default is None else f"`{var.default}`"

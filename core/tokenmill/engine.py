@@ -10,7 +10,10 @@ weight format, quantizer and attention backend). Each ``step`` is three calls::
     outputs = scheduler.update_from_output(scheduler_output, runner_output)
 
 The scheduler owns everything that changes a request's state; this module
-only turns a schedule into a forward pass and sampled tokens. The same object
+only turns a schedule into a forward pass and sampled tokens. With a
+speculator configured (``speculative_config``), a step also verifies the
+drafts scheduled with each request (``tokenmill.sampling.rejection_sampler``)
+and, after the update, asks the speculator for the next step's drafts. The same object
 runs in-process (offline ``LLM``) and, behind a transport, inside an engine
 process.
 """
@@ -32,15 +35,20 @@ from tokenmill.messages import EngineCoreOutput, EngineCoreRequest, EngineStatsM
 from tokenmill.model_loader import LoadedModel, load_model
 from tokenmill.model_runner import ModelRunner, SequenceChunk
 from tokenmill.plugin_manager import FRONT_END_SLOTS, PluginSystem, Slot, resolve_plugins, slot_selections
-from tokenmill.request import Request
+from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling.logits_processor import LogitsProcessor, SamplingRow
+from tokenmill.sampling.rejection_sampler import rejection_sample
 from tokenmill.sampling.sampler import Sampler, SamplerOutput, SamplingMetadata
 from tokenmill.sampling_params import InvalidRequestError
 from tokenmill.scheduler import ModelRunnerOutput, ScheduledRequest, Scheduler, SchedulerOutput
+from tokenmill.speculator import SpeculationInput, Speculator, SpeculatorContext
 
 logger = logging.getLogger(__name__)
 
 _GENERATOR = "generator"  # Request.stash key: the request's own torch.Generator when seeded
+_DRAFT_PROBS = "draft_probs"  # Request.stash key: the draft distributions of Request.spec_token_ids, if any
+#: ``SamplingParams.extra_args`` key (``vllm_xargs`` over HTTP): true turns speculation off for the request.
+DISABLE_SPECULATION = "disable_speculation"
 
 
 class EngineCore:
@@ -83,6 +91,27 @@ class EngineCore:
         ]
         self.max_model_len = self.loaded.max_model_len
         self.vocab_size = arch.vocab_size
+        self.speculator = self._build_speculator()
+        #: This step's final hidden state of each request that got a token, for a speculator that reads them.
+        self._hidden_states: dict[str, torch.Tensor] = {}
+
+    def _build_speculator(self) -> Speculator | None:
+        spec = self.config.speculative_config
+        if spec.method is None:
+            return None
+        if type(self.sampler).target_probs is Sampler.target_probs:
+            logger.warning("sampler %r cannot verify drafts (no target_probs): speculative decoding is off",
+                           self.sampler.name)  # fmt: skip
+            return None
+        cls = self.plugins.load(Slot.SPECULATOR, spec.method)
+        k = spec.num_speculative_tokens or cls.default_num_speculative_tokens
+        layout = self.layout
+        context = SpeculatorContext(self.config, self.loaded, self.plugins, layout.block_size, layout.num_blocks)
+        speculator: Speculator = self.plugins.instantiate(
+            Slot.SPECULATOR, spec.method, cls, num_speculative_tokens=k, context=context
+        )
+        logger.info("speculative decoding: %s, %d draft tokens", spec.method, speculator.num_speculative_tokens)
+        return speculator
 
     # ------------------------------------------------------------------ requests
 
@@ -128,7 +157,10 @@ class EngineCore:
     def abort_requests(self, request_ids: list[str], completions_only: bool = False) -> list[EngineCoreOutput]:
         """Finish these requests now and free their blocks: all n completions of each (client gone), or with
         ``completions_only`` just the completions named (a stop string matched)."""
-        return self.scheduler.abort_requests(request_ids, completions_only)
+        outputs = self.scheduler.abort_requests(request_ids, completions_only)
+        if self.speculator is not None and outputs:
+            self.speculator.on_requests_finished([output.request_id for output in outputs])
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -145,7 +177,10 @@ class EngineCore:
         if not scheduler_output.scheduled:
             return []
         runner_output = self.execute(scheduler_output)
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if self.speculator is not None:
+            self._propose(self.speculator, scheduler_output, outputs)
+        return outputs
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run the forward pass over the scheduled tokens and sample for every request that needs a token.
@@ -162,21 +197,146 @@ class EngineCore:
                 self.runner.write_blocks(transfers.loads)
         self.runner.copy_blocks(scheduler_output.block_copies)
         chunks = [self._chunk(s) for s in scheduler_output.scheduled]
-        logits_indices = [i for i, s in enumerate(scheduler_output.scheduled) if s.samples_token]
-        logits = self.runner.execute(chunks, logits_indices=logits_indices)
+        # Rows of logits: each sampling request's last token, plus its drafts' positions when verifying.
+        logits_indices: list[int] = []
+        first_row: dict[int, int] = {}  # scheduled index -> its first logits row
+        end = 0
+        for index, scheduled in enumerate(scheduler_output.scheduled):
+            end += scheduled.num_new_tokens
+            if scheduled.samples_token:
+                first_row[index] = len(logits_indices)
+                logits_indices.extend(range(end - 1 - len(scheduled.draft_token_ids), end))
+        hidden = None
+        if self.speculator is not None and self.speculator.needs_hidden_states:
+            logits, hidden = self.runner.execute_with_hidden(chunks, logits_indices=logits_indices)
+        else:
+            logits = self.runner.execute(chunks, logits_indices=logits_indices)
         targets = scheduler_output.sampling_requests
         if not targets:
             return ModelRunnerOutput()
-        if len(targets) != len(logits_indices):  # forked completions sample from their parent's row
-            row_of = {index: row for row, index in enumerate(logits_indices)}
-            logits = logits[torch.tensor([row_of[index] for index, _ in targets], device=logits.device)]
-        return self._sample([request for _, request in targets], logits)
+        if len(logits_indices) != len(targets):  # verifying drafts
+            return self._verify(scheduler_output, logits, hidden, first_row)
+        rows = [first_row[index] for index, _ in targets]
+        if rows != list(range(len(rows))):  # forked completions sample from their parent's row
+            index_tensor = torch.tensor(rows, device=logits.device)
+            logits = logits[index_tensor]
+            hidden = hidden[index_tensor] if hidden is not None else None
+        requests = [request for _, request in targets]
+        if hidden is not None:
+            self._hidden_states = {request.request_id: hidden[row] for row, request in enumerate(requests)}
+        return self._sample(requests, logits)
 
     def _chunk(self, scheduled: ScheduledRequest) -> SequenceChunk:
         request = scheduled.request
         start = request.num_computed_tokens
-        tokens = request.all_token_ids[start : start + scheduled.num_new_tokens]
+        num_known = scheduled.num_new_tokens - len(scheduled.draft_token_ids)
+        tokens = request.all_token_ids[start : start + num_known]
+        if scheduled.draft_token_ids:
+            tokens += scheduled.draft_token_ids
         return SequenceChunk(tokens, start, self.kv_cache.block_ids(request.request_id))
+
+    def _verify(
+        self,
+        scheduler_output: SchedulerOutput,
+        logits: torch.Tensor,
+        hidden: torch.Tensor | None,
+        first_row: dict[int, int],
+    ) -> ModelRunnerOutput:
+        """A step with drafts: every sampling request gets its accepted drafts plus one token of the target's
+        (rejection sampling). Each draft position is a sampling row of its own whose token history includes
+        the drafts before it, so penalties and logits processors see exactly what plain decoding would."""
+        requests: list[Request] = []
+        drafts: list[tuple[int, ...]] = []
+        row_index: list[int] = []  # logits rows, in verification order
+        rows: list[SamplingRow] = []
+        for index, request in scheduler_output.sampling_requests:
+            scheduled = scheduler_output.scheduled[index]
+            own = scheduled.draft_token_ids if request is scheduled.request else ()  # a fork has no drafts
+            requests.append(request)
+            drafts.append(own)
+            row_index.extend(range(first_row[index], first_row[index] + len(own) + 1))
+            history = request.output_token_ids
+            for j in range(len(own) + 1):
+                seen = [*history, *own[:j]] if j else history
+                rows.append(SamplingRow(request.request_id, request.params, request.prompt_token_ids, seen,
+                                        request.eos_token_ids))  # fmt: skip
+        index_tensor = torch.tensor(row_index, device=logits.device)
+        logits = logits[index_tensor]
+        metadata = SamplingMetadata.from_requests(
+            rows, generators=[None] * len(rows), vocab_size=logits.shape[-1], device=logits.device,
+            logits_processors=self.logits_processors,
+        )  # fmt: skip
+        probs = self.sampler.target_probs(logits, metadata)
+        generators = [self._generator(request) for request in requests]
+        draft_probs = [self._draft_probs(request, len(own)) for request, own in zip(requests, drafts, strict=True)]
+        greedy = [request.params.is_greedy for request in requests]
+        verified = rejection_sample(probs, drafts, draft_probs, greedy, generators)
+
+        wants_logprobs = any(request.params.logprobs is not None for request in requests)
+        raw_logprobs = logits.log_softmax(dim=-1) if wants_logprobs else None
+        hidden_rows = hidden[index_tensor] if hidden is not None else None
+        self._hidden_states = {}
+        output = ModelRunnerOutput()
+        start = 0
+        for request, own, result in zip(requests, drafts, verified, strict=True):
+            failed = [metadata.errors[row] for row in range(start, start + len(own) + 1) if row in metadata.errors]
+            if failed:
+                output.errors[request.request_id] = failed[0]
+            else:
+                output.sampled_token_ids[request.request_id] = result.token_ids
+                if raw_logprobs is not None and request.params.logprobs is not None:
+                    output.logprobs[request.request_id] = _verified_logprobs(
+                        raw_logprobs[start : start + len(result.token_ids)], result.token_ids, request.params.logprobs
+                    )
+                if hidden_rows is not None:
+                    self._hidden_states[request.request_id] = hidden_rows[start + result.num_accepted]
+            start += len(own) + 1
+        return output
+
+    def _draft_probs(self, request: Request, num_drafts: int) -> torch.Tensor | None:
+        """The draft distributions of the request's scheduled drafts (the scheduler may have trimmed them)."""
+        probs: torch.Tensor | None = request.stash.pop(_DRAFT_PROBS, None)
+        return probs[:num_drafts] if probs is not None and num_drafts else None
+
+    def _propose(
+        self, speculator: Speculator, scheduler_output: SchedulerOutput, outputs: list[EngineCoreOutput]
+    ) -> None:
+        """Forget the requests that left, then draft for every request that decodes next step: it got a token
+        this step and is still running. Nothing is drafted in a step of ``disable_by_batch_size`` requests or
+        more, or for a request that opted out. A speculator that raises drafts nothing this step."""
+        gone = [output.request_id for output in outputs if output.finish_reason is not None]
+        gone += [request.request_id for request in scheduler_output.preempted]
+        if gone:
+            speculator.on_requests_finished(gone)
+        hidden_states, self._hidden_states = self._hidden_states, {}
+        limit = self.config.speculative_config.disable_by_batch_size
+        if limit and len(scheduler_output.scheduled) >= limit:
+            return
+        requests: list[Request] = []
+        inputs: list[SpeculationInput] = []
+        for _, request in scheduler_output.sampling_requests:
+            if request.status != RequestStatus.RUNNING or (request.params.extra_args or {}).get(DISABLE_SPECULATION):
+                continue
+            max_num_tokens = _max_draft_tokens(request)
+            if max_num_tokens <= 0:
+                continue
+            requests.append(request)
+            inputs.append(SpeculationInput(
+                request.request_id, request.all_token_ids, request.num_prompt_tokens, max_num_tokens,
+                hidden_states.get(request.request_id),
+            ))  # fmt: skip
+        if not inputs:
+            return
+        try:
+            proposal = speculator.propose(inputs)
+        except Exception:  # a plugin's failure costs this step's drafts, never the engine
+            logger.exception("speculator %r failed; drafting nothing this step", speculator.name)
+            return
+        draft_probs = proposal.draft_probs or [None] * len(requests)
+        for request, item, token_ids, probs in zip(requests, inputs, proposal.token_ids, draft_probs, strict=True):
+            request.spec_token_ids = list(token_ids[: item.max_num_tokens])
+            if probs is not None and token_ids:
+                request.stash[_DRAFT_PROBS] = probs
 
     def _sample(self, requests: list[Request], logits: torch.Tensor) -> ModelRunnerOutput:
         rows = [
@@ -239,6 +399,31 @@ def _logprobs_per_row(
             top_logprobs=tuple(top_values[row][:wanted]) if top_values is not None else (),
         ))  # fmt: skip
     return rows
+
+
+def _max_draft_tokens(request: Request) -> int:
+    """Drafts a request may verify next step: one step yields up to drafts + 1 tokens, which must not pass
+    ``max_tokens``, and the drafts' positions must fit the context window."""
+    limit = request.max_model_len - request.num_tokens
+    if request.params.max_tokens is not None:
+        limit = min(limit, request.params.max_tokens - len(request.output_token_ids) - 1)
+    return limit
+
+
+def _verified_logprobs(raw_logprobs: torch.Tensor, token_ids: list[int], num_top: int) -> list[TokenLogprobs]:
+    """The target's logprobs of each verified token [len(token_ids), vocab] -> one ``TokenLogprobs`` each."""
+    index = torch.tensor(token_ids, device=raw_logprobs.device)
+    chosen = raw_logprobs[torch.arange(len(token_ids), device=raw_logprobs.device), index].tolist()
+    top_values, top_ids = raw_logprobs.topk(num_top, dim=-1) if num_top else (None, None)
+    tops = (
+        zip(top_ids.tolist(), top_values.tolist(), strict=True)
+        if top_ids is not None and top_values is not None
+        else [((), ())] * len(token_ids)
+    )
+    return [
+        TokenLogprobs(token_id=token, logprob=value, top_token_ids=tuple(ids), top_logprobs=tuple(values))
+        for token, value, (ids, values) in zip(token_ids, chosen, tops, strict=True)
+    ]
 
 
 def now() -> float:

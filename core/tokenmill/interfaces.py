@@ -15,7 +15,7 @@ slot                      interface                       built in
 ``kv_cache_manager``      ``KVCacheManager``              ``paged``
 ``sampler``               ``Sampler``                     ``torch``
 ``logits_processor``      ``LogitsProcessor``             ``logit_bias``, ``min_tokens``
-``speculator``            ``Speculator``                  (none yet)
+``speculator``            ``Speculator``                  ``ngram``, ``draft_model``, ``medusa``
 ``kv_tier``               ``KVTier``                      (none yet; ``tokenmill.testing.DictKVTier``)
 ``router``                ``Router``                      ``round-robin``
 ``transport``             ``Transport``                   ``zmq``
@@ -63,6 +63,7 @@ _EXPORTS: dict[str, str] = {
     "SchedulerOutput": "tokenmill.scheduler",
     "SlotAllocation": "tokenmill.kv_cache.manager",
     "SpeculationInput": "tokenmill.speculator",
+    "SpeculatorContext": "tokenmill.speculator",
     "Speculator": "tokenmill.speculator",
     "Transport": "tokenmill.transport.base",
     "WeightFormat": "tokenmill.weights.format",

@@ -86,6 +86,11 @@ class EngineStatsMessage(msgspec.Struct, array_like=True, frozen=True, gc=False)
     num_preemptions: int
     num_prompt_tokens: int
     num_generation_tokens: int
+    #: Speculative decoding counters (vLLM's spec_decode_* metrics); zero without a speculator.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = msgspec.field(default_factory=list)
 
 
 class Ready(msgspec.Struct, array_like=True, frozen=True, gc=False, tag=True):

@@ -115,26 +115,42 @@ class ModelRunner:
         all_logits: bool = False,
         logits_indices: list[int] | None = None,
     ) -> torch.Tensor:
-        """Run one step. Returns float32 logits of the last token of each chunk [num_reqs, vocab]
-        (only of the chunks in ``logits_indices`` when given: prompt chunks that sample nothing
-        need none), or of every token [num_tokens, vocab] with ``all_logits``.
+        """Run one step. Returns float32 logits [num_rows, vocab]: by default of the last token of each
+        chunk; with ``logits_indices``, of those tokens of the flattened batch (chunk after chunk: a
+        prompt chunk that samples nothing needs none, a chunk verifying drafts needs several); with
+        ``all_logits``, of every token.
 
         A decode step that fits a captured CUDA graph replays it; any other step runs eagerly."""
+        return self._logits(self._hidden(chunks, all_logits, logits_indices))
+
+    @torch.inference_mode()
+    def execute_with_hidden(
+        self, chunks: list[SequenceChunk], logits_indices: list[int] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``execute``, also returning the final hidden states of the same rows [num_rows, hidden] (what
+        Medusa heads read)."""
+        hidden = self._hidden(chunks, False, logits_indices)
+        return self._logits(hidden), hidden
+
+    def _hidden(self, chunks: list[SequenceChunk], all_logits: bool, logits_indices: list[int] | None) -> torch.Tensor:
+        """The final hidden states of the rows ``execute`` returns logits for."""
         if self.cuda_graphs is not None:
             hidden = self.cuda_graphs.execute(chunks)  # [num_reqs, hidden]: one token per request
             if hidden is not None:
-                if logits_indices == [] and not all_logits:
-                    return hidden.new_empty((0, self.loaded.arch.vocab_size), dtype=torch.float32)
                 if logits_indices is not None and not all_logits and logits_indices != list(range(len(chunks))):
-                    hidden = hidden[torch.tensor(logits_indices, device=hidden.device)]
-                return self.loaded.model.compute_logits(hidden)
+                    hidden = hidden[torch.tensor(logits_indices, device=hidden.device, dtype=torch.long)]
+                return hidden
         input_ids, metadata = self.prepare_batch(chunks)
         hidden = self.loaded.model(input_ids, metadata.positions, self.kv_caches, metadata)
-        if not all_logits:
-            last_positions = metadata.query_start_loc[1:].long() - 1  # [num_reqs]
-            if logits_indices == []:
-                return hidden.new_empty((0, self.loaded.arch.vocab_size), dtype=torch.float32)
-            if logits_indices is not None:
-                last_positions = last_positions[torch.tensor(logits_indices, device=last_positions.device)]
-            hidden = hidden[last_positions]
+        if all_logits:
+            return hidden
+        if logits_indices is None:
+            rows = metadata.query_start_loc[1:].long() - 1  # [num_reqs]: each chunk's last token
+        else:
+            rows = torch.tensor(logits_indices, device=hidden.device, dtype=torch.long)  # [num_rows]
+        return hidden[rows]
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if hidden.shape[0] == 0:
+            return hidden.new_empty((0, self.loaded.arch.vocab_size), dtype=torch.float32)
         return self.loaded.model.compute_logits(hidden)

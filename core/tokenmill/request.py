@@ -61,6 +61,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     enqueued_at: float = 0.0  # engine clock (time.monotonic), when add_request queued it
     queue_time: float | None = None  # seconds from enqueued_at to its first scheduled step
+    #: Draft tokens the speculator proposed after the last step, verified in the next one (speculative
+    #: decoding); set by the engine, trimmed or cleared by the scheduler.
+    spec_token_ids: list[int] = field(default_factory=list)
     #: Plugins and engine-side helpers keep per-request state here, never as new attributes.
     stash: dict[Any, Any] = field(default_factory=dict)
     #: Prompt then output tokens, extended in place by ``append_token``: the engine reads it every

@@ -53,6 +53,9 @@ class ScheduledRequest:
     #: Completions 1..n-1 of an n > 1 request, forked this step: they share the request's blocks and
     #: sample their first tokens from its logits row.
     forks: tuple[Request, ...] = ()
+    #: Draft tokens verified this step (speculative decoding): the last ``len(draft_token_ids)`` of the
+    #: ``num_new_tokens``, after the request's last token. The runner returns the accepted ones plus one.
+    draft_token_ids: tuple[int, ...] = ()
 
 
 @dataclass
@@ -86,12 +89,35 @@ class SchedulerOutput:
 class ModelRunnerOutput:
     """What the runner and sampler produced for one step, by request id; changes no request state."""
 
-    #: Tokens each sampling request gets, in order (one per step; up to k+1 when speculating).
+    #: Tokens each sampling request gets, in order: one per step, or when verifying drafts the accepted
+    #: drafts followed by the target's own next token (up to k+1).
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     #: The logprobs of those tokens, for requests that asked for logprobs.
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     #: Requests a plugin failed on this step (a logits processor raised): id -> error. They are finished.
     errors: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class SpecDecodingStats:
+    """Counters of speculative decoding, named as vLLM's metrics (``spec_decode_*``)."""
+
+    num_drafts: int = 0  # requests that had drafts verified, summed over steps
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    #: Index i: how often the draft at position i was accepted.
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def observe(self, num_drafts: int, num_accepted: int) -> None:
+        """One request's verification: ``num_accepted`` of its ``num_drafts`` drafts were kept."""
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        per_pos = self.num_accepted_tokens_per_pos
+        if len(per_pos) < num_drafts:
+            per_pos.extend([0] * (num_drafts - len(per_pos)))
+        for position in range(num_accepted):
+            per_pos[position] += 1
 
 
 class Scheduler(ABC):
@@ -169,6 +195,7 @@ class FCFSScheduler(Scheduler):
         self.num_preemptions = 0
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        self.spec_decoding = SpecDecodingStats()
 
     def sort_key(self, request: Request) -> Any:
         """Scheduling order: smaller runs first and is preempted last. Must be a total order (end with
@@ -198,6 +225,10 @@ class FCFSScheduler(Scheduler):
             num_preemptions=self.num_preemptions,
             num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,
+            spec_decode_num_drafts=self.spec_decoding.num_drafts,
+            spec_decode_num_draft_tokens=self.spec_decoding.num_draft_tokens,
+            spec_decode_num_accepted_tokens=self.spec_decoding.num_accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=list(self.spec_decoding.num_accepted_tokens_per_pos),
         )
 
     def add_request(self, request: Request) -> None:
@@ -240,7 +271,15 @@ class FCFSScheduler(Scheduler):
             if budget == 0:
                 break
             num_new = min(request.num_uncomputed_tokens, budget)
+            drafts = request.spec_token_ids
+            if drafts:  # verify the drafts that fit the budget, after the request's last token
+                del drafts[max(0, budget - num_new) :]
+                num_new += len(drafts)
             allocation = self.kv_cache.allocate_slots(request.request_id, request.num_computed_tokens, num_new)
+            if allocation is None and drafts:  # drop the drafts before preempting anyone
+                num_new -= len(drafts)
+                drafts.clear()
+                allocation = self.kv_cache.allocate_slots(request.request_id, request.num_computed_tokens, num_new)
             while allocation is None:
                 victim = candidates.pop()
                 self._preempt(victim)
@@ -281,13 +320,15 @@ class FCFSScheduler(Scheduler):
             budget -= num_new
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
-        """Schedule ``num_new`` tokens of ``request``; an n > 1 request about to sample its first token
-        forks its other completions now, so they sample from the same logits row."""
-        samples_token = request.num_computed_tokens + num_new == request.num_tokens
+        """Schedule ``num_new`` tokens of ``request`` (its drafts included); an n > 1 request about to sample
+        its first token forks its other completions now, so they sample from the same logits row."""
+        drafts = tuple(request.spec_token_ids)
+        request.spec_token_ids = []
+        samples_token = request.num_computed_tokens + num_new - len(drafts) == request.num_tokens
         forks: tuple[Request, ...] = ()
         if samples_token and request.params.n > 1 and request.parent_id is None and not request.output_token_ids:
             forks = tuple(self._fork(request, index, num_new) for index in range(1, request.params.n))
-        return ScheduledRequest(request, num_new, samples_token, forks)
+        return ScheduledRequest(request, num_new, samples_token, forks, drafts)
 
     def _fork(self, parent: Request, index: int, num_new: int) -> Request:
         child = Request(
@@ -318,9 +359,17 @@ class FCFSScheduler(Scheduler):
     ) -> list[EngineCoreOutput]:
         for scheduled in scheduler_output.scheduled:
             request = scheduled.request
-            request.num_computed_tokens += scheduled.num_new_tokens
+            token_ids = request.all_token_ids
+            num_computed = scheduled.num_new_tokens
+            if scheduled.draft_token_ids:
+                num_accepted = self._count_accepted(scheduled, runner_output)
+                num_computed -= len(scheduled.draft_token_ids) - num_accepted  # rejected drafts' KV is void
+                token_ids = [*token_ids, *scheduled.draft_token_ids[:num_accepted]]
+            request.num_computed_tokens += num_computed
+            if num_computed < scheduled.num_new_tokens:
+                self.kv_cache.truncate(request.request_id, request.num_computed_tokens)
             self.kv_cache.cache_full_blocks(
-                request.request_id, request.all_token_ids, request.num_computed_tokens, request.cache_salt
+                request.request_id, token_ids, request.num_computed_tokens, request.cache_salt
             )
         outputs = []
         for _, request in scheduler_output.sampling_requests:
@@ -336,6 +385,15 @@ class FCFSScheduler(Scheduler):
             accepted = self._append(request, token_ids, logprobs)
             outputs.append(self._output(request, token_ids[:accepted], logprobs[:accepted] if logprobs else None))
         return outputs
+
+    def _count_accepted(self, scheduled: ScheduledRequest, runner_output: ModelRunnerOutput) -> int:
+        """How many of the step's drafts the target accepted (the runner returns them plus one token of its
+        own); counted into the speculative-decoding stats."""
+        num_drafts = len(scheduled.draft_token_ids)
+        sampled = runner_output.sampled_token_ids.get(scheduled.request.request_id)
+        num_accepted = min(num_drafts, len(sampled) - 1) if sampled else 0
+        self.spec_decoding.observe(num_drafts, num_accepted)
+        return num_accepted
 
     def _append(self, request: Request, token_ids: list[int], logprobs: list[TokenLogprobs] | None) -> int:
         """Append tokens until one stops the request; returns how many were appended."""
@@ -357,6 +415,7 @@ class FCFSScheduler(Scheduler):
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache.free(request.request_id)
+        request.spec_token_ids = []
         self.running.remove(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -370,6 +429,7 @@ class FCFSScheduler(Scheduler):
             return
         was_waiting = request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
         request.status = status
+        request.spec_token_ids = []
         self.kv_cache.free(request.request_id)
         if was_waiting:  # aborts are rare: an O(n) rebuild keeps the queue exact
             self._waiting = [entry for entry in self._waiting if entry[1] is not request]

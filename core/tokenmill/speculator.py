@@ -21,6 +21,12 @@ token plus its drafts (k+1 positions) and decides how many drafts to keep:
 The scheduler appends the accepted tokens (stopping at the first stop
 condition), and the KV written for rejected positions is rolled back, so no
 block leaks. Logprobs reported are the target model's.
+
+When drafts are made: after each step, for every running request that will
+decode next step (its prompt computed, not finished), in one ``propose`` call
+per step. The drafts ride on the request (``Request.spec_token_ids``) into the
+next ``schedule``. Configuration: ``[speculative_config]`` (vLLM's
+``--speculative-config``), see ``tokenmill.config.speculative``.
 """
 
 from __future__ import annotations
@@ -33,6 +39,10 @@ from typing import TYPE_CHECKING, ClassVar
 if TYPE_CHECKING:
     import torch
 
+    from tokenmill.config import EngineConfig
+    from tokenmill.model_loader import LoadedModel
+    from tokenmill.plugin_manager import PluginSystem
+
 
 @dataclass(frozen=True)
 class SpeculationInput:
@@ -42,6 +52,20 @@ class SpeculationInput:
     token_ids: Sequence[int]  # prompt then output so far; read only
     num_prompt_tokens: int
     max_num_tokens: int  # drafts beyond this many would pass max_tokens or the context window
+    #: [hidden_size] the target's final hidden state (after its last norm) at the position whose logits gave
+    #: the request's last token; only for a speculator whose ``needs_hidden_states`` is true, else None.
+    hidden_state: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class SpeculatorContext:
+    """What a speculator may read about the engine it drafts for; given at construction. Read only."""
+
+    config: EngineConfig  # the whole engine config; ``config.speculative_config`` is the speculator's table
+    target: LoadedModel  # the target model: its architecture, device, dtype, path, the module itself
+    plugins: PluginSystem  # to load a draft model through the same loader and plugins
+    block_size: int  # tokens per block of the target's paged KV cache
+    num_kv_blocks: int  # blocks in the target's KV cache: a draft model's own cache can hold as many tokens
 
 
 @dataclass
@@ -57,22 +81,31 @@ class Proposal:
 class Speculator(ABC):
     """Proposes draft tokens for the core to verify in one target pass.
 
-    Built once per engine process as ``cls(num_speculative_tokens=k)`` (plus ``options=`` when its plugin
-    declares options). ``propose`` runs once per step in the engine process, before the target model,
-    and must not modify its inputs or call hooks. ``tokenmill.testing.check_speculator`` checks the
+    Built once per engine process as ``cls(num_speculative_tokens=k, context=SpeculatorContext)`` (plus
+    ``options=`` when its plugin declares options); ``k`` is ``speculative_config.num_speculative_tokens``,
+    or ``default_num_speculative_tokens`` when that is unset. ``context`` is None when built outside an
+    engine (the conformance check), so a speculator that needs no model must work without it.
+    ``propose`` runs once per step in the engine process, after the step's target pass, for the requests
+    that decode next; it must not modify its inputs or call hooks. ``tokenmill.testing.check_speculator`` checks the
     contract: at most ``min(k, max_num_tokens)`` drafts per request, all inside the vocabulary, the same
     drafts for the same inputs.
     """
 
     #: Registered name.
     name: ClassVar[str]
+    #: Whether ``propose`` needs ``SpeculationInput.hidden_state`` (Medusa heads read the target's).
+    needs_hidden_states: ClassVar[bool] = False
+    #: ``k`` when ``speculative_config.num_speculative_tokens`` is unset.
+    default_num_speculative_tokens: ClassVar[int] = 3
 
-    def __init__(self, num_speculative_tokens: int) -> None:
+    def __init__(self, num_speculative_tokens: int, context: SpeculatorContext | None = None) -> None:
         self.num_speculative_tokens = num_speculative_tokens
+        self.context = context
 
     @abstractmethod
     def propose(self, requests: list[SpeculationInput]) -> Proposal:
         """Draft tokens for each request."""
 
     def on_requests_finished(self, request_ids: list[str]) -> None:
-        """Forget per-request state (a draft model's KV, say); called once per finished request."""
+        """Forget per-request state (a draft model's KV, say). Called, after a step, for each request that
+        finished, was aborted or was preempted (it recomputes later; ``propose`` sees it again then)."""

@@ -8,6 +8,7 @@ from tokenmill.config.model import ModelConfig
 from tokenmill.config.sampler import SamplerConfig
 from tokenmill.config.scheduler import SchedulerConfig
 from tokenmill.config.server import ServerConfig
+from tokenmill.config.speculative import SpeculativeConfig
 from tokenmill.config.transport import TransportConfig
 
 __all__ = [
@@ -20,6 +21,7 @@ __all__ = [
     "SamplerConfig",
     "SchedulerConfig",
     "ServerConfig",
+    "SpeculativeConfig",
     "TransportConfig",
     "load_config",
 ]

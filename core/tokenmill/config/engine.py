@@ -17,6 +17,7 @@ from tokenmill.config.model import ModelConfig
 from tokenmill.config.sampler import SamplerConfig
 from tokenmill.config.scheduler import SchedulerConfig
 from tokenmill.config.server import ServerConfig
+from tokenmill.config.speculative import SpeculativeConfig
 from tokenmill.config.transport import TransportConfig
 from tokenmill.errors import TokenmillError
 
@@ -36,6 +37,10 @@ class EngineConfig(ConfigSection, frozen=True):
     attention: AttentionConfig = msgspec.field(default_factory=AttentionConfig)
     sampler: SamplerConfig = msgspec.field(default_factory=SamplerConfig)
     transport: TransportConfig = msgspec.field(default_factory=TransportConfig)
+    speculative_config: Annotated[
+        SpeculativeConfig,
+        describe("Speculative decoding, as vLLM's JSON (`tokenmill.config.speculative`).", flag="--speculative-config"),
+    ] = msgspec.field(default_factory=SpeculativeConfig)
     disable_plugins: Annotated[
         list[str],
         describe("Plugins (entry point names) not to load.", flag="--disable-plugin"),
@@ -99,6 +104,8 @@ def _valid_keys(path: list[str]) -> list[str]:
         assert isinstance(info, msgspec.inspect.StructType)
         fields = {f.name: f.type for f in info.fields}
         field_type = fields.get(key)
+        if isinstance(field_type, msgspec.inspect.Metadata):
+            field_type = field_type.type
         if not isinstance(field_type, msgspec.inspect.StructType):
             return []
         struct_type = field_type.cls

@@ -1,15 +1,17 @@
 """Click options derived from the config sections, so every field is also a flag.
 
 A flag is named after its field (``block_size`` → ``--block-size``) unless the
-field's metadata names one. Only flags the user gave become overrides, so the
-TOML file's values survive unless a flag replaces them.
+field's metadata names one. A section whose field names a flag (``speculative_config``
+→ ``--speculative-config``) is given whole, as JSON, the way vLLM takes it.
+Only flags the user gave become overrides, so the TOML file's values survive
+unless a flag replaces them.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import click
@@ -26,6 +28,8 @@ class FlagSpec:
     type_info: mi.Type
     description: str
     default: Any
+    #: Set for a field of a section given as one JSON flag: the key inside that JSON.
+    json_key: str | None = None
 
 
 def _unwrap(type_info: mi.Type) -> tuple[mi.Type, str, str | None]:
@@ -49,6 +53,11 @@ def _collect(struct_type: type, prefix: tuple[str, ...]) -> list[FlagSpec]:
         if isinstance(field.type, mi.StructType):
             specs += _collect(field.type.cls, (*prefix, field.name))
             continue
+        inner, _, json_flag = _unwrap(field.type)
+        if isinstance(inner, mi.StructType) and json_flag:
+            specs += [replace(spec, flag=json_flag, json_key=spec.path[-1])
+                      for spec in _collect(inner.cls, (*prefix, field.name))]  # fmt: skip
+            continue
         type_info, description, flag = _unwrap(field.type)
         if isinstance(type_info, mi.DictType):
             continue  # per-plugin tables: TOML only
@@ -66,7 +75,7 @@ def _collect(struct_type: type, prefix: tuple[str, ...]) -> list[FlagSpec]:
 def flag_specs() -> list[FlagSpec]:
     """One spec per config field that has a flag."""
     specs = _collect(EngineConfig, ())
-    names = [spec.flag for spec in specs]
+    names = [spec.flag for spec in specs if spec.json_key is None]
     duplicated = {name for name in names if names.count(name) > 1}
     assert not duplicated, f"config fields share CLI flags {duplicated}; set describe(flag=...)"
     return specs
@@ -88,6 +97,24 @@ def _click_option(spec: FlagSpec) -> Callable[[Callable[..., Any]], Callable[...
     return click.option(spec.flag, param_name, type=click_type, help=help_text)
 
 
+def _json_option(flag: str, path: tuple[str, ...]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """One flag taking a whole section as a JSON object; bad JSON is a one-line usage error."""
+
+    def parse(ctx: click.Context, param: click.Parameter, value: str | None) -> dict[str, Any] | None:
+        if value is None:
+            return None
+        try:
+            parsed = msgspec.json.decode(value)
+        except msgspec.DecodeError as exc:
+            raise click.BadParameter(f"not valid JSON ({exc}): {value}") from None
+        if not isinstance(parsed, dict):
+            raise click.BadParameter(f"must be a JSON object, got {value}")
+        return parsed
+
+    help_text = f"The [{'.'.join(path)}] table as a JSON object (keys in docs/configuration.md)."
+    return click.option(flag, "cfg__" + "__".join(path), callback=parse, help=help_text)
+
+
 def config_options(command: Callable[..., Any]) -> Callable[..., Any]:
     """Decorate a click command: adds ``--config FILE`` and one flag per config field,
     and passes the resolved ``EngineConfig`` as the ``config`` keyword argument."""
@@ -103,7 +130,10 @@ def config_options(command: Callable[..., Any]) -> Callable[..., Any]:
             target = overrides
             for section in sections:
                 target = target.setdefault(section, {})
-            target[field] = list(value) if isinstance(value, tuple) else value
+            if isinstance(value, dict):  # a section given as JSON
+                target.setdefault(field, {}).update(value)
+            else:
+                target[field] = list(value) if isinstance(value, tuple) else value
         config_file = kwargs.pop("config_file")
         model = kwargs.pop("model_argument", None)
         if model is not None:
@@ -112,7 +142,10 @@ def config_options(command: Callable[..., Any]) -> Callable[..., Any]:
         return command(*args, **kwargs)
 
     decorated: Callable[..., Any] = wrapper
-    for spec in reversed(flag_specs()):
+    json_sections = {spec.flag: spec.path[:-1] for spec in flag_specs() if spec.json_key is not None}
+    for flag, path in json_sections.items():
+        decorated = _json_option(flag, path)(decorated)
+    for spec in reversed([spec for spec in flag_specs() if spec.json_key is None]):
         decorated = _click_option(spec)(decorated)
     return click.option(
         "--config",

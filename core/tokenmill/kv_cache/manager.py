@@ -132,6 +132,11 @@ class KVCacheManager(ABC):
     def block_ids(self, request_id: str) -> list[int]:
         """A copy of the request's block table. Once per scheduled request per step."""
 
+    def truncate(self, request_id: str, num_tokens: int) -> None:
+        """Release the blocks of the request's table past those holding its first ``num_tokens`` tokens: the
+        slots written for draft tokens the target rejected (speculative decoding). Called by the scheduler
+        after a step that rejected drafts. The default keeps them: the request grows into them again."""
+
     @property
     def prefix_cache_queries(self) -> int:
         """Prompt tokens looked up in the prefix cache so far (a counter); 0 without a prefix cache."""
@@ -470,6 +475,18 @@ class PagedKVCacheManager(KVCacheManager):
         state = self._requests.pop(request_id, None)
         if state is not None:
             self._pool.free(reversed(state.block_ids))
+
+    def truncate(self, request_id: str, num_tokens: int) -> None:
+        """Free the request's blocks past ``ceil(num_tokens / block_size)``, tail first (never cached: a block
+        is published only once computed, and these hold rejected drafts). Unknown ``request_id``: no-op."""
+        state = self._requests.get(request_id)
+        if state is None:
+            return
+        keep = -(-num_tokens // self._block_size)
+        if len(state.block_ids) > keep:
+            self._pool.free(reversed(state.block_ids[keep:]))
+            del state.block_ids[keep:]
+            del state.block_hashes[keep:]
 
     # -------------------------------------------------------------- checking
 

@@ -173,6 +173,13 @@ class Sampler(ABC):
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """Sample one token per row of ``logits`` [R, vocab_size] float32."""
 
+    def target_probs(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """The distribution each row's token would be drawn from [R, vocab_size] float32 (rows sum to 1;
+        one-hot on the argmax for greedy rows), after everything ``__call__`` applies. Speculative decoding
+        verifies drafts against it (``tokenmill.sampling.rejection_sampler``); a sampler that does not
+        implement it runs without speculation."""
+        raise NotImplementedError(f"sampler {self.name!r} does not expose its distribution (target_probs)")
+
 
 class TorchSampler(Sampler):
     """The vectorised torch sampler. ``generator`` serves rows without a seed of their own (the
@@ -232,8 +239,19 @@ class TorchSampler(Sampler):
         logits = logits - metadata.frequency_penalty[:, None] * output_counts
         return logits - metadata.presence_penalty[:, None] * in_output
 
-    def _sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        """Temperature, top-k, top-p, min-p, then the draw; greedy rows' results are discarded."""
+    def target_probs(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """See ``Sampler.target_probs``."""
+        logits = self.process_logits(logits, metadata)
+        probs = self._probs(logits, metadata)
+        probs = probs / probs.sum(dim=-1, keepdim=True)  # min-p leaves the kept mass below 1
+        if not metadata.all_random:
+            one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+            probs = torch.where((metadata.temperature == 0)[:, None], one_hot, probs)
+        return probs
+
+    def _probs(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """Temperature, top-k, top-p and min-p: each row's sampling weights [R, vocab_size], not renormalised
+        after min-p. Greedy rows get their temperature-1 weights, which the callers discard."""
         temperature = torch.where(metadata.temperature == 0, 1.0, metadata.temperature)  # avoid /0 on greedy rows
         logits = logits / temperature[:, None]
         if not (metadata.no_top_k and metadata.no_top_p):
@@ -243,6 +261,11 @@ class TorchSampler(Sampler):
             # The ratio to the top token is the same before and after top-k/top-p renormalisation.
             threshold = metadata.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
             probs.masked_fill_(probs < threshold, 0.0)
+        return probs
+
+    def _sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """The draw from ``_probs``; greedy rows' results are discarded."""
+        probs = self._probs(logits, metadata)
         # Exponential race: argmax(p / q) with q ~ Exp(1) picks token i with probability p_i / sum(p);
         # unnormalised p is fine, and each row depends only on its own q.
         return probs.div_(self._exponential(probs, metadata)).argmax(dim=-1)

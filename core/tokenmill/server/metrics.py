@@ -3,7 +3,7 @@
 Latencies are measured in the front end, where a client's experience is:
 time to first token, inter-token latency and end-to-end latency per request;
 queue time comes from the engine (enqueue to first scheduled step). Engine-wide
-gauges and counters (running, waiting, KV usage, prefix cache, preemptions)
+gauges and counters (running, waiting, KV usage, prefix cache, preemptions, speculative decoding)
 are read from the engines' latest heartbeats when Prometheus scrapes.
 """
 
@@ -18,6 +18,17 @@ from prometheus_client.registry import Collector
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0,
                     10.0, 20.0, 40.0, 80.0)  # fmt: skip
+
+
+#: Engine counters by ``EngineStatsMessage`` field; exported as ``tokenmill_<field>`` (vLLM's names).
+_ENGINE_COUNTERS = {
+    "prefix_cache_queries": "Prompt tokens looked up in the prefix cache.",
+    "prefix_cache_hits": "Prompt tokens served from the prefix cache.",
+    "num_preemptions": "Requests preempted for lack of KV cache blocks.",
+    "spec_decode_num_drafts": "Speculative decoding: requests whose drafts were verified, summed over steps.",
+    "spec_decode_num_draft_tokens": "Speculative decoding: draft tokens verified.",
+    "spec_decode_num_accepted_tokens": "Speculative decoding: draft tokens accepted.",
+}
 
 
 class _EngineCollector(Collector):
@@ -35,16 +46,14 @@ class _EngineCollector(Collector):
         usage = GaugeMetricFamily("tokenmill_kv_cache_usage_ratio", "Fraction of KV cache blocks held by requests.",
                                   labels=["model", "engine"])  # fmt: skip
         counters = {
-            "prefix_cache_queries": CounterMetricFamily(
-                "tokenmill_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                labels=["model", "engine"]),
-            "prefix_cache_hits": CounterMetricFamily(
-                "tokenmill_prefix_cache_hits", "Prompt tokens served from the prefix cache.",
-                labels=["model", "engine"]),
-            "num_preemptions": CounterMetricFamily(
-                "tokenmill_num_preemptions", "Requests preempted for lack of KV cache blocks.",
-                labels=["model", "engine"]),
-        }  # fmt: skip
+            key: CounterMetricFamily(f"tokenmill_{key}", text, labels=["model", "engine"])
+            for key, text in _ENGINE_COUNTERS.items()
+        }
+        per_pos = CounterMetricFamily(
+            "tokenmill_spec_decode_num_accepted_tokens_per_pos",
+            "Speculative decoding: draft tokens accepted, by their position among the drafts (0 first).",
+            labels=["model", "engine", "position"],
+        )
         for client in self.group.clients:
             stats = client.stats
             if stats is None:
@@ -55,7 +64,9 @@ class _EngineCollector(Collector):
             usage.add_metric(labels, stats.kv_cache_usage)
             for key, family in counters.items():
                 family.add_metric(labels, getattr(stats, key))
-        yield from (running, waiting, usage, *counters.values())
+            for position, count in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
+                per_pos.add_metric([*labels, str(position)], count)
+        yield from (running, waiting, usage, *counters.values(), per_pos)
 
 
 class ServerMetrics:

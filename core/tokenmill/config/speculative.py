@@ -1,0 +1,80 @@
+"""Speculative decoding: which speculator drafts tokens, how many, and when to stop drafting.
+
+The table is vLLM's ``--speculative-config`` (the same JSON keys), so a command
+line moves over unchanged::
+
+    tokenmill serve --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'
+
+``method`` names a speculator plugin (slot ``speculator``); the other keys are
+read by the built-in speculators, and a third-party speculator takes its own
+options from ``[plugins.NAME]``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from tokenmill.config.base import ConfigSection, NonNegativeInt, PositiveInt, describe
+
+#: Built-in methods that load a second set of weights from ``model``.
+_NEEDS_MODEL = ("draft_model", "medusa")
+
+
+class SpeculativeConfig(ConfigSection, frozen=True):
+    method: Annotated[
+        str | None,
+        describe(
+            "Speculator plugin by name, or unset for no speculation. Built in: 'ngram' (prompt lookup), "
+            "'draft_model' (a smaller or quantized model), 'medusa' (Medusa heads)."
+        ),
+    ] = None
+    num_speculative_tokens: Annotated[
+        PositiveInt | None,
+        describe("Draft tokens per request per step (k); unset takes the speculator's default."),
+    ] = None
+    model: Annotated[
+        str | None,
+        describe(
+            "'draft_model': the draft model (a directory, GGUF file or registry name, loaded like model.model). "
+            "'medusa': the directory of Medusa heads (config.json and medusa_lm_head.safetensors)."
+        ),
+    ] = None
+    quantization: Annotated[
+        str | None,
+        describe("'draft_model': the draft's quantizer, like model.quantization (unset: 'auto')."),
+    ] = None
+    prompt_lookup_min: Annotated[
+        PositiveInt | None,
+        describe("'ngram': the shortest n-gram to match (unset: 1)."),
+    ] = None
+    prompt_lookup_max: Annotated[
+        PositiveInt | None,
+        describe("'ngram': the longest n-gram to match, tried first (unset: 4)."),
+    ] = None
+    disable_by_batch_size: Annotated[
+        NonNegativeInt,
+        describe(
+            "Draft nothing in a step where at least this many requests are running: at large batches a step is "
+            "compute-bound and verifying drafts costs more than it saves (docs/speculative_decoding.md has the "
+            "measurements). 0 never turns speculation off."
+        ),
+    ] = 8
+
+    def __post_init__(self) -> None:
+        if self.method is None:
+            set_keys = [k for k in self.__struct_fields__ if k != "disable_by_batch_size" and getattr(self, k)]
+            if set_keys:
+                raise ValueError(f"{set_keys[0]} is set but method is not; set method to speculate")
+            return
+        if self.method in _NEEDS_MODEL and not self.model:
+            raise ValueError(f"method {self.method!r} needs model: the path of its weights")
+        if self.method not in _NEEDS_MODEL and self.model is not None:
+            raise ValueError(f"model is not used by method {self.method!r}")
+        if self.method != "draft_model" and self.quantization is not None:
+            raise ValueError(f"quantization is only used by method 'draft_model', not {self.method!r}")
+        lookup = self.prompt_lookup_min is not None or self.prompt_lookup_max is not None
+        if lookup and self.method != "ngram":
+            raise ValueError(f"prompt_lookup_min/max are only used by method 'ngram', not {self.method!r}")
+        low, high = self.prompt_lookup_min or 1, self.prompt_lookup_max or max(4, self.prompt_lookup_min or 1)
+        if low > high:
+            raise ValueError(f"prompt_lookup_min={low} is larger than prompt_lookup_max={high}")
