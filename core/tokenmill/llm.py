@@ -50,7 +50,9 @@ def keyword_paths() -> dict[str, tuple[str, ...]]:
     """``LLM(...)`` keyword -> config path: each flag's name, and each field's name unless two fields share it
     (``backend`` is both ``attention.backend`` and ``transport.backend``)."""
     specs = flag_specs()
-    paths = {spec.flag.removeprefix("--").replace("-", "_"): spec.path for spec in specs}
+    # A section given as one JSON flag is one keyword taking a dict (speculative_config={...}).
+    paths = {spec.flag.removeprefix("--").replace("-", "_"): spec.path[:-1] if spec.json_key else spec.path
+             for spec in specs}  # fmt: skip
     field_names = [spec.path[-1] for spec in specs]
     for spec in specs:
         if field_names.count(spec.path[-1]) == 1:
