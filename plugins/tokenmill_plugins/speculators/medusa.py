@@ -1,0 +1,180 @@
+"""The ``medusa`` speculator: Medusa heads on the target's last hidden state draft a chain of tokens.
+
+Each head ``i`` reads the target's final hidden state at the position whose logits gave the request's
+last token and predicts the token ``i + 1`` positions after it (``tokenmill.train.medusa_heads`` has the
+heads' math and their checkpoint format, FasterDecoding's). The drafts are a **chain**: every head's
+top-1 token, ``[argmax head_0(h), ..., argmax head_{n-1}(h)]`` with ``n = min(k, max_num_tokens)``,
+verified by the core like any other drafts. Medusa's tree attention (several candidates per head,
+verified together) is not implemented. Drafts are deterministic (no ``draft_probs``), which is exact for
+sampled requests too.
+
+Configured with ``--speculative-config '{"method": "medusa", "model": "DIR"}'``; ``num_speculative_tokens``
+may be at most the number of heads in DIR and is the number of heads when unset. ``tokenmill train medusa``
+trains heads for a model.
+
+Cost. All heads of all requests run together: one batched matmul per ResBlock layer ([num_heads, rows,
+hidden] x [num_heads, hidden, hidden]), then the vocabulary projections. A projection is hidden x vocab:
+for SmolLM2-135M 576 x 49152 = 28M weights, 113 MB in float32, read once per head per step, where the
+Q4_1 model's whole decode step reads about 97 MB (66 MB of 4-bit layers, 30 MB of 8-bit lm_head). So a
+head whose projection *is* the target's output projection (every head of FasterDecoding's
+train_legacy.py and of ``tokenmill train medusa``, which store none; a Medusa-1 head whose stored weights
+equal it) is computed by the target's own ``compute_logits``: all such heads of all requests in one call
+on [num_heads * rows, hidden], through the quantized lm_head's kernel on a quantized target. On
+SmolLM2-135M Q4_1, 2 CPU cores, 3 heads (best of 100): 1 request 0.9 ms, against 38 ms for three float32
+projections of their own; 8 requests 15 ms against 68 ms.
+
+A stored projection counts as the target's when its values equal the target checkpoint's output
+projection (the tied embedding or lm_head, dequantized from GGUF;
+``tokenmill.train.medusa_heads.output_projection``) once both are rounded to the coarser of their two
+dtypes; this is checked once, at construction. Such heads then use the target's lm_head as it runs,
+quantized or not: the same approximation as the target's own logits, which verify the drafts anyway.
+Other heads multiply by their own weights, kept on the target's device in its dtype.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+
+from tokenmill.config import ConfigError
+from tokenmill.model_loader import LoadedModel
+from tokenmill.speculator import Proposal, SpeculationInput, Speculator, SpeculatorContext
+from tokenmill.train.medusa_heads import apply_resblocks, output_projection, read_medusa_heads
+from tokenmill.weights.format import WeightsError
+
+__all__ = ["MedusaSpeculator"]
+
+logger = logging.getLogger(__name__)
+
+
+class MedusaSpeculator(Speculator):
+    """Drafts up to ``k`` tokens per request with Medusa heads on the target's hidden states (a chain).
+
+    Built once per engine process with the engine's ``SpeculatorContext`` (it cannot run without one: the
+    heads read the target's hidden states and may share its lm_head). ``num_speculative_tokens`` becomes
+    the number of heads when ``speculative_config.num_speculative_tokens`` is unset. Raises
+    ``ConfigError`` for a missing heads directory or a ``k`` above the number of heads, and
+    ``WeightsError`` for a checkpoint that is unreadable or sized for another model. A request given no
+    hidden state gets no drafts.
+    """
+
+    name: ClassVar[str] = "medusa"
+    needs_hidden_states: ClassVar[bool] = True
+    #: Whether heads whose stored projection equals the target's output projection use the target's
+    #: ``compute_logits`` (see the module docstring); False keeps every head on its own weights.
+    share_output_projection: ClassVar[bool] = True
+
+    def __init__(self, num_speculative_tokens: int, context: SpeculatorContext | None = None) -> None:
+        super().__init__(num_speculative_tokens, context)
+        if context is None:
+            raise ConfigError("the 'medusa' speculator runs inside an engine only: its heads read the target's "
+                              "hidden states")  # fmt: skip
+        spec = context.config.speculative_config
+        if not spec.model:
+            raise ConfigError("speculative_config.model is unset: give the directory of the Medusa heads")
+        directory = Path(spec.model)
+        if not directory.exists():
+            raise ConfigError(f"speculative_config.model: {directory} does not exist; give the directory of the "
+                              "Medusa heads (config.json and medusa_lm_head.safetensors)")  # fmt: skip
+        is_set = spec.num_speculative_tokens is not None
+        heads = read_medusa_heads(directory, num_heads=num_speculative_tokens if is_set else None)
+        if not is_set:
+            self.num_speculative_tokens = heads.num_stored_heads
+        elif num_speculative_tokens > heads.num_stored_heads:
+            raise ConfigError(f"speculative_config.num_speculative_tokens={num_speculative_tokens}, but {directory} "
+                              f"holds {heads.num_stored_heads} Medusa heads: set it to at most "
+                              f"{heads.num_stored_heads}, or leave it unset")  # fmt: skip
+        target = self._target = context.target
+        _check_sizes(directory, heads.hidden_size, heads.config.get("vocab_size"), heads.projections, target)
+        self._weights = heads.weights.to(target.device, target.dtype)  # [num_heads, num_layers, hidden, hidden]
+        self._biases = heads.biases.to(target.device, target.dtype)  # [num_heads, num_layers, hidden]
+        #: The heads computed by the target's ``compute_logits`` (the others use their own projection).
+        self.shared_heads = shared = self._shared_heads(heads.projections, context)
+        own = [(head, projection) for head, projection in enumerate(heads.projections) if head not in shared]
+        #: By the number of heads a step runs, n: the indices of its shared heads, and of its own-projection heads.
+        self._shared_index = [_index([h for h in shared if h < n], target.device) for n in range(heads.num_heads + 1)]
+        self._own_index = [_index([h for h, _ in own if h < n], target.device) for n in range(heads.num_heads + 1)]
+        self._projections: torch.Tensor | None = None  # [num_own_heads, vocab, hidden], in head order
+        if own:
+            self._projections = torch.stack([p.to(target.device, target.dtype) for _, p in own if p is not None])
+        logger.info(
+            "medusa: %d heads (%d ResBlocks each) from %s, %d of them on the target's lm_head",
+            heads.num_heads, heads.num_layers, directory, len(shared),
+        )  # fmt: skip
+
+    def _shared_heads(self, projections: list[torch.Tensor | None], context: SpeculatorContext) -> list[int]:
+        """The heads whose logits come from the target's ``compute_logits``: those with no projection of their
+        own, and, with ``share_output_projection``, those whose projection equals the target's."""
+        stored = [(head, projection) for head, projection in enumerate(projections) if projection is not None]
+        shared = [head for head, projection in enumerate(projections) if projection is None]
+        if stored and self.share_output_projection:
+            reference = output_projection(context.target, context.plugins, context.config.model.weight_format)
+            shared += [head for head, projection in stored if _same_values(projection, reference)]
+        return sorted(shared)
+
+    @torch.inference_mode()
+    def propose(self, requests: list[SpeculationInput]) -> Proposal:
+        """One pass of the heads needed over every request's hidden state; each head's top-1 token."""
+        token_ids: list[list[int]] = [[] for _ in requests]
+        rows: list[tuple[int, int]] = []  # (request index, number of drafts)
+        states: list[torch.Tensor] = []
+        for index, item in enumerate(requests):
+            num_drafts = min(self.num_speculative_tokens, item.max_num_tokens)
+            if num_drafts > 0 and item.hidden_state is not None:
+                rows.append((index, num_drafts))
+                states.append(item.hidden_state)
+        if not rows:
+            return Proposal(token_ids)
+        hidden = torch.stack(states).to(self._target.device, self._target.dtype)  # [num_rows, hidden]
+        drafts = self._draft(hidden, max(num_drafts for _, num_drafts in rows)).tolist()
+        for row, (index, num_drafts) in enumerate(rows):
+            token_ids[index] = drafts[row][:num_drafts]
+        return Proposal(token_ids)
+
+    def _draft(self, hidden: torch.Tensor, num_heads: int) -> torch.Tensor:
+        """The first ``num_heads`` heads' top-1 tokens for ``hidden`` [num_rows, hidden]: [num_rows, num_heads]."""
+        num_rows = hidden.shape[0]
+        x = apply_resblocks(hidden, self._weights[:num_heads], self._biases[:num_heads])  # [num_heads, rows, hidden]
+        drafts = torch.empty(num_heads, num_rows, dtype=torch.long, device=x.device)  # [num_heads, num_rows]
+        shared = self._shared_index[num_heads]
+        if len(shared):
+            logits = self._target.model.compute_logits(x[shared].reshape(len(shared) * num_rows, -1))
+            drafts[shared] = logits.argmax(dim=-1).view(len(shared), num_rows)
+        own = self._own_index[num_heads]
+        if len(own):
+            assert self._projections is not None
+            projections = self._projections[: len(own)]  # own heads are in order: the first len(own) are < num_heads
+            drafts[own] = torch.bmm(x[own], projections.transpose(1, 2)).argmax(dim=-1)  # from [n, rows, vocab]
+        return drafts.T.cpu()
+
+
+def _check_sizes(
+    directory: Path, hidden_size: int, vocab_size: object, projections: list[torch.Tensor | None], target: LoadedModel
+) -> None:
+    """Raise ``WeightsError`` unless the heads' widths and vocabulary are the target's."""
+    arch = target.arch
+    if hidden_size != arch.hidden_size:
+        raise WeightsError(f"{directory}: the Medusa heads are {hidden_size} wide, the target model's hidden size is "
+                           f"{arch.hidden_size}: they were trained for another model")  # fmt: skip
+    sizes = {vocab_size} if isinstance(vocab_size, int) else set()
+    sizes |= {projection.shape[0] for projection in projections if projection is not None}
+    other = sorted(size for size in sizes if size != arch.vocab_size)
+    if other:
+        raise WeightsError(f"{directory}: the Medusa heads predict a vocabulary of {other[0]} tokens, the target "
+                           f"model's has {arch.vocab_size}: they were trained for another model")  # fmt: skip
+
+
+def _index(heads: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(heads, dtype=torch.long, device=device)  # [len(heads)]
+
+
+def _same_values(stored: torch.Tensor, reference: torch.Tensor) -> bool:
+    """Whether two float tensors hold the same values once both are rounded to the coarser dtype (a bfloat16
+    copy of float32 weights equals them; any other difference does not)."""
+    if stored.shape != reference.shape:
+        return False
+    coarser = max(stored.dtype, reference.dtype, key=lambda dtype: torch.finfo(dtype).eps)
+    return torch.equal(stored.to(reference.device, coarser), reference.to(coarser))
