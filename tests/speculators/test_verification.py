@@ -316,3 +316,17 @@ def test_a_speculator_that_raises_costs_drafts_not_requests(model_dir: Path) -> 
     requests = _requests(3, seed=5)
     expected = run_to_completion(_engine(model_dir), requests)
     assert run_to_completion(_engine(model_dir, Broken(3)), requests) == expected
+
+
+def test_draft_model_greedy_output_is_identical_with_rejections_and_preemption(model_dir: Path) -> None:
+    """The target's own int4 version drafts: mostly accepted, sometimes rejected, repaired by the target."""
+    requests = _requests(8, seed=6, stop_token_ids=[9])
+    small = {"cache": {"num_kv_blocks": 28}}
+    expected = run_to_completion(_engine(model_dir, **small), requests)
+    spec = {"method": "draft_model", "model": str(model_dir), "quantization": "int4", "num_speculative_tokens": 3,
+            "disable_by_batch_size": 0}  # fmt: skip
+    engine = make_engine(model_dir, speculative_config=spec, **small)
+    assert run_to_completion(engine, requests) == expected
+    stats = engine.stats()
+    assert stats.num_preemptions > 0
+    assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens

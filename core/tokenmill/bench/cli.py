@@ -453,3 +453,61 @@ def prefill(
 
     report = run_prefill(options, input_len=input_len, output_len=output_len, num_requests=num_requests)
     _report(report, output_json, comparison=True)
+
+
+@bench.command()
+@config_options
+@click.option(
+    "--workload",
+    type=click.Choice(["copy", "chat"]),
+    default="copy",
+    show_default=True,
+    help="'copy': rewrite, proofread, summarise or edit text and code given in the prompt; 'chat': open questions.",
+)
+@click.option(
+    "--concurrency",
+    "concurrency_levels",
+    default="1,32",
+    show_default=True,
+    callback=_int_list,
+    help="Comma-separated concurrency levels (requests in flight at once).",
+)
+@click.option(
+    "--output-len", type=click.IntRange(min=1), default=128, show_default=True, help="Most tokens per answer."
+)
+@click.option(
+    "--num-prompts",
+    type=click.IntRange(min=1),
+    default=4,
+    show_default=True,
+    help="Conversations run one by one at c=1.",
+)
+@click.option(
+    "--rounds", type=click.IntRange(min=1), default=2, show_default=True, help="Alternated rounds (best kept)."
+)
+@_output_json
+def speculative(
+    config: EngineConfig,
+    workload: str,
+    concurrency_levels: list[int],
+    output_len: int,
+    num_prompts: int,
+    rounds: int,
+    output_json: Path | None,
+) -> None:
+    """Output tokens/s with and without --speculative-config on the same workload, greedy, in one process;
+    with the speculator's acceptance rate, mean accepted length and acceptance per draft position."""
+    from tokenmill.bench.speculative import format_speculative, run_speculative
+
+    report = run_speculative(
+        config,
+        workload=workload,
+        concurrency_levels=concurrency_levels,
+        output_len=output_len,
+        num_prompts=num_prompts,
+        rounds=rounds,
+    )
+    click.echo(format_speculative(report))
+    if output_json is not None:
+        write_json(report, output_json)
+        click.echo(f"wrote {output_json}", err=True)
