@@ -47,6 +47,7 @@ logger = logging.getLogger(__name__)
 
 _GENERATOR = "generator"  # Request.stash key: the request's own torch.Generator when seeded
 _DRAFT_PROBS = "draft_probs"  # Request.stash key: the draft distributions of Request.spec_token_ids, if any
+_DRAFT_LIMIT = "draft_limit"  # Request.stash key: drafts it may verify next step (the heuristic schedule)
 #: ``SamplingParams.extra_args`` key (``vllm_xargs`` over HTTP): true turns speculation off for the request.
 DISABLE_SPECULATION = "disable_speculation"
 
@@ -290,8 +291,19 @@ class EngineCore:
                     )
                 if hidden_rows is not None:
                     self._hidden_states[request.request_id] = hidden_rows[start + result.num_accepted]
+                if own:
+                    self._schedule_drafts(request, len(own), result.num_accepted)
             start += len(own) + 1
         return output
+
+    def _schedule_drafts(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        """The heuristic schedule (transformers' ``num_assistant_tokens_schedule``): a request whose drafts
+        were all accepted may verify 2 more next step; one that lost some, 1 fewer (at least 1)."""
+        if self.speculator is None or self.config.speculative_config.num_speculative_tokens_schedule != "heuristic":
+            return
+        limit = request.stash.get(_DRAFT_LIMIT, self.speculator.num_speculative_tokens)
+        limit = limit + 2 if num_accepted == num_drafts else max(1, limit - 1)
+        request.stash[_DRAFT_LIMIT] = min(limit, self.speculator.num_speculative_tokens)
 
     def _draft_probs(self, request: Request, num_drafts: int) -> torch.Tensor | None:
         """The draft distributions of the request's scheduled drafts (the scheduler may have trimmed them)."""
@@ -317,7 +329,9 @@ class EngineCore:
         for _, request in scheduler_output.sampling_requests:
             if request.status != RequestStatus.RUNNING or (request.params.extra_args or {}).get(DISABLE_SPECULATION):
                 continue
-            max_num_tokens = _max_draft_tokens(request)
+            max_num_tokens = min(
+                _max_draft_tokens(request), request.stash.get(_DRAFT_LIMIT, speculator.num_speculative_tokens)
+            )
             if max_num_tokens <= 0:
                 continue
             requests.append(request)

@@ -198,12 +198,12 @@ def tokenmill_register_speculators(register: Register) -> None:
 
     :param register: ``register(name, import_path)``; the import path names a
         ``tokenmill.interfaces.Speculator`` subclass, built as
-        ``cls(num_speculative_tokens=k)``.
+        ``cls(num_speculative_tokens=k, context=SpeculatorContext)``.
     :return: nothing; every implementation is called.
 
-    Called once per engine process at start-up. The interface and the core's
-    verification contract are fixed here; selecting a speculator in the config
-    arrives with the core's verification step.
+    Called once per engine process at start-up. ``speculative_config.method``
+    (vLLM's ``--speculative-config``) selects one by name; built in: ``ngram``,
+    ``draft_model``, ``medusa``.
     Since: 0.1. Stability: provisional.
     """
 

@@ -12,7 +12,7 @@ options from ``[plugins.NAME]``.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from tokenmill.config.base import ConfigSection, NonNegativeInt, PositiveInt, describe
 
@@ -51,6 +51,15 @@ class SpeculativeConfig(ConfigSection, frozen=True):
         PositiveInt | None,
         describe("'ngram': the longest n-gram to match, tried first (unset: 4)."),
     ] = None
+    num_speculative_tokens_schedule: Annotated[
+        Literal["heuristic", "constant"],
+        describe(
+            "How many drafts each request verifies per step. 'constant': num_speculative_tokens. 'heuristic' "
+            "(transformers' num_assistant_tokens_schedule): per request, start at num_speculative_tokens, add 2 "
+            "after a step that accepted every draft and take 1 off (to no fewer than 1) after one that did not, "
+            "never above num_speculative_tokens, so a request whose drafts keep failing stops paying for them."
+        ),
+    ] = "heuristic"
     disable_by_batch_size: Annotated[
         NonNegativeInt,
         describe(
@@ -62,7 +71,8 @@ class SpeculativeConfig(ConfigSection, frozen=True):
 
     def __post_init__(self) -> None:
         if self.method is None:
-            set_keys = [k for k in self.__struct_fields__ if k != "disable_by_batch_size" and getattr(self, k)]
+            defaults = ("disable_by_batch_size", "num_speculative_tokens_schedule")
+            set_keys = [k for k in self.__struct_fields__ if k not in defaults and getattr(self, k)]
             if set_keys:
                 raise ValueError(f"{set_keys[0]} is set but method is not; set method to speculate")
             return
