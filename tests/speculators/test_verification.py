@@ -330,3 +330,22 @@ def test_draft_model_greedy_output_is_identical_with_rejections_and_preemption(m
     stats = engine.stats()
     assert stats.num_preemptions > 0
     assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+
+
+def test_stop_strings_and_n_gt_1_through_the_offline_api(model_dir: Path) -> None:
+    """Stop strings end a multi-token step at the string; n > 1 completions each speculate on their own."""
+    from tokenmill.llm import LLM
+
+    prompts = ["ab ab ab ab ab ab", "hello hello hello hello", "xyz xyz xyz"]
+    plain = LLM(str(model_dir), device="cpu", num_kv_blocks=512, block_size=4)
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    texts = [o.outputs[0].text for o in plain.generate(prompts, greedy, use_tqdm=False)]
+    stops = [text[len(text) // 3 : len(text) // 3 + 2] for text in texts]
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop], n=2) for stop in stops]
+    expected = [[c.text for c in o.outputs] for o in plain.generate(prompts, params, use_tqdm=False)]
+    spec = {"method": "ngram", "prompt_lookup_min": 1, "disable_by_batch_size": 0}
+    speculative = LLM(str(model_dir), device="cpu", num_kv_blocks=512, block_size=4, speculative_config=spec)
+    got = [[c.text for c in o.outputs] for o in speculative.generate(prompts, params, use_tqdm=False)]
+    assert got == expected
+    assert all(len(t[0]) < len(full) for t, full in zip(expected, texts, strict=True))  # the stops did stop them
+    assert speculative.engine.stats().spec_decode_num_drafts > 0
