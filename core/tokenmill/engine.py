@@ -41,13 +41,13 @@ from tokenmill.sampling.rejection_sampler import rejection_sample
 from tokenmill.sampling.sampler import Sampler, SamplerOutput, SamplingMetadata
 from tokenmill.sampling_params import InvalidRequestError
 from tokenmill.scheduler import ModelRunnerOutput, ScheduledRequest, Scheduler, SchedulerOutput
+from tokenmill.speculation_policy import DraftPolicy
 from tokenmill.speculator import SpeculationInput, Speculator, SpeculatorContext
 
 logger = logging.getLogger(__name__)
 
 _GENERATOR = "generator"  # Request.stash key: the request's own torch.Generator when seeded
 _DRAFT_PROBS = "draft_probs"  # Request.stash key: the draft distributions of Request.spec_token_ids, if any
-_DRAFT_LIMIT = "draft_limit"  # Request.stash key: drafts it may verify next step (the heuristic schedule)
 #: ``SamplingParams.extra_args`` key (``vllm_xargs`` over HTTP): true turns speculation off for the request.
 DISABLE_SPECULATION = "disable_speculation"
 
@@ -93,6 +93,9 @@ class EngineCore:
         self.max_model_len = self.loaded.max_model_len
         self.vocab_size = arch.vocab_size
         self.speculator = self._build_speculator()
+        self.draft_policy: DraftPolicy | None = None
+        if self.speculator is not None and config.speculative_config.draft_policy == "goodput":
+            self.draft_policy = DraftPolicy(self.speculator.num_speculative_tokens)
         #: This step's final hidden state of each request that got a token, for a speculator that reads them.
         self._hidden_states: dict[str, torch.Tensor] = {}
 
@@ -161,6 +164,8 @@ class EngineCore:
         outputs = self.scheduler.abort_requests(request_ids, completions_only)
         if self.speculator is not None and outputs:
             self.speculator.on_requests_finished([output.request_id for output in outputs])
+            if self.draft_policy is not None:
+                self.draft_policy.forget([output.request_id for output in outputs])
         return outputs
 
     def has_unfinished_requests(self) -> bool:
@@ -177,7 +182,11 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         if not scheduler_output.scheduled:
             return []
+        started = time.perf_counter()
         runner_output = self.execute(scheduler_output)
+        if self.draft_policy is not None and all(s.samples_token for s in scheduler_output.scheduled):
+            # Decode and verification steps only: a prompt chunk's cost per token says nothing about drafts'.
+            self.draft_policy.observe_step(scheduler_output.num_scheduled_tokens, time.perf_counter() - started)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         if self.speculator is not None:
             self._propose(self.speculator, scheduler_output, outputs)
@@ -291,19 +300,10 @@ class EngineCore:
                     )
                 if hidden_rows is not None:
                     self._hidden_states[request.request_id] = hidden_rows[start + result.num_accepted]
-                if own:
-                    self._schedule_drafts(request, len(own), result.num_accepted)
+                if own and self.draft_policy is not None:
+                    self.draft_policy.observe_verification(request.request_id, len(own), result.num_accepted)
             start += len(own) + 1
         return output
-
-    def _schedule_drafts(self, request: Request, num_drafts: int, num_accepted: int) -> None:
-        """The heuristic schedule (transformers' ``num_assistant_tokens_schedule``): a request whose drafts
-        were all accepted may verify 2 more next step; one that lost some, 1 fewer (at least 1)."""
-        if self.speculator is None or self.config.speculative_config.num_speculative_tokens_schedule != "heuristic":
-            return
-        limit = request.stash.get(_DRAFT_LIMIT, self.speculator.num_speculative_tokens)
-        limit = limit + 2 if num_accepted == num_drafts else max(1, limit - 1)
-        request.stash[_DRAFT_LIMIT] = min(limit, self.speculator.num_speculative_tokens)
 
     def _draft_probs(self, request: Request, num_drafts: int) -> torch.Tensor | None:
         """The draft distributions of the request's scheduled drafts (the scheduler may have trimmed them)."""
@@ -313,39 +313,49 @@ class EngineCore:
     def _propose(
         self, speculator: Speculator, scheduler_output: SchedulerOutput, outputs: list[EngineCoreOutput]
     ) -> None:
-        """Forget the requests that left, then draft for every request that decodes next step: it got a token
-        this step and is still running. Nothing is drafted in a step of ``disable_by_batch_size`` requests or
-        more, or for a request that opted out. A speculator that raises drafts nothing this step."""
+        """Forget the requests that left, then draft for the requests that decode next step (they got a token this
+        step and are still running), as many tokens each as the draft policy allows. Nothing is drafted in a
+        step of ``disable_by_batch_size`` requests or more, or for a request that opted out. A speculator that
+        raises drafts nothing this step."""
         gone = [output.request_id for output in outputs if output.finish_reason is not None]
         gone += [request.request_id for request in scheduler_output.preempted]
         if gone:
             speculator.on_requests_finished(gone)
+            if self.draft_policy is not None:
+                self.draft_policy.forget(gone)
         hidden_states, self._hidden_states = self._hidden_states, {}
-        limit = self.config.speculative_config.disable_by_batch_size
-        if limit and len(scheduler_output.scheduled) >= limit:
+        cap = self.config.speculative_config.disable_by_batch_size
+        if cap and len(scheduler_output.scheduled) >= cap:
             return
-        requests: list[Request] = []
-        inputs: list[SpeculationInput] = []
-        for _, request in scheduler_output.sampling_requests:
-            if request.status != RequestStatus.RUNNING or (request.params.extra_args or {}).get(DISABLE_SPECULATION):
-                continue
-            max_num_tokens = min(
-                _max_draft_tokens(request), request.stash.get(_DRAFT_LIMIT, speculator.num_speculative_tokens)
-            )
-            if max_num_tokens <= 0:
-                continue
-            requests.append(request)
-            inputs.append(SpeculationInput(
-                request.request_id, request.all_token_ids, request.num_prompt_tokens, max_num_tokens,
-                hidden_states.get(request.request_id),
-            ))  # fmt: skip
+        candidates = [
+            request for _, request in scheduler_output.sampling_requests
+            if request.status == RequestStatus.RUNNING
+            and not (request.params.extra_args or {}).get(DISABLE_SPECULATION)
+        ]  # fmt: skip
+        limits = [min(_max_draft_tokens(request), speculator.num_speculative_tokens) for request in candidates]
+        if self.draft_policy is not None:
+            num_drafted = sum(len(s.draft_token_ids) for s in scheduler_output.scheduled)
+            limits = self.draft_policy.num_drafts(
+                [request.request_id for request in candidates], limits,
+                scheduler_output.num_scheduled_tokens - num_drafted,
+            )  # fmt: skip
+        requests = [request for request, limit in zip(candidates, limits, strict=True) if limit > 0]
+        inputs = [
+            SpeculationInput(request.request_id, request.all_token_ids, request.num_prompt_tokens, limit,
+                             hidden_states.get(request.request_id))
+            for request, limit in zip(candidates, limits, strict=True) if limit > 0
+        ]  # fmt: skip
         if not inputs:
             return
+        started = time.perf_counter()
         try:
             proposal = speculator.propose(inputs)
         except Exception:  # a plugin's failure costs this step's drafts, never the engine
             logger.exception("speculator %r failed; drafting nothing this step", speculator.name)
             return
+        if self.draft_policy is not None:
+            longest = max((len(t) for t in proposal.token_ids), default=0)
+            self.draft_policy.observe_propose(longest, time.perf_counter() - started)
         draft_probs = proposal.draft_probs or [None] * len(requests)
         for request, item, token_ids, probs in zip(requests, inputs, proposal.token_ids, draft_probs, strict=True):
             request.spec_token_ids = list(token_ids[: item.max_num_tokens])

@@ -78,7 +78,8 @@ class FixedDrafts(Speculator):
 
 
 def _engine(model_path: Path, speculator: Speculator | None = None, **sections: dict[str, Any]) -> EngineCore:
-    spec: dict[str, Any] = {"method": "ngram", "disable_by_batch_size": 0} if speculator is not None else {}
+    # The constant policy: every draft verified, so the mechanics are exercised whatever pays.
+    spec: dict[str, Any] = {"method": "ngram", "draft_policy": "constant"} if speculator is not None else {}
     engine = make_engine(model_path, speculative_config=spec, **sections)
     if speculator is not None:
         engine.speculator = speculator
@@ -109,7 +110,7 @@ def test_ngram_greedy_output_is_identical_batched_with_chunked_prefill_and_prefi
                      for i, r in enumerate(requests[-2:])]  # fmt: skip
     limits = {"max_num_batched_tokens": 24}
     expected = run_to_completion(_engine(model_dir, scheduler=limits), requests)
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 0}
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "draft_policy": "constant"}
     engine = make_engine(model_dir, scheduler=limits, speculative_config=spec)
     assert run_to_completion(engine, requests) == expected
     stats = engine.stats()
@@ -324,7 +325,7 @@ def test_draft_model_greedy_output_is_identical_with_rejections_and_preemption(m
     small = {"cache": {"num_kv_blocks": 28}}
     expected = run_to_completion(_engine(model_dir, **small), requests)
     spec = {"method": "draft_model", "model": str(model_dir), "quantization": "int4", "num_speculative_tokens": 3,
-            "disable_by_batch_size": 0}  # fmt: skip
+            "draft_policy": "constant"}  # fmt: skip
     engine = make_engine(model_dir, speculative_config=spec, **small)
     assert run_to_completion(engine, requests) == expected
     stats = engine.stats()
@@ -343,7 +344,7 @@ def test_stop_strings_and_n_gt_1_through_the_offline_api(model_dir: Path) -> Non
     stops = [text[len(text) // 3 : len(text) // 3 + 2] for text in texts]
     params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop], n=2) for stop in stops]
     expected = [[c.text for c in o.outputs] for o in plain.generate(prompts, params, use_tqdm=False)]
-    spec = {"method": "ngram", "prompt_lookup_min": 1, "disable_by_batch_size": 0}
+    spec = {"method": "ngram", "prompt_lookup_min": 1, "draft_policy": "constant"}
     speculative = LLM(str(model_dir), device="cpu", num_kv_blocks=512, block_size=4, speculative_config=spec)
     got = [[c.text for c in o.outputs] for o in speculative.generate(prompts, params, use_tqdm=False)]
     assert got == expected

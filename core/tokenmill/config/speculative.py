@@ -51,27 +51,26 @@ class SpeculativeConfig(ConfigSection, frozen=True):
         PositiveInt | None,
         describe("'ngram': the longest n-gram to match, tried first (unset: 4)."),
     ] = None
-    num_speculative_tokens_schedule: Annotated[
-        Literal["heuristic", "constant"],
+    draft_policy: Annotated[
+        Literal["goodput", "constant"],
         describe(
-            "How many drafts each request verifies per step. 'constant': num_speculative_tokens. 'heuristic' "
-            "(transformers' num_assistant_tokens_schedule): per request, start at num_speculative_tokens, add 2 "
-            "after a step that accepted every draft and take 1 off (to no fewer than 1) after one that did not, "
-            "never above num_speculative_tokens, so a request whose drafts keep failing stops paying for them."
+            "How many drafts each request verifies per step. 'goodput': the counts that maximise expected tokens "
+            "per second, from the measured step cost and each request's measured acceptance (none at all when "
+            "drafting does not pay, as at large batches; `tokenmill.speculation_policy`). 'constant': always "
+            "num_speculative_tokens."
         ),
-    ] = "heuristic"
+    ] = "goodput"
     disable_by_batch_size: Annotated[
         NonNegativeInt,
         describe(
-            "Draft nothing in a step where at least this many requests are running: at large batches a step is "
-            "compute-bound and verifying drafts costs more than it saves (docs/speculative_decoding.md has the "
-            "measurements). 0 never turns speculation off."
+            "Draft nothing in a step where at least this many requests are running (vLLM's hard cap, on top of "
+            "draft_policy). 0: no cap."
         ),
-    ] = 8
+    ] = 0
 
     def __post_init__(self) -> None:
         if self.method is None:
-            defaults = ("disable_by_batch_size", "num_speculative_tokens_schedule")
+            defaults = ("disable_by_batch_size", "draft_policy")
             set_keys = [k for k in self.__struct_fields__ if k not in defaults and getattr(self, k)]
             if set_keys:
                 raise ValueError(f"{set_keys[0]} is set but method is not; set method to speculate")

@@ -1,0 +1,128 @@
+"""How many drafts each request verifies: the count that maximises expected tokens per second (goodput).
+
+Verifying drafts is not free: each drafted position is one more token in the
+target's forward pass, and a draft model spends a forward per position. Whether
+that pays depends on the batch (a big batch is compute-bound and every token
+costs its full share), on the hardware, and on how predictable each request is.
+So the engine measures instead of guessing (after SmartSpec, Liu et al. 2024):
+
+- the target step's time as a line in its number of tokens, ``a + b * tokens``,
+  fitted online over recent steps (exponentially weighted least squares);
+- the speculator's time per draft position (one ``propose`` divided by its
+  longest draft list);
+- each request's acceptance rate ``alpha``: the chance that a draft is accepted
+  given the ones before it were, estimated from its own verifications
+  (accepted drafts are successes, a rejection is a failure), starting from a
+  prior of one success and one failure.
+
+With ``alpha``, drafting ``k`` tokens yields ``1 + alpha + ... + alpha^k`` tokens
+in expectation. Each step the policy starts every request at 0 drafts and
+hands out draft positions one at a time, always to the request whose next
+position is most likely to be accepted, while doing so raises the step's
+expected tokens per second. At a large batch nothing is handed out and the
+speculator is not even called; at c=1 a predictable request gets up to
+``num_speculative_tokens``.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+#: Weight of the past per observation (about the last 50 steps count).
+_DECAY = 0.98
+#: Before the fit has seen different token counts: each token costs this fraction of a 1-token step.
+_PRIOR_SLOPE = 0.15
+
+
+@dataclass
+class _Acceptance:
+    successes: float = 1.0
+    failures: float = 1.0
+
+    @property
+    def alpha(self) -> float:
+        return self.successes / (self.successes + self.failures)
+
+
+class StepCostModel:
+    """Seconds of a target step as ``a + b * num_tokens``, by exponentially weighted least squares."""
+
+    def __init__(self) -> None:
+        self._w = self._x = self._y = self._xx = self._xy = 0.0
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        d = _DECAY
+        self._w, self._x, self._y = d * self._w + 1, d * self._x + num_tokens, d * self._y + seconds
+        self._xx, self._xy = d * self._xx + num_tokens**2, d * self._xy + num_tokens * seconds
+
+    def seconds(self, num_tokens: int) -> float:
+        """Predicted step time; 0 before any observation."""
+        if self._w == 0:
+            return 0.0
+        mean_x, mean_y = self._x / self._w, self._y / self._w
+        variance = self._xx / self._w - mean_x**2
+        # A prior slope (a fraction of a 1-token step) carries the fit until token counts have varied.
+        prior = _PRIOR_SLOPE * mean_y / (1 + _PRIOR_SLOPE * mean_x)
+        slope = (self._xy / self._w - mean_x * mean_y + prior) / (variance + 1) if variance >= 0 else prior
+        slope = max(slope, 0.0)
+        return max(mean_y + slope * (num_tokens - mean_x), 1e-9)
+
+
+class DraftPolicy:
+    """Decides each step how many drafts each request may verify; see the module docstring."""
+
+    def __init__(self, num_speculative_tokens: int) -> None:
+        self.max_drafts = num_speculative_tokens
+        self.step_cost = StepCostModel()
+        self.seconds_per_draft_position = 0.0  # the speculator's, measured
+        self._acceptance: dict[str, _Acceptance] = {}
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        """One target step of ``num_tokens`` tokens took ``seconds``."""
+        self.step_cost.observe(num_tokens, seconds)
+
+    def observe_propose(self, longest: int, seconds: float) -> None:
+        """One ``propose`` call whose longest draft list had ``longest`` tokens took ``seconds``."""
+        if longest:
+            per_position = seconds / longest
+            self.seconds_per_draft_position = (
+                per_position if self.seconds_per_draft_position == 0 else
+                _DECAY * self.seconds_per_draft_position + (1 - _DECAY) * per_position
+            )  # fmt: skip
+
+    def observe_verification(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
+        """``num_accepted`` of the request's ``num_drafts`` drafts were accepted."""
+        acceptance = self._acceptance.setdefault(request_id, _Acceptance())
+        acceptance.successes += num_accepted
+        acceptance.failures += num_accepted < num_drafts
+
+    def forget(self, request_ids: Sequence[str]) -> None:
+        for request_id in request_ids:
+            self._acceptance.pop(request_id, None)
+
+    def num_drafts(self, request_ids: Sequence[str], limits: Sequence[int], num_step_tokens: int) -> list[int]:
+        """Drafts per request for the next step, at most ``limits[i]`` each; ``num_step_tokens`` is the
+        step's size without drafts (this step's, as an estimate of the next)."""
+        counts = [0] * len(request_ids)
+        if self.step_cost.seconds(num_step_tokens) <= 1e-9:  # nothing measured yet: explore with the maximum
+            return [min(limit, self.max_drafts) for limit in limits]
+        alphas = [self._acceptance.get(r, _Acceptance()).alpha for r in request_ids]
+        tokens = float(len(request_ids))  # expected tokens of the step's drafting requests: one each without drafts
+        num_tokens, longest = num_step_tokens, 0
+        seconds = self.step_cost.seconds(num_tokens)
+        # Max-heap of each request's next draft position, by the chance it is accepted (alpha^(k+1)).
+        heap = [(-alpha, i) for i, alpha in enumerate(alphas) if limits[i] > 0]
+        heapq.heapify(heap)
+        while heap:
+            gain, i = heapq.heappop(heap)
+            new_longest = max(longest, counts[i] + 1)
+            new_seconds = self.step_cost.seconds(num_tokens + 1) + new_longest * self.seconds_per_draft_position
+            if (tokens - gain) / new_seconds <= tokens / seconds:
+                break  # the likeliest remaining position does not pay, so none does
+            tokens, seconds, num_tokens, longest = tokens - gain, new_seconds, num_tokens + 1, new_longest
+            counts[i] += 1
+            if counts[i] < min(limits[i], self.max_drafts):
+                heapq.heappush(heap, (gain * alphas[i], i))
+        return counts

@@ -1,0 +1,56 @@
+"""The goodput draft policy: drafts where they raise expected tokens per second, none where they do not."""
+
+from __future__ import annotations
+
+from tokenmill.speculation_policy import DraftPolicy, StepCostModel
+
+
+def _policy(base_ms: float = 10.0, per_token_ms: float = 1.3, k: int = 8) -> DraftPolicy:
+    """A policy that has measured steps of 1..64 tokens costing ``base + per_token * tokens``."""
+    policy = DraftPolicy(k)
+    for tokens in (1, 2, 5, 9, 16, 32, 64) * 10:
+        policy.observe_step(tokens, (base_ms + per_token_ms * tokens) / 1000)
+    return policy
+
+
+def _trained(policy: DraftPolicy, request_id: str, accepted: int, drafted: int, rounds: int = 20) -> None:
+    for _ in range(rounds):
+        policy.observe_verification(request_id, drafted, accepted)
+
+
+def test_the_step_cost_fit_recovers_a_line() -> None:
+    model = StepCostModel()
+    for tokens in (1, 3, 8, 20) * 20:
+        model.observe(tokens, 0.010 + 0.002 * tokens)
+    assert abs(model.seconds(5) - 0.020) < 0.0005
+    assert abs(model.seconds(40) - 0.090) < 0.002
+
+
+def test_a_predictable_request_alone_gets_every_draft_and_an_unpredictable_one_fewer() -> None:
+    policy = _policy()
+    _trained(policy, "copying", accepted=8, drafted=8)  # alpha near 1
+    _trained(policy, "chatting", accepted=0, drafted=2)  # alpha near 0
+    assert policy.num_drafts(["copying"], [8], 1) == [8]
+    assert policy.num_drafts(["chatting"], [8], 1) == [0]
+    assert policy.num_drafts(["copying"], [3], 1) == [3]  # the request's own limit (max_tokens) holds
+
+
+def test_large_batches_draft_nothing() -> None:
+    policy = _policy()
+    ids = [f"r{i}" for i in range(32)]
+    for request_id in ids:
+        _trained(policy, request_id, accepted=1, drafted=2)  # alpha about 1/3
+    assert policy.num_drafts(ids, [8] * 32, 32) == [0] * 32
+    assert sum(policy.num_drafts(ids[:1], [8], 1)) > 0  # the same request alone does draft
+
+
+def test_a_costly_speculator_drafts_less() -> None:
+    cheap, costly = _policy(), _policy()
+    for policy in (cheap, costly):
+        _trained(policy, "r", accepted=3, drafted=4)  # alpha 0.75
+    costly.observe_propose(longest=4, seconds=0.020)  # 5 ms per draft position: half a step
+    assert sum(costly.num_drafts(["r"], [8], 1)) < sum(cheap.num_drafts(["r"], [8], 1))
+
+
+def test_before_any_measurement_it_drafts_the_maximum_to_learn() -> None:
+    assert DraftPolicy(4).num_drafts(["a", "b"], [8, 2], 2) == [4, 2]
