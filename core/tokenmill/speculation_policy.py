@@ -13,7 +13,8 @@ So the engine measures instead of guessing (after SmartSpec, Liu et al. 2024):
 - each request's acceptance rate ``alpha``: the chance that a draft is accepted
   given the ones before it were, estimated from its own verifications
   (accepted drafts are successes, a rejection is a failure), starting from a
-  prior of one success and one failure.
+  prior of one success and one failure, and drifting back to it while the
+  request gets no drafts, so that it is tried again.
 
 With ``alpha``, drafting ``k`` tokens yields ``1 + alpha + ... + alpha^k`` tokens
 in expectation. Each step the policy starts every request at 0 drafts and
@@ -32,6 +33,9 @@ from dataclasses import dataclass
 
 #: Weight of the past per observation (about the last 50 steps count).
 _DECAY = 0.98
+#: Per step without drafts, a request's acceptance counts keep this much of their weight (the rest goes to the
+#: prior of one success and one failure).
+_FORGET = 0.9
 #: Before the fit has seen different token counts: each token costs this fraction of a 1-token step.
 _PRIOR_SLOPE = 0.15
 
@@ -125,4 +129,11 @@ class DraftPolicy:
             counts[i] += 1
             if counts[i] < min(limits[i], self.max_drafts):
                 heapq.heappush(heap, (gain * alphas[i], i))
+        for request_id, count in zip(request_ids, counts, strict=True):
+            acceptance = self._acceptance.get(request_id)
+            if count == 0 and acceptance is not None:
+                # Drift back towards the prior while not drafting, so a request that turns predictable (starts
+                # quoting, say) is tried again.
+                acceptance.successes = _FORGET * acceptance.successes + (1 - _FORGET)
+                acceptance.failures = _FORGET * acceptance.failures + (1 - _FORGET)
         return counts

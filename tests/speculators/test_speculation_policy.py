@@ -54,3 +54,11 @@ def test_a_costly_speculator_drafts_less() -> None:
 
 def test_before_any_measurement_it_drafts_the_maximum_to_learn() -> None:
     assert DraftPolicy(4).num_drafts(["a", "b"], [8, 2], 2) == [4, 2]
+
+
+def test_a_request_without_drafts_is_tried_again_later() -> None:
+    policy = _policy()
+    _trained(policy, "r", accepted=0, drafted=2, rounds=20)
+    assert policy.num_drafts(["r"], [8], 1) == [0]
+    later = [policy.num_drafts(["r"], [8], 1) for _ in range(60)]
+    assert later[-1] != [0]
