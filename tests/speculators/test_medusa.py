@@ -316,6 +316,8 @@ def test_greedy_output_is_unchanged_through_the_engine(tied_dir: Path, target: L
         return run_to_completion(engine, requests), engine.stats()
 
     plain, _ = run()
-    speculative, stats = run(speculative_config={"method": "medusa", "model": str(heads_dir)})
+    speculative, stats = run(
+        speculative_config={"method": "medusa", "model": str(heads_dir), "draft_policy": "constant"}
+    )
     assert speculative == plain
     assert stats.spec_decode_num_draft_tokens > 0
