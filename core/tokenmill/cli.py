@@ -18,6 +18,7 @@ from tokenmill.bench.cli import bench
 from tokenmill.config import EngineConfig
 from tokenmill.config.options import config_options
 from tokenmill.errors import TokenmillError
+from tokenmill.train.cli import train
 
 logger = logging.getLogger(__name__)
 
@@ -195,6 +196,7 @@ def chat(config: EngineConfig, url: str | None, system: str | None, max_tokens: 
 
 
 main.add_command(bench)
+main.add_command(train)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,319 @@
+"""``tokenmill train medusa``: Medusa heads for a model, trained by self-distillation on its own answers.
+
+``train_medusa`` follows Medusa's self-distillation recipe (Cai et al. 2024): the model answers
+the bundled prompts (``prompts.txt``, written for tokenmill) through its chat template, greedily by default;
+one prefill pass over each prompt and answer gives the hidden states; head ``i`` at position ``p`` learns, by
+cross-entropy, the answer's token at ``p + 2 + i``, for every ``p`` from the prompt's last token on (the
+hidden state the engine hands a speculator is the one whose logits gave the request's last token, ``p + 1``).
+
+Only the heads' ResBlocks learn, in float32 on the CPU with torch autograd (the hidden states are computed
+once, without gradients). Their linears start at zero, so an untrained head is the model's own lm_head; the
+vocabulary projection is the model's output projection, frozen, and not stored (``tokenmill.train.medusa_heads``):
+a projection of its own per head would cost the speculator a hidden x vocab matmul per head per step, more
+than a quantized small model's whole step. Accuracy is measured on answers held out of training.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm import tqdm
+
+from tokenmill.config import EngineConfig
+from tokenmill.errors import TokenmillError
+from tokenmill.llm import LLM
+from tokenmill.model_loader import LoadedModel
+from tokenmill.model_runner import ModelRunner, SequenceChunk
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.train.medusa_heads import apply_resblocks, output_projection, write_medusa_heads
+
+__all__ = ["MedusaTrainingOptions", "MedusaTrainingResult", "TrainingError", "read_prompts", "train_medusa"]
+
+logger = logging.getLogger(__name__)
+
+_IGNORE = -100  # target of a position whose head has no token to predict (past the end of the answer)
+
+
+class TrainingError(TokenmillError, ValueError):
+    """Training cannot start or go on (a bad option, no prompts, nothing to learn from); one line."""
+
+
+@dataclass(frozen=True)
+class MedusaTrainingOptions:
+    """How ``train_medusa`` trains; the ``tokenmill train medusa`` flags."""
+
+    num_heads: int = 3
+    num_layers: int = 1  # ResBlocks per head
+    prompts: Path | None = None  # one prompt per line; None: the bundled prompts.txt
+    max_new_tokens: int = 128  # longest answer generated per prompt
+    temperature: float = 0.0  # of the answers; 0 is greedy, which greedy verification then accepts
+    epochs: int = 3
+    batch_size: int = 128  # positions per optimizer step (each trains every head)
+    lr: float = 3e-3
+    held_out: float = 0.1  # share of the answers kept out of training to measure accuracy
+    seed: int = 0
+    save_projection: bool = False  # also store the (frozen) projection in every head, Medusa-1's layout
+    progress: bool = True  # tqdm progress bars on stderr
+
+    def check(self) -> None:
+        """Raise ``TrainingError`` naming the first option out of range."""
+        for name, value, low in (
+            ("num_heads", self.num_heads, 1),
+            ("num_layers", self.num_layers, 1),
+            ("max_new_tokens", self.max_new_tokens, 1),
+            ("epochs", self.epochs, 1),
+            ("batch_size", self.batch_size, 1),
+        ):
+            if value < low:
+                raise TrainingError(f"{name} must be at least {low}, got {value}")
+        if not 0 < self.held_out < 1:
+            raise TrainingError(f"held_out must be between 0 and 1 (a share of the answers), got {self.held_out}")
+        if self.lr <= 0 or self.temperature < 0:
+            raise TrainingError(f"lr must be positive and temperature not negative, got {self.lr}, {self.temperature}")
+
+
+@dataclass(frozen=True)
+class MedusaTrainingResult:
+    """What ``train_medusa`` did; ``summary()`` is the command's last line."""
+
+    output: Path
+    num_answers: int  # prompts answered (training and held out)
+    num_train_positions: int
+    num_held_out_positions: int
+    accuracies: list[float]  # per head: top-1 accuracy on the held-out answers after training
+    untrained_accuracies: list[float]  # the same before training (each head is then the model's own lm_head)
+    mean_accepted: float  # held out: mean drafts a chain of all heads gets accepted by greedy verification
+    seconds: float
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    def summary(self) -> str:
+        heads = ", ".join(
+            f"head {i} {trained:.3f} (untrained {untrained:.3f})"
+            for i, (trained, untrained) in enumerate(zip(self.accuracies, self.untrained_accuracies, strict=True))
+        )
+        return (
+            f"{len(self.accuracies)} Medusa heads trained on {self.num_train_positions} positions in "
+            f"{self.seconds:.0f} s; held-out top-1 accuracy over {self.num_held_out_positions} positions: {heads}; "
+            f"{self.mean_accepted:.2f} drafts accepted per step (greedy chain); wrote {self.output}"
+        )
+
+
+def read_prompts(path: Path | None = None) -> list[str]:
+    """The prompts in ``path``, one per line (blank lines skipped), or the bundled ones."""
+    if path is None:
+        text = resources.files("tokenmill.train").joinpath("prompts.txt").read_text(encoding="utf-8")
+    else:
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise TrainingError(f"{path}: cannot read the prompts: {' '.join(str(exc).split())}") from None
+    prompts = [line.strip() for line in text.splitlines() if line.strip()]
+    if len(prompts) < 2:
+        raise TrainingError(f"{path or 'prompts.txt'}: need at least 2 prompts (one line each), found {len(prompts)}")
+    return prompts
+
+
+def train_medusa(config: EngineConfig, output: Path, options: MedusaTrainingOptions) -> MedusaTrainingResult:
+    """Answer the prompts with ``config``'s model, train Medusa heads on its hidden states, write them to
+    ``output`` (config.json and medusa_lm_head.safetensors). Raises ``TrainingError`` for bad options and
+    the loader's errors (``ModelNotFoundError``, ...) for a bad model, each one line."""
+    options.check()
+    started = time.monotonic()
+    prompts = read_prompts(options.prompts)
+    llm = LLM.from_config(config)
+    loaded = llm.engine.loaded
+    sequences = _answer(llm, prompts, options)
+    hidden, targets, answer_of_row = _hidden_states(loaded, sequences, options.num_heads, options.progress)
+    projection = output_projection(loaded, llm.engine.plugins, config.model.weight_format).float().cpu()
+    train_rows, held_out_rows = _split(answer_of_row, len(sequences), options)
+    torch.manual_seed(options.seed)
+    heads = _Heads(options.num_heads, options.num_layers, loaded.arch.hidden_size)
+    untrained = _evaluate(heads, projection, hidden[held_out_rows], targets[held_out_rows])[0]
+    _fit(heads, projection, hidden[train_rows], targets[train_rows], options)
+    accuracies, mean_accepted = _evaluate(heads, projection, hidden[held_out_rows], targets[held_out_rows])
+    settings = {
+        "prompts": str(options.prompts) if options.prompts else "bundled prompts.txt",
+        "num_answers": len(sequences),
+        "max_new_tokens": options.max_new_tokens,
+        "temperature": options.temperature,
+        "epochs": options.epochs,
+        "batch_size": options.batch_size,
+        "lr": options.lr,
+        "seed": options.seed,
+        "held_out_top1_accuracy": [round(a, 4) for a in accuracies],
+        "held_out_mean_accepted": round(mean_accepted, 4),
+    }
+    write_medusa_heads(
+        output,
+        heads.weight.detach(),
+        heads.bias.detach(),
+        {
+            "base_model_name_or_path": config.model.model,
+            "vocab_size": loaded.arch.vocab_size,
+            "tokenmill_training": settings,
+        },
+        projection if options.save_projection else None,
+    )
+    return MedusaTrainingResult(
+        output=output,
+        num_answers=len(sequences),
+        num_train_positions=len(train_rows),
+        num_held_out_positions=len(held_out_rows),
+        accuracies=accuracies,
+        untrained_accuracies=untrained,
+        mean_accepted=mean_accepted,
+        seconds=time.monotonic() - started,
+        settings=settings,
+    )
+
+
+def _answer(llm: LLM, prompts: list[str], options: MedusaTrainingOptions) -> list[tuple[list[int], int]]:
+    """Each prompt, through the chat template, and the model's answer: (token ids, number of prompt tokens)."""
+    params = SamplingParams(
+        temperature=options.temperature,
+        max_tokens=options.max_new_tokens,
+        seed=options.seed if options.temperature > 0 else None,
+    )
+    conversations = [[{"role": "user", "content": prompt}] for prompt in prompts]
+    outputs = llm.chat(conversations, params, use_tqdm=options.progress)
+    return [
+        (list(output.prompt_token_ids) + list(output.outputs[0].token_ids), len(output.prompt_token_ids))
+        for output in outputs
+    ]
+
+
+@torch.inference_mode()
+def _hidden_states(
+    loaded: LoadedModel, sequences: Sequence[tuple[list[int], int]], num_heads: int, progress: bool,
+    block_size: int = 16, max_batch_tokens: int = 2048,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """One prefill pass per batch of sequences on a KV cache of its own. Returns, for every position from
+    each prompt's last token to the third-last token: its hidden state [num_rows, hidden] float32, the
+    tokens the heads should predict there [num_rows, num_heads] (``_IGNORE`` past the end), and the index
+    of its sequence [num_rows]."""
+    batches: list[list[int]] = [[]]
+    batch_tokens = 0
+    for index, (token_ids, _) in enumerate(sequences):
+        if batches[-1] and batch_tokens + len(token_ids) > max_batch_tokens:
+            batches.append([])
+            batch_tokens = 0
+        batches[-1].append(index)
+        batch_tokens += len(token_ids)
+    num_blocks = max(sum(math.ceil(len(sequences[i][0]) / block_size) for i in batch) for batch in batches)
+    runner = ModelRunner(loaded, num_blocks, block_size)
+    hidden_rows, target_rows, sequence_rows = [], [], []
+    for batch in tqdm(batches, desc="hidden states", unit="batch", disable=not progress):
+        chunks, next_block = [], 0
+        for index in batch:
+            token_ids = sequences[index][0]
+            num_seq_blocks = math.ceil(len(token_ids) / block_size)
+            chunks.append(SequenceChunk(token_ids, 0, list(range(next_block, next_block + num_seq_blocks))))
+            next_block += num_seq_blocks
+        input_ids, metadata = runner.prepare_batch(chunks)
+        hidden = loaded.model(input_ids, metadata.positions, runner.kv_caches, metadata)  # [num_tokens, hidden]
+        start = 0
+        for index, chunk in zip(batch, chunks, strict=True):
+            token_ids, num_prompt_tokens = sequences[index]
+            positions = range(num_prompt_tokens - 1, len(token_ids) - 2)  # head 0 has a token to predict
+            if len(positions) > 0:
+                hidden_rows.append(hidden[start + positions.start : start + positions.stop].float().cpu())
+                padded = torch.tensor(token_ids + [_IGNORE] * num_heads)  # [seq_len + num_heads]
+                offsets = torch.arange(positions.start, positions.stop).unsqueeze(1) + 2 + torch.arange(num_heads)
+                target_rows.append(padded[offsets])  # [len(positions), num_heads]
+                sequence_rows.append(torch.full((len(positions),), index))
+            start += len(chunk.token_ids)
+    if not hidden_rows:
+        raise TrainingError("the model's answers are all shorter than 3 tokens: nothing to train the heads on")
+    # Clones outside inference mode: autograd may save tensors made from them.
+    with torch.inference_mode(False):
+        return torch.cat(hidden_rows).clone(), torch.cat(target_rows).clone(), torch.cat(sequence_rows).clone()
+
+
+def _split(
+    sequence_of_row: torch.Tensor, num_sequences: int, options: MedusaTrainingOptions
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of the training answers and of the held-out ones (whole answers, chosen with the seed)."""
+    order = list(range(num_sequences))
+    random.Random(options.seed).shuffle(order)
+    num_held_out = min(max(1, round(options.held_out * num_sequences)), num_sequences - 1)
+    held_out = torch.zeros(num_sequences, dtype=torch.bool)
+    held_out[order[:num_held_out]] = True
+    is_held_out = held_out[sequence_of_row]  # [num_rows]
+    train_rows, held_out_rows = torch.nonzero(~is_held_out).squeeze(1), torch.nonzero(is_held_out).squeeze(1)
+    if len(train_rows) == 0 or len(held_out_rows) == 0:
+        raise TrainingError("too few answers to hold some out for measuring accuracy; give more prompts")
+    return train_rows, held_out_rows
+
+
+class _Heads(nn.Module):
+    """The trainable part of the heads: every head's ResBlocks, zero-initialised (Medusa zeroes the weight; the
+    bias too here, so that an untrained head is exactly the model's lm_head)."""
+
+    def __init__(self, num_heads: int, num_layers: int, hidden_size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(num_heads, num_layers, hidden_size, hidden_size))
+        self.bias = nn.Parameter(torch.zeros(num_heads, num_layers, hidden_size))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return apply_resblocks(hidden, self.weight, self.bias)
+
+
+def _fit(
+    heads: _Heads, projection: torch.Tensor, hidden: torch.Tensor, targets: torch.Tensor,
+    options: MedusaTrainingOptions,
+) -> None:  # fmt: skip
+    """AdamW on the summed per-head cross-entropy (Medusa's loss), cosine-decayed learning rate."""
+    generator = torch.Generator().manual_seed(options.seed)
+    num_steps = options.epochs * math.ceil(len(hidden) / options.batch_size)
+    optimizer = torch.optim.AdamW(heads.parameters(), lr=options.lr, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, num_steps)
+    with tqdm(total=num_steps, desc="training heads", unit="step", disable=not options.progress) as bar:
+        for _ in range(options.epochs):
+            for rows in torch.randperm(len(hidden), generator=generator).split(options.batch_size):
+                logits = heads(hidden[rows]) @ projection.T  # [num_heads, batch, vocab]
+                losses = [
+                    F.cross_entropy(logits[head], targets[rows, head], ignore_index=_IGNORE)
+                    for head in range(logits.shape[0])
+                    if bool((targets[rows, head] != _IGNORE).any())
+                ]
+                loss = torch.stack(losses).sum()
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                schedule.step()
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss.item():.3f}")
+
+
+@torch.no_grad()
+def _evaluate(
+    heads: _Heads, projection: torch.Tensor, hidden: torch.Tensor, targets: torch.Tensor, batch_size: int = 512
+) -> tuple[list[float], float]:
+    """Per-head top-1 accuracy over the rows where the head has a target, and the mean length of the
+    correct prefix of the heads' chain (the drafts greedy verification keeps) over the rows where all
+    heads have one."""
+    correct = torch.cat(
+        [
+            (heads(hidden[rows]) @ projection.T).argmax(-1).T == targets[rows]  # [batch, num_heads]
+            for rows in torch.arange(len(hidden)).split(batch_size)
+        ]
+    )
+    valid = targets != _IGNORE
+    accuracies = [
+        float(correct[valid[:, head], head].float().mean()) if bool(valid[:, head].any()) else 0.0
+        for head in range(targets.shape[1])
+    ]
+    complete = valid.all(dim=1)
+    accepted = correct[complete].int().cumprod(dim=1).sum(dim=1).float()  # [num_complete_rows]
+    return accuracies, float(accepted.mean()) if len(accepted) else 0.0

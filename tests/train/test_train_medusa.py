@@ -1,0 +1,167 @@
+"""``tokenmill train medusa``: heads trained on a tiny model's own answers load back in the published layout, and
+the engine accepts their drafts far more often than those of untrained heads; bad input fails in one line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file
+from tokenmill_plugins.speculators.medusa import MedusaSpeculator
+
+from tokenmill.cli import main
+from tokenmill.config import load_config
+from tokenmill.llm import LLM
+from tokenmill.model_loader import load_model
+from tokenmill.plugin_manager import resolve_plugins
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.speculator import SpeculatorContext
+from tokenmill.train.medusa import MedusaTrainingOptions, read_prompts, train_medusa
+from tokenmill.train.medusa_heads import write_medusa_heads
+
+MAX_NEW_TOKENS = 24
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """Tiny models run faster on one thread (and `--num-threads 1` sets it for the whole process); restored."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("prompts") / "prompts.txt"
+    path.write_text("\n".join(read_prompts()[:12]) + "\n")
+    return path
+
+
+def _acceptance_rate(model_dir: Path, heads_dir: Path, prompts: list[str]) -> float:
+    """Accepted drafts / drafts when the engine answers ``prompts`` greedily with these heads."""
+    llm = LLM(
+        str(model_dir),
+        device="cpu",
+        num_threads=1,
+        # Every step drafts k tokens for every request: the goodput policy would draft by measured timings.
+        speculative_config={"method": "medusa", "model": str(heads_dir), "draft_policy": "constant"},
+    )
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW_TOKENS)
+    llm.chat([[{"role": "user", "content": prompt}] for prompt in prompts], params, use_tqdm=False)
+    stats = llm.engine.stats()
+    assert stats.spec_decode_num_draft_tokens > 0
+    return stats.spec_decode_num_accepted_tokens / stats.spec_decode_num_draft_tokens
+
+
+def test_trained_heads_load_and_their_drafts_are_accepted(
+    tiny_model_dir: Path, prompts_file: Path, tmp_path: Path, one_thread: None
+) -> None:
+    output = tmp_path / "heads"
+    args = [
+        "train", "medusa", str(tiny_model_dir), "--output", str(output), "--prompts", str(prompts_file),
+        "--num-heads", "2", "--max-new-tokens", str(MAX_NEW_TOKENS), "--epochs", "20", "--batch-size", "32",
+        "--lr", "1e-2", "--held-out", "0.25", "--no-progress", "--device", "cpu", "--num-threads", "1",
+    ]  # fmt: skip
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert "held-out top-1 accuracy" in result.output.splitlines()[-1]
+
+    config = json.loads((output / "config.json").read_text())
+    assert config["medusa_num_heads"] == 2 and config["medusa_num_layers"] == 1
+    assert config["base_model_name_or_path"] == str(tiny_model_dir)
+    assert (config["hidden_size"], config["vocab_size"], config["version"]) == (64, 512, "2")
+    tensors = load_file(str(output / "medusa_lm_head.safetensors"))
+    assert sorted(tensors) == ["0.0.linear.bias", "0.0.linear.weight", "1.0.linear.bias", "1.0.linear.weight"]
+    assert tensors["0.0.linear.weight"].abs().sum() > 0  # trained away from the zero start
+
+    # On the answers it was trained on, the engine accepts the heads' drafts far more often than the drafts of
+    # untrained heads (the model's own lm_head guessing one token further ahead).
+    untrained = tmp_path / "untrained"
+    write_medusa_heads(untrained, torch.zeros(2, 1, 64, 64), torch.zeros(2, 1, 64), {"vocab_size": 512})
+    prompts = read_prompts(prompts_file)
+    trained_rate = _acceptance_rate(tiny_model_dir, output, prompts)
+    untrained_rate = _acceptance_rate(tiny_model_dir, untrained, prompts)
+    assert trained_rate > max(0.15, 2 * untrained_rate), (trained_rate, untrained_rate)
+
+
+def test_saved_projection_is_the_lm_head_and_shared(
+    tiny_model_dir: Path, prompts_file: Path, tmp_path: Path, one_thread: None
+) -> None:
+    config = load_config(
+        overrides={"model": {"model": str(tiny_model_dir)}, "device": {"device": "cpu", "num_threads": 1}}
+    )
+    options = MedusaTrainingOptions(
+        num_heads=2, prompts=prompts_file, max_new_tokens=8, epochs=1, save_projection=True, progress=False
+    )
+    result = train_medusa(config, tmp_path / "heads", options)
+    assert len(result.accuracies) == 2 and result.num_held_out_positions > 0
+
+    tensors = load_file(str(tmp_path / "heads" / "medusa_lm_head.safetensors"))
+    lm_head = load_file(str(tiny_model_dir / "model.safetensors"))["lm_head.weight"]
+    assert torch.equal(tensors["0.1.weight"], lm_head) and torch.equal(tensors["1.1.weight"], lm_head)
+    assert "version" not in json.loads((tmp_path / "heads" / "config.json").read_text())
+
+    serving = load_config(
+        overrides={
+            "model": {"model": str(tiny_model_dir)},
+            "device": {"device": "cpu"},
+            "speculative_config": {"method": "medusa", "model": str(tmp_path / "heads")},
+        }
+    )
+    plugins = resolve_plugins(serving)
+    speculator = MedusaSpeculator(3, SpeculatorContext(serving, load_model(serving, plugins), plugins, 4, 64))
+    assert speculator.num_speculative_tokens == 2
+    assert speculator.shared_heads == [0, 1]
+
+
+def test_bundled_prompts() -> None:
+    prompts = read_prompts()
+    assert 100 <= len(prompts) <= 200
+    assert len(set(prompts)) == len(prompts)
+
+
+def _tokenmill(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "tokenmill.cli", *args], capture_output=True, text=True)
+
+
+def test_bad_input_is_a_one_line_error(tmp_path: Path, prompts_file: Path) -> None:
+    missing = _tokenmill("train", "medusa", str(tmp_path / "no-such-model"), "--output", str(tmp_path / "out"))
+    assert missing.returncode == 1
+    assert missing.stderr.startswith("Error: ") and len(missing.stderr.strip().splitlines()) == 1, missing.stderr
+    assert not (tmp_path / "out").exists()
+
+    heads = _tokenmill("train", "medusa", "--output", str(tmp_path / "out"), "--num-heads", "0")
+    assert heads.returncode == 2
+    assert "Error: Invalid value for '--num-heads': 0 is not in the range x>=1." in heads.stderr.splitlines()
+
+    one_prompt = tmp_path / "one.txt"
+    one_prompt.write_text("Only one prompt.\n")
+    few = _tokenmill("train", "medusa", "--output", str(tmp_path / "out"), "--prompts", str(one_prompt))
+    assert few.returncode == 1
+    assert few.stderr.strip() == f"Error: {one_prompt}: need at least 2 prompts (one line each), found 1"
+
+
+def test_flag_defaults_are_the_options_defaults() -> None:
+    """The command's defaults are written out (so `--help` needs no torch); they must be the library's."""
+    from tokenmill.train.cli import medusa
+
+    defaults = {param.name: param.default for param in medusa.params}
+    names = (
+        "num_heads",
+        "num_layers",
+        "max_new_tokens",
+        "temperature",
+        "epochs",
+        "batch_size",
+        "lr",
+        "held_out",
+        "seed",
+    )
+    for name in names:
+        assert defaults[name] == getattr(MedusaTrainingOptions(), name), name
