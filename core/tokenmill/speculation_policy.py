@@ -20,7 +20,7 @@ With ``alpha``, drafting ``k`` tokens yields ``1 + alpha + ... + alpha^k`` token
 in expectation. Each step the policy starts every request at 0 drafts and
 hands out draft positions one at a time, always to the request whose next
 position is most likely to be accepted, while doing so raises the step's
-expected tokens per second. At a large batch nothing is handed out and the
+expected tokens per second by at least 3%. At a large batch nothing is handed out and the
 speculator is not even called; at c=1 a predictable request gets up to
 ``num_speculative_tokens``.
 """
@@ -36,6 +36,9 @@ _DECAY = 0.98
 #: Per step without drafts, a request's acceptance counts keep this much of their weight (the rest goes to the
 #: prior of one success and one failure).
 _FORGET = 0.9
+#: A draft position must raise expected tokens per second by this fraction: the cost model is a line through
+#: noisy timings, and a position that barely pays on paper loses as often as it wins.
+_MIN_GAIN = 0.03
 #: Before the fit has seen different token counts: each token costs this fraction of a 1-token step.
 _PRIOR_SLOPE = 0.15
 
@@ -123,7 +126,7 @@ class DraftPolicy:
             gain, i = heapq.heappop(heap)
             new_longest = max(longest, counts[i] + 1)
             new_seconds = self.step_cost.seconds(num_tokens + 1) + new_longest * self.seconds_per_draft_position
-            if (tokens - gain) / new_seconds <= tokens / seconds:
+            if (tokens - gain) / new_seconds <= (1 + _MIN_GAIN) * tokens / seconds:
                 break  # the likeliest remaining position does not pay, so none does
             tokens, seconds, num_tokens, longest = tokens - gain, new_seconds, num_tokens + 1, new_longest
             counts[i] += 1

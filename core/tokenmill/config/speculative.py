@@ -45,11 +45,11 @@ class SpeculativeConfig(ConfigSection, frozen=True):
     ] = None
     prompt_lookup_min: Annotated[
         PositiveInt | None,
-        describe("'ngram': the shortest n-gram to match (unset: 1)."),
+        describe("'ngram': the shortest n-gram to match (unset: 3)."),
     ] = None
     prompt_lookup_max: Annotated[
         PositiveInt | None,
-        describe("'ngram': the longest n-gram to match, tried first (unset: 4)."),
+        describe("'ngram': the longest n-gram to match, tried first (unset: 5)."),
     ] = None
     draft_policy: Annotated[
         Literal["goodput", "constant"],
@@ -84,6 +84,6 @@ class SpeculativeConfig(ConfigSection, frozen=True):
         lookup = self.prompt_lookup_min is not None or self.prompt_lookup_max is not None
         if lookup and self.method != "ngram":
             raise ValueError(f"prompt_lookup_min/max are only used by method 'ngram', not {self.method!r}")
-        low, high = self.prompt_lookup_min or 1, self.prompt_lookup_max or max(4, self.prompt_lookup_min or 1)
+        low, high = self.prompt_lookup_min or 3, self.prompt_lookup_max or max(5, self.prompt_lookup_min or 3)
         if low > high:
             raise ValueError(f"prompt_lookup_min={low} is larger than prompt_lookup_max={high}")

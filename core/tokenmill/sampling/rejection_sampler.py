@@ -62,6 +62,16 @@ def rejection_sample(
     for count in counts[:-1]:
         starts.append(starts[-1] + count)
 
+    if all(is_greedy):  # one-hot rows: keep drafts while they are the argmax, then take the argmax
+        argmax = probs.argmax(dim=-1).tolist()
+        results = []
+        for start, drafts in zip(starts, draft_token_ids, strict=True):
+            kept = 0
+            while kept < len(drafts) and drafts[kept] == argmax[start + kept]:
+                kept += 1
+            results.append(Verified([*drafts[:kept], argmax[start + kept]]))
+        return results
+
     # Rows that verify a draft: their index, the draft, and the draft's probability under q.
     draft_rows = [start + j for start, drafts in zip(starts, draft_token_ids, strict=True) for j in range(len(drafts))]
     flat_drafts = [token for drafts in draft_token_ids for token in drafts]

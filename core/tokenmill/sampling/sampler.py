@@ -242,6 +242,8 @@ class TorchSampler(Sampler):
     def target_probs(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         """See ``Sampler.target_probs``."""
         logits = self.process_logits(logits, metadata)
+        if metadata.all_greedy:
+            return torch.zeros_like(logits).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
         probs = self._probs(logits, metadata)
         probs = probs / probs.sum(dim=-1, keepdim=True)  # min-p leaves the kept mass below 1
         if not metadata.all_random:
