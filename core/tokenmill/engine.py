@@ -98,6 +98,8 @@ class EngineCore:
             self.draft_policy = DraftPolicy(self.speculator.num_speculative_tokens)
         #: This step's final hidden state of each request that got a token, for a speculator that reads them.
         self._hidden_states: dict[str, torch.Tensor] = {}
+        #: The requests of the last ``propose`` call (a new one's first call also reads its prompt).
+        self._drafted_last_step: set[str] = set()
 
     def _build_speculator(self) -> Speculator | None:
         spec = self.config.speculative_config
@@ -353,9 +355,11 @@ class EngineCore:
         except Exception:  # a plugin's failure costs this step's drafts, never the engine
             logger.exception("speculator %r failed; drafting nothing this step", speculator.name)
             return
-        if self.draft_policy is not None:
+        drafted = {item.request_id for item in inputs}
+        if self.draft_policy is not None and drafted <= self._drafted_last_step:
             longest = max((len(t) for t in proposal.token_ids), default=0)
             self.draft_policy.observe_propose(longest, time.perf_counter() - started)
+        self._drafted_last_step = drafted
         draft_probs = proposal.draft_probs or [None] * len(requests)
         for request, item, token_ids, probs in zip(requests, inputs, proposal.token_ids, draft_probs, strict=True):
             request.spec_token_ids = list(token_ids[: item.max_num_tokens])

@@ -9,7 +9,8 @@ So the engine measures instead of guessing (after SmartSpec, Liu et al. 2024):
 - the target step's time as a line in its number of tokens, ``a + b * tokens``,
   fitted online over recent steps (exponentially weighted least squares);
 - the speculator's time per draft position (one ``propose`` divided by its
-  longest draft list);
+  longest draft list, over calls whose requests all drafted the step before:
+  a request's first call also reads its prompt into a draft model);
 - each request's acceptance rate ``alpha``: the chance that a draft is accepted
   given the ones before it were, estimated from its own verifications
   (accepted drafts are successes, a rejection is a failure), starting from a
@@ -91,7 +92,8 @@ class DraftPolicy:
         self.step_cost.observe(num_tokens, seconds)
 
     def observe_propose(self, longest: int, seconds: float) -> None:
-        """One ``propose`` call whose longest draft list had ``longest`` tokens took ``seconds``."""
+        """One ``propose`` call whose longest draft list had ``longest`` tokens took ``seconds``; the engine
+        reports only calls for requests that all drafted the step before."""
         if longest:
             per_position = seconds / longest
             self.seconds_per_draft_position = (
@@ -132,6 +134,10 @@ class DraftPolicy:
             counts[i] += 1
             if counts[i] < min(limits[i], self.max_drafts):
                 heapq.heappush(heap, (gain * alphas[i], i))
+        if not any(counts):
+            # Nothing drafted, so the speculator's cost is not measured: let the estimate fade, so that a cost
+            # measured once under load (or on a prompt's first catch-up) does not rule drafting out for good.
+            self.seconds_per_draft_position *= _FORGET
         for request_id, count in zip(request_ids, counts, strict=True):
             acceptance = self._acceptance.get(request_id)
             if count == 0 and acceptance is not None:
