@@ -17,6 +17,7 @@ So the engine measures instead of guessing (after SmartSpec, Liu et al. 2024):
   prior of one success and one failure, and drifting back to it while the
   request gets no drafts, so that it is tried again.
 
+One step in 16 drafts nothing, so that the plain step's cost stays measured.
 With ``alpha``, drafting ``k`` tokens yields ``1 + alpha + ... + alpha^k`` tokens
 in expectation. Each step the policy starts every request at 0 drafts and
 hands out draft positions one at a time, always to the request whose next
@@ -40,6 +41,9 @@ _FORGET = 0.9
 #: A draft position must raise expected tokens per second by this fraction: the cost model is a line through
 #: noisy timings, and a position that barely pays on paper loses as often as it wins.
 _MIN_GAIN = 0.03
+#: One step in this many drafts nothing, so the fit keeps measuring what a step costs without drafts (a
+#: policy that always drafts would only ever see steps with drafts, and guess the alternative).
+_EXPLORE_EVERY = 16
 #: Before the fit has seen different token counts: each token costs this fraction of a 1-token step.
 _PRIOR_SLOPE = 0.15
 
@@ -86,6 +90,7 @@ class DraftPolicy:
         self.step_cost = StepCostModel()
         self.seconds_per_draft_position = 0.0  # the speculator's, measured
         self._acceptance: dict[str, _Acceptance] = {}
+        self._num_decisions = 0
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
         """One target step of ``num_tokens`` tokens took ``seconds``."""
@@ -115,6 +120,9 @@ class DraftPolicy:
         """Drafts per request for the next step, at most ``limits[i]`` each; ``num_step_tokens`` is the
         step's size without drafts (this step's, as an estimate of the next)."""
         counts = [0] * len(request_ids)
+        self._num_decisions += 1
+        if self._num_decisions % _EXPLORE_EVERY == 0:
+            return counts
         if self.step_cost.seconds(num_step_tokens) <= 1e-9:  # nothing measured yet: explore with the maximum
             return [min(limit, self.max_drafts) for limit in limits]
         alphas = [self._acceptance.get(r, _Acceptance()).alpha for r in request_ids]
