@@ -363,6 +363,7 @@ class EngineCore:
         draft_probs = proposal.draft_probs or [None] * len(requests)
         for request, item, token_ids, probs in zip(requests, inputs, proposal.token_ids, draft_probs, strict=True):
             request.spec_token_ids = list(token_ids[: item.max_num_tokens])
+            request.stash.pop(_DRAFT_PROBS, None)  # never verify against an earlier step's distributions
             if probs is not None and token_ids:
                 request.stash[_DRAFT_PROBS] = probs
 
