@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from tokenmill.config import EngineConfig, SpeculativeConfig
+from tokenmill.config import ConfigError, EngineConfig, SpeculativeConfig
 from tokenmill.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -117,7 +117,7 @@ def run_speculative(
     from tokenmill.llm import LLM
 
     if config.speculative_config.method is None:
-        raise ValueError("give --speculative-config: there is nothing to compare without a speculator")
+        raise ConfigError("give --speculative-config: there is nothing to compare without a speculator")
     speculative = LLM.from_config(config)
     plain = LLM.from_config(msgspec.structs.replace(config, speculative_config=SpeculativeConfig()))
     levels = []
