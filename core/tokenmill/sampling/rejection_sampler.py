@@ -93,6 +93,10 @@ def rejection_sample(
             q_draft[cursor - len(drafts) : cursor] = q[index, torch.tensor(list(drafts), device=device)]
             residual[start : start + len(drafts)] = (probs[start : start + len(drafts)] - q).clamp_min_(0.0)
         accept_ratio = p_draft / q_draft
+        # p <= q everywhere (p == q up to rounding) leaves no residual: a rejection there, possible only by
+        # rounding, draws from p.
+        empty = residual.sum(dim=-1) <= 0
+        residual = torch.where(empty[:, None], probs, residual)
     uniforms = _uniforms(draft_token_ids, is_greedy, generators, device)  # [num_draft_rows]
     exponentials = _exponentials(counts, is_greedy, generators, vocab_size, device)  # [num_rows, vocab_size]
     greedy_rows = torch.tensor([g for g, n in zip(is_greedy, counts, strict=True) for _ in range(n)], device=device)
