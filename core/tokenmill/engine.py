@@ -226,11 +226,10 @@ class EngineCore:
         targets = scheduler_output.sampling_requests
         if not targets:
             return ModelRunnerOutput()
-        if len(logits_indices) != len(targets):  # verifying drafts
+        if any(scheduled.draft_token_ids for scheduled in scheduler_output.scheduled):
             return self._verify(scheduler_output, logits, hidden, first_row)
-        rows = [first_row[index] for index, _ in targets]
-        if rows != list(range(len(rows))):  # forked completions sample from their parent's row
-            index_tensor = torch.tensor(rows, device=logits.device)
+        if len(targets) != len(logits_indices):  # forked completions sample from their parent's row
+            index_tensor = torch.tensor([first_row[index] for index, _ in targets], device=logits.device)
             logits = logits[index_tensor]
             hidden = hidden[index_tensor] if hidden is not None else None
         requests = [request for _, request in targets]

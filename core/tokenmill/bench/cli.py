@@ -57,8 +57,10 @@ _mixed = click.option(
 )
 
 
-def _report(report: dict[str, Any], output_json: Path | None, *, comparison: bool = False) -> None:
-    click.echo(format_comparison(report) if comparison else format_table(report))
+def _report(
+    report: dict[str, Any], output_json: Path | None, format_report: Callable[[dict[str, Any]], str] = format_table
+) -> None:
+    click.echo(format_report(report))
     if output_json is not None:
         write_json(report, output_json)
         click.echo(f"wrote {output_json}", err=True)
@@ -340,7 +342,7 @@ def decode(
         num_requests=num_requests,
         peak_bandwidth_gbs=peak_bandwidth_gbs,
     )
-    _report(report, output_json, comparison=True)
+    _report(report, output_json, format_comparison)
 
 
 @bench.command()
@@ -390,7 +392,7 @@ def sweep(
         mixed=mixed,
         hf_max_batch=hf_max_batch,
     )
-    _report(report, output_json, comparison=True)
+    _report(report, output_json, format_comparison)
 
 
 @bench.command()
@@ -432,7 +434,7 @@ def prefix(
     report = run_prefix(
         options, prefix_len=prefix_len, question_lens=question_len, output_len=output_len, num_requests=num_requests
     )
-    _report(report, output_json, comparison=True)
+    _report(report, output_json, format_comparison)
 
 
 @bench.command()
@@ -452,7 +454,7 @@ def prefill(
     from tokenmill.bench.suite import run_prefill
 
     report = run_prefill(options, input_len=input_len, output_len=output_len, num_requests=num_requests)
-    _report(report, output_json, comparison=True)
+    _report(report, output_json, format_comparison)
 
 
 @bench.command()
@@ -507,7 +509,4 @@ def speculative(
         num_prompts=num_prompts,
         rounds=rounds,
     )
-    click.echo(format_speculative(report))
-    if output_json is not None:
-        write_json(report, output_json)
-        click.echo(f"wrote {output_json}", err=True)
+    _report(report, output_json, format_speculative)

@@ -142,10 +142,11 @@ def config_options(command: Callable[..., Any]) -> Callable[..., Any]:
         return command(*args, **kwargs)
 
     decorated: Callable[..., Any] = wrapper
-    json_sections = {spec.flag: spec.path[:-1] for spec in flag_specs() if spec.json_key is not None}
+    specs = flag_specs()
+    json_sections = {spec.flag: spec.path[:-1] for spec in specs if spec.json_key is not None}
     for flag, path in json_sections.items():
         decorated = _json_option(flag, path)(decorated)
-    for spec in reversed([spec for spec in flag_specs() if spec.json_key is None]):
+    for spec in reversed([spec for spec in specs if spec.json_key is None]):
         decorated = _click_option(spec)(decorated)
     return click.option(
         "--config",
