@@ -20,18 +20,30 @@ process.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import time
+from pathlib import Path
 
+import msgspec
 import torch
 
-from tokenmill.config import EngineConfig
-from tokenmill.config.cache import kv_tier_spec
+from tokenmill.config import ConfigError, EngineConfig
+from tokenmill.config.cache import KVTierConfig
 from tokenmill.cuda_graphs import cuda_graph_batch_sizes
+from tokenmill.kv_cache.block_hash import block_hashes
 from tokenmill.kv_cache.manager import KVCacheManager
 from tokenmill.kv_cache.tier import KVTier
+from tokenmill.kv_cache.tier_stack import KVTierStack
 from tokenmill.memory import CacheLayout, plan_kv_cache
-from tokenmill.messages import EngineCoreOutput, EngineCoreRequest, EngineStatsMessage, TokenLogprobs
+from tokenmill.messages import (
+    EngineCoreOutput,
+    EngineCoreRequest,
+    EngineStatsMessage,
+    KVTierStatsMessage,
+    TokenLogprobs,
+)
 from tokenmill.model_loader import LoadedModel, load_model
 from tokenmill.model_runner import ModelRunner, SequenceChunk
 from tokenmill.plugin_manager import FRONT_END_SLOTS, PluginSystem, Slot, resolve_plugins, slot_selections
@@ -43,9 +55,12 @@ from tokenmill.sampling_params import InvalidRequestError
 from tokenmill.scheduler import ModelRunnerOutput, ScheduledRequest, Scheduler, SchedulerOutput
 from tokenmill.speculation_policy import DraftPolicy
 from tokenmill.speculator import SpeculationInput, Speculator, SpeculatorContext
+from tokenmill.weights.cache import model_file_stats
 
 logger = logging.getLogger(__name__)
 
+#: How long a decode engine holds a disaggregated request for its prompt's blocks before computing them itself.
+KV_TRANSFER_TIMEOUT_S = 10.0
 _GENERATOR = "generator"  # Request.stash key: the request's own torch.Generator when seeded
 _DRAFT_PROBS = "draft_probs"  # Request.stash key: the draft distributions of Request.spec_token_ids, if any
 #: ``SamplingParams.extra_args`` key (``vllm_xargs`` over HTTP): true turns speculation off for the request.
@@ -56,6 +71,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig, plugins: PluginSystem | None = None) -> None:
         self.config = config
         self.plugins = plugins if plugins is not None else resolve_plugins(config, skip=FRONT_END_SLOTS)
+        tier_classes = [self._kv_tier_class(tier) for tier in config.kv_tiers]  # a bad entry fails before loading
         self.loaded: LoadedModel = load_model(config, self.plugins)
         arch = self.loaded.arch
         self.layout: CacheLayout = plan_kv_cache(
@@ -69,16 +85,22 @@ class EngineCore:
         self.runner = ModelRunner(
             self.loaded, self.layout.num_blocks, self.layout.block_size, cuda_graph_batch_sizes=graph_batch_sizes
         )
-        #: Salts every prefix-cache block hash: anything that changes the K/V values of the same tokens.
-        self.kv_cache_hash_salt = f"{self.loaded.path}:{self.loaded.dtype}:{self.loaded.kv_cache_dtype}"
+        #: Salts every prefix-cache block hash: what the K/V of the same tokens depends on, so a KV tier that
+        #: outlives this process (a disk) never serves blocks of other weights, dtypes or block sizes.
+        self.kv_cache_hash_salt = kv_fingerprint(config, self.loaded, self.layout)
         self.kv_tiers: list[KVTier] = []
-        for entry in config.cache.kv_tiers:
-            name, capacity_bytes = kv_tier_spec(entry)
-            self.kv_tiers.append(self.plugins.create(Slot.KV_TIER, name, capacity_bytes=capacity_bytes))
+        writes = []
+        for tier, cls in zip(config.kv_tiers, tier_classes, strict=True):
+            self.kv_tiers.append(self.plugins.instantiate(
+                Slot.KV_TIER, tier.name, cls, capacity_bytes=tier.capacity_bytes,
+                fingerprint=self.kv_cache_hash_salt, **({"path": tier.path} if tier.path else {}),
+            ))  # fmt: skip
+            writes.append(tier.write or cls.default_write)
+        self.kv_tier_stack = KVTierStack(list(zip(self.kv_tiers, writes, strict=True)))
         self.kv_cache: KVCacheManager = self.plugins.create(
             Slot.KV_CACHE_MANAGER, config.cache.kv_cache_manager, self.layout.num_blocks, self.layout.block_size,
             enable_prefix_caching=config.cache.enable_prefix_caching, hash_salt=self.kv_cache_hash_salt,
-            **({"tiers": self.kv_tiers} if self.kv_tiers else {}),
+            **({"tiers": self.kv_tier_stack} if self.kv_tiers else {}),
         )  # fmt: skip
         self.scheduler: Scheduler = self.plugins.create(
             Slot.SCHEDULER, config.scheduler.policy, self.kv_cache,
@@ -100,6 +122,21 @@ class EngineCore:
         self._hidden_states: dict[str, torch.Tensor] = {}
         #: The requests of the last ``propose`` call (a new one's first call also reads its prompt).
         self._drafted_last_step: set[str] = set()
+        #: Disaggregated requests held until their prompt's blocks arrive: id -> (request, deadline, hashes).
+        self._awaiting_kv: dict[str, tuple[EngineCoreRequest, float, list[bytes]]] = {}
+
+    def _kv_tier_class(self, tier: KVTierConfig) -> type[KVTier]:
+        cls: type[KVTier] = self.plugins.load(Slot.KV_TIER, tier.name)
+        if cls.takes_path and not tier.path:
+            raise ConfigError(f"kv_tiers: the {tier.name!r} tier needs a path (e.g. --kv-tier {tier.name}:"
+                              f"{tier.capacity}:/var/cache/tokenmill/kv)")  # fmt: skip
+        if tier.path and not cls.takes_path:
+            raise ConfigError(f"kv_tiers: the {tier.name!r} tier takes no path (got {tier.path!r})")
+        return cls
+
+    def close(self) -> None:
+        """Flush the KV tiers' pending writes and release them; once, when the engine stops."""
+        self.kv_tier_stack.close()
 
     def _build_speculator(self) -> Speculator | None:
         spec = self.config.speculative_config
@@ -127,6 +164,18 @@ class EngineCore:
         bad = next((t for t in message.params.logit_bias or () if t >= self.vocab_size), None)
         if bad is not None:
             raise InvalidRequestError(f"logit_bias token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})")
+        if (message.kv_transfer_params or {}).get("do_remote_prefill") and self.kv_tiers:
+            # Disaggregated prefill: the prefill engine ships the prompt's blocks; wait for them (bounded).
+            prompt = message.prompt_token_ids
+            num_blocks = (len(prompt) - 1) // self.layout.block_size  # as many as a prefix lookup can reuse
+            hashes = block_hashes(prompt, self.layout.block_size, self.kv_cache_hash_salt, message.cache_salt)
+            self._awaiting_kv[message.request_id] = (message, time.monotonic() + KV_TRANSFER_TIMEOUT_S,
+                                                     hashes[:num_blocks])  # fmt: skip
+            self._admit_arrived()
+            return
+        self._enqueue(message)
+
+    def _enqueue(self, message: EngineCoreRequest) -> None:
         self.scheduler.add_request(
             Request(
                 request_id=message.request_id,
@@ -160,10 +209,28 @@ class EngineCore:
                 "raise cache.kv_cache_memory"
             )
 
+    def _admit_arrived(self) -> None:
+        """Queue the held disaggregated requests whose blocks have all arrived, or that waited too long (their
+        prompt is then computed here: slower, same output)."""
+        now = time.monotonic()
+        for request_id, (message, deadline, hashes) in list(self._awaiting_kv.items()):
+            arrived = all(self.kv_tier_stack.contains(h) for h in hashes)
+            if arrived or now > deadline:
+                if not arrived:
+                    logger.warning("request %s: its prompt's KV blocks did not arrive within %.0f s; computing them",
+                                   request_id, KV_TRANSFER_TIMEOUT_S)  # fmt: skip
+                del self._awaiting_kv[request_id]
+                self._enqueue(message)
+
     def abort_requests(self, request_ids: list[str], completions_only: bool = False) -> list[EngineCoreOutput]:
         """Finish these requests now and free their blocks: all n completions of each (client gone), or with
         ``completions_only`` just the completions named (a stop string matched)."""
-        outputs = self.scheduler.abort_requests(request_ids, completions_only)
+        held = [
+            EngineCoreOutput(request_id, [], finish_reason="abort", request_finished=True)
+            for request_id in request_ids if self._awaiting_kv.pop(request_id, None) is not None
+        ]  # fmt: skip
+        outputs = held + self.scheduler.abort_requests(request_ids, completions_only)
+        self._store_completed()
         if self.speculator is not None and outputs:
             self.speculator.on_requests_finished([output.request_id for output in outputs])
             if self.draft_policy is not None:
@@ -171,16 +238,28 @@ class EngineCore:
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self._awaiting_kv)
 
     def stats(self) -> EngineStatsMessage:
         """A snapshot for metrics and routers; cheap to take every step."""
-        return self.scheduler.stats()
+        stats = self.scheduler.stats()
+        if not self.kv_tiers:
+            return stats
+        tiers = [
+            KVTierStatsMessage(tier.name, t.hits, t.misses, t.bytes_read, t.bytes_written, t.rejected, t.errors)
+            for tier in self.kv_tiers for t in [tier.stats]
+        ]  # fmt: skip
+        stack = self.kv_tier_stack
+        return msgspec.structs.replace(
+            stats, kv_tiers=tiers, kv_tier_loads=stack.num_loads, kv_tier_load_seconds=stack.load_seconds
+        )
 
     # ------------------------------------------------------------------ the step
 
     def step(self) -> list[EngineCoreOutput]:
         """Schedule, run the model once, sample, and report what changed."""
+        if self._awaiting_kv:
+            self._admit_arrived()
         scheduler_output = self.scheduler.schedule()
         if not scheduler_output.scheduled:
             return []
@@ -190,9 +269,21 @@ class EngineCore:
             # Decode and verification steps only: a prompt chunk's cost per token says nothing about drafts'.
             self.draft_policy.observe_step(scheduler_output.num_scheduled_tokens, time.perf_counter() - started)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        self._store_completed()
         if self.speculator is not None:
             self._propose(self.speculator, scheduler_output, outputs)
         return outputs
+
+    def _store_completed(self) -> None:
+        """Hand the blocks of requests that just left to the ``completion`` tiers, now: before their outputs
+        are reported (a decode engine waits for them) and before anything can overwrite the blocks."""
+        if not self.kv_tiers:
+            return
+        transfers = self.kv_cache.take_transfers()
+        if transfers.stores:
+            blocks = self.runner.read_blocks([block_id for block_id, _ in transfers.stores])
+            self.kv_cache.store_blocks([(h, b) for (_, h), b in zip(transfers.stores, blocks, strict=True)])
+        assert not transfers.loads, "loads are queued by allocate_slots, during schedule, and taken there"
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run the forward pass over the scheduled tokens and sample for every request that needs a token.
@@ -204,7 +295,7 @@ class EngineCore:
             # Evicted blocks are read before anything (a load, a copy, the forward) overwrites them.
             if transfers.stores:
                 blocks = self.runner.read_blocks([block_id for block_id, _ in transfers.stores])
-                self.kv_cache.store_evicted([(h, b) for (_, h), b in zip(transfers.stores, blocks, strict=True)])
+                self.kv_cache.store_blocks([(h, b) for (_, h), b in zip(transfers.stores, blocks, strict=True)])
             if transfers.loads:
                 self.runner.write_blocks(transfers.loads)
         self.runner.copy_blocks(scheduler_output.block_copies)
@@ -452,6 +543,21 @@ def _verified_logprobs(raw_logprobs: torch.Tensor, token_ids: list[int], num_top
         TokenLogprobs(token_id=token, logprob=value, top_token_ids=tuple(ids), top_logprobs=tuple(values))
         for token, value, (ids, values) in zip(token_ids, chosen, tops, strict=True)
     ]
+
+
+def kv_fingerprint(config: EngineConfig, loaded: LoadedModel, layout: CacheLayout) -> str:
+    """A digest of what the K/V of given tokens depends on besides them: the model's files (path, size and
+    modification time of each), dtypes, quantization and the cache's block geometry."""
+    arch = loaded.arch
+    parts = {
+        "model": str(loaded.path),
+        "files": sorted(model_file_stats(Path(loaded.path)).items()),
+        "dtype": str(loaded.dtype),
+        "kv_cache_dtype": str(loaded.kv_cache_dtype),
+        "quantization": config.model.quantization,
+        "block": [layout.block_size, arch.num_layers, arch.num_kv_heads, arch.head_dim],
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
 def now() -> float:

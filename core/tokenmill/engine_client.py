@@ -21,6 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from tokenmill.config import EngineConfig
 from tokenmill.errors import TokenmillError
 from tokenmill.kv_cache.block_hash import block_hashes
@@ -35,6 +37,7 @@ from tokenmill.messages import (
     Ready,
 )
 from tokenmill.routing import EngineState, Router
+from tokenmill.sampling_params import SamplingParams
 from tokenmill.transport.base import FrontendConnection, Transport
 from tokenmill.transport.serde import decode_from_engine, encode
 
@@ -106,13 +109,28 @@ class EngineClient:
         return self.ready
 
     def add_request(self, request: EngineCoreRequest) -> RequestStream:
+        stream = self.open_stream(request.request_id)
+        self.submit(request)
+        return stream
+
+    def open_stream(self, request_id: str) -> RequestStream:
+        """The queue a request's outputs will arrive on (and an ``EngineDeadError`` if this engine dies),
+        registered before the request is sent (``submit``)."""
         if self.is_dead:
             raise EngineDeadError(f"engine at {self.address} is down: {self.death_reason}")
-        stream = RequestStream(request.request_id, asyncio.Queue(), self)
-        self._streams[request.request_id] = stream
+        stream = RequestStream(request_id, asyncio.Queue(), self)
+        self._streams[request_id] = stream
+        return stream
+
+    def has_stream(self, request_id: str) -> bool:
+        """Whether the request's stream is open (not finished, aborted or failed)."""
+        return request_id in self._streams
+
+    def submit(self, request: EngineCoreRequest) -> None:
+        if self.is_dead:
+            raise EngineDeadError(f"engine at {self.address} is down: {self.death_reason}")
         assert self._connection is not None
         self._connection.send(encode(request))
-        return stream
 
     def abort(self, request_ids: list[str], completions_only: bool = False) -> None:
         """Abort whole requests (every completion; their streams end here), or with ``completions_only``
@@ -247,8 +265,67 @@ class EngineGroup:
         await asyncio.gather(*(client.close() for client in self.clients))
 
 
-def start_local_engines(config: EngineConfig, count: int, transport: Transport) -> list[EngineClient]:
-    """Start ``count`` engine processes on ipc:// addresses; returns their (unstarted) clients.
+class DisaggregatedGroup(EngineGroup):
+    """A prefill engine (client 0) and a decode engine (client 1) serving as one.
+
+    Each request goes to the prefill engine first, as a one-token request whose finished blocks the prefill
+    engine's ``zmq-push`` tier ships to the decode engine; then the request itself goes to the decode engine
+    (``kv_transfer_params``: ``do_remote_prefill``), which waits for those blocks, loads them instead of
+    computing the prompt, and streams the completion. The request's stream is the decode engine's from the
+    start, so an abort or the decode engine's death reaches it at any point. If the prefill engine is down or
+    refuses the request, the decode engine computes the prompt itself: slower, same output.
+    """
+
+    def __init__(self, prefill: EngineClient, decode: EngineClient, router: Router) -> None:
+        super().__init__([prefill, decode], router, "disaggregated-prefill", "tokenmill")
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.clients[1].ready.max_num_seqs if self.clients[1].ready else 0
+
+    def add_request(self, request: EngineCoreRequest) -> RequestStream:
+        stream = self.clients[1].open_stream(request.request_id)
+        task = asyncio.create_task(self._prefill_then_decode(request))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return stream
+
+    async def _prefill_then_decode(self, request: EngineCoreRequest) -> None:
+        prefill, decode = self.clients
+        prefill_request = msgspec.structs.replace(
+            request, params=SamplingParams(max_tokens=1, temperature=0.0), kv_transfer_params={"do_remote_decode": True}
+        )
+        remote = False
+        try:
+            prefill_stream = prefill.add_request(prefill_request)
+            while True:
+                item = await prefill_stream.queue.get()
+                if isinstance(item, EngineDeadError) or item.error is not None:
+                    reason = item if isinstance(item, EngineDeadError) else item.error
+                    logger.warning("prefill of %s failed (%s); decoding computes it", request.request_id, reason)
+                    break
+                if item.request_finished:
+                    remote = True
+                    break
+        except EngineDeadError:
+            pass
+        finally:
+            prefill.release(request.request_id)
+        if not decode.has_stream(request.request_id):  # aborted (client gone) or failed meanwhile
+            return
+        params = {"do_remote_prefill": True} if remote else None
+        try:
+            decode.submit(msgspec.structs.replace(request, kv_transfer_params=params))
+        except EngineDeadError:
+            pass  # the decode engine's watchdog fails the stream
+
+
+def start_local_engines(
+    config: EngineConfig, count: int, transport: Transport, configs: Sequence[EngineConfig] = ()
+) -> list[EngineClient]:
+    """Start ``count`` engine processes on ipc:// addresses (engine i with ``configs[i]`` when given, else
+    ``config``); returns their (unstarted) clients.
 
     Processes are spawned, not forked: the child starts a fresh interpreter, so
     the front end never imports torch and never shares state with the engine.
@@ -262,9 +339,10 @@ def start_local_engines(config: EngineConfig, count: int, transport: Transport) 
     clients = []
     for index in range(count):
         address = f"ipc://{os.path.join(socket_dir, f'engine-{index}.sock')}"
+        engine_config = configs[index] if configs else config
         process = context.Process(
             target=run_engine_process,
-            args=(config.to_dict(), address, True),
+            args=(engine_config.to_dict(), address, True),
             name=f"tokenmill-engine-{index}",
             daemon=True,
         )

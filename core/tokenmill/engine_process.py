@@ -66,6 +66,7 @@ def run_engine_process(config_data: dict[str, Any], address: str, watch_parent: 
     plugins = resolve_plugins(config, skip=FRONT_END_SLOTS)  # the router runs in the front end
     transport = plugins.create(Slot.TRANSPORT, config.transport.backend)
     endpoint: EngineEndpoint = transport.bind(address)  # before loading: front ends' Hello waits there
+    engine = None
     try:
         engine = EngineCore(config, plugins)
         server = _EngineServer(engine, endpoint)
@@ -80,6 +81,8 @@ def run_engine_process(config_data: dict[str, Any], address: str, watch_parent: 
                 server.send_outputs(engine.step())
             server.heartbeat()
     finally:
+        if engine is not None:
+            engine.close()  # flushes the KV tiers' pending writes (a disk tier outlives the process)
         endpoint.close()
 
 

@@ -213,13 +213,16 @@ def tokenmill_register_kv_tiers(register: Register) -> None:
     """Register KV tiers (slot ``kv_tier``): KV blocks kept outside device memory, by block hash.
 
     :param register: ``register(name, import_path)``; the import path names a
-        ``tokenmill.interfaces.KVTier`` subclass, built as ``cls(capacity_bytes=...)``.
+        ``tokenmill.interfaces.KVTier`` subclass, built as ``cls(capacity_bytes=..., fingerprint=...)``
+        (plus ``path=`` when configured).
     :return: nothing; every implementation is called.
 
-    Called once per engine process at start-up. Selected by ``cache.kv_tiers``
-    (``--kv-tier NAME:CAPACITY``, repeatable, nearest first). The KV cache
-    manager writes a cached block back to the first tier when it evicts it and
-    looks a prefix up in the tiers when the device cache misses.
+    Called once per engine process at start-up. Selected by ``kv_tiers``
+    (``[[kv_tiers]]`` tables, or ``--kv-tier NAME:CAPACITY[:PATH]``, repeatable,
+    nearest first); built in: ``cpu``, ``disk``. The KV cache manager writes
+    blocks to each tier by its write policy (on eviction from the level above,
+    or on a request's completion) and looks a prefix up in the tiers when the
+    device cache misses.
     Since: 0.1. Stability: provisional.
     """
 

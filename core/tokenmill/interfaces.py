@@ -16,7 +16,7 @@ slot                      interface                       built in
 ``sampler``               ``Sampler``                     ``torch``
 ``logits_processor``      ``LogitsProcessor``             ``logit_bias``, ``min_tokens``
 ``speculator``            ``Speculator``                  ``ngram``, ``draft_model``, ``medusa``
-``kv_tier``               ``KVTier``                      (none yet; ``tokenmill.testing.DictKVTier``)
+``kv_tier``               ``KVTier``                      ``cpu``, ``disk``, ``zmq-push``, ``zmq-pull``
 ``router``                ``Router``                      ``round-robin``
 ``transport``             ``Transport``                   ``zmq``
 ========================  ==============================  ======================================
@@ -47,6 +47,7 @@ _EXPORTS: dict[str, str] = {
     "KVCacheManager": "tokenmill.kv_cache.manager",
     "KVTier": "tokenmill.kv_cache.tier",
     "KVTierStats": "tokenmill.kv_cache.tier",
+    "MemoryKVTier": "tokenmill.kv_cache.memory_tier",
     "LoadedTensor": "tokenmill.weights.format",
     "LogitsProcessor": "tokenmill.sampling.logits_processor",
     "ModelRunnerOutput": "tokenmill.scheduler",

@@ -6,6 +6,8 @@ with defaults, never reorder, and bump ``PROTOCOL_VERSION`` for a breaking chang
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from tokenmill.sampling_params import SamplingParams
@@ -37,6 +39,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, fro
     arrival_time: float
     priority: int = 0
     cache_salt: str | None = None
+    #: Disaggregated prefill (vLLM's names): ``{"do_remote_decode": true}`` on the prefill engine's request,
+    #: ``{"do_remote_prefill": true}`` on the decode engine's, which waits for the prompt's blocks to arrive.
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -75,6 +80,18 @@ class Hello(msgspec.Struct, array_like=True, frozen=True, gc=False, tag=True):
     protocol_version: int
 
 
+class KVTierStatsMessage(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """One KV tier's counters (``tokenmill.kv_cache.tier.KVTierStats``), by the tier's position in ``kv_tiers``."""
+
+    name: str
+    hits: int
+    misses: int
+    bytes_read: int
+    bytes_written: int
+    rejected: int
+    errors: int
+
+
 class EngineStatsMessage(msgspec.Struct, array_like=True, frozen=True, gc=False):
     """An engine's counters and gauges, sent with every output batch and heartbeat."""
 
@@ -91,6 +108,10 @@ class EngineStatsMessage(msgspec.Struct, array_like=True, frozen=True, gc=False)
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: list[int] = msgspec.field(default_factory=list)
+    #: KV tiers, nearest first; empty without tiers. Prefix loads from them and the seconds they took.
+    kv_tiers: list[KVTierStatsMessage] = msgspec.field(default_factory=list)
+    kv_tier_loads: int = 0
+    kv_tier_load_seconds: float = 0.0
 
 
 class Ready(msgspec.Struct, array_like=True, frozen=True, gc=False, tag=True):

@@ -267,7 +267,7 @@ def slot_selections(config: EngineConfig) -> dict[Slot, tuple[str, list[str]]]:
                                 list(dict.fromkeys([*BUILTIN_LOGITS_PROCESSORS, *config.sampler.logits_processors]))),
         Slot.SPECULATOR: ("speculative_config.method",
                           [config.speculative_config.method] if config.speculative_config.method else []),
-        Slot.KV_TIER: ("cache.kv_tiers", [entry.partition(":")[0] for entry in config.cache.kv_tiers]),
+        Slot.KV_TIER: ("kv_tiers", [tier.name for tier in config.kv_tiers]),
         Slot.ROUTER: ("server.router", [config.server.router]),
         Slot.TRANSPORT: ("transport.backend", [config.transport.backend]),
     }  # fmt: skip

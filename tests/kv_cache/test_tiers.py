@@ -10,6 +10,7 @@ import torch
 from tests.factories import make_engine, run_to_completion, save_hf_model
 from tokenmill import hookimpl
 from tokenmill.kv_cache import PagedKVCacheManager, block_hashes
+from tokenmill.kv_cache.tier_stack import KVTierStack
 from tokenmill.messages import EngineCoreRequest
 from tokenmill.plugin_manager import load_plugins
 from tokenmill.sampling_params import SamplingParams
@@ -28,7 +29,7 @@ def _fill(manager: PagedKVCacheManager, request_id: str, tokens: list[int]) -> N
 
 def test_evicted_blocks_are_written_back_and_a_prefix_miss_loads_them() -> None:
     tier = DictKVTier(capacity_bytes=1 << 20)
-    manager = PagedKVCacheManager(num_blocks=4, block_size=BS, hash_salt="m", tiers=[tier])
+    manager = PagedKVCacheManager(num_blocks=4, block_size=BS, hash_salt="m", tiers=KVTierStack([(tier, "eviction")]))
     first = list(range(100, 113))  # 3 full blocks + 1 token
     _fill(manager, "a", first)
     assert not manager.take_transfers()  # nothing evicted yet
@@ -37,20 +38,70 @@ def test_evicted_blocks_are_written_back_and_a_prefix_miss_loads_them() -> None:
     hashes = block_hashes(first, BS, "m")
     assert sorted(h for _, h in transfers.stores) == sorted(hashes) and not transfers.loads  # tail first
     # Each block's data says which block of the prompt it is.
-    manager.store_evicted([(h, torch.full((2, 2, BS, 1, 1), float(hashes.index(h)))) for _, h in transfers.stores])
+    manager.store_blocks([(h, torch.full((2, 2, BS, 1, 1), float(hashes.index(h)))) for _, h in transfers.stores])
     assert all(tier.contains(h) for h in hashes)
 
     prefix = manager.lookup_prefix(first)  # the device cache misses; the tier has all three blocks
-    assert (prefix.block_ids, prefix.num_tokens, [h for h, _ in prefix.loaded]) == ([], 12, hashes)
+    assert (prefix.block_ids, prefix.num_tokens, list(prefix.tier_hashes)) == ([], 12, hashes)
+    assert tier.stats.hits == 0  # looking up does no I/O: blocks are fetched when the request is admitted
     allocation = manager.allocate_slots("again", prefix.num_tokens, 1, prefix)
     assert allocation is not None
     loads = manager.take_transfers().loads
+    assert tier.stats.hits == 3
     assert [block_id for block_id, _ in loads] == allocation.new_block_ids[:3]
     assert [float(data.flatten()[0]) for _, data in loads] == [0.0, 1.0, 2.0]
     manager.check_invariants()
     # Loaded blocks are cached under their hashes: the next lookup hits on the device.
     manager.cache_full_blocks("again", first, 13)
     assert manager.lookup_prefix(first).block_ids == allocation.new_block_ids[:3]
+
+
+def _block(value: float) -> torch.Tensor:
+    return torch.full((2, 2, BS, 1, 1), value)
+
+
+def test_completion_tiers_get_every_computed_block_when_the_request_leaves() -> None:
+    tier = DictKVTier(capacity_bytes=1 << 20)
+    manager = PagedKVCacheManager(num_blocks=8, block_size=BS, hash_salt="m", tiers=KVTierStack([(tier, "completion")]))
+    tokens = list(range(100, 113))  # 3 full blocks + 1 token
+    _fill(manager, "a", tokens)
+    transfers = manager.take_transfers()
+    hashes = block_hashes(tokens, BS, "m")
+    assert sorted(h for _, h in transfers.stores) == sorted(hashes)  # read off the device, not evicted
+    assert [block_id for block_id, _ in transfers.stores] == [0, 1, 2]
+    manager.store_blocks([(h, _block(1.0)) for _, h in transfers.stores])
+    assert all(tier.contains(h) for h in hashes)
+    _fill(manager, "b", tokens)  # a prefix hit: its blocks are in the tier already, nothing to read
+    assert not manager.take_transfers()
+
+
+def test_what_a_memory_tier_evicts_cascades_to_the_next_eviction_tier() -> None:
+    block_bytes = _block(0).numel() * 4
+    near, far = DictKVTier(capacity_bytes=2 * block_bytes), DictKVTier(capacity_bytes=1 << 20)
+    stack = KVTierStack([(near, "eviction"), (far, "eviction")])
+    for i in range(4):
+        stack.store_evicted(bytes([i]), _block(float(i)))
+    assert [near.contains(bytes([i])) for i in range(4)] == [False, False, True, True]
+    assert [far.contains(bytes([i])) for i in range(4)] == [True, True, False, False]
+    blocks = stack.fetch_all([bytes([0]), bytes([3])])  # each from the nearest tier holding it
+    assert blocks is not None and [float(b.flatten()[0]) for b in blocks] == [0.0, 3.0]
+    assert stack.num_loads == 1 and stack.fetch_all([bytes([9])]) is None
+
+
+def test_a_block_lost_between_lookup_and_admission_fails_the_admission_not_the_engine() -> None:
+    tier = DictKVTier(capacity_bytes=1 << 20)
+    manager = PagedKVCacheManager(num_blocks=8, block_size=BS, hash_salt="m", tiers=KVTierStack([(tier, "completion")]))
+    tokens = list(range(100, 113))
+    _fill(manager, "a", tokens)
+    manager.store_blocks([(h, _block(1.0)) for _, h in manager.take_transfers().stores])
+    manager.reset_prefix_cache()  # the device forgets; the tier still has the prefix
+    prefix = manager.lookup_prefix(tokens)
+    assert len(prefix.tier_hashes) == 3
+    tier.close()  # the tier loses everything
+    assert manager.allocate_slots("b", prefix.num_tokens, 1, prefix) is None
+    manager.check_invariants()
+    again = manager.lookup_prefix(tokens)  # the next lookup offers nothing from the tier: computed afresh
+    assert again.num_tokens == 0 and manager.allocate_slots("b", 0, 13, again) is not None
 
 
 def test_without_tiers_nothing_is_recorded() -> None:
@@ -80,7 +131,7 @@ def test_an_engine_reloads_an_evicted_prefix_from_its_tier_with_identical_output
 
         config = load_config(overrides={
             "model": {"model": str(tmp_path)}, "device": {"device": "cpu"},
-            "cache": {"block_size": 4, "num_kv_blocks": 24, **cache},
+            "cache": {"block_size": 4, "num_kv_blocks": 24}, **cache,
         })  # fmt: skip
         engine = EngineCore(config, plugins)
         results = []
@@ -90,7 +141,7 @@ def test_an_engine_reloads_an_evicted_prefix_from_its_tier_with_identical_output
         return results, sum(t.stats.hits for t in engine.kv_tiers)
 
     plain, no_hits = run()
-    tiered, hits = run(kv_tiers=["dict:16MiB"])
+    tiered, hits = run(kv_tiers=[{"name": "dict", "capacity": "16MiB", "write": "eviction"}])
     assert tiered == plain  # loading K/V from the tier changes no token
     assert no_hits == 0 and hits == 9  # the last request loaded its 9 reusable prefix blocks
 
@@ -98,15 +149,25 @@ def test_an_engine_reloads_an_evicted_prefix_from_its_tier_with_identical_output
 def test_kv_tiers_entries_are_checked() -> None:
     from tokenmill.config import ConfigError, load_config
 
-    with pytest.raises(ConfigError, match="must be 'NAME:CAPACITY' with a size, such as 'cpu:4GiB'"):
-        load_config(overrides={"cache": {"kv_tiers": ["cpu"]}})
-    with pytest.raises(ConfigError, match="kv_tiers entry 'cpu:0.5'"):
-        load_config(overrides={"cache": {"kv_tiers": ["cpu:0.5"]}})
+    with pytest.raises(ConfigError, match="must be 'NAME:CAPACITY\\[:PATH\\]', such as 'cpu:4GiB'"):
+        load_config(overrides={"kv_tiers": ["cpu"]})
+    with pytest.raises(ConfigError, match="kv_tiers entry 'cpu': capacity must be a size"):
+        load_config(overrides={"kv_tiers": ["cpu:0.5"]})
+    with pytest.raises(ConfigError, match="kv_tiers.*write"):
+        load_config(overrides={"kv_tiers": [{"name": "cpu", "capacity": "1GiB", "write": "sometimes"}]})
+    config = load_config(overrides={"kv_tiers": ["cpu:4GiB", "disk:20GiB:/var/cache/kv"]})
+    assert [(t.name, t.capacity_bytes, t.path) for t in config.kv_tiers] == [
+        ("cpu", 4 << 30, None),
+        ("disk", 20 << 30, "/var/cache/kv"),
+    ]
+    assert load_config(overrides={"kv_tiers": [{"name": "cpu", "capacity": "4GiB"}]}) == load_config(
+        overrides={"kv_tiers": ["cpu:4GiB"]}
+    )
     plugins = load_plugins(autoload=False)
     from tokenmill.plugin_manager import PluginError
 
-    with pytest.raises(PluginError, match="cache.kv_tiers: unknown kv_tier 'cpu'; installed: none"):
-        plugins.check_config(load_config(overrides={"cache": {"kv_tiers": ["cpu:4GiB"]}}))
+    with pytest.raises(PluginError, match="kv_tiers: unknown kv_tier 'cpu'; installed: none"):
+        plugins.check_config(load_config(overrides={"kv_tiers": ["cpu:4GiB"]}))
 
 
 def test_make_engine_accepts_no_tiers_by_default(tmp_path: Path) -> None:

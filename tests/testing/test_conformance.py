@@ -7,6 +7,7 @@ passes its slot's check; and for each check, a planted wrong implementation fail
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -78,7 +79,7 @@ def _runnable(cls: Any, slot: Slot, name: str) -> None:
 
 
 @pytest.mark.parametrize(("slot", "name"), _first_party(), ids=lambda value: str(value))
-def test_first_party_implementation_passes_its_check(slot: Slot, name: str) -> None:
+def test_first_party_implementation_passes_its_check(slot: Slot, name: str, tmp_path: Path) -> None:
     cls = load_plugins(allowlist=[]).load(slot, name)
     _runnable(cls, slot, name)
     if slot is Slot.ATTENTION_BACKEND:
@@ -104,6 +105,11 @@ def test_first_party_implementation_passes_its_check(slot: Slot, name: str) -> N
         if name != "ngram":
             pytest.skip(f"speculator {name!r} needs a model: tests/speculators/test_{name}.py runs its check")
         check_speculator(cls)
+    elif slot is Slot.KV_TIER:
+        if name == "zmq-push":
+            pytest.skip("zmq-push keeps nothing (it sends): tests/kv_tiers/test_zmq_connector.py checks the pair")
+        path = f"ipc://{tmp_path}/kv.sock" if name == "zmq-pull" else str(tmp_path)
+        check_kv_tier(functools.partial(cls, path=path) if cls.takes_path else cls)
     else:
         pytest.fail(f"no conformance check is wired up for first-party {slot.value} {name!r}")
 
@@ -306,8 +312,9 @@ def test_kv_tier_that_evicts_in_arrival_order_fails() -> None:
 
 def test_kv_tier_that_keeps_the_callers_tensor_fails() -> None:
     class NoCopy(DictKVTier):
-        def store(self, block_hash: bytes, block: torch.Tensor) -> None:
+        def store(self, block_hash: bytes, block: torch.Tensor) -> list[tuple[bytes, torch.Tensor]]:
             self._blocks[block_hash] = block
+            return []
 
     _fails(check_kv_tier, NoCopy, match="kept rather than copied")
 

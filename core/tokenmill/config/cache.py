@@ -29,16 +29,52 @@ def parse_memory(text: str) -> tuple[int | None, float | None]:
     return int(number * _UNITS[unit.lower()]), None
 
 
-def kv_tier_spec(entry: str) -> tuple[str, int]:
-    """``"cpu:4GiB"`` -> ("cpu", bytes). Raises ValueError naming the entry otherwise."""
-    name, _, capacity = entry.partition(":")
+class KVTierConfig(ConfigSection, frozen=True):
+    """One KV tier below the device cache: a ``[[kv_tiers]]`` table, or ``--kv-tier NAME:CAPACITY[:PATH]``."""
+
+    name: Annotated[str, describe("The KV tier plugin: 'cpu', 'disk', or one a plugin registers.")]
+    capacity: Annotated[str, describe("Bytes the tier may hold, as a size: '4GiB', '512MiB'.")]
+    path: Annotated[
+        str | None,
+        describe("Where the tier keeps its blocks, for tiers that take one ('disk': a directory)."),
+    ] = None
+    write: Annotated[
+        Literal["eviction", "completion", "none"] | None,
+        describe(
+            "When blocks are written to the tier: 'eviction' (blocks the level above evicts) or 'completion' "
+            "(every full block of a request when it leaves the engine), or 'none' (only read: a KV connector's "
+            "receiving end). Unset: the tier's default ('cpu': eviction, 'disk': completion)."
+        ),
+    ] = None
+
+    def __post_init__(self) -> None:
+        what = f"kv_tiers entry {self.name!r}: capacity"
+        capacity_bytes, _ = _size(self.capacity, what)
+        if capacity_bytes is None:
+            raise ValueError(f"{what} must be a size such as '4GiB', not a fraction (got {self.capacity!r})")
+
+    @property
+    def capacity_bytes(self) -> int:
+        capacity_bytes, _ = parse_memory(self.capacity)
+        assert capacity_bytes is not None  # checked in __post_init__
+        return capacity_bytes
+
+
+def _size(text: str, what: str) -> tuple[int | None, float | None]:
     try:
-        capacity_bytes, _ = parse_memory(capacity) if capacity else (None, None)
-    except ValueError:
-        capacity_bytes = None
-    if not name or capacity_bytes is None:
-        raise ValueError(f"kv_tiers entry {entry!r} must be 'NAME:CAPACITY' with a size, such as 'cpu:4GiB'")
-    return name, capacity_bytes
+        return parse_memory(text)
+    except ValueError as exc:
+        raise ValueError(f"{what}: {exc}") from None
+
+
+def kv_tier_entry(entry: str) -> dict[str, str]:
+    """``"disk:20GiB:/var/cache/kv"`` (the ``--kv-tier`` form) -> the ``[[kv_tiers]]`` table it stands for.
+    Raises ValueError naming the entry when it is not ``NAME:CAPACITY[:PATH]``."""
+    name, _, rest = entry.partition(":")
+    capacity, _, path = rest.partition(":")
+    if not name or not capacity:
+        raise ValueError(f"kv_tiers entry {entry!r} must be 'NAME:CAPACITY[:PATH]', such as 'cpu:4GiB'")
+    return {"name": name, "capacity": capacity, **({"path": path} if path else {})}
 
 
 class CacheConfig(ConfigSection, frozen=True):
@@ -74,21 +110,10 @@ class CacheConfig(ConfigSection, frozen=True):
         str,
         describe("KV cache manager plugin by name: blocks, block tables and the prefix cache ('paged' is built in)."),
     ] = "paged"
-    kv_tiers: Annotated[
-        list[str],
-        describe(
-            "KV tier plugins below the device cache, nearest first, each 'NAME:CAPACITY' (e.g. 'cpu:4GiB'): "
-            "blocks evicted from the device are written to the first; a prefix that misses on the device is "
-            "loaded from the tiers instead of recomputed.",
-            flag="--kv-tier",
-        ),
-    ] = msgspec.field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two (8, 16, 32, ...), got {self.block_size}")
-        for tier in self.kv_tiers:
-            kv_tier_spec(tier)  # raises naming the entry
         if self.kv_cache_memory != "auto":
             try:
                 parse_memory(self.kv_cache_memory)

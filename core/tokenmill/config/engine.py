@@ -11,7 +11,7 @@ import msgspec.inspect
 
 from tokenmill.config.attention import AttentionConfig
 from tokenmill.config.base import ConfigSection, describe
-from tokenmill.config.cache import CacheConfig
+from tokenmill.config.cache import CacheConfig, KVTierConfig, kv_tier_entry
 from tokenmill.config.device import DeviceConfig
 from tokenmill.config.model import ModelConfig
 from tokenmill.config.sampler import SamplerConfig
@@ -37,6 +37,16 @@ class EngineConfig(ConfigSection, frozen=True):
     attention: AttentionConfig = msgspec.field(default_factory=AttentionConfig)
     sampler: SamplerConfig = msgspec.field(default_factory=SamplerConfig)
     transport: TransportConfig = msgspec.field(default_factory=TransportConfig)
+    kv_tiers: Annotated[
+        list[KVTierConfig],
+        describe(
+            "KV tiers below the device cache, nearest first, as `[[kv_tiers]]` tables (name, capacity, path, "
+            "write) or flags 'NAME:CAPACITY[:PATH]' (e.g. 'cpu:4GiB', 'disk:20GiB:/var/cache/tokenmill/kv'): "
+            "a prefix that misses on the device is loaded from them instead of recomputed "
+            "(docs/kv_cache.md#kv-tiers).",
+            flag="--kv-tier",
+        ),
+    ] = msgspec.field(default_factory=list)
     speculative_config: Annotated[
         SpeculativeConfig,
         describe("Speculative decoding, as vLLM's JSON (`tokenmill.config.speculative`).", flag="--speculative-config"),
@@ -133,6 +143,11 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         data = _deep_merge(data, overrides)
         if path is not None:
             source = f"{path} (with command-line flags)"
+    if isinstance(data.get("kv_tiers"), list):  # 'NAME:CAPACITY[:PATH]' strings, from flags or keywords
+        try:
+            data["kv_tiers"] = [kv_tier_entry(e) if isinstance(e, str) else e for e in data["kv_tiers"]]
+        except ValueError as exc:
+            raise ConfigError(f"{source}: {exc}") from None
     try:
         return msgspec.convert(data, EngineConfig)
     except msgspec.ValidationError as exc:
@@ -149,7 +164,8 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml_value(item) for item in value) + "]"
     if isinstance(value, dict):
-        return "{" + ", ".join(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in value.items()) + "}"
+        items = [(k, v) for k, v in value.items() if v is not None]  # TOML has no null: unset keys are left out
+        return "{" + ", ".join(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in items) + "}"
     raise TypeError(f"cannot write {type(value).__name__} as TOML")
 
 

@@ -34,6 +34,18 @@ class ServerConfig(ConfigSection, frozen=True):
         ),
     ] = msgspec.field(default_factory=list)
     router: Annotated[str, describe("Routing policy plugin that picks an engine per request.")] = "round-robin"
+    disaggregated_prefill: Annotated[
+        bool,
+        describe(
+            "Start a prefill engine and a decode engine instead of one: the prefill engine computes each prompt's "
+            "KV and ships its blocks to the decode engine over a KV connector (zmq-push/zmq-pull KV tiers), so "
+            "long prompts never stall the decode steps (docs/kv_cache.md#disaggregated-prefill)."
+        ),
+    ] = False
+    kv_transfer_buffer: Annotated[
+        str,
+        describe("With disaggregated_prefill: host memory the decode engine keeps received KV blocks in."),
+    ] = "2GiB"
     drain_timeout: Annotated[
         Annotated[float, msgspec.Meta(ge=0)],
         describe("On SIGTERM, seconds to let running requests finish before exiting."),

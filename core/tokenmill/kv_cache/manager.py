@@ -30,7 +30,7 @@ from tokenmill.kv_cache.block_hash import hash_block, root_hash
 from tokenmill.kv_cache.block_pool import BlockPool
 
 if TYPE_CHECKING:
-    from tokenmill.kv_cache.tier import KVTier
+    from tokenmill.kv_cache.tier_stack import KVTierStack
 
 logger = logging.getLogger(__name__)
 
@@ -40,20 +40,21 @@ class PrefixMatch:
     """Cached full blocks matching a request's leading tokens, from ``lookup_prefix``."""
 
     block_ids: list[int]  # cached full blocks matching the request's leading tokens
-    num_tokens: int  # (len(block_ids) + len(loaded)) * block_size
+    num_tokens: int  # (len(block_ids) + len(tier_hashes)) * block_size
     # The hash each block had at lookup time: allocate_slots refuses the match if one was evicted since.
     block_hashes: tuple[bytes, ...] = ()
-    #: The blocks that follow ``block_ids``, fetched from the KV tiers: ``(block hash, block data)``.
-    #: ``allocate_slots`` gives each a device block and queues its data to be written there.
-    loaded: tuple[tuple[bytes, Any], ...] = ()
+    #: The hashes of the blocks that follow ``block_ids`` that a KV tier holds. ``allocate_slots`` fetches
+    #: their data, gives each a device block and queues the data to be written there.
+    tier_hashes: tuple[bytes, ...] = ()
 
 
 @dataclass
 class KVTransfers:
     """Block copies between the device cache and the KV tiers that must happen before a step's forward, in
-    this order: ``stores`` (read evicted blocks before anything overwrites them), then ``loads``."""
+    this order: ``stores`` (read blocks before anything overwrites them), then ``loads``."""
 
-    #: ``(block_id, block_hash)`` of cached blocks evicted this step, to read and pass to ``store_evicted``.
+    #: ``(block_id, block_hash)`` of blocks to write to the tiers (evicted this step, or left with a finished
+    #: request): the engine reads them off the device and passes them to ``store_blocks``.
     stores: list[tuple[int, bytes]] = field(default_factory=list)
     #: ``(block_id, data)``: blocks fetched from a tier, to write into these device blocks.
     loads: list[tuple[int, Any]] = field(default_factory=list)
@@ -147,8 +148,8 @@ class KVCacheManager(ABC):
         Called by the scheduler once per step, at the end of ``schedule``; none without KV tiers."""
         return KVTransfers()
 
-    def store_evicted(self, blocks: list[tuple[bytes, Any]]) -> None:
-        """Write evicted blocks' data (read by the engine from the device) to the nearest KV tier."""
+    def store_blocks(self, blocks: list[tuple[bytes, Any]]) -> None:
+        """Write the data of ``take_transfers().stores`` (read by the engine off the device) to the KV tiers."""
 
     @property
     def prefix_cache_hits(self) -> int:
@@ -173,16 +174,18 @@ class PagedKVCacheManager(KVCacheManager):
         block_size: int,
         enable_prefix_caching: bool = True,
         hash_salt: str = "",
-        tiers: Sequence[KVTier] = (),
+        tiers: KVTierStack | None = None,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}; set cache.block_size")
         self._pool = BlockPool(num_blocks)
-        # KV tiers, nearest first: evicted cached blocks are written back to tiers[0], and a prefix that misses
-        # on the device continues down the tiers.
-        self._tiers = list(tiers) if enable_prefix_caching else []
-        self._pool.record_evictions = bool(self._tiers)
+        # KV tiers, nearest first: blocks leave the device for them (on eviction or with a finished request)
+        # and a prefix that misses on the device continues down them.
+        self._tiers = tiers if tiers and enable_prefix_caching else None
+        self._pool.record_evictions = self._tiers is not None and self._tiers.takes_evictions
         self._pending_loads: list[tuple[int, Any]] = []
+        self._completed: dict[bytes, int] = {}  # hash -> block id of finished requests' blocks for the tiers
+        self._evicted_hashes: set[bytes] = set()  # which of the stores handed out were evictions
         self._block_size = block_size
         self._enable_prefix_caching = enable_prefix_caching
         self._hash_salt = hash_salt  # names the model: every block hash is salted with it
@@ -267,39 +270,45 @@ class PagedKVCacheManager(KVCacheManager):
                 break
             block_ids.append(block_id)
             hashes.append(parent)
-        loaded = self._fetch_from_tiers(token_ids, len(block_ids), max_blocks, parent) if self._tiers else ()
+        in_tiers = self._in_tiers(token_ids, len(block_ids), max_blocks, parent) if self._tiers else ()
         return PrefixMatch(
             block_ids=block_ids,
-            num_tokens=(len(block_ids) + len(loaded)) * block_size,
+            num_tokens=(len(block_ids) + len(in_tiers)) * block_size,
             block_hashes=tuple(hashes),
-            loaded=loaded,
+            tier_hashes=in_tiers,
         )
 
-    def _fetch_from_tiers(
-        self, token_ids: Sequence[int], first: int, max_blocks: int, first_hash: bytes
-    ) -> tuple[tuple[bytes, Any], ...]:
-        """Blocks ``first``, ``first + 1``, ... of ``token_ids`` from the nearest tier holding each, until one
-        is in none; ``first_hash`` is block ``first``'s hash (the device cache missed it)."""
-        loaded: list[tuple[bytes, Any]] = []
+    def _in_tiers(self, token_ids: Sequence[int], first: int, max_blocks: int, first_hash: bytes) -> tuple[bytes, ...]:
+        """The hashes of blocks ``first``, ``first + 1``, ... of ``token_ids`` that a tier holds, until one is in
+        none; ``first_hash`` is block ``first``'s hash (the device cache missed it). No I/O: data is fetched
+        only when the request is admitted."""
+        assert self._tiers is not None
+        found: list[bytes] = []
         block_hash = first_hash
         for i in range(first, max_blocks):
             if i > first:
                 block_hash = hash_block(block_hash, token_ids[i * self._block_size : (i + 1) * self._block_size])
-            data = next((d for tier in self._tiers if (d := tier.fetch(block_hash)) is not None), None)
-            if data is None:
+            if not self._tiers.contains(block_hash):
                 break
-            loaded.append((block_hash, data))
-        return tuple(loaded)
+            found.append(block_hash)
+        return tuple(found)
 
     def take_transfers(self) -> KVTransfers:
-        transfers = KVTransfers(stores=self._pool.evicted, loads=self._pending_loads)
-        self._pool.evicted, self._pending_loads = [], []
+        evicted, self._pool.evicted = self._pool.evicted, []
+        self._evicted_hashes = {block_hash for _, block_hash in evicted}
+        completed = [(block_id, h) for h, block_id in self._completed.items() if h not in self._evicted_hashes]
+        self._completed = {}
+        transfers = KVTransfers(stores=evicted + completed, loads=self._pending_loads)
+        self._pending_loads = []
         return transfers
 
-    def store_evicted(self, blocks: list[tuple[bytes, Any]]) -> None:
-        if self._tiers:
-            for block_hash, data in blocks:
-                self._tiers[0].store(block_hash, data)
+    def store_blocks(self, blocks: list[tuple[bytes, Any]]) -> None:
+        if self._tiers is None:
+            return
+        for block_hash, data in blocks:
+            self._tiers.store_completed(block_hash, data)  # the tiers that take every computed block first
+            if block_hash in self._evicted_hashes:
+                self._tiers.store_evicted(block_hash, data)
 
     def cache_full_blocks(
         self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int, cache_salt: str | None = None
@@ -416,6 +425,14 @@ class PagedKVCacheManager(KVCacheManager):
                 pool.num_free_blocks,
             )
             return None
+        loaded: list[Any] = []
+        if state is None and prefix is not None and prefix.tier_hashes:
+            assert self._tiers is not None, "a PrefixMatch with tier blocks from a manager without tiers"
+            fetched = self._tiers.fetch_all(prefix.tier_hashes)
+            if fetched is None:  # gone since lookup_prefix: the next lookup will not offer it
+                logger.debug("A KV tier lost a block of request %s's prefix since lookup; retrying", request_id)
+                return None
+            loaded = fetched
 
         # Enough room: from here on nothing fails. Attach the prefix before allocating so it cannot be evicted.
         if state is None:
@@ -439,10 +456,11 @@ class PagedKVCacheManager(KVCacheManager):
             del state.block_hashes[first_written:]
         new_block_ids = pool.allocate(num_new_blocks)
         table.extend(new_block_ids)
-        if prefix is not None and prefix.loaded:
+        if loaded:
+            assert prefix is not None
             # The first new blocks hold the tier's data once the engine has written it, before the forward:
             # publish them under their hashes like any computed full block.
-            for block_id, (block_hash, data) in zip(new_block_ids, prefix.loaded, strict=False):
+            for block_id, block_hash, data in zip(new_block_ids, prefix.tier_hashes, loaded, strict=False):
                 self._pending_loads.append((block_id, data))
                 pool.cache_block(block_id, block_hash)
         if prefix_block_ids:
@@ -473,8 +491,13 @@ class PagedKVCacheManager(KVCacheManager):
         block is evicted last. Unknown ``request_id``: no-op.
         """
         state = self._requests.pop(request_id, None)
-        if state is not None:
-            self._pool.free(reversed(state.block_ids))
+        if state is None:
+            return
+        if self._tiers is not None:  # 'completion' tiers take the blocks it computed (read before any reuse)
+            for block_id, block_hash in zip(state.block_ids, state.block_hashes, strict=False):
+                if block_hash not in self._completed and self._tiers.needs_completed(block_hash):
+                    self._completed[block_hash] = block_id
+        self._pool.free(reversed(state.block_ids))
 
     def truncate(self, request_id: str, num_tokens: int) -> None:
         """Free the request's blocks past ``ceil(num_tokens / block_size)``, tail first (never cached: a block
@@ -516,7 +539,7 @@ class PagedKVCacheManager(KVCacheManager):
         return state
 
     def _check_prefix(self, prefix: PrefixMatch) -> None:
-        num_blocks = len(prefix.block_ids) + len(prefix.loaded)
+        num_blocks = len(prefix.block_ids) + len(prefix.tier_hashes)
         if prefix.num_tokens != num_blocks * self._block_size:
             raise ValueError(
                 f"PrefixMatch.num_tokens={prefix.num_tokens} but {num_blocks} blocks of "

@@ -31,6 +31,17 @@ _ENGINE_COUNTERS = {
 }
 
 
+#: KV tier counters by ``KVTierStatsMessage`` field; exported as ``tokenmill_kv_tier_<field>`` by ``tier``.
+_KV_TIER_COUNTERS = {
+    "hits": "KV tier: blocks fetched.",
+    "misses": "KV tier: fetches that found nothing.",
+    "bytes_read": "KV tier: bytes fetched.",
+    "bytes_written": "KV tier: bytes stored.",
+    "rejected": "KV tier: blocks found unusable (corrupt, truncated, foreign) or refused.",
+    "errors": "KV tier: I/O failures (the blocks were recomputed instead).",
+}
+
+
 class _EngineCollector(Collector):
     """Engine state at scrape time, one sample per engine replica (label ``engine``)."""
 
@@ -54,11 +65,27 @@ class _EngineCollector(Collector):
             "Speculative decoding: draft tokens accepted, by their position among the drafts (0 first).",
             labels=["model", "engine", "position"],
         )
+        tier_counters = {
+            key: CounterMetricFamily(f"tokenmill_kv_tier_{key}", text, labels=["model", "engine", "tier"])
+            for key, text in _KV_TIER_COUNTERS.items()
+        }
+        loads = CounterMetricFamily("tokenmill_kv_tier_loads", "KV tiers: prefixes loaded instead of recomputed.",
+                                    labels=["model", "engine"])  # fmt: skip
+        load_seconds = CounterMetricFamily(
+            "tokenmill_kv_tier_load_seconds", "KV tiers: seconds spent loading prefixes (divide by loads for the "
+            "mean load latency).", labels=["model", "engine"],
+        )  # fmt: skip
         for client in self.group.clients:
             stats = client.stats
             if stats is None:
                 continue
             labels = [self.model, str(client.index)]
+            for tier in stats.kv_tiers:
+                for key, family in tier_counters.items():
+                    family.add_metric([*labels, tier.name], getattr(tier, key))
+            if stats.kv_tiers:
+                loads.add_metric(labels, stats.kv_tier_loads)
+                load_seconds.add_metric(labels, stats.kv_tier_load_seconds)
             running.add_metric(labels, stats.num_running)
             waiting.add_metric(labels, stats.num_waiting)
             usage.add_metric(labels, stats.kv_cache_usage)
@@ -66,7 +93,7 @@ class _EngineCollector(Collector):
                 family.add_metric(labels, getattr(stats, key))
             for position, count in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
                 per_pos.add_metric([*labels, str(position)], count)
-        yield from (running, waiting, usage, *counters.values(), per_pos)
+        yield from (running, waiting, usage, *counters.values(), per_pos, *tier_counters.values(), loads, load_seconds)
 
 
 class ServerMetrics:

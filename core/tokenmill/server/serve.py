@@ -13,14 +13,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import uvicorn
 
-from tokenmill.config import EngineConfig
-from tokenmill.engine_client import EngineClient, EngineGroup, start_local_engines
+from tokenmill.config import ConfigError, EngineConfig
+from tokenmill.config.cache import KVTierConfig
+from tokenmill.engine_client import DisaggregatedGroup, EngineClient, EngineGroup, start_local_engines
 from tokenmill.model_files import DEFAULT_MODEL, resolve_tokenizer
 from tokenmill.plugin_manager import Slot, resolve_plugins
 from tokenmill.server.app import ServerState, build_app
@@ -54,6 +58,25 @@ def served_model_name(config: EngineConfig) -> str:
     return model if model == DEFAULT_MODEL.name else Path(model).name
 
 
+def disaggregated_configs(config: EngineConfig) -> tuple[EngineConfig, EngineConfig]:
+    """The prefill and the decode engine's configs: each the server's, plus the two ends of a KV connector
+    (``zmq-push`` on the prefill engine, ``zmq-pull`` on the decode engine) over a fresh ipc:// address."""
+    if config.server.engines or config.server.data_parallel_size > 1:
+        raise ConfigError("server.disaggregated_prefill starts its own two engines: it cannot be combined with "
+                          "server.engines or data_parallel_size > 1")  # fmt: skip
+    if not config.cache.enable_prefix_caching:
+        raise ConfigError("server.disaggregated_prefill needs cache.enable_prefix_caching: the decode engine "
+                          "finds the shipped blocks through its prefix cache")  # fmt: skip
+    address = f"ipc://{os.path.join(tempfile.mkdtemp(prefix='tokenmill-kv-'), 'kv-transfer.sock')}"
+    buffer = config.server.kv_transfer_buffer
+    push = KVTierConfig("zmq-push", buffer, address)
+    pull = KVTierConfig("zmq-pull", buffer, address)
+    return (
+        msgspec.structs.replace(config, kv_tiers=[*config.kv_tiers, push]),
+        msgspec.structs.replace(config, kv_tiers=[*config.kv_tiers, pull]),
+    )
+
+
 def run_server(config: EngineConfig) -> int:
     """Serve until stopped; returns the process exit status (1 when an engine died)."""
     return asyncio.run(_serve(config))
@@ -66,14 +89,20 @@ async def _serve(config: EngineConfig) -> int:
     transport = plugins.create(Slot.TRANSPORT, config.transport.backend)
     router = plugins.create(Slot.ROUTER, config.server.router)
     router_plugin = plugins.registry.get(Slot.ROUTER, config.server.router).plugin
-    if config.server.engines:
+    group: EngineGroup
+    if config.server.disaggregated_prefill:
+        prefill, decode = start_local_engines(config, 2, transport, disaggregated_configs(config))
+        clients = [prefill, decode]
+        group = DisaggregatedGroup(prefill, decode, router)
+    elif config.server.engines:
         clients = [
             EngineClient(address, transport, index, None, config.server.engine_timeout)
             for index, address in enumerate(config.server.engines)
         ]
+        group = EngineGroup(clients, router, config.server.router, router_plugin)
     else:
         clients = start_local_engines(config, config.server.data_parallel_size, transport)
-    group = EngineGroup(clients, router, config.server.router, router_plugin)
+        group = EngineGroup(clients, router, config.server.router, router_plugin)
     try:
         await asyncio.gather(*(client.start(ENGINE_START_TIMEOUT_S) for client in clients))
         tokenizer = await asyncio.to_thread(

@@ -67,7 +67,7 @@ def load_model_weights(
     if directory is None or not _is_repacked(model):
         model.load_weights(weight_format.iter_tensors(path))
         return
-    sources = _model_files(path)
+    sources = model_file_stats(path)
     key = cache_key(sources, weight_format, model, dtype, device)
     entry = directory / f"{path.stem}-{key[:16]}.safetensors"
     if entry.exists() and _load_entry(model, entry, key, device):
@@ -109,7 +109,7 @@ def _name(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def _model_files(path: Path) -> dict[str, tuple[int, int]]:
+def model_file_stats(path: Path) -> dict[str, tuple[int, int]]:
     """Every file of the model at ``path`` (a file, or a checkpoint directory), with its size and mtime."""
     files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
     return {str(f.resolve()): (stat.st_size, stat.st_mtime_ns) for f in files for stat in [f.stat()]}

@@ -132,7 +132,11 @@ def check_kv_tier(
     (``capacity_blocks`` blocks of ``block_shape``) evicts the least recently used block first (a fetch
     counts as a use); ``stats`` counts hits and misses of ``fetch``; ``close`` can be called.
 
-    :param tier: the class or a factory, called as ``tier(capacity_bytes=...)``.
+    A tier that passes evicted blocks on returns exactly the evicted one from the ``store`` that evicted it;
+    ``fetch`` of a hash just evicted returns None and ``contains`` agrees.
+
+    :param tier: the class or a factory, called as ``tier(capacity_bytes=..., fingerprint=...)``; a tier that
+        needs a ``path`` is given as a factory (``functools.partial(DiskKVTier, path=tmp_path)``).
     :raises AssertionError: naming the call and what went wrong.
     """
     import torch
@@ -141,7 +145,7 @@ def check_kv_tier(
     generator = torch.Generator().manual_seed(0)
     blocks = [torch.randn(block_shape, generator=generator).to(dtype) for _ in range(capacity_blocks + 1)]
     block_bytes = blocks[0].numel() * blocks[0].element_size()
-    store = tier(capacity_bytes=capacity_blocks * block_bytes)
+    store = tier(capacity_bytes=capacity_blocks * block_bytes, fingerprint="conformance")
     name = type(store).__name__
     hashes = [bytes([i]) * 16 for i in range(len(blocks))]
 
@@ -149,7 +153,8 @@ def check_kv_tier(
         fail(f"{name}: fetch or contains of a hash never stored did not return None / False")
     for block_hash, block in zip(hashes[:capacity_blocks], blocks, strict=False):
         reused = block.clone()
-        store.store(block_hash, reused)
+        if store.store(block_hash, reused):
+            fail(f"{name}: store within capacity returned evicted blocks")
         reused.zero_()  # the caller may reuse its buffer once store returns
     for i in range(capacity_blocks):
         got = store.fetch(hashes[i])
@@ -159,11 +164,15 @@ def check_kv_tier(
             fail(f"{name}: fetch returned a different block than was stored (was the caller's tensor kept "
                  "rather than copied?)")  # fmt: skip
     store.fetch(hashes[0])  # block 0 is now the most recently used: block 1 goes first
-    store.store(hashes[-1], blocks[-1].clone())
+    passed_on = store.store(hashes[-1], blocks[-1].clone())
     present = [store.contains(h) for h in hashes]
     if present[1] or not present[0] or not present[-1]:
         fail(f"{name}: storing one block past capacity left blocks {[i for i, p in enumerate(present) if p]}; "
              "expected the least recently used one (1) evicted and the new one kept")  # fmt: skip
+    if not isinstance(passed_on, list) or any(
+        h != hashes[1] or not torch.equal(b.cpu(), blocks[1]) for h, b in passed_on
+    ):
+        fail(f"{name}: the store past capacity returned {passed_on!r}; expected [] or [(hash of block 1, block 1)]")
     if store.fetch(hashes[1]) is not None:
         fail(f"{name}: contains says block 1 was evicted, but fetch still returns it")
     hits, misses = store.stats.hits, store.stats.misses

@@ -1,0 +1,83 @@
+"""``KVTierStack``: the KV tiers below the device cache, nearest first, with each tier's write policy.
+
+The paged KV cache manager owns one and asks it three things: where a block
+that missed on the device can be found (``contains``, no I/O), for its data
+once the request is admitted (``fetch``), and to take blocks leaving the device
+(``store_evicted``) or leaving with a finished request (``store_completed``).
+Evictions cascade: what one ``eviction`` tier evicts goes to the next one below.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from tokenmill.kv_cache.tier import KVTier, WritePolicy
+
+if TYPE_CHECKING:
+    import torch
+
+
+class KVTierStack:
+    """Tiers nearest first, each with its write policy; counts load time for /metrics."""
+
+    def __init__(self, tiers: Sequence[tuple[KVTier, WritePolicy]]) -> None:
+        self.tiers = [tier for tier, _ in tiers]
+        self._eviction = [tier for tier, write in tiers if write == "eviction"]
+        self._completion = [tier for tier, write in tiers if write == "completion"]
+        self.num_loads = 0  # prefix loads (one per admitted request that loaded blocks)
+        self.load_seconds = 0.0  # their total time, fetches included
+
+    def __bool__(self) -> bool:
+        return bool(self.tiers)
+
+    @property
+    def takes_evictions(self) -> bool:
+        """Whether blocks the device evicts are wanted (some tier's policy is ``eviction``)."""
+        return bool(self._eviction)
+
+    def contains(self, block_hash: bytes) -> bool:
+        return any(tier.contains(block_hash) for tier in self.tiers)
+
+    def fetch_all(self, block_hashes: Sequence[bytes]) -> list[torch.Tensor] | None:
+        """The data of every block, each from the nearest tier that has it; None if one cannot be had now
+        (evicted or failed its check since ``contains`` said yes: the tier no longer claims it)."""
+        started = time.perf_counter()
+        blocks: list[torch.Tensor] = []
+        for block_hash in block_hashes:
+            data = next(
+                (d for tier in self.tiers if tier.contains(block_hash) and (d := tier.fetch(block_hash)) is not None),
+                None,
+            )
+            if data is None:
+                return None
+            blocks.append(data)
+        self.num_loads += 1
+        self.load_seconds += time.perf_counter() - started
+        return blocks
+
+    def needs_completed(self, block_hash: bytes) -> bool:
+        """Whether a ``completion`` tier lacks this block (so its data is worth reading off the device)."""
+        return any(not tier.contains(block_hash) for tier in self._completion)
+
+    def store_completed(self, block_hash: bytes, block: torch.Tensor) -> None:
+        for tier in self._completion:
+            if not tier.contains(block_hash):
+                self._cascade(tier, [(block_hash, block)])
+
+    def store_evicted(self, block_hash: bytes, block: torch.Tensor) -> None:
+        if self._eviction:
+            self._cascade(self._eviction[0], [(block_hash, block)])
+
+    def _cascade(self, tier: KVTier, blocks: list[tuple[bytes, torch.Tensor]]) -> None:
+        """Store ``blocks`` in ``tier``; what it evicts goes to the next ``eviction`` tier below it, and on."""
+        below = self._eviction[self._eviction.index(tier) + 1 :] if tier in self._eviction else []
+        for block_hash, block in blocks:
+            evicted = tier.store(block_hash, block)
+            if evicted and below:
+                self._cascade(below[0], evicted)
+
+    def close(self) -> None:
+        for tier in self.tiers:
+            tier.close()
