@@ -510,3 +510,51 @@ def speculative(
         rounds=rounds,
     )
     _report(report, output_json, format_speculative)
+
+
+@bench.command("kv-tiers")
+@config_options
+@click.option(
+    "--workload",
+    type=click.Choice(["multi-turn", "restart"]),
+    default="multi-turn",
+    show_default=True,
+    help="'multi-turn': conversations over shared documents whose prefixes exceed the device KV cache, with and "
+    "without the tiers; 'restart': a long prompt again after a restart over a disk tier, against a cold one.",
+)
+@click.option("--documents", type=click.IntRange(min=1), default=4, show_default=True, help="Shared documents.")
+@click.option("--document-len", type=click.IntRange(min=1), default=1024, show_default=True, help="Tokens each.")
+@click.option("--conversations-per-document", type=click.IntRange(min=1), default=2, show_default=True)
+@click.option("--turns", type=click.IntRange(min=1), default=3, show_default=True, help="Turns per conversation.")
+@click.option("--turn-len", type=click.IntRange(min=1), default=32, show_default=True, help="Tokens per question.")
+@click.option("--input-len", type=click.IntRange(min=2), default=2000, show_default=True, help="restart: prompt.")
+@click.option("--output-len", type=click.IntRange(min=1), default=16, show_default=True, help="Tokens per answer.")
+@click.option("--rounds", type=click.IntRange(min=1), default=1, show_default=True, help="multi-turn: repeats.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random prompts.")
+@_output_json
+def kv_tiers(
+    config: EngineConfig,
+    workload: str,
+    documents: int,
+    document_len: int,
+    conversations_per_document: int,
+    turns: int,
+    turn_len: int,
+    input_len: int,
+    output_len: int,
+    rounds: int,
+    seed: int,
+    output_json: Path | None,
+) -> None:
+    """Time to first token with and without --kv-tier tiers (offline engines, one process, greedy)."""
+    from tokenmill.bench.kv_tiers import format_kv_tiers, run_multi_turn, run_restart
+
+    if workload == "restart":
+        report = run_restart(config, input_len=input_len, output_len=output_len, seed=seed)
+    else:
+        report = run_multi_turn(
+            config, documents=documents, document_len=document_len,
+            conversations_per_document=conversations_per_document, turns=turns, turn_len=turn_len,
+            output_len=output_len, rounds=rounds, seed=seed,
+        )  # fmt: skip
+    _report(report, output_json, format_kv_tiers)

@@ -52,7 +52,8 @@ class TokenmillServer:
         return self._client
 
     def metrics(self) -> dict[str, float]:
-        """/metrics samples keyed by name plus labels; samples labelled by engine are summed over engines."""
+        """/metrics samples keyed by name plus labels; samples labelled by engine are summed over engines, keyed by
+        name plus their labels but ``engine`` and ``model`` (``tokenmill_kv_tier_hits_total{tier="disk"}``)."""
         text = httpx.get(f"{self.url}/metrics").text
         samples: dict[str, float] = {}
         for line in text.splitlines():
@@ -60,7 +61,9 @@ class TokenmillServer:
                 continue
             name, value = line.rsplit(" ", 1)
             if 'engine="' in name:
-                name = name.split("{")[0]
+                base, _, labels = name.partition("{")
+                kept = [label for label in labels.rstrip("}").split(",") if not label.startswith(("engine=", "model="))]
+                name = f"{base}{{{','.join(kept)}}}" if kept else base
             samples[name] = samples.get(name, 0.0) + float(value)
         return samples
 

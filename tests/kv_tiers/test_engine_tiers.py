@@ -1,0 +1,94 @@
+"""KV tiers under a real engine: greedy output with tiers equals without, through eviction, reload and preemption;
+tenant salts keep prefixes apart; a restart over a disk tier reloads what the last engine computed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.factories import make_engine, run_to_completion, save_hf_model
+from tokenmill.messages import EngineCoreRequest
+from tokenmill.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+def _prompt(seed: int, length: int = 40) -> list[int]:
+    return [(7 * i + 13 * seed) % 500 + 3 for i in range(length)]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("llama-tiny")
+    save_hf_model("llama-tiny", directory)
+    return directory
+
+
+def _rounds(engine, prompts: list[list[int]], concurrent: int, salt: str | None = None) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    """Run the prompts ``concurrent`` at a time, in order; each request's tokens."""
+    results = []
+    for start in range(0, len(prompts), concurrent):
+        batch = [
+            EngineCoreRequest(f"r{start + i}-{salt}", prompt, PARAMS, [], float(start + i), cache_salt=salt)
+            for i, prompt in enumerate(prompts[start : start + concurrent])
+        ]
+        tokens = run_to_completion(engine, batch)
+        results += [tokens[request.request_id] for request in batch]
+    return results
+
+
+def test_stacked_tiers_change_no_token_through_eviction_reload_and_preemption(model_dir: Path, tmp_path: Path) -> None:
+    # 4 requests of 40 + 8 tokens at once need 48 blocks of 4; the device has 30, so some are preempted, and
+    # the later rounds find their prefixes evicted. The cpu tier holds 6 blocks and passes the rest to disk.
+    prompts = [_prompt(seed) for seed in range(4)] * 2 + [_prompt(seed) + _prompt(9, 8) for seed in range(4)]
+    cache = {"num_kv_blocks": 30}
+    plain_engine = make_engine(model_dir, cache=cache)
+    plain = _rounds(plain_engine, prompts, concurrent=4)
+    assert plain_engine.stats().num_preemptions > 0  # the budget does force preemption
+
+    block_bytes = 2 * 2 * 4 * 2 * 16 * 4  # layers, K/V, block size, kv heads, head dim, float32
+    tiers = [
+        {"name": "cpu", "capacity": f"{6 * block_bytes}B"},
+        {"name": "disk", "capacity": "16MiB", "path": str(tmp_path), "write": "eviction"},
+    ]
+    tiered_engine = make_engine(model_dir, cache=cache, kv_tiers=tiers)  # type: ignore[arg-type]
+    arch = tiered_engine.loaded.arch
+    assert block_bytes == arch.num_layers * 2 * 4 * arch.num_kv_heads * arch.head_dim * 4
+    tiered = _rounds(tiered_engine, prompts, concurrent=4)
+    tiered_engine.close()
+    assert tiered == plain
+    cpu, disk = tiered_engine.kv_tiers
+    assert cpu.stats.hits > 0 and disk.stats.hits > 0  # both tiers served loads
+    assert disk.stats.bytes_written > 0  # what the cpu tier evicted went down to disk
+    assert tiered_engine.stats().kv_tier_loads > 0
+
+
+def test_a_prefix_cached_for_one_tenant_is_never_loaded_for_another(model_dir: Path, tmp_path: Path) -> None:
+    engine = make_engine(model_dir, cache={"num_kv_blocks": 24}, kv_tiers=[{"name": "cpu", "capacity": "16MiB"}])  # type: ignore[arg-type]
+    (tier,) = engine.kv_tiers
+    _rounds(engine, [_prompt(1)], 1, salt="tenant-a")
+    _rounds(engine, [_prompt(seed) for seed in range(2, 6)], 1, salt="tenant-a")  # evicts the first prefix
+    assert tier.stats.hits == 0
+    _rounds(engine, [_prompt(1)], 1, salt="tenant-b")
+    assert tier.stats.hits == 0  # same tokens, another tenant: computed, not loaded
+    _rounds(engine, [_prompt(1)], 1, salt="tenant-a")
+    assert tier.stats.hits > 0  # the owner loads it
+
+
+def test_a_new_engine_over_the_same_disk_tier_loads_what_the_last_one_computed(model_dir: Path, tmp_path: Path) -> None:
+    tiers = [{"name": "disk", "capacity": "16MiB", "path": str(tmp_path)}]
+    first = make_engine(model_dir, kv_tiers=tiers)  # type: ignore[arg-type]
+    expected = _rounds(first, [_prompt(3)], 1)
+    first.close()  # flushes the writes ('completion': every block it computed)
+    restarted = make_engine(model_dir, kv_tiers=tiers)  # type: ignore[arg-type]
+    assert _rounds(restarted, [_prompt(3)], 1) == expected
+    (disk,) = restarted.kv_tiers
+    assert disk.stats.hits == (len(_prompt(3)) - 1) // 4  # every reusable block came from disk
+    other_model = tmp_path / "other-model"
+    save_hf_model("llama-tiny", other_model, seed=1)
+    foreign = make_engine(other_model, kv_tiers=tiers)  # type: ignore[arg-type]
+    _rounds(foreign, [_prompt(3)], 1)
+    assert foreign.kv_tiers[0].stats.hits == 0  # other weights: another fingerprint, nothing shared
