@@ -297,7 +297,9 @@ class EngineCore:
                 blocks = self.runner.read_blocks([block_id for block_id, _ in transfers.stores])
                 self.kv_cache.store_blocks([(h, b) for (_, h), b in zip(transfers.stores, blocks, strict=True)])
             if transfers.loads:
+                started = time.perf_counter()
                 self.runner.write_blocks(transfers.loads)
+                self.kv_tier_stack.load_seconds += time.perf_counter() - started  # the device copy is part of a load
         self.runner.copy_blocks(scheduler_output.block_copies)
         chunks = [self._chunk(s) for s in scheduler_output.scheduled]
         # Rows of logits: each sampling request's last token, plus its drafts' positions when verifying.

@@ -229,6 +229,9 @@ def test_a_restart_over_capacity_keeps_the_most_recently_used_blocks(make_tier: 
         os.utime(tier.block_path(_hash(i)), (1_000_000 + i, 1_000_000 + i))  # written in order, long ago
     leftover = tier.block_path(_hash(0)).with_name("interrupted.tmp")
     leftover.write_bytes(b"half a block")
+    os.utime(leftover, (1_000_000, 1_000_000))  # a crashed writer's, long ago
+    in_progress = tier.block_path(_hash(1)).with_name("another-engine-writing.tmp")
+    in_progress.write_bytes(b"a block being written right now")
 
     reader = make_tier(capacity_bytes=10 * 4096)
     assert _bit_equal(reader.fetch(_hash(0)), big[0])  # a hit: block 0 becomes the most recent, on disk too
@@ -240,6 +243,7 @@ def test_a_restart_over_capacity_keeps_the_most_recently_used_blocks(make_tier: 
     small.close()
     assert [tier.block_path(_hash(i)).exists() for i in range(5)] == [True, False, False, False, True]
     assert not leftover.exists()
+    assert in_progress.exists()  # a fresh temporary file may be a live engine's on the same directory
 
 
 def test_a_stored_block_is_served_before_its_file_is_written(make_tier: MakeTier, gate: threading.Event) -> None:

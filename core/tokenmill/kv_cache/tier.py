@@ -57,6 +57,10 @@ class KVTier(ABC):
     ``[num_layers, 2, block_size, num_kv_heads, head_dim]`` (keys then values) in the KV cache's dtype,
     on the CPU.
 
+    ``capacity_bytes`` counts K/V bytes (``numel * element_size`` of the blocks held), not the bytes a tier's
+    own format adds. The tensor ``fetch`` returns may be the tier's own (or a read-only buffer): callers copy
+    from it and never write to it.
+
     Contract (checked by ``tokenmill.testing.check_kv_tier``):
     - ``fetch`` after ``store`` of the same hash returns an equal tensor, until evicted;
     - ``fetch`` of an unknown hash returns None and never raises; once ``fetch`` has returned None for a

@@ -27,7 +27,7 @@ class KVTierStack:
         self._eviction = [tier for tier, write in tiers if write == "eviction"]
         self._completion = [tier for tier, write in tiers if write == "completion"]
         self.num_loads = 0  # prefix loads (one per admitted request that loaded blocks)
-        self.load_seconds = 0.0  # their total time, fetches included
+        self.load_seconds = 0.0  # their total time: fetches here, plus the engine's copies to the device
 
     def __bool__(self) -> bool:
         return bool(self.tiers)

@@ -26,9 +26,11 @@ on ``fetch`` (corrupt, truncated, another fingerprint's) counts in ``stats.rejec
 
 Restart: the constructor lists the fingerprint's directory (names, sizes and modification times only, no
 reads), rebuilds the LRU order from the times (a hit touches its file, so recency survives a restart) and
-deletes the oldest files past the capacity and any leftover temporary files. ``capacity_bytes`` counts K/V
-bytes, as for the other tiers; a block found by the scan counts at its file size (a few hundred bytes more)
-until it is first read.
+deletes the oldest files past the capacity and temporary files left by a crash (older than 10 minutes).
+``capacity_bytes`` counts K/V bytes, as for the other tiers; a block found by the scan counts at its file
+size (a few hundred bytes more) until it is first read. Engines sharing one directory (data parallel) share
+its blocks, but each enforces the capacity on its own view: give each engine its own directory to bound
+the total, or accept that one may evict (and the other then miss, counting an error) what the other wrote.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ import queue
 import re
 import tempfile
 import threading
+import time
 import weakref
 from pathlib import Path
 from typing import ClassVar
@@ -62,6 +65,7 @@ _FORMAT = "tokenmill-kv-block"
 _VERSION = "1"
 _SUFFIX = ".safetensors"
 _TMP_SUFFIX = ".tmp"
+_STALE_TMP_S = 600.0  # a temporary file this old is a crashed writer's, not a live one's
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 
 # The writer thread's work: write a queued block, delete an evicted or rejected file, touch a hit file.
@@ -296,7 +300,10 @@ class DiskKVTier(KVTier):
                 with contextlib.suppress(FileNotFoundError), os.scandir(subdir) as entries:
                     for entry in entries:
                         if entry.name.endswith(_TMP_SUFFIX):
-                            leftovers.append(entry.path)
+                            # Another live engine on the same directory may be writing it: only old ones are left over.
+                            with contextlib.suppress(OSError):
+                                if time.time() - entry.stat().st_mtime > _STALE_TMP_S:
+                                    leftovers.append(entry.path)
                             continue
                         stem = entry.name.removesuffix(_SUFFIX)
                         if stem == entry.name or stem[:2] != os.path.basename(subdir) or not entry.is_file():
