@@ -240,6 +240,11 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._awaiting_kv)
 
+    @property
+    def only_waiting_for_kv(self) -> bool:
+        """Whether all there is to do is wait for disaggregated requests' blocks (nothing to compute yet)."""
+        return bool(self._awaiting_kv) and not self.scheduler.has_unfinished_requests()
+
     def stats(self) -> EngineStatsMessage:
         """A snapshot for metrics and routers; cheap to take every step."""
         stats = self.scheduler.stats()

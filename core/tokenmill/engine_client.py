@@ -284,6 +284,10 @@ class DisaggregatedGroup(EngineGroup):
     def max_num_seqs(self) -> int:
         return self.clients[1].ready.max_num_seqs if self.clients[1].ready else 0
 
+    @property
+    def num_in_flight(self) -> int:
+        return self.clients[1].num_in_flight  # every request holds a decode stream from the start
+
     def add_request(self, request: EngineCoreRequest) -> RequestStream:
         stream = self.clients[1].open_stream(request.request_id)
         task = asyncio.create_task(self._prefill_then_decode(request))

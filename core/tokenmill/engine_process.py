@@ -76,7 +76,8 @@ def run_engine_process(config_data: dict[str, Any], address: str, watch_parent: 
                 logger.warning("parent process died; exiting")
                 break
             busy = engine.has_unfinished_requests()
-            server.receive(timeout_ms=0 if busy else int(HEARTBEAT_INTERVAL_S * 1000))
+            idle_ms = 1 if engine.only_waiting_for_kv else int(HEARTBEAT_INTERVAL_S * 1000)  # KV arrives elsewhere
+            server.receive(timeout_ms=0 if busy and not engine.only_waiting_for_kv else idle_ms)
             if engine.has_unfinished_requests():
                 server.send_outputs(engine.step())
             server.heartbeat()

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.factories import make_engine, run_to_completion, save_hf_model
+from tokenmill.kv_cache import block_hashes
 from tokenmill.messages import EngineCoreRequest
 from tokenmill.sampling_params import SamplingParams
 
@@ -92,3 +93,35 @@ def test_a_new_engine_over_the_same_disk_tier_loads_what_the_last_one_computed(m
     foreign = make_engine(other_model, kv_tiers=tiers)  # type: ignore[arg-type]
     _rounds(foreign, [_prompt(3)], 1)
     assert foreign.kv_tiers[0].stats.hits == 0  # other weights: another fingerprint, nothing shared
+
+
+def test_a_decode_engine_holds_a_remote_prefill_request_until_its_blocks_arrive(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tokenmill.engine
+
+    prompt = _prompt(5)
+    prefill = make_engine(model_dir, kv_tiers=[{"name": "cpu", "capacity": "16MiB", "write": "completion"}])  # type: ignore[arg-type]
+    (expected,) = _rounds(prefill, [prompt], 1)  # its blocks are now in the prefill engine's tier
+    decode = make_engine(model_dir, kv_tiers=[{"name": "cpu", "capacity": "16MiB", "write": "none"}])  # type: ignore[arg-type]
+    remote = {"do_remote_prefill": True}
+    decode.add_request(EngineCoreRequest("d", prompt, PARAMS, [], 0.0, kv_transfer_params=remote))
+    assert decode.only_waiting_for_kv and decode.step() == []  # held: nothing is computed yet
+    source, received = prefill.kv_tiers[0], decode.kv_tiers[0]
+    assert source.stats.bytes_written > 0 and received.stats.bytes_written == 0  # 'none': never written locally
+    for block_hash in block_hashes(prompt, 4, decode.kv_cache_hash_salt)[: (len(prompt) - 1) // 4]:
+        block = source.fetch(block_hash)
+        assert block is not None
+        received.store(block_hash, block)  # what the KV connector does
+    assert run_to_completion(decode, [])["d"] == expected
+    assert received.stats.hits == (len(prompt) - 1) // 4  # every reusable block loaded, none recomputed
+
+    monkeypatch.setattr(tokenmill.engine, "KV_TRANSFER_TIMEOUT_S", 0.0)  # blocks that never come
+    late = EngineCoreRequest("late", _prompt(6), PARAMS, [], 1.0, kv_transfer_params=remote)
+    assert run_to_completion(decode, [late])["late"] == _rounds(prefill, [_prompt(6)], 1)[0]  # computed here
+
+    monkeypatch.setattr(tokenmill.engine, "KV_TRANSFER_TIMEOUT_S", 60.0)
+    decode.add_request(EngineCoreRequest("gone", _prompt(7), PARAMS, [], 2.0, kv_transfer_params=remote))
+    (aborted,) = decode.abort_requests(["gone"])
+    assert aborted.finish_reason == "abort" and aborted.request_finished
+    assert not decode.has_unfinished_requests()
