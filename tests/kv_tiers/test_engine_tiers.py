@@ -3,6 +3,7 @@ tenant salts keep prefixes apart; a restart over a disk tier reloads what the la
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -125,3 +126,26 @@ def test_a_decode_engine_holds_a_remote_prefill_request_until_its_blocks_arrive(
     (aborted,) = decode.abort_requests(["gone"])
     assert aborted.finish_reason == "abort" and aborted.request_finished
     assert not decode.has_unfinished_requests()
+
+
+def test_a_damaged_or_vanished_disk_tier_costs_recomputation_never_a_wrong_token(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    tiers = [{"name": "disk", "capacity": "16MiB", "path": str(tmp_path / "kv")}]
+    first = make_engine(model_dir, kv_tiers=tiers)  # type: ignore[arg-type]
+    expected = _rounds(first, [_prompt(8), _prompt(9)], 1)
+    first.close()
+    files = sorted((tmp_path / "kv").rglob("*.safetensors"))
+    assert len(files) >= 2 * (len(_prompt(8)) // 4)  # every prompt block of both (and some of the answers')
+    for file in files:  # flip a byte near the end of each file: in the K/V payload
+        data = bytearray(file.read_bytes())
+        data[-3] ^= 0xFF
+        file.write_bytes(bytes(data))
+    restarted = make_engine(model_dir, kv_tiers=tiers)  # type: ignore[arg-type]
+    (disk,) = restarted.kv_tiers
+    assert _rounds(restarted, [_prompt(8)], 1) == expected[:1]  # every block failed its checksum: recomputed
+    assert disk.stats.rejected > 0 and disk.stats.hits == 0
+    shutil.rmtree(tmp_path / "kv")  # the directory vanishes while serving
+    assert _rounds(restarted, [_prompt(9)], 1) == expected[1:]
+    assert disk.stats.errors > 0 and disk.stats.hits == 0
+    restarted.close()
