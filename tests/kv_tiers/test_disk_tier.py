@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -287,3 +288,46 @@ def test_a_process_that_exits_without_close_still_writes_its_queue(tmp_path: Pat
     assert all(tier.contains(_hash(i)) for i in range(20))
     assert _bit_equal(tier.fetch(_hash(19)), torch.full(SHAPE, 19.0))
     tier.close()
+
+
+def test_prefetch_reads_in_the_background_and_says_when_the_blocks_are_in_memory(
+    make_tier: MakeTier, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tier = make_tier()
+    for i in range(3):
+        tier.store(_hash(i), _block(i))
+    tier.close()
+    reader = make_tier()
+    released = threading.Event()
+    read = reader._read
+
+    def slow_read(block_hash: bytes) -> torch.Tensor | None:
+        released.wait(5)
+        return read(block_hash)
+
+    monkeypatch.setattr(reader, "_read", slow_read)
+    hashes = [_hash(i) for i in range(3)]
+    assert reader.prefetch(hashes) is False  # reading has started, nothing is in memory yet
+    assert reader.prefetch(hashes) is False  # asking again starts no second read
+    released.set()
+    deadline = time.monotonic() + 5
+    while not reader.prefetch(hashes) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert reader.prefetch(hashes)
+    monkeypatch.setattr(reader, "_read", lambda block_hash: pytest.fail("fetch read the file again"))
+    assert all(_bit_equal(reader.fetch(_hash(i)), _block(i)) for i in range(3))
+    assert reader.stats.hits == 3 and reader.stats.bytes_read == 3 * _nbytes(_block(0))
+
+
+def test_a_block_that_fails_its_check_while_prefetched_is_forgotten(make_tier: MakeTier) -> None:
+    tier = make_tier()
+    tier.store(_hash(0), _block(0))
+    tier.close()
+    path = tier.block_path(_hash(0))
+    path.write_bytes(path.read_bytes()[:-10])  # truncated
+    reader = make_tier()
+    deadline = time.monotonic() + 5
+    while not reader.prefetch([_hash(0)]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not reader.contains(_hash(0)) and reader.fetch(_hash(0)) is None
+    assert reader.stats.rejected == 1

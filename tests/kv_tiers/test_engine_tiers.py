@@ -4,9 +4,11 @@ tenant salts keep prefixes apart; a restart over a disk tier reloads what the la
 from __future__ import annotations
 
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.factories import make_engine, run_to_completion, save_hf_model
 from tokenmill.kv_cache import block_hashes
@@ -149,3 +151,37 @@ def test_a_damaged_or_vanished_disk_tier_costs_recomputation_never_a_wrong_token
     assert _rounds(restarted, [_prompt(9)], 1) == expected[1:]
     assert disk.stats.errors > 0 and disk.stats.hits == 0
     restarted.close()
+
+
+def test_while_a_prefix_is_read_from_disk_the_running_requests_keep_decoding(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = make_engine(model_dir, kv_tiers=[{"name": "disk", "capacity": "16MiB", "path": str(tmp_path)}])  # type: ignore[arg-type]
+    (disk,) = engine.kv_tiers
+    (expected,) = _rounds(engine, [_prompt(10)], 1)
+    disk.flush()  # type: ignore[attr-defined]
+    assert engine.kv_cache.reset_prefix_cache()  # only the disk has the prefix now
+    gate = threading.Event()
+    read = disk._read  # type: ignore[attr-defined]
+
+    def slow_read(block_hash: bytes) -> torch.Tensor | None:
+        gate.wait(2)  # a slow disk: no read completes until the test says so (or 2 s pass)
+        return read(block_hash)
+
+    monkeypatch.setattr(disk, "_read", slow_read)
+    long = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    engine.add_request(EngineCoreRequest("running", _prompt(11), long, [], 0.0))
+    engine.step()  # its prompt
+    engine.add_request(EngineCoreRequest("from-disk", _prompt(10), PARAMS, [], 1.0))
+    tokens: dict[str, list[int]] = {"running": [], "from-disk": []}
+    for _ in range(5):  # the reads are stuck; the running request still gets a token every step
+        outputs = {output.request_id: output.new_token_ids for output in engine.step()}
+        assert len(outputs.get("running", [])) == 1 and "from-disk" not in outputs
+        tokens["running"] += outputs["running"]
+    gate.set()
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            tokens[output.request_id] += output.new_token_ids
+    assert tokens["from-disk"] == expected
+    assert disk.stats.hits == (len(_prompt(10)) - 1) // 4  # loaded, not recomputed
+    engine.close()

@@ -381,7 +381,9 @@ class PagedKVCacheManager(KVCacheManager):
         share is replaced by a private copy, reported in ``copies`` (in practice
         only the block of position ``num_computed_tokens``, after a fork).
         Returns None and changes nothing if there are not enough free and
-        evictable blocks; the scheduler then preempts someone.
+        evictable blocks (the scheduler then preempts someone, or for a waiting
+        request waits), or while the prefix's blocks are still being read from a
+        KV tier (the request waits; the running requests go on).
         """
         if num_computed_tokens < 0 or num_new_tokens < 0:
             raise ValueError(f"token counts must be >= 0, got {num_computed_tokens=} {num_new_tokens=}")
@@ -428,6 +430,9 @@ class PagedKVCacheManager(KVCacheManager):
         loaded: list[Any] = []
         if state is None and prefix is not None and prefix.tier_hashes:
             assert self._tiers is not None, "a PrefixMatch with tier blocks from a manager without tiers"
+            if not self._tiers.prefetch(prefix.tier_hashes):  # being read: the running requests go on meanwhile
+                logger.debug("Request %s waits for its prefix to be read from a KV tier", request_id)
+                return None
             fetched = self._tiers.fetch_all(prefix.tier_hashes)
             if fetched is None:  # gone since lookup_prefix: the next lookup will not offer it
                 logger.debug("A KV tier lost a block of request %s's prefix since lookup; retrying", request_id)

@@ -16,13 +16,15 @@ KV cache manager drives them (docs/kv_cache.md#kv-tiers):
   ``none`` tiers are never written by this engine (the receiving end of a KV
   connector, filled by another engine);
 - a prefix that misses on the device is looked up down the tiers with
-  ``contains`` (no I/O), and the blocks found are fetched only once the request
-  is admitted.
+  ``contains`` (no I/O); when the request is about to be admitted, a slow tier
+  reads the blocks in the background (``prefetch``) while the running requests
+  keep computing, and they are fetched once in memory.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Literal
 
@@ -97,6 +99,13 @@ class KVTier(ABC):
     @abstractmethod
     def fetch(self, block_hash: bytes) -> torch.Tensor | None:
         """The block stored under ``block_hash``, or None (not stored, evicted, or failed its check)."""
+
+    def prefetch(self, block_hashes: Sequence[bytes]) -> bool:
+        """Whether every one of these blocks (all held by this tier) can be fetched now without waiting on I/O;
+        if not, start reading them in the background and say False. Called when a request whose prefix they
+        are is about to be admitted: on False the request waits, and the running requests keep computing,
+        until a later call says True. A memory tier is always ready (the default)."""
+        return True
 
     def close(self) -> None:
         """Flush pending writes and release resources; called once at engine shutdown."""

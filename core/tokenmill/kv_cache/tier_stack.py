@@ -27,7 +27,8 @@ class KVTierStack:
         self._eviction = [tier for tier, write in tiers if write == "eviction"]
         self._completion = [tier for tier, write in tiers if write == "completion"]
         self.num_loads = 0  # prefix loads (one per admitted request that loaded blocks)
-        self.load_seconds = 0.0  # their total time: fetches here, plus the engine's copies to the device
+        self.load_seconds = 0.0  # their total time: background reads, fetches, and the engine's copies to the device
+        self._reads_started: dict[bytes, float] = {}  # first hash of a prefix being read -> when its reads began
 
     def __bool__(self) -> bool:
         return bool(self.tiers)
@@ -40,10 +41,25 @@ class KVTierStack:
     def contains(self, block_hash: bytes) -> bool:
         return any(tier.contains(block_hash) for tier in self.tiers)
 
+    def prefetch(self, block_hashes: Sequence[bytes]) -> bool:
+        """Whether every block can be fetched now without waiting on I/O; if not, the tiers holding them start
+        reading them in the background. A block no tier holds any more counts as ready (``fetch_all`` then
+        says None)."""
+        by_tier: dict[int, list[bytes]] = {}
+        for block_hash in block_hashes:
+            holder = next((i for i, tier in enumerate(self.tiers) if tier.contains(block_hash)), None)
+            if holder is not None:
+                by_tier.setdefault(holder, []).append(block_hash)
+        ready = all([self.tiers[i].prefetch(hashes) for i, hashes in by_tier.items()])  # every tier starts
+        if not ready and block_hashes:
+            self._reads_started.setdefault(block_hashes[0], time.perf_counter())
+        return ready
+
     def fetch_all(self, block_hashes: Sequence[bytes]) -> list[torch.Tensor] | None:
         """The data of every block, each from the nearest tier that has it; None if one cannot be had now
         (evicted or failed its check since ``contains`` said yes: the tier no longer claims it)."""
-        started = time.perf_counter()
+        started = self._reads_started.pop(block_hashes[0], None) if block_hashes else None
+        started = started if started is not None else time.perf_counter()
         blocks: list[torch.Tensor] = []
         for block_hash in block_hashes:
             data = next(

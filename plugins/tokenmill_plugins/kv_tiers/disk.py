@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import concurrent.futures
 import contextlib
 import functools
 import hashlib
@@ -49,6 +50,7 @@ import tempfile
 import threading
 import time
 import weakref
+from collections.abc import Sequence
 from pathlib import Path
 from typing import ClassVar
 
@@ -61,6 +63,8 @@ logger = logging.getLogger(__name__)
 
 #: Most bytes of blocks waiting for the writer (further capped by the capacity).
 MAX_PENDING_BYTES = 256 << 20
+#: Most bytes of blocks read ahead and not yet fetched (their request may have left meanwhile).
+MAX_READ_AHEAD_BYTES = 256 << 20
 _FORMAT = "tokenmill-kv-block"
 _VERSION = "1"
 _SUFFIX = ".safetensors"
@@ -133,6 +137,11 @@ class DiskKVTier(KVTier):
         self._max_pending_bytes = min(capacity_bytes, MAX_PENDING_BYTES)
         self._warned: set[object] = set()  # error kinds (errnos) logged already
         self._queue: queue.Queue[_Op | None] = queue.Queue()
+        # Blocks read ahead for a request about to be admitted (``prefetch``), until fetched; oldest first.
+        self._read_ahead: collections.OrderedDict[bytes, torch.Tensor] = collections.OrderedDict()
+        self._read_ahead_bytes = 0
+        self._reading: set[bytes] = set()
+        self._readers = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="tokenmill-kv-disk-read")
         self._closed = False
         self._scan()
         self._writer = threading.Thread(target=self._run_writer, name="tokenmill-kv-disk-writer", daemon=True)
@@ -187,17 +196,59 @@ class DiskKVTier(KVTier):
         self._queue.put(("write", block_hash, copy))
         return []  # evicted blocks are deleted, not passed on
 
+    def prefetch(self, block_hashes: Sequence[bytes]) -> bool:
+        """Read the blocks not in memory in the background (two reader threads); True once all are."""
+        to_read = []
+        with self._lock:
+            for block_hash in block_hashes:
+                if block_hash not in self._index or block_hash in self._pending or block_hash in self._read_ahead:
+                    continue  # gone (fetch will say so), or in memory already
+                if block_hash not in self._reading and not self._closed:
+                    self._reading.add(block_hash)
+                    to_read.append(block_hash)
+            ready = not any(h in self._reading for h in block_hashes)
+        for block_hash in to_read:
+            self._readers.submit(self._read_in_background, block_hash)
+        return ready
+
     def fetch(self, block_hash: bytes) -> torch.Tensor | None:
         with self._lock:
             if block_hash not in self._index:
                 self.stats.misses += 1
                 return None
             self._index.move_to_end(block_hash)
-            pending = self._pending.get(block_hash)
-            if pending is not None:
+            block = self._pending.get(block_hash)
+            if block is None and (block := self._read_ahead.pop(block_hash, None)) is not None:
+                self._read_ahead_bytes -= block.numel() * block.element_size()
+            if block is not None:
                 self.stats.hits += 1
-                self.stats.bytes_read += pending.numel() * pending.element_size()
-                return pending
+                self.stats.bytes_read += block.numel() * block.element_size()
+                return block
+        block = self._read(block_hash)
+        if block is None:
+            return None
+        size = block.numel() * block.element_size()
+        with self._lock:
+            self.stats.hits += 1
+            self.stats.bytes_read += size
+        return block
+
+    def _read_in_background(self, block_hash: bytes) -> None:
+        block = None
+        try:
+            block = self._read(block_hash)
+        finally:
+            with self._lock:
+                self._reading.discard(block_hash)
+                if block is not None and block_hash in self._index:
+                    self._read_ahead[block_hash] = block
+                    self._read_ahead_bytes += block.numel() * block.element_size()
+                    while self._read_ahead_bytes > MAX_READ_AHEAD_BYTES:  # read for a request that left
+                        _, old = self._read_ahead.popitem(last=False)
+                        self._read_ahead_bytes -= old.numel() * old.element_size()
+
+    def _read(self, block_hash: bytes) -> torch.Tensor | None:
+        """Read and check the block's file (any thread); None, counted and forgotten, if it fails."""
         try:
             with open(self.block_path(block_hash), "rb") as file:
                 data = file.read()
@@ -222,8 +273,6 @@ class DiskKVTier(KVTier):
             if block_hash in self._index:  # a block found by the scan counted at its file size until now
                 self._num_bytes += size - self._index[block_hash]
                 self._index[block_hash] = size
-            self.stats.hits += 1
-            self.stats.bytes_read += size
         self._submit(("touch", block_hash, None))
         return block
 
@@ -238,6 +287,7 @@ class DiskKVTier(KVTier):
             if self._closed:
                 return
             self._closed = True
+        self._readers.shutdown(wait=True, cancel_futures=True)
         self._queue.put(None)
         self._writer.join()
         atexit.unregister(self._at_exit)
@@ -251,6 +301,9 @@ class DiskKVTier(KVTier):
             self._num_bytes -= size
         if self._pending.pop(block_hash, None) is not None and size is not None:
             self._pending_bytes -= size
+        read_ahead = self._read_ahead.pop(block_hash, None)
+        if read_ahead is not None:
+            self._read_ahead_bytes -= read_ahead.numel() * read_ahead.element_size()
 
     # Called without the lock.
 
