@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -130,7 +131,8 @@ def check_kv_tier(
     ``fetch`` after ``store`` returns an equal tensor even if the caller reuses its block; an unknown hash
     gives None without raising; ``contains`` agrees with ``fetch``; storing more than ``capacity_bytes``
     (``capacity_blocks`` blocks of ``block_shape``) evicts the least recently used block first (a fetch
-    counts as a use); ``stats`` counts hits and misses of ``fetch``; ``close`` can be called.
+    counts as a use); ``prefetch`` of stored blocks says ready within 10 s; ``stats`` counts hits and misses of
+    ``fetch``; ``close`` can be called.
 
     A tier that passes evicted blocks on returns exactly the evicted one from the ``store`` that evicted it;
     ``fetch`` of a hash just evicted returns None and ``contains`` agrees.
@@ -156,6 +158,11 @@ def check_kv_tier(
         if store.store(block_hash, reused):
             fail(f"{name}: store within capacity returned evicted blocks")
         reused.zero_()  # the caller may reuse its buffer once store returns
+    deadline = time.monotonic() + 10
+    while not store.prefetch(hashes[:capacity_blocks]):  # a slow tier reads in the background meanwhile
+        if time.monotonic() > deadline:
+            fail(f"{name}: prefetch of stored blocks still said not ready after 10 s")
+        time.sleep(0.01)
     for i in range(capacity_blocks):
         got = store.fetch(hashes[i])
         if not store.contains(hashes[i]) or got is None:
