@@ -267,6 +267,8 @@ class EngineCore:
             self._admit_arrived()
         scheduler_output = self.scheduler.schedule()
         if not scheduler_output.scheduled:
+            if self.kv_tiers:  # perhaps a prefix being read in the background: let the readers run, not spin
+                time.sleep(0.0005)
             return []
         started = time.perf_counter()
         runner_output = self.execute(scheduler_output)
