@@ -34,7 +34,7 @@ from tokenmill.config.cache import KVTierConfig
 from tokenmill.cuda_graphs import cuda_graph_batch_sizes
 from tokenmill.kv_cache.block_hash import block_hashes
 from tokenmill.kv_cache.manager import KVCacheManager
-from tokenmill.kv_cache.tier import KVTier
+from tokenmill.kv_cache.tier import KVTier, check_tier_path
 from tokenmill.kv_cache.tier_stack import KVTierStack
 from tokenmill.memory import CacheLayout, plan_kv_cache
 from tokenmill.messages import (
@@ -127,11 +127,10 @@ class EngineCore:
 
     def _kv_tier_class(self, tier: KVTierConfig) -> type[KVTier]:
         cls: type[KVTier] = self.plugins.load(Slot.KV_TIER, tier.name)
-        if cls.takes_path and not tier.path:
-            raise ConfigError(f"kv_tiers: the {tier.name!r} tier needs a path (e.g. --kv-tier {tier.name}:"
-                              f"{tier.capacity}:/var/cache/tokenmill/kv)")  # fmt: skip
-        if tier.path and not cls.takes_path:
-            raise ConfigError(f"kv_tiers: the {tier.name!r} tier takes no path (got {tier.path!r})")
+        try:
+            check_tier_path(cls, tier.name, tier.capacity, tier.path)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         return cls
 
     def close(self) -> None:

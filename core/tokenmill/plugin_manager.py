@@ -247,6 +247,14 @@ class PluginSystem:
                 self.registry.get(slot, name)
             except PluginError as exc:
                 raise PluginError(f"{setting}: {exc}") from None
+        if Slot.KV_TIER not in skipped:
+            from tokenmill.kv_cache.tier import check_tier_path
+
+            for tier in config.kv_tiers:  # imports the tier's module (torch, in a front end): only with tiers
+                try:
+                    check_tier_path(self.load(Slot.KV_TIER, tier.name), tier.name, tier.capacity, tier.path)
+                except ValueError as exc:
+                    raise PluginError(str(exc)) from None
 
 
 def slot_selections(config: EngineConfig) -> dict[Slot, tuple[str, list[str]]]:

@@ -109,3 +109,12 @@ class KVTier(ABC):
 
     def close(self) -> None:
         """Flush pending writes and release resources; called once at engine shutdown."""
+
+
+def check_tier_path(cls: type[KVTier], name: str, capacity: str, path: str | None) -> None:
+    """Raise ValueError, one line naming the fix, when a tier's config gives no path it needs or one it takes
+    none of. Checked before any model loads (``PluginSystem.check_config``) and by the engine."""
+    if cls.takes_path and not path:
+        raise ValueError(f"kv_tiers: the {name!r} tier needs a path (e.g. --kv-tier {name}:{capacity}:/var/cache/kv)")
+    if path and not cls.takes_path:
+        raise ValueError(f"kv_tiers: the {name!r} tier takes no path (got {path!r})")
