@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
+
+from tests.cli_errors import serve_error
 
 pytestmark = pytest.mark.multiproc
 
@@ -23,11 +22,4 @@ pytestmark = pytest.mark.multiproc
     ],
 )
 def test_a_bad_kv_tier_setting_is_one_line_before_anything_starts(flags: list[str], message: str) -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "tokenmill.cli", "serve", "/nonexistent/model", *flags],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert result.returncode != 0
-    errors = [line for line in result.stderr.splitlines() if line.startswith("Error")]
-    assert len(errors) == 1 and message in errors[0], result.stderr
-    assert "Traceback" not in result.stderr and "loading" not in result.stderr
+    assert message in serve_error(*flags)

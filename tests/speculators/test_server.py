@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import openai
 import pytest
 
+from tests.cli_errors import serve_error
 from tokenmill.llm import LLM
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.testing.server import TokenmillServer, start_server
@@ -76,11 +75,4 @@ def test_streamed_greedy_chat_equals_plain_decoding_and_the_metrics_move(
     ],
 )
 def test_a_bad_speculative_config_is_one_line_before_the_model_loads(config: str, message: str) -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "tokenmill.cli", "serve", "/nonexistent/model", "--speculative-config", config],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert result.returncode != 0
-    errors = [line for line in result.stderr.splitlines() if line.startswith("Error")]
-    assert len(errors) == 1 and message in errors[0], result.stderr
-    assert "Traceback" not in result.stderr and "loading" not in result.stderr
+    assert message in serve_error("--speculative-config", config)
