@@ -250,13 +250,11 @@ class EngineCore:
         if not self.kv_tiers:
             return stats
         tiers = [
-            KVTierStatsMessage(tier.name, t.hits, t.misses, t.bytes_read, t.bytes_written, t.rejected, t.errors)
+            KVTierStatsMessage(tier.name, t.hits, t.misses, t.bytes_read, t.bytes_written, t.rejected, t.errors,
+                               t.loads, t.load_seconds)
             for tier in self.kv_tiers for t in [tier.stats]
         ]  # fmt: skip
-        stack = self.kv_tier_stack
-        return msgspec.structs.replace(
-            stats, kv_tiers=tiers, kv_tier_loads=stack.num_loads, kv_tier_load_seconds=stack.load_seconds
-        )
+        return msgspec.structs.replace(stats, kv_tiers=tiers)
 
     # ------------------------------------------------------------------ the step
 
@@ -303,9 +301,8 @@ class EngineCore:
                 blocks = self.runner.read_blocks([block_id for block_id, _ in transfers.stores])
                 self.kv_cache.store_blocks([(h, b) for (_, h), b in zip(transfers.stores, blocks, strict=True)])
             if transfers.loads:
-                started = time.perf_counter()
                 self.runner.write_blocks(transfers.loads)
-                self.kv_tier_stack.load_seconds += time.perf_counter() - started  # the device copy is part of a load
+                self.kv_tier_stack.loads_written()
         self.runner.copy_blocks(scheduler_output.block_copies)
         chunks = [self._chunk(s) for s in scheduler_output.scheduled]
         # Rows of logits: each sampling request's last token, plus its drafts' positions when verifying.

@@ -90,6 +90,8 @@ class KVTierStatsMessage(msgspec.Struct, array_like=True, frozen=True, gc=False)
     bytes_written: int
     rejected: int
     errors: int
+    loads: int = 0
+    load_seconds: float = 0.0
 
 
 class EngineStatsMessage(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -108,10 +110,8 @@ class EngineStatsMessage(msgspec.Struct, array_like=True, frozen=True, gc=False)
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: list[int] = msgspec.field(default_factory=list)
-    #: KV tiers, nearest first; empty without tiers. Prefix loads from them and the seconds they took.
+    #: KV tiers, nearest first; empty without tiers.
     kv_tiers: list[KVTierStatsMessage] = msgspec.field(default_factory=list)
-    kv_tier_loads: int = 0
-    kv_tier_load_seconds: float = 0.0
 
 
 class Ready(msgspec.Struct, array_like=True, frozen=True, gc=False, tag=True):

@@ -67,7 +67,7 @@ def test_stacked_tiers_change_no_token_through_eviction_reload_and_preemption(mo
     cpu, disk = tiered_engine.kv_tiers
     assert cpu.stats.hits > 0 and disk.stats.hits > 0  # both tiers served loads
     assert disk.stats.bytes_written > 0  # what the cpu tier evicted went down to disk
-    assert tiered_engine.stats().kv_tier_loads > 0
+    assert sum(tier.loads for tier in tiered_engine.stats().kv_tiers) > 0
 
 
 def test_a_prefix_cached_for_one_tenant_is_never_loaded_for_another(model_dir: Path, tmp_path: Path) -> None:
@@ -147,6 +147,7 @@ def test_a_damaged_or_vanished_disk_tier_costs_recomputation_never_a_wrong_token
     (disk,) = restarted.kv_tiers
     assert _rounds(restarted, [_prompt(8)], 1) == expected[:1]  # every block failed its checksum: recomputed
     assert disk.stats.rejected > 0 and disk.stats.hits == 0
+    disk.flush()  # type: ignore[attr-defined]  # (the recomputed blocks are being written back meanwhile)
     shutil.rmtree(tmp_path / "kv")  # the directory vanishes while serving
     assert _rounds(restarted, [_prompt(9)], 1) == expected[1:]
     assert disk.stats.errors > 0 and disk.stats.hits == 0

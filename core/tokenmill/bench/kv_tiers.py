@@ -143,8 +143,8 @@ def run_multi_turn(
         "identical_to_device_cache": outputs["tiers"] == outputs["reference"],
         "requests_differing_from_no_tiers": sum(a != b for a, b in zip(*(outputs[s] for s in sides), strict=True)),
         "tier_stats": [_fields(t) for t in stats.kv_tiers],
-        "tier_loads": stats.kv_tier_loads,
-        "tier_load_seconds": round(stats.kv_tier_load_seconds, 4),
+        "tier_loads": sum(t.loads for t in stats.kv_tiers),
+        "tier_load_seconds": round(sum(t.load_seconds for t in stats.kv_tiers), 4),
     }  # fmt: skip
 
 

@@ -45,6 +45,10 @@ class KVTierStats:
     bytes_written: int = 0
     rejected: int = 0  # blocks found but unusable (corrupt, truncated, foreign) or refused (larger than capacity)
     errors: int = 0  # I/O failures (disk full, directory gone, read-only): the block is recomputed instead
+    #: Prefix loads whose slowest block came from this tier, and their time from the start of their reads to
+    #: the blocks being on the device. Kept by the KV cache manager's tier stack, not by the tier.
+    loads: int = 0
+    load_seconds: float = 0.0
 
 
 class KVTier(ABC):

@@ -20,15 +20,14 @@ if TYPE_CHECKING:
 
 
 class KVTierStack:
-    """Tiers nearest first, each with its write policy; counts load time for /metrics."""
+    """Tiers nearest first, each with its write policy; counts loads and their time in the tiers' stats."""
 
     def __init__(self, tiers: Sequence[tuple[KVTier, WritePolicy]]) -> None:
         self.tiers = [tier for tier, _ in tiers]
         self._eviction = [tier for tier, write in tiers if write == "eviction"]
         self._completion = [tier for tier, write in tiers if write == "completion"]
-        self.num_loads = 0  # prefix loads (one per admitted request that loaded blocks)
-        self.load_seconds = 0.0  # their total time: background reads, fetches, and the engine's copies to the device
         self._reads_started: dict[bytes, float] = {}  # first hash of a prefix being read -> when its reads began
+        self._fetched: list[tuple[KVTier, float]] = []  # loads fetched, not yet on the device: (deepest tier, start)
 
     def __bool__(self) -> bool:
         return bool(self.tiers)
@@ -61,17 +60,28 @@ class KVTierStack:
         started = self._reads_started.pop(block_hashes[0], None) if block_hashes else None
         started = started if started is not None else time.perf_counter()
         blocks: list[torch.Tensor] = []
+        deepest = 0
         for block_hash in block_hashes:
-            data = next(
-                (d for tier in self.tiers if tier.contains(block_hash) and (d := tier.fetch(block_hash)) is not None),
+            found = next(
+                ((i, d) for i, tier in enumerate(self.tiers)
+                 if tier.contains(block_hash) and (d := tier.fetch(block_hash)) is not None),
                 None,
-            )
-            if data is None:
+            )  # fmt: skip
+            if found is None:
                 return None
-            blocks.append(data)
-        self.num_loads += 1
-        self.load_seconds += time.perf_counter() - started
+            deepest = max(deepest, found[0])
+            blocks.append(found[1])
+        self._fetched.append((self.tiers[deepest], started))
         return blocks
+
+    def loads_written(self) -> None:
+        """The blocks fetched so far are on the device (the engine wrote them): count each load, with its time,
+        under the deepest tier it read from (the one that set its latency)."""
+        now = time.perf_counter()
+        for tier, started in self._fetched:
+            tier.stats.loads += 1
+            tier.stats.load_seconds += now - started
+        self._fetched = []
 
     def needs_completed(self, block_hash: bytes) -> bool:
         """Whether a ``completion`` tier lacks this block (so its data is worth reading off the device)."""

@@ -39,6 +39,9 @@ _KV_TIER_COUNTERS = {
     "bytes_written": "KV tier: bytes stored.",
     "rejected": "KV tier: blocks found unusable (corrupt, truncated, foreign) or refused.",
     "errors": "KV tier: I/O failures (the blocks were recomputed instead).",
+    "loads": "KV tier: prefixes loaded instead of recomputed, by the deepest tier each read from.",
+    "load_seconds": "KV tier: seconds those loads took, from the start of their reads to the device (divide by "
+    "loads for the mean load latency).",
 }
 
 
@@ -69,12 +72,6 @@ class _EngineCollector(Collector):
             key: CounterMetricFamily(f"tokenmill_kv_tier_{key}", text, labels=["model", "engine", "tier"])
             for key, text in _KV_TIER_COUNTERS.items()
         }
-        loads = CounterMetricFamily("tokenmill_kv_tier_loads", "KV tiers: prefixes loaded instead of recomputed.",
-                                    labels=["model", "engine"])  # fmt: skip
-        load_seconds = CounterMetricFamily(
-            "tokenmill_kv_tier_load_seconds", "KV tiers: seconds spent loading prefixes (divide by loads for the "
-            "mean load latency).", labels=["model", "engine"],
-        )  # fmt: skip
         for client in self.group.clients:
             stats = client.stats
             if stats is None:
@@ -83,9 +80,6 @@ class _EngineCollector(Collector):
             for tier in stats.kv_tiers:
                 for key, family in tier_counters.items():
                     family.add_metric([*labels, tier.name], getattr(tier, key))
-            if stats.kv_tiers:
-                loads.add_metric(labels, stats.kv_tier_loads)
-                load_seconds.add_metric(labels, stats.kv_tier_load_seconds)
             running.add_metric(labels, stats.num_running)
             waiting.add_metric(labels, stats.num_waiting)
             usage.add_metric(labels, stats.kv_cache_usage)
@@ -93,7 +87,7 @@ class _EngineCollector(Collector):
                 family.add_metric(labels, getattr(stats, key))
             for position, count in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
                 per_pos.add_metric([*labels, str(position)], count)
-        yield from (running, waiting, usage, *counters.values(), per_pos, *tier_counters.values(), loads, load_seconds)
+        yield from (running, waiting, usage, *counters.values(), per_pos, *tier_counters.values())
 
 
 class ServerMetrics:
