@@ -290,10 +290,17 @@ class DisaggregatedGroup(EngineGroup):
 
     def add_request(self, request: EngineCoreRequest) -> RequestStream:
         stream = self.clients[1].open_stream(request.request_id)
-        task = asyncio.create_task(self._prefill_then_decode(request))
+        task = asyncio.create_task(self._run(request, stream))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return stream
+
+    async def _run(self, request: EngineCoreRequest, stream: RequestStream) -> None:
+        try:
+            await self._prefill_then_decode(request)
+        except Exception as exc:  # a bug here must fail this request, never leave its client waiting
+            logger.exception("disaggregated request %s failed", request.request_id)
+            stream.queue.put_nowait(EngineDeadError(f"the request failed between prefill and decode: {exc}"))
 
     async def _prefill_then_decode(self, request: EngineCoreRequest) -> None:
         prefill, decode = self.clients

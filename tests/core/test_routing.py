@@ -14,10 +14,18 @@ from typing import ClassVar
 
 import pytest
 
-from tokenmill.engine_client import EngineClient, EngineGroup, RouterError
+from tokenmill.engine_client import DisaggregatedGroup, EngineClient, EngineDeadError, EngineGroup, RouterError
 from tokenmill.hookspecs import Register, hookimpl
 from tokenmill.kv_cache.block_hash import block_hashes
-from tokenmill.messages import PROTOCOL_VERSION, EngineCoreRequest, Hello, Ready
+from tokenmill.messages import (
+    PROTOCOL_VERSION,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineStatsMessage,
+    Hello,
+    Ready,
+)
 from tokenmill.plugin_manager import Slot, load_plugins
 from tokenmill.routing import EngineState, RoundRobinRouter, Router
 from tokenmill.sampling_params import SamplingParams
@@ -34,6 +42,7 @@ class _FakeEngine(FrontendConnection):
     def __init__(self) -> None:
         self.inbox: asyncio.Queue[bytes] = asyncio.Queue()
         self.request_ids: list[str] = []
+        self.requests: list[EngineCoreRequest] = []
 
     def send(self, frame: bytes) -> None:
         message = decode_to_engine(frame)
@@ -42,6 +51,7 @@ class _FakeEngine(FrontendConnection):
             self.inbox.put_nowait(encode(ready))
         elif isinstance(message, EngineCoreRequest):
             self.request_ids.append(message.request_id)
+            self.requests.append(message)
 
     async def recv(self) -> bytes:
         return await self.inbox.get()
@@ -234,3 +244,37 @@ def test_a_router_from_a_plugin_is_named_by_its_plugin() -> None:
             group.add_request(_request("raise-2"))
 
     _with_group(router, body, router_name="flaky", plugin_name=plugin_name)
+
+
+def test_disaggregated_requests_go_to_prefill_then_to_decode_with_the_kv_transfer_params() -> None:
+    async def run() -> None:
+        transport = _FakeTransport()
+        prefill, decode = (EngineClient(f"fake://{index}", transport, index) for index in range(2))
+        group = DisaggregatedGroup(prefill, decode, RoundRobinRouter())
+        await asyncio.gather(prefill.start(timeout=5), decode.start(timeout=5))
+        prefill_engine, decode_engine = transport.engines["fake://0"], transport.engines["fake://1"]
+        request = EngineCoreRequest("r", [1, 2, 3], SamplingParams(max_tokens=50, temperature=0.7), [0], 0.0)
+        stream = group.add_request(request)
+        await asyncio.sleep(0.05)
+        (sent,) = prefill_engine.requests
+        assert sent.params.max_tokens == 1 and sent.kv_transfer_params == {"do_remote_decode": True}
+        assert decode_engine.requests == [] and group.num_in_flight == 1  # decode waits for the prefill
+        finished = EngineCoreOutput("r", [7], finish_reason="length", request_finished=True)
+        prefill_engine.inbox.put_nowait(
+            encode(EngineCoreOutputs([finished], EngineStatsMessage(0, 0, 0.0, 0, 0, 0, 0, 0)))
+        )
+        await asyncio.sleep(0.05)
+        (forwarded,) = decode_engine.requests
+        assert forwarded.params == request.params and forwarded.kv_transfer_params == {"do_remote_prefill": True}
+        assert stream.client is decode and not prefill.has_stream("r")
+
+        async def broken(request: EngineCoreRequest) -> None:
+            raise RuntimeError("boom")
+
+        group._prefill_then_decode = broken  # type: ignore[method-assign]
+        failed = group.add_request(_request("s"))
+        item = await asyncio.wait_for(failed.queue.get(), 5)
+        assert isinstance(item, EngineDeadError) and "boom" in str(item)  # never a client left waiting
+        await group.close()
+
+    asyncio.run(run())
