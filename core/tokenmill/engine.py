@@ -1,8 +1,8 @@
 """``EngineCore``: the engine loop. Requests in, token deltas out, no I/O.
 
 Every component is the implementation the config names for its slot, built
-through the plugin system: the KV cache manager, the scheduler, the sampler
-and the logits processors (plus, inside the model loader, the architecture,
+through the plugin system: the KV cache manager and its KV tiers, the
+scheduler, the sampler and the logits processors (plus, inside the model loader, the architecture,
 weight format, quantizer and attention backend). Each ``step`` is three calls::
 
     scheduler_output = scheduler.schedule()
@@ -10,10 +10,14 @@ weight format, quantizer and attention backend). Each ``step`` is three calls::
     outputs = scheduler.update_from_output(scheduler_output, runner_output)
 
 The scheduler owns everything that changes a request's state; this module
-only turns a schedule into a forward pass and sampled tokens. With a
-speculator configured (``speculative_config``), a step also verifies the
-drafts scheduled with each request (``tokenmill.sampling.rejection_sampler``)
-and, after the update, asks the speculator for the next step's drafts. The same object
+only turns a schedule into a forward pass and sampled tokens, moving KV blocks
+between the device and the KV tiers around it (``kv_tiers``: write-backs and
+loads before the forward, finished requests' blocks right after the update;
+docs/kv_cache.md#kv-tiers; a slow tier reads and writes on threads of its
+own). With a speculator configured (``speculative_config``), a step also
+verifies the drafts scheduled with each request
+(``tokenmill.sampling.rejection_sampler``) and, after the update, asks the
+speculator for the next step's drafts. The same object
 runs in-process (offline ``LLM``) and, behind a transport, inside an engine
 process.
 """

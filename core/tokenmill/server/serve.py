@@ -1,5 +1,8 @@
 """`tokenmill serve`: start (or connect to) the engines, then serve HTTP until told to stop.
 
+With ``server.disaggregated_prefill`` the engines are a prefill engine and a
+decode engine joined by a ZeroMQ KV connector (``DisaggregatedGroup``).
+
 Shutdown: on SIGTERM or Ctrl-C uvicorn stops accepting connections and lets
 running requests finish for up to ``server.drain_timeout`` seconds, then the
 engines are stopped. If an engine dies, its in-flight requests fail at once
