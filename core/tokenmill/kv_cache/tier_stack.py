@@ -52,6 +52,8 @@ class KVTierStack:
         ready = all([self.tiers[i].prefetch(hashes) for i, hashes in by_tier.items()])  # every tier starts
         if not ready and block_hashes:
             self._reads_started.setdefault(block_hashes[0], time.perf_counter())
+            if len(self._reads_started) > 1024:  # prefixes whose request left while reading: forget the oldest
+                del self._reads_started[next(iter(self._reads_started))]
         return ready
 
     def fetch_all(self, block_hashes: Sequence[bytes]) -> list[torch.Tensor] | None:
