@@ -148,7 +148,7 @@ def test_an_engine_reloads_an_evicted_prefix_from_its_tier_with_identical_output
     assert no_hits == 0 and hits == 9  # the last request loaded its 9 reusable prefix blocks
 
 
-def test_kv_tiers_entries_are_checked() -> None:
+def test_kv_tiers_entries_are_checked(tmp_path: Path) -> None:
     from tokenmill.config import ConfigError, load_config
 
     with pytest.raises(ConfigError, match="must be 'NAME:CAPACITY\\[:PATH\\]', such as 'cpu:4GiB'"):
@@ -165,6 +165,9 @@ def test_kv_tiers_entries_are_checked() -> None:
     assert load_config(overrides={"kv_tiers": [{"name": "cpu", "capacity": "4GiB"}]}) == load_config(
         overrides={"kv_tiers": ["cpu:4GiB"]}
     )
+    written = tmp_path / "config.toml"  # `tokenmill config show` writes them as inline tables that read back
+    written.write_text(config.to_toml())
+    assert load_config(written).kv_tiers == config.kv_tiers
     plugins = load_plugins(autoload=False)
     from tokenmill.plugin_manager import PluginError
 
