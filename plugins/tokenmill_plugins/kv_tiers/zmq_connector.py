@@ -21,11 +21,11 @@ The tcp transport is unauthenticated: keep it on a trusted network.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from typing import ClassVar
 
+import safetensors.torch
 import torch
 import zmq
 
@@ -36,13 +36,6 @@ logger = logging.getLogger(__name__)
 
 #: Blocks queued for sending before a store is dropped (counted in ``rejected``) rather than block the engine.
 SEND_HIGH_WATER_MARK = 4096
-
-
-def _dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name.removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r}")
-    return dtype
 
 
 class ZmqPushKVTier(KVTier):
@@ -63,14 +56,13 @@ class ZmqPushKVTier(KVTier):
         return False  # it keeps nothing: every finished request's blocks are sent
 
     def store(self, block_hash: bytes, block: torch.Tensor) -> list[tuple[bytes, torch.Tensor]]:
-        data = block.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy().tobytes()
-        header = json.dumps({"dtype": str(block.dtype), "shape": list(block.shape)}).encode()
+        data = safetensors.torch.save({"kv": block.detach().to("cpu").contiguous()})  # dtype and shape travel too
         try:
-            self._socket.send_multipart([self.fingerprint.encode(), block_hash, header, data], flags=zmq.NOBLOCK)
+            self._socket.send_multipart([self.fingerprint.encode(), block_hash, data], flags=zmq.NOBLOCK)
         except zmq.Again:  # the decode engine is not keeping up (or not there): it will compute these itself
             self.stats.rejected += 1
             return []
-        self.stats.bytes_written += len(data)
+        self.stats.bytes_written += block.numel() * block.element_size()
         return []
 
     def fetch(self, block_hash: bytes) -> torch.Tensor | None:
@@ -104,13 +96,11 @@ class ZmqPullKVTier(CPUKVTier):
             except zmq.Again:
                 return
             try:
-                fingerprint, block_hash, header, data = frames
+                fingerprint, block_hash, data = frames
                 if fingerprint.decode() != self.fingerprint:
                     raise ValueError("a block of another model or KV layout (fingerprint differs)")
-                meta = json.loads(header)
-                block = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(_dtype(meta["dtype"]))
-                block = block.reshape(meta["shape"])
-            except (ValueError, KeyError, TypeError, RuntimeError) as exc:
+                block = safetensors.torch.load(data)["kv"]
+            except Exception as exc:  # malformed (safetensors' own errors included) or foreign: never used
                 self.stats.rejected += 1
                 logger.debug("zmq-pull: dropping a malformed or foreign block: %s", exc)
                 continue
