@@ -75,9 +75,11 @@ def run_engine_process(config_data: dict[str, Any], address: str, watch_parent: 
             if watch_parent and os.getppid() != parent:
                 logger.warning("parent process died; exiting")
                 break
-            busy = engine.has_unfinished_requests()
-            idle_ms = 1 if engine.only_waiting_for_kv else int(HEARTBEAT_INTERVAL_S * 1000)  # KV arrives elsewhere
-            server.receive(timeout_ms=0 if busy and not engine.only_waiting_for_kv else idle_ms)
+            if engine.only_waiting_for_kv:
+                timeout_ms = 1  # shipped KV arrives on the connector's socket, not this endpoint: check it often
+            else:
+                timeout_ms = 0 if engine.has_unfinished_requests() else int(HEARTBEAT_INTERVAL_S * 1000)
+            server.receive(timeout_ms=timeout_ms)
             if engine.has_unfinished_requests():
                 server.send_outputs(engine.step())
             server.heartbeat()
