@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import re
-from typing import Any, Literal, TypeVar, cast
+from typing import Annotated, Any, Literal, TypeVar, cast
 
 import msgspec
 
@@ -23,6 +23,10 @@ MAX_N = 128  # OpenAI's limit; each choice is a sequence in the batch
 MAX_STOP_SEQUENCES = 16  # OpenAI allows 4; more is cheap for us
 MAX_COMPLETION_LOGPROBS = 5  # /v1/completions `logprobs`, as OpenAI
 MAX_TOP_LOGPROBS = 20  # /v1/chat/completions `top_logprobs`, as OpenAI
+MAX_STOP_LENGTH = 1024  # characters per stop string: each is searched for in every new piece of text
+MAX_JSON_DEPTH = 32  # nesting of free-form fields (vllm_xargs, tool_calls); typed fields nest a fixed few levels
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # the range vLLM takes for seed; wider ints cannot reach the engine
+UINT64_MAX = 2**64 - 1
 _MIN_LOGPROB = -9999.0  # JSON has no -inf, and clients expect a number (vLLM does the same)
 
 # status -> (type, code) when the caller gives none; OpenAI reports 401 and 404 as invalid requests.
@@ -93,36 +97,48 @@ def _unsupported(param: str) -> ProtocolError:
 # ---------------------------------------------------------------- requests
 
 
+Int64 = Annotated[int, msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)]
+INT32_MAX = 2**31 - 1
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=INT32_MAX)]
+"""A token id as a request may give it; the server then checks it against the model's vocabulary."""
+MaxTokens = Annotated[int, msgspec.Meta(ge=1, le=INT32_MAX)]
+StopString = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_STOP_LENGTH)]
+
+
 class StreamOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     include_usage: bool = False
     """Send one last chunk with ``usage`` and no choices before ``[DONE]``."""
 
 
 class _RequestBase(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """Fields both endpoints share. ``null`` for an optional field means its default, as OpenAI treats it."""
+    """Fields both endpoints share. ``null`` for an optional field means its default, as OpenAI treats it.
+
+    The ranges here are checked as the body is decoded and appear in /openapi.json; checks across fields
+    (min_tokens against max_tokens, token ids against the vocabulary) come after.
+    """
 
     model: str
-    temperature: float | None = 1.0
-    top_p: float | None = 1.0
-    n: int | None = 1
+    temperature: Annotated[float, msgspec.Meta(ge=0)] | None = 1.0
+    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = 1.0
+    n: Annotated[int, msgspec.Meta(ge=1, le=MAX_N)] | None = 1
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
-    seed: int | None = None
+    stop: StopString | Annotated[list[StopString], msgspec.Meta(max_length=MAX_STOP_SEQUENCES)] | None = None
+    presence_penalty: Annotated[float, msgspec.Meta(ge=-2, le=2)] | None = 0.0
+    frequency_penalty: Annotated[float, msgspec.Meta(ge=-2, le=2)] | None = 0.0
+    seed: Int64 | None = None
     user: str | None = None  # accepted and ignored
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, Annotated[float, msgspec.Meta(ge=-100, le=100)]] | None = None
     """OpenAI's map from token id (as a string) to a bias in [-100, 100]."""
     # tokenmill/vLLM extensions
-    top_k: int | None = 0
-    min_p: float | None = 0.0
-    repetition_penalty: float | None = 1.0
+    top_k: Annotated[int, msgspec.Meta(ge=-1, le=INT32_MAX)] | None = 0
+    min_p: Annotated[float, msgspec.Meta(ge=0, le=1)] | None = 0.0
+    repetition_penalty: Annotated[float, msgspec.Meta(gt=0)] | None = 1.0
     ignore_eos: bool | None = False
-    min_tokens: int | None = 0
-    stop_token_ids: list[int] | None = None
+    min_tokens: Annotated[int, msgspec.Meta(ge=0, le=INT32_MAX)] | None = 0
+    stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool | None = True
-    priority: int = 0
+    priority: Int64 = 0
     """Scheduling priority; the server passes it to the engine beside the SamplingParams."""
     vllm_xargs: dict[str, Any] | None = None
     """Arguments for logits processor plugins (vLLM's name); they become ``SamplingParams.extra_args``."""
@@ -133,8 +149,8 @@ class CompletionRequest(_RequestBase, kw_only=True, forbid_unknown_fields=True):
 
     # One type for four shapes: msgspec allows one array type per union; completion_prompt() sorts them out.
     prompt: str | list[str | int | list[int]]
-    max_tokens: int | None = 16  # null: up to the context window
-    logprobs: int | None = None
+    max_tokens: MaxTokens | None = 16  # null: up to the context window
+    logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None
     echo: bool | None = False
     best_of: int | None = None
     suffix: str | None = None
@@ -158,14 +174,40 @@ class ChatMessage(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 class ChatCompletionRequest(_RequestBase, kw_only=True, forbid_unknown_fields=True):
     """The body of ``POST /v1/chat/completions``."""
 
-    messages: list[ChatMessage]
-    max_tokens: int | None = None  # both None: up to the context window
-    max_completion_tokens: int | None = None  # wins over max_tokens
+    messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
+    max_tokens: MaxTokens | None = None  # both None: up to the context window
+    max_completion_tokens: MaxTokens | None = None  # wins over max_tokens
     logprobs: bool | None = False
-    top_logprobs: int | None = None
+    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     response_format: Any = None  # the three below: only null
     tools: Any = None
     tool_choice: Any = None
+
+
+class TokenizeCompletionRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """``POST /tokenize`` with a prompt (vLLM's shape): its token ids, as a completion would see them."""
+
+    prompt: str
+    model: str | None = None
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """``POST /tokenize`` with chat messages (vLLM's shape): the ids of the templated conversation."""
+
+    messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
+    model: str | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """``POST /detokenize`` (vLLM's shape): token ids back to text."""
+
+    tokens: list[TokenId]
+    model: str | None = None
 
 
 _AT = re.compile(r"^(?P<detail>.*?)(?: - at `\$(?P<path>[^`]*)`)?$")
@@ -179,6 +221,33 @@ def _decode(body: bytes, type_: type[_T]) -> _T:
         raise _validation_error(str(exc)) from None
     except msgspec.DecodeError as exc:  # after ValidationError, its subclass
         raise ProtocolError(400, f"request body is not valid JSON: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ProtocolError(400, f"request body is not valid UTF-8 ({exc.reason})") from None
+    except RecursionError:
+        raise _too_deep("request body") from None
+
+
+def _too_deep(where: str) -> ProtocolError:
+    return ProtocolError(400, f"{where} is nested more than {MAX_JSON_DEPTH} levels deep", param=None)
+
+
+def _check_free_form(param: str, value: Any) -> None:
+    """A free-form JSON field (vllm_xargs, tool_calls) must nest at most MAX_JSON_DEPTH levels and hold only
+    integers the engine's wire format can carry (int64 or uint64)."""
+
+    def walk(item: Any, depth: int) -> None:
+        if depth > MAX_JSON_DEPTH:
+            raise _bad(param, f"{param} is nested more than {MAX_JSON_DEPTH} levels deep")
+        if isinstance(item, dict):
+            for child in item.values():
+                walk(child, depth + 1)
+        elif isinstance(item, list):
+            for child in item:
+                walk(child, depth + 1)
+        elif isinstance(item, int) and not INT64_MIN <= item <= UINT64_MAX:
+            raise _bad(param, f"{param} holds the integer {item}, outside the 64-bit range")
+
+    walk(value, 0)
 
 
 def _validation_error(text: str) -> ProtocolError:
@@ -187,6 +256,7 @@ def _validation_error(text: str) -> ProtocolError:
     assert match is not None  # every string matches: the location part is optional
     # Every optional field also takes null; naming that in "Expected `float | null`" only distracts.
     detail, path = match["detail"].replace(" | null`", "`"), (match["path"] or "").lstrip(".")
+    path = path.replace("[...]", "")  # msgspec's mark for "a value of this object", as in logit_bias
     field = _FIELD.search(detail)
     if field is not None:
         param = f"{path}.{field['name']}" if path else field["name"]
@@ -196,7 +266,17 @@ def _validation_error(text: str) -> ProtocolError:
             return _bad(param, f"missing required parameter: '{param}'")
     if not path:
         return ProtocolError(400, f"request body must be a JSON object: {detail}")
-    return _bad(path, f"invalid value for '{path}': {detail}")
+    return _bad(path, f"invalid value for '{path}': {_EXPECTED.sub(_plain_type, detail)}")
+
+
+_EXPECTED = re.compile(r"^Expected `(?P<type>[^`]+)`")
+_TYPE_NAMES = {"int": "an integer", "float": "a number", "str": "a string", "bool": "a boolean", "array": "an array",
+               "object": "an object"}  # fmt: skip
+
+
+def _plain_type(match: re.Match[str]) -> str:
+    """msgspec's "Expected `float` >= 0.0" as "expected a number >= 0.0"."""
+    return f"expected {_TYPE_NAMES.get(match['type'], '`' + match['type'] + '`')}"
 
 
 def decode_completion_request(body: bytes) -> tuple[CompletionRequest, SamplingParams]:
@@ -211,8 +291,6 @@ def decode_completion_request(body: bytes) -> tuple[CompletionRequest, SamplingP
         raise _unsupported("suffix")
     if request.best_of is not None and request.best_of != (request.n or 1):
         raise _bad("best_of", "best_of is not supported: leave it out or set it equal to n")
-    if request.logprobs is not None and not 0 <= request.logprobs <= MAX_COMPLETION_LOGPROBS:
-        raise _bad("logprobs", f"logprobs={request.logprobs} is invalid: must be from 0 to {MAX_COMPLETION_LOGPROBS}")
     return request, _check_common(request)
 
 
@@ -223,37 +301,51 @@ def decode_chat_request(body: bytes) -> tuple[ChatCompletionRequest, SamplingPar
     for name in ("response_format", "tools", "tool_choice"):
         if getattr(request, name) is not None:
             raise _unsupported(name)
-    if not request.messages:
-        raise _bad("messages", "messages must contain at least one message")
-    for i, message in enumerate(request.messages):
+    _check_messages(request.messages)
+    if request.top_logprobs is not None and not request.logprobs:
+        raise _bad("top_logprobs", "top_logprobs requires logprobs to be true")
+    return request, _check_common(request)
+
+
+def _check_messages(messages: list[ChatMessage]) -> None:
+    for i, message in enumerate(messages):
+        if message.content is None and message.role != "assistant":
+            # As OpenAI: only an assistant message (one that called tools, or a refusal) may have no content.
+            param = f"messages[{i}].content"
+            raise _bad(param, f"missing required parameter: '{param}' (a {message.role} message needs content)")
         for j, part in enumerate(message.content if isinstance(message.content, list) else []):
             if part.type != "text" or part.text is None:
                 param = f"messages[{i}].content[{j}]"
                 raise _bad(param, f"only text content is supported ({param} has type {part.type!r})")
-    if request.top_logprobs is not None:
-        if not request.logprobs:
-            raise _bad("top_logprobs", "top_logprobs requires logprobs to be true")
-        if not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
-            raise _bad(
-                "top_logprobs", f"top_logprobs={request.top_logprobs} is invalid: must be from 0 to {MAX_TOP_LOGPROBS}"
-            )
-    return request, _check_common(request)
+        if message.tool_calls is not None:
+            _check_free_form(f"messages[{i}].tool_calls", message.tool_calls)
+
+
+def decode_tokenize_request(body: bytes) -> TokenizeCompletionRequest | TokenizeChatRequest:
+    """Decode a ``/tokenize`` body: chat messages when it has ``messages``, else a prompt."""
+    try:
+        fields = msgspec.json.decode(body)
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
+        fields = None  # _decode below reports it
+    is_chat = isinstance(fields, dict) and "messages" in fields
+    request = _decode(body, TokenizeChatRequest if is_chat else TokenizeCompletionRequest)
+    if isinstance(request, TokenizeChatRequest):
+        _check_messages(request.messages)
+    return request
+
+
+def decode_detokenize_request(body: bytes) -> DetokenizeRequest:
+    """Decode a ``/detokenize`` body."""
+    return _decode(body, DetokenizeRequest)
 
 
 def _check_common(request: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
     if request.stream_options is not None and not request.stream:
         raise _bad("stream_options", "stream_options is only allowed when stream is true")
-    if isinstance(request.stop, list) and len(request.stop) > MAX_STOP_SEQUENCES:
-        raise _bad("stop", f"stop has {len(request.stop)} sequences: at most {MAX_STOP_SEQUENCES} are allowed")
-    if request.n is not None and request.n > MAX_N:
-        raise _bad("n", f"n={request.n} is invalid: must be from 1 to {MAX_N}")
-    max_tokens = _requested_max_tokens(request)
-    if max_tokens is not None and max_tokens < 1:
-        uses_new_name = isinstance(request, ChatCompletionRequest) and request.max_completion_tokens is not None
-        name = "max_completion_tokens" if uses_new_name else "max_tokens"
-        raise _bad(name, f"{name}={max_tokens} is invalid: must be at least 1")
+    if request.vllm_xargs is not None:
+        _check_free_form("vllm_xargs", request.vllm_xargs)
     # A missing max_tokens stays None: the engine stops at the context window.
-    return _sampling_params(request, max_tokens)
+    return _sampling_params(request, _requested_max_tokens(request))
 
 
 def completion_prompt(request: CompletionRequest) -> str | list[int]:
@@ -276,10 +368,10 @@ def completion_prompt(request: CompletionRequest) -> str | list[int]:
     return one
 
 
-def chat_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """The conversation as plain dicts for the chat template; content parts joined with newlines (as vLLM)."""
-    messages = []
-    for message in request.messages:
+    plain = []
+    for message in messages:
         content = message.content
         if isinstance(content, list):
             content = "\n".join(part.text or "" for part in content)
@@ -289,8 +381,8 @@ def chat_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
         for key in ("name", "tool_calls", "tool_call_id"):
             if getattr(message, key) is not None:
                 entry[key] = getattr(message, key)
-        messages.append(entry)
-    return messages
+        plain.append(entry)
+    return plain
 
 
 def _requested_max_tokens(request: CompletionRequest | ChatCompletionRequest) -> int | None:
@@ -329,14 +421,29 @@ def _sampling_params(request: CompletionRequest | ChatCompletionRequest, max_tok
         raise _bad(param, str(exc)) from None
 
 
+def check_token_ids(params: SamplingParams, token_ids: list[int], vocab_size: int, param: str = "prompt") -> None:
+    """Every token id a request names (``token_ids``, its prompt's unless ``param`` says otherwise;
+    stop_token_ids; logit_bias keys) must be in the vocabulary: a 400 naming the field, before the request
+    reaches an engine."""
+    named = [(param, token_ids), ("stop_token_ids", params.stop_token_ids),
+             ("logit_bias", list(params.logit_bias or ()))]  # fmt: skip
+    for param, token_ids in named:
+        bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise _bad(param, f"{param} has token id {bad}, outside the vocabulary [0, {vocab_size})")
+
+
 def check_context_length(
     request: CompletionRequest | ChatCompletionRequest, params: SamplingParams, prompt_len: int, max_model_len: int
 ) -> None:
-    """Once the prompt is tokenized: a prompt plus ``max_tokens`` over ``max_model_len`` (or a prompt that
-    leaves no room at all) is a 400 with OpenAI's wording and code ``context_length_exceeded``."""
+    """Once the prompt is tokenized: an empty prompt is a 400, and a prompt plus ``max_tokens`` over
+    ``max_model_len`` (or a prompt that leaves no room at all) is a 400 with OpenAI's wording and code
+    ``context_length_exceeded``."""
     is_chat = isinstance(request, ChatCompletionRequest)
     where = "messages" if is_chat else "prompt"
     limit = f"This model's maximum context length is {max_model_len} tokens."
+    if prompt_len == 0:
+        raise _bad(where, f"the {where} is empty: it must hold at least one token")
     max_tokens = params.max_tokens
     if max_tokens is None:
         if max_model_len - prompt_len < 1:  # nothing left to generate into
@@ -500,9 +607,16 @@ SSE_DONE = b"data: [DONE]\n\n"
 """The event that ends every OpenAI stream."""
 
 
+def tokenize_response(tokens: list[int], max_model_len: int, token_strs: list[str] | None) -> dict[str, Any]:
+    """``POST /tokenize``, vLLM's shape."""
+    return {"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens, "token_strs": token_strs}
+
+
+def model_response(model_id: str, created: int, owned_by: str = "tokenmill") -> dict[str, Any]:
+    """``GET /v1/models/{id}``: one ``openai.types.Model``."""
+    return {"id": model_id, "object": "model", "created": created, "owned_by": owned_by}
+
+
 def models_response(model_ids: list[str], created: int, owned_by: str = "tokenmill") -> dict[str, Any]:
     """``GET /v1/models``: a list of ``openai.types.Model``."""
-    return {
-        "object": "list",
-        "data": [{"id": id_, "object": "model", "created": created, "owned_by": owned_by} for id_ in model_ids],
-    }
+    return {"object": "list", "data": [model_response(id_, created, owned_by) for id_ in model_ids]}
