@@ -8,6 +8,10 @@ until it is known not to be one, so what a completion has released
 (``CompletionOutput.text``, and each ``CompletionDelta.text``) never needs to
 be taken back. When a stop string matches, the text is cut before it and the
 caller aborts that completion in the engine (``ProcessedStep.to_abort``).
+
+With logprobs, each token's share of the text is tracked too (``TextToken``):
+a token is released with the text it produced, so the logprobs an API returns
+line up with the returned text, in every delta and in the whole completion.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tokenmill.messages import EngineCoreOutput, TokenLogprobs, completion_request_id
-from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
+from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput, TextToken
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -31,6 +35,8 @@ class CompletionDelta:
     token_ids: list[int]
     logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None  # set on the completion's last delta
+    #: With logprobs: the tokens whose text ``text`` holds (they concatenate to it).
+    text_tokens: list[TextToken] | None = None
 
 
 @dataclass
@@ -39,6 +45,10 @@ class _CompletionState:
     detokenizer: IncrementalDetokenizer
     #: Decoded text not yet released: it could be the start of a stop string.
     held: str = ""
+    #: With logprobs: tokens whose text is not yet wholly released, oldest first.
+    pending: list[TextToken] = field(default_factory=list)
+    #: Released characters not yet covered by a released TextToken.
+    unassigned: int = 0
 
 
 @dataclass
@@ -110,6 +120,7 @@ class OutputProcessor:
                 text="",
                 token_ids=[],
                 logprobs=[] if params.logprobs is not None else None,
+                text_tokens=[] if params.logprobs is not None else None,
             )
             request.outputs.append(completion)
             request.outputs.sort(key=lambda c: c.index)
@@ -131,16 +142,21 @@ class OutputProcessor:
         for position, token_id in enumerate(engine_output.new_token_ids):
             completion.token_ids.append(token_id)
             token_ids.append(token_id)
+            text = state.detokenizer.push([token_id])
             if logprobs is not None and completion.logprobs is not None and engine_output.new_logprobs:
                 entry = self._logprobs(engine_output.new_logprobs[position])
                 completion.logprobs.append(entry)
                 logprobs.append(entry)
-            text = state.detokenizer.push([token_id])
+                state.pending.append(TextToken(token_id, text, entry))
             if text and self._add_text(state, text, params):
                 step.to_abort.append(engine_output.request_id)
                 break
         if not completion.finished and engine_output.finish_reason is not None:
             tail = state.detokenizer.finish()
+            if tail and state.pending:  # bytes that never formed a character: theirs, as U+FFFD
+                first_empty = next((i for i, token in enumerate(state.pending) if not token.text), 0)
+                token = state.pending[first_empty]
+                state.pending[first_empty] = TextToken(token.token_id, token.text + tail, token.logprobs)
             if not (tail and self._add_text(state, tail, params)):
                 completion.text += state.held  # no stop string can complete now
                 state.held = ""
@@ -151,6 +167,10 @@ class OutputProcessor:
         released = completion.text[text_offset:]
         if not released and not token_ids and not completion.finished:
             return None
+        text_tokens = None
+        if completion.text_tokens is not None:
+            text_tokens = _release_tokens(state, len(released))
+            completion.text_tokens.extend(text_tokens)
         return CompletionDelta(
             request_id=engine_output.parent_id or engine_output.request_id,
             index=completion.index,
@@ -159,6 +179,7 @@ class OutputProcessor:
             token_ids=token_ids,
             logprobs=logprobs,
             finish_reason=completion.finish_reason,
+            text_tokens=text_tokens,
         )
 
     @staticmethod
@@ -178,6 +199,8 @@ class OutputProcessor:
                 output.stop_reason = stop
                 return True
         keep = _stop_prefix_length(candidate, params.stop)
+        if keep and output.text_tokens is not None:
+            keep = len(candidate) - _token_boundary(state.pending, len(candidate), len(candidate) - keep)
         output.text += candidate[: len(candidate) - keep]
         state.held = candidate[len(candidate) - keep :]
         return False
@@ -186,6 +209,47 @@ class OutputProcessor:
         entries = {token_logprobs.token_id: token_logprobs.logprob}
         entries.update(zip(token_logprobs.top_token_ids, token_logprobs.top_logprobs, strict=True))
         return {token_id: Logprob(logprob, self.tokenizer.decode([token_id])) for token_id, logprob in entries.items()}
+
+
+def _token_boundary(pending: list[TextToken], candidate_length: int, limit: int) -> int:
+    """The last token boundary at or before ``limit`` in the text not yet released (of ``candidate_length``
+    characters, the end of the pending tokens' text), so that held text never splits a token: each delta's
+    text then has whole tokens and its logprobs line up with it."""
+    position = candidate_length - sum(len(token.text) for token in pending)  # where the pending text starts
+    boundary = 0
+    for token in pending:
+        position += len(token.text)
+        if position > limit:
+            break
+        boundary = max(position, 0)
+    return boundary
+
+
+def _release_tokens(state: _CompletionState, num_released: int) -> list[TextToken]:
+    """The pending tokens whose text the ``num_released`` newly released characters complete.
+
+    A token with no text of its own (the first bytes of a character) goes with the next token that has text.
+    When the completion has finished, what is left is not in the text: the token a stop string cut keeps only
+    its released part, and the rest (EOS, stop token ids, tokens of the stop string) are dropped.
+    """
+    state.unassigned += num_released
+    released: list[TextToken] = []
+    while state.pending:
+        end = next((i for i, token in enumerate(state.pending) if token.text), None)
+        if end is None or len(state.pending[end].text) > state.unassigned:
+            break
+        state.unassigned -= len(state.pending[end].text)
+        released += state.pending[: end + 1]
+        del state.pending[: end + 1]
+    if state.output.finished:
+        if state.unassigned and state.pending:
+            token = next(token for token in state.pending if token.text)  # unassigned text came from one
+            cut = state.pending.index(token)
+            released += state.pending[:cut]
+            released.append(TextToken(token.token_id, token.text[: state.unassigned], token.logprobs))
+        state.pending.clear()
+        state.unassigned = 0
+    return released
 
 
 def _stop_prefix_length(text: str, stops: list[str]) -> int:

@@ -12,6 +12,23 @@ class Logprob:
 
 
 @dataclass
+class TextToken:
+    """A generated token as it appears in the returned text, with its logprobs.
+
+    ``text`` is what the token adds to the text: the tokens of one multi-byte
+    character add "" until the one that completes it, which adds the whole
+    character; the token cut by a stop string adds only what precedes the stop.
+    Tokens whose text is not returned (EOS, stop token ids, anything after a stop
+    string) have no TextToken, so the ``text`` of a completion's TextTokens
+    concatenate to exactly its text.
+    """
+
+    token_id: int
+    text: str
+    logprobs: dict[int, Logprob]
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str
@@ -20,6 +37,8 @@ class CompletionOutput:
     #: Per generated token: {token_id: Logprob} for the sampled token and the top alternatives.
     logprobs: list[dict[int, Logprob]] | None = None
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it, if any
+    #: With logprobs: the tokens whose text is in ``text`` (the API's logprobs cover exactly these).
+    text_tokens: list[TextToken] | None = None
 
     @property
     def finished(self) -> bool:

@@ -147,3 +147,68 @@ def test_an_n_request_aborted_before_it_forked_is_done_with_one_completion(token
     request = processor.add_request("r", None, [1], SamplingParams(n=3))
     processor.process([EngineCoreOutput("r", [], finish_reason="abort", request_finished=True)])
     assert request.finished and len(request.outputs) == 1 and not processor.has_unfinished()
+
+
+# ---------------------------------------------------------------- logprobs that line up with the text
+
+
+def _stream_with_logprobs(
+    processor: OutputProcessor, token_ids: list[int], finish_reason: str, chunk: int = 1
+) -> list[list[str]]:
+    """Feed tokens ``chunk`` per step with a logprob each; returns each delta's text-token texts."""
+    released = []
+    for start in range(0, len(token_ids), chunk):
+        ids = token_ids[start : start + chunk]
+        last = start + chunk >= len(token_ids)
+        logprobs = [TokenLogprobs(token_id=t, logprob=-1.0) for t in ids]
+        output = EngineCoreOutput("r", ids, finish_reason=finish_reason if last else None, new_logprobs=logprobs)
+        step = processor.process([output])
+        for delta in step.deltas:
+            assert delta.text_tokens is not None
+            assert "".join(t.text for t in delta.text_tokens) == delta.text  # every delta lines up on its own
+            released.append([t.text for t in delta.text_tokens])
+        if step.to_abort:
+            break
+    return released
+
+
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_text_tokens_concatenate_to_the_text_and_leave_out_eos(tokenizer: Tokenizer, chunk: int) -> None:
+    eos = tokenizer.token_to_id("<|im_end|>")
+    assert eos is not None
+    token_ids = [*tokenizer.encode("Tea 🍵 or 咖啡?"), eos]
+    processor = OutputProcessor(tokenizer)
+    request = processor.add_request("r", None, [1], SamplingParams(logprobs=0))
+    _stream_with_logprobs(processor, token_ids, "stop", chunk)
+    completion = request.outputs[0]
+    assert completion.text_tokens is not None
+    assert "".join(t.text for t in completion.text_tokens) == completion.text == "Tea 🍵 or 咖啡?"
+    assert eos not in [t.token_id for t in completion.text_tokens]  # its text is not returned
+    assert completion.token_ids == token_ids  # the engine's view keeps it (and usage counts it)
+    # The emoji is several tokens: the first ones add "" and the last the whole character.
+    texts = [t.text for t in completion.text_tokens]
+    last = next(i for i, text in enumerate(texts) if "🍵" in text)
+    assert texts[last - 1] == "" and texts[last].endswith("🍵")
+
+
+def test_text_tokens_end_where_a_stop_string_cuts_the_text(tokenizer: Tokenizer) -> None:
+    processor = OutputProcessor(tokenizer)
+    request = processor.add_request("r", None, [1], SamplingParams(logprobs=0, stop=["e END o"]))
+    _stream_with_logprobs(processor, tokenizer.encode(TEXT), "length")
+    completion = request.outputs[0]
+    assert completion.text == "Hello world, this is th"
+    assert completion.text_tokens is not None
+    # " the" is cut to " th"; " END" and " of" are not in the text, so they have no entry.
+    assert [t.text for t in completion.text_tokens] == ["Hello", " world", ",", " this", " is", " th"]
+
+
+def test_text_tokens_with_special_tokens_kept_include_eos(tokenizer: Tokenizer) -> None:
+    eos = tokenizer.token_to_id("<|im_end|>")
+    assert eos is not None
+    processor = OutputProcessor(tokenizer)
+    params = SamplingParams(logprobs=0, skip_special_tokens=False)
+    request = processor.add_request("r", None, [1], params)
+    _stream_with_logprobs(processor, [*tokenizer.encode("Hi"), eos], "stop")
+    completion = request.outputs[0]
+    assert completion.text == "Hi<|im_end|>"
+    assert completion.text_tokens is not None and [t.text for t in completion.text_tokens] == ["Hi", "<|im_end|>"]

@@ -17,7 +17,7 @@ from openai.types import Completion, CompletionChoice, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.shared import ErrorObject
 
-from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
+from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput, TextToken
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.protocol import (
     SSE_DONE,
@@ -326,9 +326,15 @@ def finished_output(n: int = 1, with_logprobs: bool = True) -> RequestOutput:
         {5: lp(-0.1, " a"), 6: lp(-2.5, " b")},
         {9: lp(float("-inf"), "é"), 5: lp(-0.2, " a"), 6: lp(-1.9, " b")},
     ]
+    text_tokens = [TextToken(5, " a", logprobs[0]), TextToken(9, "é", logprobs[1])]
     outputs = [
         CompletionOutput(
-            index=i, text=" aé", token_ids=[5, 9], finish_reason="length", logprobs=logprobs if with_logprobs else None
+            index=i,
+            text=" aé",
+            token_ids=[5, 9],
+            finish_reason="length",
+            logprobs=logprobs if with_logprobs else None,
+            text_tokens=text_tokens if with_logprobs else None,
         )
         for i in reversed(range(n))  # out of order on purpose
     ]
@@ -351,7 +357,7 @@ def test_completion_response_without_logprobs_and_running_offsets() -> None:
     response = completion_response("cmpl-1", "m", 1, finished_output(with_logprobs=False), 3)
     assert Completion.model_validate(response).choices[0].logprobs is None
     entries = {5: lp(-0.1, " a"), 6: lp(-2.5, " b")}
-    decoded = completion_logprobs([5], [entries], text_offset=7)
+    decoded = completion_logprobs([TextToken(5, " a", entries)], text_offset=7)
     # Token texts are the ones the output processor decoded, never decoded again here.
     assert decoded == {"tokens": [" a"], "token_logprobs": [-0.1], "top_logprobs": [{" a": -0.1, " b": -2.5}],
                        "text_offset": [7]}  # fmt: skip
@@ -370,7 +376,7 @@ def test_chat_response_parses_as_openai_chat_completion() -> None:
 
 
 def test_chat_logprobs_with_zero_alternatives_lists_none() -> None:
-    content = chat_logprobs([5], [{5: lp(-0.1, " a"), 6: lp(-2.5, " b")}], num_top_logprobs=0)["content"]
+    content = chat_logprobs([TextToken(5, " a", {5: lp(-0.1, " a"), 6: lp(-2.5, " b")})], num_top_logprobs=0)["content"]
     assert content == [{"token": " a", "logprob": -0.1, "bytes": [32, 97], "top_logprobs": []}]
 
 
@@ -395,7 +401,7 @@ class _StreamedCompletion(Completion):
 
 
 def test_completion_stream_chunks_parse() -> None:
-    logprobs = completion_logprobs([5], [{5: lp(-0.1, " a")}], text_offset=4)
+    logprobs = completion_logprobs([TextToken(5, " a", {5: lp(-0.1, " a")})], text_offset=4)
     middle = _StreamedCompletion.model_validate(completion_chunk("cmpl-1", "m", 1, 1, " a", logprobs=logprobs))
     assert middle.choices[0].finish_reason is None and middle.choices[0].index == 1
     assert middle.choices[0].logprobs is not None and middle.choices[0].logprobs.text_offset == [4]
@@ -408,7 +414,7 @@ def test_completion_stream_chunks_parse() -> None:
 def test_chat_stream_chunks_parse() -> None:
     first = ChatCompletionChunk.model_validate(chat_chunk("c", "m", 1, 0, {"role": "assistant", "content": ""}))
     assert first.choices[0].delta.role == "assistant" and first.choices[0].finish_reason is None
-    logprobs = chat_logprobs([5], [{5: lp(-0.1, " a"), 6: lp(-2.5, " b")}], num_top_logprobs=1)
+    logprobs = chat_logprobs([TextToken(5, " a", {5: lp(-0.1, " a"), 6: lp(-2.5, " b")})], num_top_logprobs=1)
     piece = ChatCompletionChunk.model_validate(chat_chunk("c", "m", 1, 0, {"content": " a"}, logprobs=logprobs))
     assert piece.choices[0].delta.content == " a"
     assert piece.choices[0].logprobs is not None and piece.choices[0].logprobs.content is not None

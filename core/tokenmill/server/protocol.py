@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal, TypeVar, cast
 
 import msgspec
 
-from tokenmill.outputs import Logprob, RequestOutput
+from tokenmill.outputs import Logprob, RequestOutput, TextToken
 from tokenmill.sampling_params import InvalidRequestError, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -486,40 +486,37 @@ def _ranked(entries: dict[int, Logprob], num_top_logprobs: int | None) -> list[t
     return ranked if num_top_logprobs is None else ranked[:num_top_logprobs]
 
 
-def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]], *, text_offset: int = 0,
+def completion_logprobs(tokens: list[TextToken], *, text_offset: int = 0,
                         num_top_logprobs: int | None = None) -> dict[str, Any]:  # fmt: skip
     """``/v1/completions`` logprobs: ``{tokens, token_logprobs, top_logprobs, text_offset}``.
 
-    ``text_offset`` counts characters from the start of the completion (not the
-    prompt: echo is unsupported); a stream passes the running offset. With
-    ``num_top_logprobs`` None the top dicts hold every entry the engine sent.
-    Token texts are each Logprob's ``decoded_token``, decoded once by the output processor.
+    ``tokens`` are the returned text's tokens (``TextToken``): their texts concatenate to it, so a client can
+    line logprobs up with the text. ``text_offset`` is where the first one starts in the returned text (a
+    stream passes its running offset). With ``num_top_logprobs`` None the top dicts hold every entry the
+    engine sent; the alternatives' texts are each token decoded on its own.
     """
     result: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for token_id, entries in zip(token_ids, logprobs, strict=True):
-        text = entries[token_id].decoded_token
-        result["tokens"].append(text)
-        result["token_logprobs"].append(_logprob(entries[token_id].logprob))
-        top = {lp.decoded_token: _logprob(lp.logprob) for _, lp in _ranked(entries, num_top_logprobs)}
+    for token in tokens:
+        result["tokens"].append(token.text)
+        result["token_logprobs"].append(_logprob(token.logprobs[token.token_id].logprob))
+        top = {lp.decoded_token: _logprob(lp.logprob) for _, lp in _ranked(token.logprobs, num_top_logprobs)}
         result["top_logprobs"].append(top)
         result["text_offset"].append(text_offset)
-        text_offset += len(text)
+        text_offset += len(token.text)
     return result
 
 
-def chat_logprobs(
-    token_ids: list[int], logprobs: list[dict[int, Logprob]], *, num_top_logprobs: int | None = None
-) -> dict[str, Any]:
-    """``/v1/chat/completions`` logprobs: ``{content: [{token, logprob, bytes, top_logprobs}]}``."""
+def chat_logprobs(tokens: list[TextToken], *, num_top_logprobs: int | None = None) -> dict[str, Any]:
+    """``/v1/chat/completions`` logprobs: ``{content: [{token, logprob, bytes, top_logprobs}]}`` for the
+    returned text's tokens; their ``token`` strings (and ``bytes``) concatenate to the message content."""
 
-    def entry(logprob: Logprob) -> dict[str, Any]:
-        text = logprob.decoded_token
-        return {"token": text, "logprob": _logprob(logprob.logprob), "bytes": list(text.encode())}
+    def entry(text: str, logprob: float) -> dict[str, Any]:
+        return {"token": text, "logprob": _logprob(logprob), "bytes": list(text.encode())}
 
     content = []
-    for token_id, entries in zip(token_ids, logprobs, strict=True):
-        top = [entry(lp) for _, lp in _ranked(entries, num_top_logprobs)]
-        content.append({**entry(entries[token_id]), "top_logprobs": top})
+    for token in tokens:
+        top = [entry(lp.decoded_token, lp.logprob) for _, lp in _ranked(token.logprobs, num_top_logprobs)]
+        content.append({**entry(token.text, token.logprobs[token.token_id].logprob), "top_logprobs": top})
     return {"content": content}
 
 
@@ -537,9 +534,9 @@ def _full_response(chat: bool, request_id: str, model: str, created: int, output
             choice["message"] = {"role": "assistant", "content": c.text}
         else:
             choice["text"] = c.text
-        if c.logprobs is not None:
+        if c.text_tokens is not None:
             build = chat_logprobs if chat else completion_logprobs
-            choice["logprobs"] = build(c.token_ids, c.logprobs, num_top_logprobs=num_top_logprobs)
+            choice["logprobs"] = build(c.text_tokens, num_top_logprobs=num_top_logprobs)
         choices.append(choice)
     completion_tokens = sum(len(c.token_ids) for c in outputs.outputs)
     obj = "chat.completion" if chat else "text_completion"
