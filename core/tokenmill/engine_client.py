@@ -2,28 +2,30 @@
 
 Each ``EngineClient`` talks to one engine over a connection of the configured
 ``Transport``. A receive task routes every ``EngineCoreOutput`` to the queue of
-the request it belongs to; a watchdog marks the engine dead when its process
-exits or its heartbeats stop, and then fails every request still waiting on it
-with ``EngineDeadError``, so no caller hangs. ``EngineGroup`` asks a ``Router``
-plugin which engine serves each request; a router that fails fails only that
-request, with ``RouterError``. Runs in the asyncio front end; imports no torch.
+the request it belongs to; a supervisor task marks the engine dead when its
+process exits or its heartbeats stop, fails every request still waiting on it
+with ``EngineDeadError``, so no caller hangs, and brings the engine back:
+restarts an engine process this front end started, reconnects to a remote one,
+with backoff and a bounded number of failed attempts in a row. ``EngineGroup``
+asks a ``Router`` plugin which engine serves each request, among those that are
+up; a router that fails fails only that request, with ``RouterError``. Runs in
+the asyncio front end; imports no torch.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import multiprocessing
 import os
 import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import msgspec
 
 from tokenmill.config import EngineConfig
+from tokenmill.engine_process import LocalEngineProcess, describe_exit
 from tokenmill.errors import TokenmillError
 from tokenmill.kv_cache.block_hash import block_hashes
 from tokenmill.messages import (
@@ -44,6 +46,10 @@ from tokenmill.transport.serde import decode_from_engine, encode
 logger = logging.getLogger(__name__)
 
 _WATCHDOG_INTERVAL_S = 0.2
+_RESTART_BACKOFF_S = 1.0  # before the first restart attempt; doubled after each failed one
+_MAX_RESTART_BACKOFF_S = 30.0
+_STABLE_AFTER_S = 60.0  # an engine up this long has served, even if no request finished
+_STOP_TIMEOUT_S = 10.0  # for an engine to exit on SIGTERM (it flushes its KV tiers) before it is killed
 
 
 class EngineDeadError(TokenmillError):
@@ -64,49 +70,101 @@ class RequestStream:
 
 
 class EngineClient:
+    """The front end's connection to one engine, and its supervisor.
+
+    A watchdog notices when the engine's process exits or its heartbeats stop for ``heartbeat_timeout``
+    seconds; every request waiting on it then fails with ``EngineDeadError`` and the client is down
+    (``is_dead``: routers see it unhealthy) while it recovers. An engine this front end started (``process``)
+    is killed with everything it started and started again; a remote one (``process`` None) cannot be, so it is
+    connected to again (whoever runs it restarts it). Attempts wait 1, 2, 4, ... s (at most 30) after each
+    failure; after ``max_restarts`` failed attempts in a row the client gives up and sets ``failure``, a line
+    saying why (the server then exits). An attempt fails when the engine does not answer the handshake, or
+    answers and dies again before it has served: finished a request or stayed up for a minute.
+
+    :param process: the ``LocalEngineProcess`` of an engine this front end started, else None.
+    :param max_restarts: failed restarts in a row allowed; 0 gives up at the first death.
+    """
+
     def __init__(
-        self, address: str, transport: Transport, index: int = 0, process: Any = None, heartbeat_timeout: float = 5.0
+        self,
+        address: str,
+        transport: Transport,
+        index: int = 0,
+        process: LocalEngineProcess | None = None,
+        heartbeat_timeout: float = 5.0,
+        max_restarts: int = 0,
     ) -> None:
         self.address = address
         self.transport = transport
         self.index = index
-        self.process = process  # a multiprocessing.Process for a local engine, else None
+        self.process = process
         self.heartbeat_timeout = heartbeat_timeout
+        self.max_restarts = max_restarts
         self.ready: Ready | None = None
         self.stats: EngineStatsMessage | None = None
         self.is_dead = False
         self.death_reason = ""
+        #: Times the engine came back (restarted, or reconnected to) after it died.
+        self.num_restarts = 0
+        #: Set when the client gave up restarting the engine: one line saying why.
+        self.failure: str | None = None
         self._streams: dict[str, RequestStream] = {}
         self._connection: FrontendConnection | None = None
-        self._tasks: list[asyncio.Task[None]] = []
+        self._receiver: asyncio.Task[None] | None = None
+        self._supervisor: asyncio.Task[None] | None = None
+        self._start_timeout = 0.0
         self._last_seen = 0.0
+        self._ready_at = 0.0
+        self._has_served = False  # since it last answered the handshake: finished a request
+        self._is_restarted = False  # the current engine comes from a restart (its early death is a failed one)
+        self._num_failed_restarts = 0  # in a row
+        self._orphaned_ids: list[str] = []  # requests a remote engine may still be running for nobody
 
     @property
     def num_in_flight(self) -> int:
         return len(self._streams)
 
+    @property
+    def status(self) -> str:
+        """``up``, ``down`` (while it restarts) or ``failed`` (it will not come back)."""
+        return "failed" if self.failure is not None else "down" if self.is_dead else "up"
+
     async def start(self, timeout: float) -> Ready:
-        """Connect, handshake, and start receiving. Raises ``EngineDeadError`` if no engine answers in time."""
+        """Connect, handshake, start receiving and supervising. Raises ``EngineDeadError`` if no engine answers
+        in ``timeout`` seconds (a restart of a local engine gets as long; a reconnection, ``heartbeat_timeout``)."""
+        self._start_timeout = timeout
+        await self._handshake(timeout)
+        self._supervisor = asyncio.create_task(self._supervise())
+        assert self.ready is not None
+        return self.ready
+
+    async def _handshake(self, timeout: float) -> None:
         connection = self.transport.connect(self.address)
         self._connection = connection
-        connection.send(encode(Hello(PROTOCOL_VERSION)))
-        deadline = time.monotonic() + timeout
-        while self.ready is None:
-            if self.process is not None and not self.process.is_alive():
-                code = self.process.exitcode
-                raise EngineDeadError(f"engine at {self.address} exited with code {code} while starting")
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise EngineDeadError(f"no engine answered at {self.address} within {timeout:.0f} s")
-            if await connection.poll(min(remaining, 0.5)):
-                message = decode_from_engine(await connection.recv())
-                if isinstance(message, Ready):
-                    if message.error:
-                        raise EngineDeadError(f"engine at {self.address} refused the handshake: {message.error}")
-                    self.ready = message
-        self._last_seen = time.monotonic()
-        self._tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._watchdog())]
-        return self.ready
+        try:
+            connection.send(encode(Hello(PROTOCOL_VERSION)))
+            deadline = time.monotonic() + timeout
+            while True:
+                if self.process is not None and not self.process.is_alive():
+                    code = describe_exit(self.process.exitcode)
+                    raise EngineDeadError(f"engine at {self.address} {code} while starting")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise EngineDeadError(f"no engine answered at {self.address} within {timeout:.0f} s")
+                if await connection.poll(min(remaining, 0.5)):
+                    message = decode_from_engine(await connection.recv())
+                    if isinstance(message, Ready):
+                        if message.error:
+                            raise EngineDeadError(f"engine at {self.address} refused the handshake: {message.error}")
+                        self.ready = message
+                        break
+        except BaseException:
+            connection.close()
+            self._connection = None
+            raise
+        self._last_seen = self._ready_at = time.monotonic()
+        self._has_served = False
+        self._receiver = asyncio.create_task(self._receive(connection))
 
     def add_request(self, request: EngineCoreRequest) -> RequestStream:
         stream = self.open_stream(request.request_id)
@@ -145,34 +203,113 @@ class EngineClient:
         """Forget a finished request's queue."""
         self._streams.pop(request_id, None)
 
-    async def _receive(self) -> None:
-        assert self._connection is not None
+    def fail_requests(self, reason: str) -> None:
+        """End every request in flight here with ``EngineDeadError(reason)`` and abort them in the engine (the
+        server stops waiting for them: its drain timed out)."""
+        request_ids = self._fail_streams(reason)
+        self.abort(request_ids)
+
+    async def _receive(self, connection: FrontendConnection) -> None:
         while True:
-            message = decode_from_engine(await self._connection.recv())
+            message = decode_from_engine(await connection.recv())
             self._last_seen = time.monotonic()
             if not isinstance(message, EngineCoreOutputs):
                 continue
             self.stats = message.stats
             for output in message.outputs:
+                if output.request_finished:
+                    self._has_served = True
                 stream = self._streams.get(output.parent_id or output.request_id)
                 if stream is not None:
                     stream.queue.put_nowait(output)
 
-    async def _watchdog(self) -> None:
-        while not self.is_dead:
+    async def _supervise(self) -> None:
+        while True:
+            self._die(await self._watch())
+            if not await self._recover():
+                return
+
+    async def _watch(self) -> str:
+        """Wait until the engine dies; returns why."""
+        while True:
             await asyncio.sleep(_WATCHDOG_INTERVAL_S)
+            if self.is_dead:
+                continue  # marked down from outside; nothing to watch
             if self.process is not None and not self.process.is_alive():
-                self._die(f"engine process exited with code {self.process.exitcode}")
-            elif time.monotonic() - self._last_seen > self.heartbeat_timeout:
-                self._die(f"no heartbeat for {self.heartbeat_timeout:.0f} s")
+                return f"engine process {describe_exit(self.process.exitcode)}"
+            if time.monotonic() - self._last_seen > self.heartbeat_timeout:
+                return f"no heartbeat for {self.heartbeat_timeout:.0f} s"
 
     def _die(self, reason: str) -> None:
         self.is_dead = True
         self.death_reason = reason
+        if self._has_served or time.monotonic() - self._ready_at >= _STABLE_AFTER_S:
+            self._num_failed_restarts = 0
+        elif self._is_restarted:
+            self._num_failed_restarts += 1  # the restart that brought it up did not hold
         logger.error("engine %d at %s is down: %s", self.index, self.address, reason)
+        request_ids = self._fail_streams(f"the engine serving this request is down: {reason}")
+        if self._receiver is not None:
+            self._receiver.cancel()
+        if self.process is not None:
+            self.process.kill()  # a hung engine goes now, with every process it started
+        elif request_ids:
+            self._orphaned_ids = request_ids  # a remote engine that was only slow may still run them
+        if self._connection is not None:
+            self._connection.close()
+            self._connection = None
+
+    def _fail_streams(self, reason: str) -> list[str]:
+        request_ids = list(self._streams)
         for stream in self._streams.values():
-            stream.queue.put_nowait(EngineDeadError(f"the engine serving this request is down: {reason}"))
+            stream.queue.put_nowait(EngineDeadError(reason))
         self._streams.clear()
+        return request_ids
+
+    async def _recover(self) -> bool:
+        """Restart (local) or reconnect to (remote) the engine until it answers; False when giving up."""
+        verb = "restart" if self.process is not None else "reconnect to"
+        last_error = self.death_reason
+        while self._num_failed_restarts < self.max_restarts:
+            attempt = self._num_failed_restarts + 1
+            delay = min(_RESTART_BACKOFF_S * 2**self._num_failed_restarts, _MAX_RESTART_BACKOFF_S)
+            logger.warning("will %s engine %d in %.0f s (attempt %d of %d)", verb, self.index, delay, attempt,
+                           self.max_restarts)  # fmt: skip
+            await asyncio.sleep(delay)
+            started = time.monotonic()
+            try:
+                if self.process is not None:
+                    await self.process.stop(timeout=0)  # killed already: reap it and whatever it started
+                    self.process.start()
+                    await self._handshake(self._start_timeout)
+                else:
+                    await self._handshake(min(self._start_timeout, self.heartbeat_timeout))
+            except (EngineDeadError, TokenmillError, OSError) as exc:
+                self._num_failed_restarts += 1
+                last_error = str(exc)
+                logger.error("engine %d: %s attempt %d failed: %s", self.index, verb.split()[0], attempt, exc)
+                if self.process is not None:
+                    self.process.kill()  # one that did not answer in time must not load on beside the next
+                continue
+            self.num_restarts += 1
+            self._is_restarted = True
+            self.is_dead = False
+            self.death_reason = ""
+            if self._orphaned_ids and self._connection is not None:
+                self._connection.send(encode(AbortRequests(self._orphaned_ids)))
+            self._orphaned_ids = []
+            logger.warning("engine %d at %s is up again after %.1f s of loading (restart %d)", self.index,
+                           self.address, time.monotonic() - started, self.num_restarts)  # fmt: skip
+            return True
+        if self.max_restarts == 0:
+            self.failure = f"engine {self.index} died ({self.death_reason}) and server.max_engine_restarts is 0"
+        else:
+            self.failure = (
+                f"engine {self.index} could not be {'restarted' if self.process else 'reconnected to'}: "
+                f"{self.max_restarts} attempts in a row failed (last: {last_error})"
+            )
+        logger.error("%s", self.failure)
+        return False
 
     def state(self) -> EngineState:
         stats = self.stats
@@ -185,16 +322,22 @@ class EngineClient:
             num_in_flight=self.num_in_flight,
         )
 
+    def kill(self) -> None:
+        """Kill the engine process (if this front end started it) with every process it started, now."""
+        if self.process is not None:
+            self.process.kill()
+
     async def close(self) -> None:
-        for task in self._tasks:
+        """Stop supervising; stop the engine process (if this front end started it) and wait for it."""
+        tasks = [task for task in (self._supervisor, self._receiver) if task is not None]
+        for task in tasks:
             task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         if self._connection is not None:
             self._connection.close()
-        if self.process is not None and self.process.is_alive():
-            self.process.terminate()
-            await asyncio.to_thread(self.process.join, 10)
-            if self.process.is_alive():
-                self.process.kill()
+            self._connection = None
+        if self.process is not None:
+            await self.process.stop(_STOP_TIMEOUT_S)
 
 
 class EngineGroup:
@@ -215,7 +358,13 @@ class EngineGroup:
 
     @property
     def is_healthy(self) -> bool:
+        """Whether every engine is up."""
         return all(not client.is_dead for client in self.clients)
+
+    @property
+    def is_serving(self) -> bool:
+        """Whether a new request can be served: some engine is up (the router skips the others)."""
+        return any(not client.is_dead for client in self.clients)
 
     @property
     def max_model_len(self) -> int:
@@ -223,7 +372,8 @@ class EngineGroup:
 
     @property
     def max_num_seqs(self) -> int:
-        return sum(client.ready.max_num_seqs for client in self.clients if client.ready)
+        """Requests the engines that are up run at once."""
+        return sum(client.ready.max_num_seqs for client in self.clients if client.ready and not client.is_dead)
 
     @property
     def num_in_flight(self) -> int:
@@ -261,7 +411,18 @@ class EngineGroup:
             return ()
         return block_hashes(request.prompt_token_ids, ready.block_size, ready.hash_salt, request.cache_salt)
 
+    def fail_requests(self, reason: str) -> None:
+        """End every request in flight with ``EngineDeadError(reason)`` and abort them in the engines."""
+        for client in self.clients:
+            client.fail_requests(reason)
+
+    def kill(self) -> None:
+        """Kill every engine process this front end started, now (``close`` still reaps them)."""
+        for client in self.clients:
+            client.kill()
+
     async def close(self) -> None:
+        """Stop supervising and stop the engines this front end started (in parallel)."""
         await asyncio.gather(*(client.close() for client in self.clients))
 
 
@@ -281,8 +442,14 @@ class DisaggregatedGroup(EngineGroup):
         self._tasks: set[asyncio.Task[None]] = set()
 
     @property
+    def is_serving(self) -> bool:
+        """Whether the decode engine is up (without the prefill engine, it computes prompts itself)."""
+        return not self.clients[1].is_dead
+
+    @property
     def max_num_seqs(self) -> int:
-        return self.clients[1].ready.max_num_seqs if self.clients[1].ready else 0
+        decode = self.clients[1]
+        return decode.ready.max_num_seqs if decode.ready and not decode.is_dead else 0
 
     @property
     def num_in_flight(self) -> int:
@@ -333,30 +500,27 @@ class DisaggregatedGroup(EngineGroup):
 
 
 def start_local_engines(
-    config: EngineConfig, count: int, transport: Transport, configs: Sequence[EngineConfig] = ()
+    config: EngineConfig,
+    count: int,
+    transport: Transport,
+    configs: Sequence[EngineConfig] = (),
+    socket_dir: str | None = None,
 ) -> list[EngineClient]:
-    """Start ``count`` engine processes on ipc:// addresses (engine i with ``configs[i]`` when given, else
-    ``config``); returns their (unstarted) clients.
+    """Start ``count`` engine processes on ipc:// addresses in ``socket_dir`` (default: a new temporary
+    directory, removed once every engine stopped), engine i with ``configs[i]`` when given, else ``config``;
+    returns their (unstarted) clients, which restart them (``server.max_engine_restarts``).
 
-    Processes are spawned, not forked: the child starts a fresh interpreter, so
-    the front end never imports torch and never shares state with the engine.
-    Each engine builds its own instance of the transport ``config`` selects;
-    ``transport`` is this process's instance of it.
+    Each engine runs in a fresh interpreter (``LocalEngineProcess``), so the front end never imports torch and
+    never shares state with the engine. Each engine builds its own instance of the transport ``config``
+    selects; ``transport`` is this process's instance of it.
     """
-    from tokenmill.engine_process import run_engine_process
-
-    context = multiprocessing.get_context("spawn")
-    socket_dir = tempfile.mkdtemp(prefix="tokenmill-")
+    socket_dir = socket_dir or tempfile.mkdtemp(prefix="tokenmill-")
     clients = []
     for index in range(count):
         address = f"ipc://{os.path.join(socket_dir, f'engine-{index}.sock')}"
         engine_config = configs[index] if configs else config
-        process = context.Process(
-            target=run_engine_process,
-            args=(engine_config.to_dict(), address, True),
-            name=f"tokenmill-engine-{index}",
-            daemon=True,
-        )
+        process = LocalEngineProcess(engine_config.to_dict(), address)
         process.start()
-        clients.append(EngineClient(address, transport, index, process, config.server.engine_timeout))
+        clients.append(EngineClient(address, transport, index, process, config.server.engine_timeout,
+                                    config.server.max_engine_restarts))  # fmt: skip
     return clients

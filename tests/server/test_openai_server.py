@@ -265,7 +265,8 @@ def test_killing_the_engine_fails_requests_fast_and_the_server_exits(
 ) -> None:
     import os
 
-    server = start_tiny_server(tmp_path, tiny_model_dir, smollm2_gguf)
+    """With ``--max-engine-restarts 0`` a dead engine stops the server (tests/server/test_supervision.py: restarts)."""
+    server = start_tiny_server(tmp_path, tiny_model_dir, smollm2_gguf, "--max-engine-restarts", "0")
     try:
         engine_pids = [int(p) for p in os.popen(f"pgrep -P {server.process.pid}").read().split()]
         assert engine_pids
@@ -288,7 +289,9 @@ def test_killing_the_engine_fails_requests_fast_and_the_server_exits(
             assert result["r"].status_code == 503
             assert result["r"].json()["error"]["type"] == "server_error"
             assert started < killed
-        assert server.process.wait(15) == 1  # documented: the server exits non-zero
+        assert server.process.wait(15) == 1  # documented: the server exits non-zero, saying why
+        last_line = server.log.read_text().strip().splitlines()[-1]
+        assert "exiting with status 1: engine 0 died (engine process was killed by SIGKILL)" in last_line
     finally:
         server.stop()
 
@@ -348,8 +351,10 @@ def test_sigterm_drains_running_requests(tmp_path: Path, tiny_model_dir: Path, s
     time.sleep(0.3)
     server.process.send_signal(signal.SIGTERM)
     time.sleep(0.3)
-    with pytest.raises(httpx.ConnectError):  # no new requests once draining
-        httpx.get(f"{server.url}/health", timeout=2)
+    health = httpx.get(f"{server.url}/health", timeout=2)  # the port stays open while draining, refusing new work
+    assert health.status_code == 503 and health.json()["status"] == "draining"
+    refused = _completion(server.url, "Too late")
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
     thread.join(60)
     assert result["r"].status_code == 200
     assert result["r"].json()["usage"]["completion_tokens"] == 1000  # the running request finished

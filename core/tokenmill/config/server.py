@@ -6,7 +6,7 @@ from typing import Annotated
 
 import msgspec
 
-from tokenmill.config.base import ConfigSection, PositiveInt, describe
+from tokenmill.config.base import ConfigSection, NonNegativeInt, PositiveInt, describe
 
 
 class ServerConfig(ConfigSection, frozen=True):
@@ -48,8 +48,21 @@ class ServerConfig(ConfigSection, frozen=True):
     ] = "2GiB"
     drain_timeout: Annotated[
         Annotated[float, msgspec.Meta(ge=0)],
-        describe("On SIGTERM, seconds to let running requests finish before exiting."),
+        describe(
+            "On SIGTERM or Ctrl-C, seconds to let running requests finish (new ones get 503) before the rest "
+            "fail and the engines stop; a second signal stops at once."
+        ),
     ] = 30.0
+    max_engine_restarts: Annotated[
+        NonNegativeInt,
+        describe(
+            "Restarts of a dead engine that may fail in a row before the server gives up and exits with status "
+            "1. A restart fails when the engine does not start, or dies again before it finished a request or "
+            "stayed up a minute; the waits before attempts are 1, 2, 4, ... s (at most 30). Engines given by "
+            "--engine are connected to again instead (each attempt waits up to engine_timeout). 0: an engine "
+            "that dies stops the server."
+        ),
+    ] = 5
     engine_timeout: Annotated[
         Annotated[float, msgspec.Meta(gt=0)],
         describe(

@@ -108,9 +108,12 @@ class OpenAIServer:
     def _check_capacity(self) -> None:
         if self.state.is_draining:
             raise ProtocolError(503, "The server is shutting down.", type="server_error", code="shutting_down")
-        if not self.state.group.is_healthy:
-            raise ProtocolError(503, "The engine is unavailable.", type="server_error", code="engine_unavailable")
         group = self.state.group
+        if not group.is_serving:  # some engine up: the router skips those that are down
+            raise ProtocolError(
+                503, "No engine is available (restarting); retry later.", type="server_error",
+                code="engine_unavailable",
+            )  # fmt: skip
         if group.num_in_flight >= group.max_num_seqs + self.state.config.server.max_waiting:
             raise ProtocolError(
                 429, "The server is at capacity; retry later.", type="rate_limit_error", code="queue_full"
@@ -356,11 +359,23 @@ class OpenAIServer:
         return JSONResponse(protocol.models_response([self.state.model_name], self.state.created))
 
     async def health(self, request: Request) -> Response:
-        if self.state.group.is_healthy and not self.state.is_draining:
+        """200 ``ok`` when every engine is up; 200 ``degraded`` while some are down and the others serve; 503
+        ``engine down`` while none can serve (restarting), and ``draining`` once the server is stopping."""
+        group = self.state.group
+        if group.is_healthy and not self.state.is_draining:
             return JSONResponse({"status": "ok"})
-        reasons = [c.death_reason for c in self.state.group.clients if c.is_dead]
-        status = "draining" if self.state.is_draining else "engine down"
-        return JSONResponse({"status": status, "reasons": reasons}, status_code=503)
+        engines = [
+            {"index": c.index, "status": c.status, "num_restarts": c.num_restarts, "reason": c.death_reason or None}
+            for c in group.clients
+        ]
+        reasons = [c.death_reason for c in group.clients if c.is_dead]
+        if self.state.is_draining:
+            status, code = "draining", 503
+        elif group.is_serving:
+            status, code = "degraded", 200
+        else:
+            status, code = "engine down", 503
+        return JSONResponse({"status": status, "reasons": reasons, "engines": engines}, status_code=code)
 
     async def version(self, request: Request) -> Response:
         return JSONResponse({"version": __version__})

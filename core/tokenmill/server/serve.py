@@ -3,12 +3,21 @@
 With ``server.disaggregated_prefill`` the engines are a prefill engine and a
 decode engine joined by a ZeroMQ KV connector (``DisaggregatedGroup``).
 
-Shutdown: on SIGTERM or Ctrl-C uvicorn stops accepting connections and lets
-running requests finish for up to ``server.drain_timeout`` seconds, then the
-engines are stopped. If an engine dies, its in-flight requests fail at once
-with 503 (the client's watchdog sees the process exit or the heartbeats stop),
-``/health`` turns 503, and a second later the server exits with status 1 so a
-supervisor (systemd, Kubernetes) restarts the whole service.
+Supervision (``EngineClient``): when an engine's process exits or its
+heartbeats stop, its in-flight requests fail at once with 503 and the engine is
+brought back, with backoff: an engine this server started is restarted, a
+remote one (``--engine``) is connected to again. Meanwhile the router skips it,
+and new requests get 503 only if no engine is up; ``/health`` answers 503 while
+no engine can serve (200 ``degraded`` while some can). If an engine cannot be
+brought back (``server.max_engine_restarts`` failed attempts in a row), the
+server drains and exits with status 1, its last log line saying why.
+
+Shutdown: the first SIGTERM or SIGINT starts a drain: new requests get 503 (the
+port stays open, ``/health`` says ``draining``) and running ones get up to
+``server.drain_timeout`` seconds to finish; the rest then fail with 503, the
+engines are stopped (SIGTERM, then SIGKILL for each engine's process group) and
+the server exits 0 with no child process left. A second signal kills the
+engines at once and exits with status 128 + the signal's number.
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import tempfile
 from collections.abc import Iterator
@@ -30,28 +40,50 @@ from tokenmill.config.cache import KVTierConfig
 from tokenmill.engine_client import DisaggregatedGroup, EngineClient, EngineGroup, start_local_engines
 from tokenmill.model_files import DEFAULT_MODEL, resolve_tokenizer
 from tokenmill.plugin_manager import Slot, resolve_plugins
+from tokenmill.routing import Router
 from tokenmill.server.app import ServerState, build_app
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.tokenizer import Tokenizer
+from tokenmill.transport.base import Transport
 
 logger = logging.getLogger(__name__)
 
 ENGINE_START_TIMEOUT_S = 600.0
-_EXIT_GRACE_S = 1.0
+_POLL_INTERVAL_S = 0.05
+# After the drain, uvicorn waits this long for connections to finish sending (their requests are over by then).
+_CLOSE_CONNECTIONS_TIMEOUT_S = 5
 
 
 class _Server(uvicorn.Server):
-    """uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown, so the process would die by
-    the signal; a drained, orderly shutdown should exit 0 instead."""
+    """uvicorn without its own signal handling: ``_Shutdown`` drains first, then sets ``should_exit``."""
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
-        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+        yield
+
+
+class _Shutdown:
+    """What SIGTERM and SIGINT asked for. The first signal sets ``requested`` (the server drains, then
+    stops); a second one kills the engines at once and makes uvicorn exit without waiting (``forced_by``)."""
+
+    def __init__(self) -> None:
+        self.requested = asyncio.Event()
+        self.forced_by: int | None = None
+        self.group: EngineGroup | None = None
+        self.server: uvicorn.Server | None = None
+
+    def on_signal(self, signum: int) -> None:
+        name = signal.Signals(signum).name
+        if not self.requested.is_set():
+            logger.warning("%s: draining, then stopping (a second signal stops at once)", name)
+            self.requested.set()
+        elif self.forced_by is None:
+            logger.warning("%s again: stopping at once", name)
+            self.forced_by = signum
+            if self.group is not None:
+                self.group.kill()
+            if self.server is not None:
+                self.server.should_exit = self.server.force_exit = True
 
 
 def served_model_name(config: EngineConfig) -> str:
@@ -61,16 +93,17 @@ def served_model_name(config: EngineConfig) -> str:
     return model if model == DEFAULT_MODEL.name else Path(model).name
 
 
-def disaggregated_configs(config: EngineConfig) -> tuple[EngineConfig, EngineConfig]:
+def disaggregated_configs(config: EngineConfig, socket_dir: str) -> tuple[EngineConfig, EngineConfig]:
     """The prefill and the decode engine's configs: each the server's, plus the two ends of a KV connector
-    (``zmq-push`` on the prefill engine, ``zmq-pull`` on the decode engine) over a fresh ipc:// address."""
+    (``zmq-push`` on the prefill engine, ``zmq-pull`` on the decode engine) over an ipc:// address in
+    ``socket_dir``."""
     if config.server.engines or config.server.data_parallel_size > 1:
         raise ConfigError("server.disaggregated_prefill starts its own two engines: it cannot be combined with "
                           "server.engines or data_parallel_size > 1")  # fmt: skip
     if not config.cache.enable_prefix_caching:
         raise ConfigError("server.disaggregated_prefill needs cache.enable_prefix_caching: the decode engine "
                           "finds the shipped blocks through its prefix cache")  # fmt: skip
-    address = f"ipc://{os.path.join(tempfile.mkdtemp(prefix='tokenmill-kv-'), 'kv-transfer.sock')}"
+    address = f"ipc://{os.path.join(socket_dir, 'kv-transfer.sock')}"
     buffer = config.server.kv_transfer_buffer
     push = KVTierConfig("zmq-push", buffer, address)
     pull = KVTierConfig("zmq-pull", buffer, address)
@@ -81,7 +114,8 @@ def disaggregated_configs(config: EngineConfig) -> tuple[EngineConfig, EngineCon
 
 
 def run_server(config: EngineConfig) -> int:
-    """Serve until stopped; returns the process exit status (1 when an engine died)."""
+    """Serve until stopped; returns the process exit status: 0 after a signal's drain, 1 when an engine could
+    not be brought back, 128 + N when a second signal N stopped it at once."""
     return asyncio.run(_serve(config))
 
 
@@ -92,60 +126,123 @@ async def _serve(config: EngineConfig) -> int:
     transport = plugins.create(Slot.TRANSPORT, config.transport.backend)
     router = plugins.create(Slot.ROUTER, config.server.router)
     router_plugin = plugins.registry.get(Slot.ROUTER, config.server.router).plugin
-    group: EngineGroup
+    shutdown = _Shutdown()
+    loop = asyncio.get_running_loop()
+    signals = (signal.SIGINT, signal.SIGTERM)
+    for signum in signals:
+        loop.add_signal_handler(signum, shutdown.on_signal, signum)
+    socket_dir = tempfile.mkdtemp(prefix="tokenmill-")  # the engines' sockets; removed on the way out
+    try:
+        group = _engine_group(config, transport, router, router_plugin, socket_dir)
+        shutdown.group = group
+        try:
+            state = await _start(config, group, shutdown)
+            if state is None:  # a signal came first
+                return 128 + shutdown.forced_by if shutdown.forced_by is not None else 0
+            return await _run(config, state, shutdown)
+        finally:
+            await group.close()
+    finally:
+        for signum in signals:
+            loop.remove_signal_handler(signum)
+        shutil.rmtree(socket_dir, ignore_errors=True)
+
+
+def _engine_group(config: EngineConfig, transport: Transport, router: Router, router_plugin: str,
+                  socket_dir: str) -> EngineGroup:  # fmt: skip
+    """The engines (started now when local, unstarted clients) and who routes between them."""
     if config.server.disaggregated_prefill:
-        prefill, decode = start_local_engines(config, 2, transport, disaggregated_configs(config))
-        clients = [prefill, decode]
-        group = DisaggregatedGroup(prefill, decode, router)
-    elif config.server.engines:
+        configs = disaggregated_configs(config, socket_dir)
+        prefill, decode = start_local_engines(config, 2, transport, configs, socket_dir)
+        return DisaggregatedGroup(prefill, decode, router)
+    if config.server.engines:
         clients = [
-            EngineClient(address, transport, index, None, config.server.engine_timeout)
+            EngineClient(
+                address, transport, index, None, config.server.engine_timeout, config.server.max_engine_restarts
+            )  # fmt: skip
             for index, address in enumerate(config.server.engines)
         ]
-        group = EngineGroup(clients, router, config.server.router, router_plugin)
     else:
-        clients = start_local_engines(config, config.server.data_parallel_size, transport)
-        group = EngineGroup(clients, router, config.server.router, router_plugin)
-    try:
-        await asyncio.gather(*(client.start(ENGINE_START_TIMEOUT_S) for client in clients))
-        tokenizer = await asyncio.to_thread(
+        clients = start_local_engines(config, config.server.data_parallel_size, transport, socket_dir=socket_dir)
+    return EngineGroup(clients, router, config.server.router, router_plugin)
+
+
+async def _start(config: EngineConfig, group: EngineGroup, shutdown: _Shutdown) -> ServerState | None:
+    """Wait for every engine's handshake and load the tokenizer; None if a signal came first."""
+
+    async def start() -> Tokenizer:
+        await asyncio.gather(*(client.start(ENGINE_START_TIMEOUT_S) for client in group.clients))
+        return await asyncio.to_thread(
             Tokenizer.from_path, resolve_tokenizer(config.model.model, config.model.tokenizer)
         )
-    except BaseException:
-        await group.close()
-        raise
+
+    starting = asyncio.create_task(start())
+    signalled = asyncio.create_task(shutdown.requested.wait())
+    await asyncio.wait({starting, signalled}, return_when=asyncio.FIRST_COMPLETED)
+    signalled.cancel()
+    if not starting.done():
+        starting.cancel()
+        await asyncio.gather(starting, return_exceptions=True)
+        logger.info("stopped while starting")
+        return None
+    tokenizer = starting.result()  # raises what starting raised
     name = served_model_name(config)
-    state = ServerState(config, group, tokenizer, name, ServerMetrics(group, name))
+    return ServerState(config, group, tokenizer, name, ServerMetrics(group, name))
+
+
+async def _run(config: EngineConfig, state: ServerState, shutdown: _Shutdown) -> int:
+    """Serve HTTP until a signal or an engine that cannot be brought back; drain; returns the exit status."""
+    group = state.group
     server = _Server(
         uvicorn.Config(
             build_app(state),
             host=config.server.host,
             port=config.server.port,
             log_level="warning",
-            timeout_graceful_shutdown=int(config.server.drain_timeout),
+            timeout_graceful_shutdown=_CLOSE_CONNECTIONS_TIMEOUT_S,
         )
     )
-    exit_status = 0
+    shutdown.server = server
+    failure: str | None = None
 
-    async def watch_engines() -> None:
-        nonlocal exit_status
-        while not server.should_exit:
-            await asyncio.sleep(0.2)
-            if not group.is_healthy:
-                await asyncio.sleep(_EXIT_GRACE_S)  # let in-flight requests receive their 503
-                exit_status = 1
-                server.should_exit = True
-        state.is_draining = True
+    async def supervise() -> None:
+        nonlocal failure
+        while not shutdown.requested.is_set() and failure is None:
+            failure = next((client.failure for client in group.clients if client.failure is not None), None)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(shutdown.requested.wait(), _POLL_INTERVAL_S * 4)
+        await _drain(state, config.server.drain_timeout, shutdown)
+        server.should_exit = True
 
-    watcher = asyncio.create_task(watch_engines())
+    supervisor = asyncio.create_task(supervise())
     logger.info(
-        "serving %s with %d engine(s) at http://%s:%d", name, len(clients), config.server.host, config.server.port
-    )
+        "serving %s with %d engine(s) at http://%s:%d", state.model_name, len(group.clients), config.server.host,
+        config.server.port,
+    )  # fmt: skip
     try:
         await server.serve()
     finally:
-        watcher.cancel()
+        supervisor.cancel()
+        await asyncio.gather(supervisor, return_exceptions=True)
         await group.close()
-    if exit_status:
-        logger.error("an engine died; exiting with status %d", exit_status)
-    return exit_status
+    if shutdown.forced_by is not None:
+        return 128 + shutdown.forced_by
+    if failure is not None:
+        logger.error("exiting with status 1: %s", failure)
+        return 1
+    logger.info("stopped")
+    return 0
+
+
+async def _drain(state: ServerState, timeout: float, shutdown: _Shutdown) -> None:
+    """Refuse new requests (503) and wait up to ``timeout`` s for those in flight; fail the rest with 503."""
+    state.is_draining = True
+    group = state.group
+    if group.num_in_flight:
+        logger.info("draining %d request(s) for up to %.0f s", group.num_in_flight, timeout)
+    deadline = asyncio.get_running_loop().time() + timeout
+    while group.num_in_flight and shutdown.forced_by is None and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(_POLL_INTERVAL_S)
+    if group.num_in_flight:
+        logger.warning("server.drain_timeout (%.0f s) passed; failing %d request(s)", timeout, group.num_in_flight)
+        group.fail_requests(f"the server is shutting down: server.drain_timeout ({timeout:.0f} s) passed")
