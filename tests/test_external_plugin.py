@@ -51,7 +51,7 @@ def test_listed_from_the_installed_copy_with_its_options(site: Path) -> None:
 def _engine_queries(server: TokenmillServer, engine: int) -> float:
     """Prompt tokens an engine has looked up in its prefix cache: how much work it was sent."""
     for line in httpx.get(f"{server.url}/metrics").text.splitlines():
-        if line.startswith("tokenmill_prefix_cache_queries") and f'engine="{engine}"' in line:
+        if line.startswith("tokenmill:prefix_cache_queries") and f'engine="{engine}"' in line:
             return float(line.rsplit(" ", 1)[1])
     return 0.0
 

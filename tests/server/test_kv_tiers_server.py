@@ -25,7 +25,7 @@ def _complete(server: Server, prompt: str = LONG_PROMPT) -> str:
 
 
 def _tier_counter(server: Server, counter: str, tier: str) -> float:
-    return server.metrics().get(f'tokenmill_kv_tier_{counter}_total{{tier="{tier}"}}', 0.0)
+    return server.metrics().get(f'tokenmill:kv_tier_{counter}_total{{tier="{tier}"}}', 0.0)
 
 
 def _tier_hits(server: Server, tier: str) -> float:

@@ -19,6 +19,7 @@ from tokenmill.tokenizer import Tokenizer
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 
 PROMPT = "The three primary colours are"
+_ABORTED = 'tokenmill:request_success_total{finished_reason="abort"}'
 
 
 @pytest.fixture(scope="module")
@@ -169,8 +170,8 @@ def test_health_version_metrics(default_server: Server) -> None:
     assert httpx.get(f"{default_server.url}/health").json() == {"status": "ok"}
     assert "version" in httpx.get(f"{default_server.url}/version").json()
     metrics = default_server.metrics()
-    for name in ("tokenmill_time_to_first_token_seconds_count", "tokenmill_kv_cache_usage_ratio",
-                 "tokenmill_num_requests_running", "tokenmill_prefix_cache_queries_total"):  # fmt: skip
+    for name in ("tokenmill:time_to_first_token_seconds_count", "tokenmill:kv_cache_usage_perc",
+                 "tokenmill:num_requests_running", "tokenmill:prefix_cache_queries_total"):  # fmt: skip
         assert any(key.startswith(name) for key in metrics), name
 
 
@@ -216,11 +217,11 @@ def test_64_concurrent_streams_get_their_lengths_and_65_more_get_429(tiny_server
     crowded = asyncio.run(run(80))
     rejected = [r for r in crowded if isinstance(r, openai.RateLimitError)]
     assert len(rejected) >= 16 and all(isinstance(r, int) or r in rejected for r in crowded)
-    assert tiny_server.metrics()["tokenmill_kv_cache_usage_ratio"] == 0.0
+    assert tiny_server.metrics()["tokenmill:kv_cache_usage_perc"] == 0.0
 
 
 def test_disconnect_after_5_tokens_aborts_and_frees_blocks(tiny_server: Server) -> None:
-    before = tiny_server.metrics().get('tokenmill_requests_finished_total{model="tiny",reason="aborted"}', 0.0)
+    before = tiny_server.metrics()[_ABORTED]
     body = {"model": "tiny", "prompt": "Tell me a long story", "max_tokens": 900, "stream": True,
             "ignore_eos": True, "temperature": 0}  # fmt: skip
     received = 0
@@ -233,13 +234,13 @@ def test_disconnect_after_5_tokens_aborts_and_frees_blocks(tiny_server: Server) 
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         metrics = tiny_server.metrics()
-        aborted = metrics.get('tokenmill_requests_finished_total{model="tiny",reason="aborted"}', 0.0)
-        if aborted == before + 1 and metrics["tokenmill_kv_cache_usage_ratio"] == 0.0:
+        aborted = metrics[_ABORTED]
+        if aborted == before + 1 and metrics["tokenmill:kv_cache_usage_perc"] == 0.0:
             break
         time.sleep(0.1)
     assert aborted == before + 1
-    assert metrics["tokenmill_kv_cache_usage_ratio"] == 0.0
-    assert metrics["tokenmill_num_requests_running"] == 0.0
+    assert metrics["tokenmill:kv_cache_usage_perc"] == 0.0
+    assert metrics["tokenmill:num_requests_running"] == 0.0
 
 
 def test_bench_serve_writes_its_report(tiny_server: Server, tmp_path: Path) -> None:
@@ -334,7 +335,7 @@ def test_data_parallel_engines_share_the_load(tmp_path: Path, tiny_model_dir: Pa
         for i in range(4):
             assert _completion(server.url, f"Request number {i}").status_code == 200
         text = httpx.get(f"{server.url}/metrics").text
-        queries = [line for line in text.splitlines() if line.startswith("tokenmill_prefix_cache_queries_total{")]
+        queries = [line for line in text.splitlines() if line.startswith("tokenmill:prefix_cache_queries_total{")]
         by_engine = {line.split('engine="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1]) for line in queries}
         assert set(by_engine) == {"0", "1"} and all(v > 0 for v in by_engine.values())  # round-robin used both
     finally:

@@ -47,10 +47,10 @@ def test_streamed_greedy_chat_equals_plain_decoding_and_the_metrics_move(
     streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
     assert streamed == expected
     after = ngram_server.metrics()
-    accepted = "tokenmill_spec_decode_num_accepted_tokens_total"
-    assert after["tokenmill_spec_decode_num_drafts_total"] > before.get("tokenmill_spec_decode_num_drafts_total", 0)
+    accepted = "tokenmill:spec_decode_num_accepted_tokens_total"
+    assert after["tokenmill:spec_decode_num_drafts_total"] > before.get("tokenmill:spec_decode_num_drafts_total", 0)
     assert after[accepted] > before.get(accepted, 0)
-    assert any(key.startswith("tokenmill_spec_decode_num_accepted_tokens_per_pos_total") for key in after)
+    assert any(key.startswith("tokenmill:spec_decode_num_accepted_tokens_per_pos_total") for key in after)
 
     # A request may opt out (vLLM's vllm_xargs carries the flag): same text, no drafts.
     before = ngram_server.metrics()
@@ -60,8 +60,8 @@ def test_streamed_greedy_chat_equals_plain_decoding_and_the_metrics_move(
     )  # fmt: skip
     assert response.choices[0].message.content == expected
     assert (
-        ngram_server.metrics()["tokenmill_spec_decode_num_drafts_total"]
-        == before["tokenmill_spec_decode_num_drafts_total"]
+        ngram_server.metrics()["tokenmill:spec_decode_num_drafts_total"]
+        == before["tokenmill:spec_decode_num_drafts_total"]
     )
 
 

@@ -143,11 +143,11 @@ def test_options_reach_the_processor_and_the_scheduler_runs_shortest_first(
 
     threads = [threading.Thread(target=blocker)]
     threads[0].start()
-    _wait_for(lambda: _metric(server, "tokenmill_num_requests_running", 0) == 1, "the long request to run")
+    _wait_for(lambda: _metric(server, "tokenmill:num_requests_running", 0) == 1, "the long request to run")
     for name, prompt, num_waiting in (("long", [5] * 200, 1), ("short", [6, 7, 8], 2)):
         threads.append(threading.Thread(target=send, args=(name, prompt)))
         threads[-1].start()
-        _wait_for(lambda n=num_waiting: _metric(server, "tokenmill_num_requests_waiting", 0) == n, f"{name} to queue")
+        _wait_for(lambda n=num_waiting: _metric(server, "tokenmill:num_requests_waiting", 0) == n, f"{name} to queue")
     stop.set()
     for thread in threads:
         thread.join(60)
@@ -157,7 +157,7 @@ def test_options_reach_the_processor_and_the_scheduler_runs_shortest_first(
 @pytest.mark.slow
 def test_router_sends_each_request_to_the_engine_with_the_fewest_in_flight(tokenmill_server, tokenizer):
     server = tokenmill_server(config=_config(tokenizer, router="least-in-flight", engines=2))
-    queries = "tokenmill_prefix_cache_queries"  # prompt tokens each engine looked up: its share of the work
+    queries = "tokenmill:prefix_cache_queries"  # prompt tokens each engine looked up: its share of the work
     for _ in range(3):  # one at a time: nothing is in flight, so the tie goes to engine 0 every time
         server.client.completions.create(model=server.model, prompt="hello", max_tokens=2, temperature=0)
     _wait_for(lambda: _metric(server, queries, 0) > 0, "engine 0's stats")
@@ -169,7 +169,7 @@ def test_router_sends_each_request_to_the_engine_with_the_fewest_in_flight(token
             long = {"model": server.model, "prompt": "hello", "max_tokens": 900, "ignore_eos": True, "temperature": 0}
             first = asyncio.create_task(client.post("/v1/completions", json=long))
             deadline = time.monotonic() + 30
-            while _metric(server, "tokenmill_num_requests_running", 0) < 1:  # engine 0 has it
+            while _metric(server, "tokenmill:num_requests_running", 0) < 1:  # engine 0 has it
                 assert time.monotonic() < deadline, "the first request never ran on engine 0"
                 await asyncio.sleep(0.02)
             short = {"model": server.model, "prompt": "hello", "max_tokens": 2, "temperature": 0}

@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 _WARMUP_SEED_OFFSET = 1_000_003
 _WARMUP_OUTPUT_LEN = 4
 _METRICS_SETTLE_S = 5.0  # the engines report counters in heartbeats, every 0.5 s
-_HITS, _QUERIES = "tokenmill_prefix_cache_hits_total", "tokenmill_prefix_cache_queries_total"
+_HITS, _QUERIES = "tokenmill:prefix_cache_hits_total", "tokenmill:prefix_cache_queries_total"
 
 
 class SuiteError(TokenmillError):

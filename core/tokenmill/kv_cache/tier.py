@@ -37,7 +37,7 @@ WritePolicy = Literal["eviction", "completion", "none"]
 
 @dataclass
 class KVTierStats:
-    """Counters a tier keeps, exported per tier in /metrics (``tokenmill_kv_tier_*``)."""
+    """Counters a tier keeps, exported per tier in /metrics (``tokenmill:kv_tier_*``)."""
 
     hits: int = 0  # fetches that returned a block
     misses: int = 0  # fetches that returned None

@@ -66,7 +66,8 @@ class _ClosingStreamingResponse(StreamingResponse):
             await body.aclose()
 
 
-def _error(exc: ProtocolError) -> JSONResponse:
+def _error(exc: ProtocolError, metrics: ServerMetrics) -> JSONResponse:
+    metrics.observe_rejected(exc.status, exc.code)
     return Response(
         protocol.error_body(exc.status, exc.message, exc.type, exc.param, exc.code),
         status_code=exc.status,
@@ -84,8 +85,9 @@ class _Generation:
     output: RequestOutput
     params: SamplingParams
     arrival: float
-    last_token_at: dict[int, float] = field(default_factory=dict)
-    num_tokens: int = 0
+    last_token_at: dict[int, float] = field(default_factory=dict)  # by completion index
+    first_token_at: float | None = None
+    queue_time: float = 0.0  # in the engine, before its first step
 
 
 class OpenAIServer:
@@ -152,7 +154,7 @@ class OpenAIServer:
             while True:
                 item = await generation.stream.queue.get()
                 if isinstance(item, EngineDeadError):
-                    metrics.requests_finished.labels(metrics.model, "failed").inc()
+                    metrics.observe_unfinished(client.index, "error")
                     raise ProtocolError(503, str(item), type="server_error", code="engine_unavailable")
                 if item.error is not None:
                     raise ProtocolError(400, item.error)
@@ -168,25 +170,30 @@ class OpenAIServer:
             if not generation.output.finished and not client.is_dead:
                 # The client went away (or the handler failed): stop all its completions and free the blocks.
                 client.abort([generation.request_id])
-                metrics.requests_finished.labels(metrics.model, "aborted").inc()
+                metrics.observe_unfinished(client.index, "abort")
             client.release(generation.request_id)
 
     def _observe(self, generation: _Generation, output: EngineCoreOutput) -> None:
-        metrics = self.state.metrics
+        metrics, engine = self.state.metrics, generation.stream.client.index
         if output.queue_time is not None:
-            metrics.queue_time.labels(metrics.model).observe(output.queue_time)
+            generation.queue_time = output.queue_time
+            metrics.observe_queue_time(engine, output.queue_time)
         if output.new_token_ids:
             now = time.monotonic()
-            metrics.observe_token(now, generation.arrival, generation.last_token_at.get(output.index))
+            metrics.observe_token(engine, now, generation.arrival, generation.last_token_at.get(output.index))
             generation.last_token_at[output.index] = now
-            generation.num_tokens += len(output.new_token_ids)
+            if generation.first_token_at is None:
+                generation.first_token_at = now
 
     def _observe_finished(self, generation: _Generation) -> None:
+        metrics, engine = self.state.metrics, generation.stream.client.index
         reasons = {c.finish_reason for c in generation.output.outputs}
-        reason = "stop" if "stop" in reasons else "length" if "length" in reasons else "aborted"
-        self.state.metrics.observe_finished(
-            reason, generation.arrival, time.monotonic(), len(generation.output.prompt_token_ids),
-            generation.num_tokens,
+        if not reasons & {"stop", "length"}:  # the engine aborted every completion
+            metrics.observe_unfinished(engine, "abort")
+            return
+        metrics.observe_finished(
+            engine, "stop" if "stop" in reasons else "length", generation.arrival, generation.queue_time,
+            generation.first_token_at, max(generation.last_token_at.values(), default=None), time.monotonic(),
         )  # fmt: skip
 
     async def _until_finished(self, request: Request, generation: _Generation) -> RequestOutput:
@@ -230,7 +237,7 @@ class OpenAIServer:
                 self._stream_completion, protocol.completion_response,
             )  # fmt: skip
         except ProtocolError as exc:
-            return _error(exc)
+            return _error(exc, self.state.metrics)
 
     async def chat_completions(self, request: Request) -> Response:
         try:
@@ -250,7 +257,7 @@ class OpenAIServer:
                 self._stream_chat, protocol.chat_response,
             )  # fmt: skip
         except ProtocolError as exc:
-            return _error(exc)
+            return _error(exc, self.state.metrics)
 
     async def _respond(
         self,
@@ -355,7 +362,7 @@ class OpenAIServer:
         try:
             self._check_auth(request)
         except ProtocolError as exc:
-            return _error(exc)
+            return _error(exc, self.state.metrics)
         return JSONResponse(protocol.models_response([self.state.model_name], self.state.created))
 
     async def health(self, request: Request) -> Response:

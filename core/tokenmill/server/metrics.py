@@ -1,10 +1,12 @@
-"""Prometheus metrics of the API server (names documented in docs/metrics.md).
+"""Prometheus metrics of the API server, under vLLM's names (docs/metrics.md).
 
-Latencies are measured in the front end, where a client's experience is:
-time to first token, inter-token latency and end-to-end latency per request;
-queue time comes from the engine (enqueue to first scheduled step). Engine-wide
-gauges and counters (running, waiting, KV usage, prefix cache, preemptions, speculative decoding)
-are read from the engines' latest heartbeats when Prometheus scrapes.
+Every metric is vLLM's ``vllm:<name>`` as ``tokenmill:<name>``, with vLLM's units and labels: ``model_name``
+(the served model name) and ``engine`` (the replica index), so a dashboard written for vLLM works once its
+prefix is replaced. Latencies are measured in the front end, where a client's experience is: time to first
+token, inter-token latency, end-to-end, prefill and decode time per request; queue time comes from the engine
+(enqueue to first scheduled step). Engine-wide gauges and counters (running, waiting, KV usage, tokens, prefix
+cache, preemptions, speculative decoding, KV tiers, restarts) are read from the engines' latest heartbeats
+when Prometheus scrapes.
 """
 
 from __future__ import annotations
@@ -16,22 +18,40 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0,
-                    10.0, 20.0, 40.0, 80.0)  # fmt: skip
+PREFIX = "tokenmill:"
 
+#: Reasons a request ends, vLLM's ``finished_reason`` values: ``stop`` and ``length`` finished normally,
+#: ``abort`` was cancelled (the client went away) and ``error`` failed (its engine died).
+FINISHED_REASONS = ("stop", "length", "abort", "error")
 
-#: Engine counters by ``EngineStatsMessage`` field; exported as ``tokenmill_<field>`` (vLLM's names).
+#: ``tokenmill:request_rejected_total`` reasons for errors that carry no code of their own.
+_REJECTED_BY_STATUS = {400: "invalid_request", 503: "unavailable"}
+
+_TOKEN_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0,
+                          10.0, 20.0, 40.0, 80.0)  # fmt: skip
+_REQUEST_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0,
+                            640.0, 1280.0, 2560.0)  # fmt: skip
+
+_LABELS = ["model_name", "engine"]
+
+#: Engine counters by ``EngineStatsMessage`` field: (exported name after the prefix, help).
 _ENGINE_COUNTERS = {
-    "prefix_cache_queries": "Prompt tokens looked up in the prefix cache.",
-    "prefix_cache_hits": "Prompt tokens served from the prefix cache.",
-    "num_preemptions": "Requests preempted for lack of KV cache blocks.",
-    "spec_decode_num_drafts": "Speculative decoding: requests whose drafts were verified, summed over steps.",
-    "spec_decode_num_draft_tokens": "Speculative decoding: draft tokens verified.",
-    "spec_decode_num_accepted_tokens": "Speculative decoding: draft tokens accepted.",
-}
+    "num_prompt_tokens": ("prompt_tokens", "Prompt tokens processed (a request's whole prompt, at its first token)."),
+    "num_generation_tokens": ("generation_tokens", "Tokens generated."),
+    "prefix_cache_queries": ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+    "prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens served from the prefix cache."),
+    "num_preemptions": ("num_preemptions", "Requests preempted for lack of KV cache blocks."),
+    "spec_decode_num_drafts": (
+        "spec_decode_num_drafts", "Speculative decoding: requests whose drafts were verified, summed over steps."
+    ),
+    "spec_decode_num_draft_tokens": ("spec_decode_num_draft_tokens", "Speculative decoding: draft tokens verified."),
+    "spec_decode_num_accepted_tokens": (
+        "spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted."
+    ),
+}  # fmt: skip
 
 
-#: KV tier counters by ``KVTierStatsMessage`` field; exported as ``tokenmill_kv_tier_<field>`` by ``tier``.
+#: KV tier counters by ``KVTierStatsMessage`` field; exported as ``tokenmill:kv_tier_<field>`` by ``tier``.
 _KV_TIER_COUNTERS = {
     "hits": "KV tier: blocks fetched.",
     "misses": "KV tier: fetches that found nothing.",
@@ -48,35 +68,40 @@ _KV_TIER_COUNTERS = {
 class _EngineCollector(Collector):
     """Engine state at scrape time, one sample per engine replica (label ``engine``)."""
 
-    def __init__(self, group: Any, model: str) -> None:
+    def __init__(self, group: Any, model_name: str) -> None:
         self.group = group
-        self.model = model
+        self.model_name = model_name
 
     def collect(self) -> Iterator[Any]:
-        running = GaugeMetricFamily("tokenmill_num_requests_running", "Requests running in the engines.",
-                                    labels=["model", "engine"])  # fmt: skip
-        waiting = GaugeMetricFamily("tokenmill_num_requests_waiting", "Requests waiting in the engines.",
-                                    labels=["model", "engine"])  # fmt: skip
-        usage = GaugeMetricFamily("tokenmill_kv_cache_usage_ratio", "Fraction of KV cache blocks held by requests.",
-                                  labels=["model", "engine"])  # fmt: skip
+        running = GaugeMetricFamily(f"{PREFIX}num_requests_running", "Requests in the engines' running batches.",
+                                    labels=_LABELS)  # fmt: skip
+        waiting = GaugeMetricFamily(f"{PREFIX}num_requests_waiting", "Requests waiting in the engines.",
+                                    labels=_LABELS)  # fmt: skip
+        usage = GaugeMetricFamily(
+            f"{PREFIX}kv_cache_usage_perc", "KV cache usage: the fraction of blocks held by requests (1 means 100%).",
+            labels=_LABELS,
+        )  # fmt: skip
+        restarts = CounterMetricFamily(f"{PREFIX}engine_restarts", "Times the engine was restarted after it died.",
+                                       labels=_LABELS)  # fmt: skip
         counters = {
-            key: CounterMetricFamily(f"tokenmill_{key}", text, labels=["model", "engine"])
-            for key, text in _ENGINE_COUNTERS.items()
+            key: CounterMetricFamily(f"{PREFIX}{name}", text, labels=_LABELS)
+            for key, (name, text) in _ENGINE_COUNTERS.items()
         }
         per_pos = CounterMetricFamily(
-            "tokenmill_spec_decode_num_accepted_tokens_per_pos",
+            f"{PREFIX}spec_decode_num_accepted_tokens_per_pos",
             "Speculative decoding: draft tokens accepted, by their position among the drafts (0 first).",
-            labels=["model", "engine", "position"],
+            labels=[*_LABELS, "position"],
         )
         tier_counters = {
-            key: CounterMetricFamily(f"tokenmill_kv_tier_{key}", text, labels=["model", "engine", "tier"])
+            key: CounterMetricFamily(f"{PREFIX}kv_tier_{key}", text, labels=[*_LABELS, "tier"])
             for key, text in _KV_TIER_COUNTERS.items()
         }
         for client in self.group.clients:
+            labels = [self.model_name, str(client.index)]
+            restarts.add_metric(labels, getattr(client, "num_restarts", 0))
             stats = client.stats
             if stats is None:
                 continue
-            labels = [self.model, str(client.index)]
             for tier in stats.kv_tiers:
                 for key, family in tier_counters.items():
                     family.add_metric([*labels, tier.name], getattr(tier, key))
@@ -87,49 +112,89 @@ class _EngineCollector(Collector):
                 family.add_metric(labels, getattr(stats, key))
             for position, count in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
                 per_pos.add_metric([*labels, str(position)], count)
-        yield from (running, waiting, usage, *counters.values(), per_pos, *tier_counters.values())
+        yield from (running, waiting, usage, restarts, *counters.values(), per_pos, *tier_counters.values())
 
 
 class ServerMetrics:
-    def __init__(self, group: Any, model: str) -> None:
-        self.model = model
+    """The front end's metrics; ``app.py`` reports each request's milestones (``engine`` is the index of the
+    engine serving it) and each error response."""
+
+    def __init__(self, group: Any, model_name: str) -> None:
+        self.model_name = model_name
         self.registry = CollectorRegistry()
-        labels = ["model"]
-        self.time_to_first_token = Histogram(
-            "tokenmill_time_to_first_token_seconds", "From request arrival to its first token.",
-            labels, registry=self.registry, buckets=_LATENCY_BUCKETS,
-        )  # fmt: skip
-        self.inter_token_latency = Histogram(
-            "tokenmill_inter_token_latency_seconds", "Between consecutive tokens of a completion.",
-            labels, registry=self.registry, buckets=_LATENCY_BUCKETS,
-        )  # fmt: skip
-        self.e2e_latency = Histogram(
-            "tokenmill_e2e_request_latency_seconds", "From request arrival to its last token.",
-            labels, registry=self.registry, buckets=_LATENCY_BUCKETS,
-        )  # fmt: skip
-        self.queue_time = Histogram(
-            "tokenmill_request_queue_time_seconds", "In the engine, from enqueue to the first scheduled step.",
-            labels, registry=self.registry, buckets=_LATENCY_BUCKETS,
-        )  # fmt: skip
-        self.prompt_tokens = Counter("tokenmill_prompt_tokens", "Prompt tokens of finished requests.",
-                                     labels, registry=self.registry)  # fmt: skip
-        self.generation_tokens = Counter("tokenmill_generation_tokens", "Generated tokens.",
-                                         labels, registry=self.registry)  # fmt: skip
-        self.requests_finished = Counter(
-            "tokenmill_requests_finished", "Requests finished, by reason (stop, length, aborted, failed).",
-            ["model", "reason"], registry=self.registry,
-        )  # fmt: skip
-        self.registry.register(_EngineCollector(group, model))
 
-    def observe_token(self, now: float, arrival: float, previous: float | None) -> None:
+        def histogram(name: str, text: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(f"{PREFIX}{name}", text, _LABELS, registry=self.registry, buckets=buckets)
+
+        self.time_to_first_token = histogram(
+            "time_to_first_token_seconds", "From request arrival to its first token.", _TOKEN_LATENCY_BUCKETS
+        )
+        self.inter_token_latency = histogram(
+            "inter_token_latency_seconds", "Between consecutive tokens of a completion.", _TOKEN_LATENCY_BUCKETS
+        )
+        self.e2e_request_latency = histogram(
+            "e2e_request_latency_seconds", "From request arrival to its last token.", _REQUEST_LATENCY_BUCKETS
+        )
+        self.request_queue_time = histogram(
+            "request_queue_time_seconds", "In the engine, from enqueue to the first scheduled step.",
+            _REQUEST_LATENCY_BUCKETS,
+        )  # fmt: skip
+        self.request_prefill_time = histogram(
+            "request_prefill_time_seconds", "From the first scheduled step to the first token.",
+            _REQUEST_LATENCY_BUCKETS,
+        )  # fmt: skip
+        self.request_decode_time = histogram(
+            "request_decode_time_seconds", "From the first token to the last.", _REQUEST_LATENCY_BUCKETS
+        )
+        self.request_success = Counter(
+            f"{PREFIX}request_success", "Requests ended, by finished_reason: stop, length, abort or error.",
+            [*_LABELS, "finished_reason"], registry=self.registry,
+        )  # fmt: skip
+        self.request_rejected = Counter(
+            f"{PREFIX}request_rejected", "Requests answered with an error instead of a completion, by reason.",
+            ["model_name", "reason"], registry=self.registry,
+        )  # fmt: skip
+        # Every engine's series exist from the start, at zero (as vLLM's do), so a dashboard sees them at once.
+        for client in group.clients:
+            engine = str(client.index)
+            for family in (self.time_to_first_token, self.inter_token_latency, self.e2e_request_latency,
+                           self.request_queue_time, self.request_prefill_time, self.request_decode_time):  # fmt: skip
+                family.labels(model_name, engine)
+            for reason in FINISHED_REASONS:
+                self.request_success.labels(model_name, engine, reason)
+        self.registry.register(_EngineCollector(group, model_name))
+
+    def observe_queue_time(self, engine: int, seconds: float) -> None:
+        self.request_queue_time.labels(self.model_name, str(engine)).observe(seconds)
+
+    def observe_token(self, engine: int, now: float, arrival: float, previous: float | None) -> None:
+        """A completion's new tokens arrived at ``now``; ``previous`` is when its last ones did (None: first)."""
         if previous is None:
-            self.time_to_first_token.labels(self.model).observe(now - arrival)
+            self.time_to_first_token.labels(self.model_name, str(engine)).observe(now - arrival)
         else:
-            self.inter_token_latency.labels(self.model).observe(now - previous)
+            self.inter_token_latency.labels(self.model_name, str(engine)).observe(now - previous)
 
-    def observe_finished(self, reason: str, arrival: float, now: float, prompt_tokens: int, tokens: int) -> None:
-        self.requests_finished.labels(self.model, reason).inc()
-        self.prompt_tokens.labels(self.model).inc(prompt_tokens)
-        self.generation_tokens.labels(self.model).inc(tokens)
-        if reason in ("stop", "length"):
-            self.e2e_latency.labels(self.model).observe(now - arrival)
+    def observe_finished(self, engine: int, reason: str, arrival: float, queue_time: float,
+                         first_token_at: float | None, last_token_at: float | None, now: float) -> None:  # fmt: skip
+        """A request finished normally (``reason`` is ``stop`` or ``length``) at ``now``: count it and time its
+        phases. Prefill runs from its first scheduled step (arrival plus queue time) to its first token, decode
+        from its first token to its last (of any completion, for n > 1)."""
+        labels = (self.model_name, str(engine))
+        self.request_success.labels(*labels, reason).inc()
+        self.e2e_request_latency.labels(*labels).observe(now - arrival)
+        if first_token_at is not None and last_token_at is not None:
+            self.request_prefill_time.labels(*labels).observe(max(0.0, first_token_at - arrival - queue_time))
+            self.request_decode_time.labels(*labels).observe(last_token_at - first_token_at)
+
+    def observe_unfinished(self, engine: int, reason: str) -> None:
+        """A request ended without finishing: ``abort`` (cancelled, or its client went away) or ``error`` (its
+        engine died); counted, not timed."""
+        self.request_success.labels(self.model_name, str(engine), reason).inc()
+
+    def observe_rejected(self, status: int, code: str | None) -> None:
+        """The server answered a request with HTTP ``status`` and error ``code`` (``queue_full``,
+        ``invalid_api_key``...); counted by that code, or by the status when the error has none."""
+        if status == 499:  # the client went away mid-request: nobody gets this answer, and it counts as abort
+            return
+        reason = code or _REJECTED_BY_STATUS.get(status, f"http_{status}")
+        self.request_rejected.labels(self.model_name, reason).inc()

@@ -52,18 +52,18 @@ class TokenmillServer:
         return self._client
 
     def metrics(self) -> dict[str, float]:
-        """/metrics samples keyed by name plus labels; samples labelled by engine are summed over engines, keyed by
-        name plus their labels but ``engine`` and ``model`` (``tokenmill_kv_tier_hits_total{tier="disk"}``)."""
+        """/metrics samples summed over engines, keyed by name plus their labels but ``engine`` and
+        ``model_name`` (``tokenmill:kv_tier_hits_total{tier="disk"}``, ``tokenmill:num_requests_running``)."""
         text = httpx.get(f"{self.url}/metrics").text
         samples: dict[str, float] = {}
         for line in text.splitlines():
             if line.startswith("#") or not line.strip():
                 continue
             name, value = line.rsplit(" ", 1)
-            if 'engine="' in name:
-                base, _, labels = name.partition("{")
-                kept = [label for label in labels.rstrip("}").split(",") if not label.startswith(("engine=", "model="))]
-                name = f"{base}{{{','.join(kept)}}}" if kept else base
+            base, _, labels = name.partition("{")
+            dropped = ("engine=", "model_name=")
+            kept = [label for label in labels.rstrip("}").split(",") if label and not label.startswith(dropped)]
+            name = f"{base}{{{','.join(kept)}}}" if kept else base
             samples[name] = samples.get(name, 0.0) + float(value)
         return samples
 
