@@ -318,17 +318,56 @@ class EngineCore:
             if scheduled.samples_token:
                 first_row[index] = len(logits_indices)
                 logits_indices.extend(range(end - 1 - len(scheduled.draft_token_ids), end))
+        num_sampling_rows = len(logits_indices)
+        prompt_rows = self._prompt_logits_rows(scheduler_output, logits_indices)  # appended after the sampling rows
         hidden = None
         if self.speculator is not None and self.speculator.needs_hidden_states:
             logits, hidden = self.runner.execute_with_hidden(chunks, logits_indices=logits_indices)
+            hidden = hidden[:num_sampling_rows]
         else:
             logits = self.runner.execute(chunks, logits_indices=logits_indices)
+        prompt_logprobs = _prompt_logprobs(logits[num_sampling_rows:], prompt_rows) if prompt_rows else {}
+        logits = logits[:num_sampling_rows]
         targets = scheduler_output.sampling_requests
         if not targets:
-            return ModelRunnerOutput()
+            return ModelRunnerOutput(prompt_logprobs=prompt_logprobs)
+        output = self._sample_or_verify(scheduler_output, logits, hidden, first_row)
+        output.prompt_logprobs = prompt_logprobs
+        return output
+
+    def _prompt_logits_rows(
+        self, scheduler_output: SchedulerOutput, logits_indices: list[int]
+    ) -> list[tuple[Request, int, int]]:
+        """For requests that asked for prompt logprobs: append to ``logits_indices`` the rows of this step's
+        prompt positions not yet scored (position p scores prompt token p + 1); returns (request, first
+        position, number of rows) for each, in the order appended."""
+        rows: list[tuple[Request, int, int]] = []
+        end = 0
+        for scheduled in scheduler_output.scheduled:
+            request, start = scheduled.request, end
+            end += scheduled.num_new_tokens
+            # Scored in order with no gap (a prefix that arrived computed, as from a remote prefill, has no logits).
+            if not request.needs_prompt_logits or request.num_computed_tokens > len(request.prompt_logprobs):
+                continue
+            first = len(request.prompt_logprobs)
+            last = min(request.num_computed_tokens + scheduled.num_new_tokens, request.num_prompt_tokens - 1)
+            if first < last:
+                offset = start - request.num_computed_tokens  # flattened index of the chunk's position 0
+                logits_indices.extend(range(offset + first, offset + last))
+                rows.append((request, first, last - first))
+        return rows
+
+    def _sample_or_verify(
+        self,
+        scheduler_output: SchedulerOutput,
+        logits: torch.Tensor,
+        hidden: torch.Tensor | None,
+        first_row: dict[int, int],
+    ) -> ModelRunnerOutput:
+        targets = scheduler_output.sampling_requests
         if any(scheduled.draft_token_ids for scheduled in scheduler_output.scheduled):
             return self._verify(scheduler_output, logits, hidden, first_row)
-        if len(targets) != len(logits_indices):  # forked completions sample from their parent's row
+        if len(targets) != logits.shape[0]:  # forked completions sample from their parent's row
             index_tensor = torch.tensor([first_row[index] for index, _ in targets], device=logits.device)
             logits = logits[index_tensor]
             hidden = hidden[index_tensor] if hidden is not None else None
@@ -536,6 +575,37 @@ def _max_draft_tokens(request: Request) -> int:
     if request.params.max_tokens is not None:
         limit = min(limit, request.params.max_tokens - len(request.output_token_ids) - 1)
     return limit
+
+
+def _prompt_logprobs(logits: torch.Tensor, rows: list[tuple[Request, int, int]]) -> dict[str, list[TokenLogprobs]]:
+    """Each request's prompt tokens scored by the positions before them (``rows`` as ``_prompt_logits_rows``
+    returns them): logprob, rank and the top alternatives."""
+    raw = logits.log_softmax(dim=-1)
+    targets: list[int] = []
+    for request, first, count in rows:
+        targets += request.prompt_token_ids[first + 1 : first + 1 + count]
+    index = torch.tensor(targets, device=raw.device)
+    chosen = raw[torch.arange(len(targets), device=raw.device), index]
+    ranks = (raw > chosen[:, None]).sum(dim=-1) + 1
+    num_top = max(request.params.prompt_logprobs or 0 for request, _, _ in rows)
+    top_values, top_ids = raw.topk(num_top, dim=-1) if num_top else (None, None)
+    chosen_list, rank_list = chosen.tolist(), ranks.tolist()
+    values = top_values.tolist() if top_values is not None else None
+    ids = top_ids.tolist() if top_ids is not None else None
+    result: dict[str, list[TokenLogprobs]] = {}
+    row = 0
+    for request, _, count in rows:
+        wanted = request.params.prompt_logprobs or 0
+        result[request.request_id] = [
+            TokenLogprobs(
+                token_id=targets[r], logprob=chosen_list[r],
+                top_token_ids=tuple(ids[r][:wanted]) if ids is not None else (),
+                top_logprobs=tuple(values[r][:wanted]) if values is not None else (), rank=rank_list[r],
+            )
+            for r in range(row, row + count)
+        ]  # fmt: skip
+        row += count
+    return result
 
 
 def _verified_logprobs(raw_logprobs: torch.Tensor, token_ids: list[int], num_top: int) -> list[TokenLogprobs]:

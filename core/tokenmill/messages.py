@@ -27,6 +27,8 @@ class TokenLogprobs(msgspec.Struct, array_like=True, frozen=True, gc=False):
     logprob: float
     top_token_ids: tuple[int, ...] = ()
     top_logprobs: tuple[float, ...] = ()
+    #: The token's rank in the distribution (1: the most likely); set for prompt tokens, 0 otherwise.
+    rank: int = 0
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True, gc=False, tag=True):
@@ -60,6 +62,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     queue_time: float | None = None
     #: True on the last output of a request: this completion and, for n > 1, all its siblings finished.
     request_finished: bool = False
+    #: With ``params.prompt_logprobs``, on the request's first output: prompt tokens 1.. (token 0 has none).
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
     @property
     def finished(self) -> bool:

@@ -129,6 +129,8 @@ class OutputProcessor:
             )
             state = self._completions[engine_output.request_id] = _CompletionState(completion, detokenizer)
         request.num_cached_tokens = engine_output.num_cached_tokens
+        if engine_output.prompt_logprobs is not None and request.prompt_logprobs is None:
+            request.prompt_logprobs = [None, *map(self._logprobs, engine_output.prompt_logprobs)]
         return request, params, state
 
     def _apply(
@@ -205,10 +207,32 @@ class OutputProcessor:
         state.held = candidate[len(candidate) - keep :]
         return False
 
+    def prompt_tokens(self, output: RequestOutput) -> list[TextToken]:
+        """The prompt as TextTokens (what ``echo`` returns): each token's share of the prompt's text and, with
+        ``prompt_logprobs``, its logprobs (the first token has none: nothing precedes it)."""
+        detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=False)
+        logprobs = output.prompt_logprobs or []
+        tokens = []
+        for position, token_id in enumerate(output.prompt_token_ids):
+            entry = logprobs[position] if position < len(logprobs) else None
+            tokens.append(TextToken(token_id, detokenizer.push([token_id]), entry or {}))
+        tail = detokenizer.finish()
+        if tail and tokens:
+            last = tokens[-1]
+            tokens[-1] = TextToken(last.token_id, last.text + tail, last.logprobs)
+        return tokens
+
     def _logprobs(self, token_logprobs: TokenLogprobs) -> dict[int, Logprob]:
-        entries = {token_logprobs.token_id: token_logprobs.logprob}
-        entries.update(zip(token_logprobs.top_token_ids, token_logprobs.top_logprobs, strict=True))
-        return {token_id: Logprob(logprob, self.tokenizer.decode([token_id])) for token_id, logprob in entries.items()}
+        """The token and its alternatives, each decoded on its own; the alternatives' ranks follow their order."""
+        decode = self.tokenizer.decode
+        rank = token_logprobs.rank or None
+        entries = {token_logprobs.token_id: Logprob(token_logprobs.logprob, decode([token_logprobs.token_id]), rank)}
+        for position, (token_id, logprob) in enumerate(
+            zip(token_logprobs.top_token_ids, token_logprobs.top_logprobs, strict=True), start=1
+        ):
+            if token_id not in entries:
+                entries[token_id] = Logprob(logprob, decode([token_id]), position if rank else None)
+        return entries
 
 
 def _token_boundary(pending: list[TextToken], candidate_length: int, limit: int) -> int:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 class Logprob:
     logprob: float
     decoded_token: str
+    rank: int | None = None  # 1: the most likely token; set for prompt tokens (vLLM's prompt_logprobs)
 
 
 @dataclass
@@ -52,6 +53,9 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     num_cached_tokens: int = 0
+    #: With ``prompt_logprobs``: per prompt token, None for the first (nothing precedes it), then
+    #: {token_id: Logprob} for the prompt token (with its rank) and its top alternatives.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def finished(self) -> bool:

@@ -55,6 +55,8 @@ class Request:
     index: int = 0  # which of the n completions this is
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    #: With ``params.prompt_logprobs``: prompt tokens 1.. as their positions are computed.
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache at first admission
     num_preemptions: int = 0
@@ -80,6 +82,12 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """Whether the prompt's logprobs are asked for and not all computed yet (so no cached prefix serves)."""
+        wanted = self.params.prompt_logprobs is not None and self.parent_id is None  # forks share completion 0's
+        return wanted and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
 
     @property
     def num_uncomputed_tokens(self) -> int:

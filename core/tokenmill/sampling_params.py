@@ -54,6 +54,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=Tr
     """Added to the logits of these token ids before sampling, each in [-100, 100] (OpenAI's ``logit_bias``)."""
     extra_args: dict[str, Any] | None = None
     """Arguments for logits processor plugins, by key (``vllm_xargs`` over HTTP, as in vLLM)."""
+    prompt_logprobs: int | None = None
+    """Return each prompt token's logprob (and rank) under the model, with this many top alternatives (vLLM's
+    ``prompt_logprobs``). The prompt is then computed in full: its cached prefix is not reused."""
 
     def __post_init__(self) -> None:
         checks = [
@@ -68,6 +71,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=Tr
             (self.max_tokens is None or self.max_tokens >= 1, "max_tokens", self.max_tokens, "at least 1"),
             (self.min_tokens >= 0, "min_tokens", self.min_tokens, "at least 0"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", self.logprobs, "from 0 to 20"),
+            (
+                self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+                "prompt_logprobs",
+                self.prompt_logprobs,
+                "from 0 to 20",
+            ),
             (all(s for s in self.stop), "stop", self.stop, "non-empty strings"),
             (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", self.stop_token_ids, "token ids >= 0"),
             (

@@ -96,6 +96,8 @@ class ModelRunnerOutput:
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     #: Requests a plugin failed on this step (a logits processor raised): id -> error. They are finished.
     errors: dict[str, str] = field(default_factory=dict)
+    #: With ``params.prompt_logprobs``: the prompt tokens whose positions this step computed, in order.
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 
 @dataclass
@@ -304,7 +306,9 @@ class FCFSScheduler(Scheduler):
     def _admit_waiting(self, output: SchedulerOutput, budget: int) -> None:
         while self._waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self._waiting[0][1]
-            prefix = self.kv_cache.lookup_prefix(request.all_token_ids, request.cache_salt)
+            # A prompt whose logprobs are asked for runs in full: a cached prefix would have no logits.
+            prefix_tokens = () if request.needs_prompt_logits else request.all_token_ids
+            prefix = self.kv_cache.lookup_prefix(prefix_tokens, request.cache_salt)
             num_new = min(request.num_tokens - prefix.num_tokens, budget)
             allocation = self.kv_cache.allocate_slots(request.request_id, prefix.num_tokens, num_new, prefix)
             if allocation is None:
@@ -371,6 +375,10 @@ class FCFSScheduler(Scheduler):
             self.kv_cache.cache_full_blocks(
                 request.request_id, token_ids, request.num_computed_tokens, request.cache_salt
             )
+        for request_id, prompt_logprobs in runner_output.prompt_logprobs.items():
+            scored = self.requests.get(request_id)
+            if scored is not None:  # (it may have finished in this very step)
+                scored.prompt_logprobs.extend(prompt_logprobs)
         outputs = []
         for _, request in scheduler_output.sampling_requests:
             if request.is_finished:
@@ -450,6 +458,7 @@ class FCFSScheduler(Scheduler):
         error: str | None = None,
     ) -> EngineCoreOutput:
         root = request.parent_id or request.request_id
+        first = bool(token_ids) and len(request.output_token_ids) == len(token_ids)
         return EngineCoreOutput(
             request_id=request.request_id,
             new_token_ids=token_ids,
@@ -460,9 +469,15 @@ class FCFSScheduler(Scheduler):
             num_cached_tokens=request.num_cached_tokens,
             error=error,
             # Reported once, with the first token, for the queue-time metric.
-            queue_time=request.queue_time if token_ids and len(request.output_token_ids) == len(token_ids) else None,
+            queue_time=request.queue_time if first else None,
             request_finished=request.is_finished and root not in self._num_live_completions,
+            prompt_logprobs=request.prompt_logprobs if first and _reports_prompt_logprobs(request) else None,
         )
+
+
+def _reports_prompt_logprobs(request: Request) -> bool:
+    # Completion 0 reports them for all n: the forks share its prompt.
+    return request.params.prompt_logprobs is not None and request.parent_id is None
 
 
 class PriorityScheduler(FCFSScheduler):
