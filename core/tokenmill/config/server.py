@@ -15,6 +15,14 @@ class ServerConfig(ConfigSection, frozen=True):
     api_key: Annotated[
         str | None, describe("When set, requests must send `Authorization: Bearer <key>` (else 401).")
     ] = None
+    public_metrics: Annotated[
+        bool,
+        describe("Serve /metrics without the API key (Prometheus scrapers rarely carry one); /health always is."),
+    ] = True
+    max_request_body: Annotated[
+        Annotated[int, msgspec.Meta(gt=0)],
+        describe("Largest request body accepted, in bytes; a larger one gets 413 before it is read in full."),
+    ] = 16 * 2**20
     served_model_name: Annotated[
         str | None, describe("Model name clients use; unset uses the model file or folder name.")
     ] = None

@@ -13,13 +13,15 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -33,6 +35,7 @@ from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server import protocol
 from tokenmill.server.metrics import ServerMetrics
+from tokenmill.server.openapi import openapi_document
 from tokenmill.server.protocol import ProtocolError
 from tokenmill.tokenizer import Tokenizer
 
@@ -85,16 +88,54 @@ class _Generation:
     output: RequestOutput
     params: SamplingParams
     arrival: float
+    echo: bool = False  # completions: each text starts with the prompt
     last_token_at: dict[int, float] = field(default_factory=dict)  # by completion index
     first_token_at: float | None = None
     queue_time: float = 0.0  # in the engine, before its first step
 
 
+Endpoint = Callable[[Request], Awaitable[Response]]
+
+
 class OpenAIServer:
     def __init__(self, state: ServerState) -> None:
         self.state = state
+        config = state.config.server
+        document = openapi_document(
+            __version__, [state.model_name], api_key=config.api_key is not None, public_metrics=config.public_metrics
+        )
+        self._openapi = msgspec.json.encode(document)  # encoded once: it never changes while serving
 
     # ------------------------------------------------------------------ plumbing
+
+    def endpoint(self, handler: Endpoint, *, auth: bool = True) -> Endpoint:
+        """``handler`` as a route: behind the API key (unless ``auth`` is false), and every ``ProtocolError``
+        it raises answered as OpenAI's JSON error."""
+
+        async def route(request: Request) -> Response:
+            try:
+                if auth:
+                    self._check_auth(request)
+                return await handler(request)
+            except ProtocolError as exc:
+                return _error(exc, self.state.metrics)
+
+        return route
+
+    async def http_error(self, request: Request, exc: Exception) -> Response:
+        """Starlette's own errors (no such route, wrong method) in OpenAI's shape."""
+        assert isinstance(exc, HTTPException)
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        response = _error(ProtocolError(exc.status_code, message, code=code), self.state.metrics)
+        response.headers.update(exc.headers or {})
+        return response
+
+    async def internal_error(self, request: Request, exc: Exception) -> Response:
+        """A bug: logged with its traceback, answered as OpenAI's JSON 500; the server keeps serving."""
+        logger.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        error = ProtocolError(500, f"internal server error ({type(exc).__name__})", code="internal_error")
+        return _error(error, self.state.metrics)
 
     def _check_auth(self, request: Request) -> None:
         key = self.state.config.server.api_key
@@ -102,6 +143,23 @@ class OpenAIServer:
             raise ProtocolError(
                 401, "Incorrect API key provided.", type="invalid_request_error", code="invalid_api_key"
             )
+
+    async def _body(self, request: Request) -> bytes:
+        """The request body, refused with 413 as soon as it is known to exceed ``server.max_request_body``."""
+        limit = self.state.config.server.max_request_body
+        too_large = ProtocolError(
+            413, f"The request body exceeds the server's limit of {limit} bytes.", code="request_too_large"
+        )
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_large
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     def _check_model(self, model: str) -> None:
         if model != self.state.model_name:
@@ -123,10 +181,8 @@ class OpenAIServer:
 
     def _start(self, prompt_token_ids: list[int], prompt: str | None, params: SamplingParams, priority: int,
                prefix: str) -> _Generation:  # fmt: skip
+        protocol.check_token_ids(params, prompt_token_ids, self.state.tokenizer.vocab_size)
         self._check_capacity()
-        vocab_size = self.state.tokenizer.vocab_size
-        if any(not 0 <= t < vocab_size for t in prompt_token_ids):
-            raise ProtocolError(400, f"prompt token ids must be in [0, {vocab_size})", param="prompt")
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         arrival = time.monotonic()
         message = EngineCoreRequest(
@@ -222,42 +278,40 @@ class OpenAIServer:
     # ------------------------------------------------------------------ endpoints
 
     async def completions(self, request: Request) -> Response:
-        try:
-            self._check_auth(request)
-            body, params = protocol.decode_completion_request(await request.body())
-            self._check_model(body.model)
-            prompt = protocol.completion_prompt(body)
-            if isinstance(prompt, str):
-                prompt_text: str | None = prompt
-                token_ids = self.state.tokenizer.encode(prompt)
-            else:
-                prompt_text, token_ids = None, list(prompt)
-            return await self._respond(
-                request, body, params, prompt_text, token_ids, "cmpl", body.logprobs,
-                self._stream_completion, protocol.completion_response,
-            )  # fmt: skip
-        except ProtocolError as exc:
-            return _error(exc, self.state.metrics)
+        body, params = protocol.decode_completion_request(await self._body(request))
+        self._check_model(body.model)
+        prompt = protocol.completion_prompt(body)
+        if isinstance(prompt, str):
+            prompt_text: str | None = prompt
+            token_ids = self.state.tokenizer.encode(prompt)
+        else:
+            prompt_text, token_ids = None, list(prompt)
+        return await self._respond(
+            request, body, params, prompt_text, token_ids, "cmpl", body.logprobs,
+            self._stream_completion, protocol.completion_response, echo=bool(body.echo),
+        )  # fmt: skip
 
     async def chat_completions(self, request: Request) -> Response:
+        body, params = protocol.decode_chat_request(await self._body(request))
+        self._check_model(body.model)
+        prompt_text = self._chat_prompt(body.messages, add_generation_prompt=True)
+        token_ids = self.state.tokenizer.encode(prompt_text, add_special_tokens=False)
+        top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        return await self._respond(
+            request, body, params, prompt_text, token_ids, "chatcmpl", top_logprobs,
+            self._stream_chat, protocol.chat_response,
+        )  # fmt: skip
+
+    def _chat_prompt(self, messages: list[protocol.ChatMessage], add_generation_prompt: bool) -> str:
+        """The conversation through the model's chat template; a template that fails is the request's 400."""
         try:
-            self._check_auth(request)
-            body, params = protocol.decode_chat_request(await request.body())
-            self._check_model(body.model)
-            messages = protocol.chat_messages(body)
-            try:
-                prompt_text = self.state.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-            except ValueError as exc:
-                raise ProtocolError(400, str(exc).splitlines()[0], param="messages") from None
-            assert isinstance(prompt_text, str)
-            token_ids = self.state.tokenizer.encode(prompt_text, add_special_tokens=False)
-            top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
-            return await self._respond(
-                request, body, params, prompt_text, token_ids, "chatcmpl", top_logprobs,
-                self._stream_chat, protocol.chat_response,
-            )  # fmt: skip
-        except ProtocolError as exc:
-            return _error(exc, self.state.metrics)
+            text = self.state.tokenizer.apply_chat_template(
+                protocol.chat_messages(messages), add_generation_prompt=add_generation_prompt
+            )
+        except ValueError as exc:
+            raise ProtocolError(400, str(exc).splitlines()[0], param="messages") from None
+        assert isinstance(text, str)
+        return text
 
     async def _respond(
         self,
@@ -270,26 +324,31 @@ class OpenAIServer:
         num_top_logprobs: int | None,
         stream: Callable[[_Generation, bool, int | None], AsyncIterator[bytes]],
         build_response: Callable[..., dict[str, Any]],
+        echo: bool = False,
     ) -> Response:
         """What both endpoints do once the prompt is tokenized: start, then stream or wait and answer."""
         protocol.check_context_length(body, params, len(token_ids), self.state.group.max_model_len)
         generation = self._start(token_ids, prompt_text, params, body.priority, id_prefix)
+        generation.echo = echo
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return _ClosingStreamingResponse(
                 stream(generation, include_usage, num_top_logprobs), media_type="text/event-stream"
             )
         output = await self._until_finished(request, generation)
-        return JSONResponse(
-            build_response(
-                generation.request_id,
-                self.state.model_name,
-                self.state.created,
-                output,
-                len(token_ids),
-                num_top_logprobs=num_top_logprobs,
-            )  # fmt: skip
-        )
+        options = {"echo": self._echo(generation)} if echo else {}
+        response = build_response(generation.request_id, self.state.model_name, self.state.created, output,
+                                  len(token_ids), num_top_logprobs=num_top_logprobs, **options)  # fmt: skip
+        return JSONResponse(response)
+
+    def _echo(self, generation: _Generation) -> protocol.Echo:
+        """The prompt as a completion with ``echo`` returns it (once its first output brought its logprobs)."""
+        output = generation.output
+        text = output.prompt
+        if text is None:
+            text = self.state.tokenizer.decode(output.prompt_token_ids)
+        tokens = generation.processor.prompt_tokens(output) if generation.params.logprobs is not None else None
+        return protocol.Echo(text, tokens)
 
     async def _stream_text(self, generation: _Generation) -> AsyncGenerator[CompletionDelta]:
         """Each completion's deltas as the output processor releases them (it holds back stop strings)."""
@@ -302,13 +361,26 @@ class OpenAIServer:
         self, generation: _Generation, include_usage: bool, num_top_logprobs: int | None
     ) -> AsyncIterator[bytes]:
         model, created = self.state.model_name, self.state.created
+        echoed: set[int] = set()  # choices whose prompt went out
+        echo_length = 0
         try:
             async with aclosing(self._stream_text(generation)) as deltas:
                 async for delta in deltas:
+                    if generation.echo and delta.index not in echoed:  # each choice's first chunk: the prompt
+                        echo = self._echo(generation)
+                        echoed.add(delta.index)
+                        echo_length = len(echo.text)
+                        logprobs = None
+                        if echo.tokens is not None:
+                            logprobs = protocol.completion_logprobs(echo.tokens, num_top_logprobs=num_top_logprobs)
+                        chunk = protocol.completion_chunk(
+                            generation.request_id, model, created, delta.index, echo.text, None, logprobs
+                        )
+                        yield protocol.sse_event(chunk)
                     logprobs = None
-                    if delta.logprobs is not None:
+                    if delta.text_tokens is not None:
                         logprobs = protocol.completion_logprobs(
-                            delta.token_ids, delta.logprobs, text_offset=delta.text_offset,
+                            delta.text_tokens, text_offset=echo_length + delta.text_offset,
                             num_top_logprobs=num_top_logprobs,
                         )  # fmt: skip
                     chunk = protocol.completion_chunk(
@@ -331,12 +403,10 @@ class OpenAIServer:
                 yield protocol.sse_event(protocol.chat_chunk(request_id, model, created, index, role))
             async with aclosing(self._stream_text(generation)) as deltas:
                 async for delta in deltas:
-                    if delta.text or delta.token_ids:
+                    if delta.text or delta.text_tokens:
                         logprobs = None
-                        if delta.logprobs is not None:
-                            logprobs = protocol.chat_logprobs(
-                                delta.token_ids, delta.logprobs, num_top_logprobs=num_top_logprobs,
-                            )  # fmt: skip
+                        if delta.text_tokens is not None:
+                            logprobs = protocol.chat_logprobs(delta.text_tokens, num_top_logprobs=num_top_logprobs)
                         content = {"content": delta.text}
                         chunk = protocol.chat_chunk(request_id, model, created, delta.index, content, None, logprobs)
                         yield protocol.sse_event(chunk)
@@ -359,11 +429,34 @@ class OpenAIServer:
         )
 
     async def models(self, request: Request) -> Response:
-        try:
-            self._check_auth(request)
-        except ProtocolError as exc:
-            return _error(exc, self.state.metrics)
         return JSONResponse(protocol.models_response([self.state.model_name], self.state.created))
+
+    async def model(self, request: Request) -> Response:
+        model_id = request.path_params["model_id"]
+        self._check_model(model_id)
+        return JSONResponse(protocol.model_response(model_id, self.state.created))
+
+    async def tokenize(self, request: Request) -> Response:
+        body = protocol.decode_tokenize_request(await self._body(request))
+        if body.model is not None:
+            self._check_model(body.model)
+        if isinstance(body, protocol.TokenizeChatRequest):
+            text = self._chat_prompt(body.messages, body.add_generation_prompt)
+        else:
+            text = body.prompt
+        tokens = self.state.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
+        token_strs = self.state.tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
+        return JSONResponse(protocol.tokenize_response(tokens, self.state.group.max_model_len, token_strs))
+
+    async def detokenize(self, request: Request) -> Response:
+        body = protocol.decode_detokenize_request(await self._body(request))
+        if body.model is not None:
+            self._check_model(body.model)
+        protocol.check_token_ids(SamplingParams(), body.tokens, self.state.tokenizer.vocab_size, param="tokens")
+        return JSONResponse({"prompt": self.state.tokenizer.decode(body.tokens)})
+
+    async def openapi(self, request: Request) -> Response:
+        return Response(self._openapi, media_type="application/json")
 
     async def health(self, request: Request) -> Response:
         """200 ``ok`` when every engine is up; 200 ``degraded`` while some are down and the others serve; 503
@@ -392,13 +485,24 @@ class OpenAIServer:
 
 
 def build_app(state: ServerState) -> Starlette:
+    """The HTTP app: every route behind the API key but /health (and /metrics while ``server.public_metrics``)."""
     server = OpenAIServer(state)
+    endpoint = server.endpoint
+    public_metrics = state.config.server.public_metrics
     routes = [
-        Route("/v1/completions", server.completions, methods=["POST"]),
-        Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
-        Route("/v1/models", server.models, methods=["GET"]),
-        Route("/health", server.health, methods=["GET"]),
-        Route("/version", server.version, methods=["GET"]),
-        Route("/metrics", server.metrics, methods=["GET"]),
+        Route("/v1/completions", endpoint(server.completions), methods=["POST"]),
+        Route("/v1/chat/completions", endpoint(server.chat_completions), methods=["POST"]),
+        Route("/v1/models", endpoint(server.models), methods=["GET"]),
+        Route("/v1/models/{model_id:path}", endpoint(server.model), methods=["GET"]),
+        Route("/tokenize", endpoint(server.tokenize), methods=["POST"]),
+        Route("/detokenize", endpoint(server.detokenize), methods=["POST"]),
+        Route("/openapi.json", endpoint(server.openapi), methods=["GET"]),
+        Route("/health", endpoint(server.health, auth=False), methods=["GET"]),
+        Route("/version", endpoint(server.version), methods=["GET"]),
+        Route("/metrics", endpoint(server.metrics, auth=not public_metrics), methods=["GET"]),
     ]
-    return Starlette(routes=routes)
+    handlers: dict[Any, Callable[[Request, Exception], Awaitable[Response]]] = {
+        HTTPException: server.http_error,
+        Exception: server.internal_error,
+    }
+    return Starlette(routes=routes, exception_handlers=handlers)

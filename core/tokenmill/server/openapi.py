@@ -194,7 +194,17 @@ def openapi_document(version: str, models: list[str], *, api_key: bool, public_m
         schemas[name]["properties"]["model"]["enum"] = models  # any other name is a 404
     generate = ("400", "404", "413", "429", "503")
     tokenize_body = {"oneOf": [_ref("TokenizeCompletionRequest"), _ref("TokenizeChatRequest")]}
-    events = {"text/event-stream": {"schema": {"type": "string", "description": "Server-sent events"}}}
+    # The schema of one event, as OpenAPI 3.1 tools read it for text/event-stream (3.2 calls it itemSchema).
+    event = {
+        "type": "object", "required": ["data"],
+        "properties": {
+            "data": {"type": "string", "contentMediaType": "application/json",
+                     "description": "A chunk object (`text_completion` or `chat.completion.chunk`), an error "
+                                    "object, or `[DONE]` last"},
+            "event": {"const": "message"},
+        },
+    }  # fmt: skip
+    events = {"text/event-stream": {"schema": event}}
     text = {"text/plain": {"schema": {"type": "string"}}}
     model_id = {"name": "model_id", "in": "path", "required": True, "schema": {"type": "string"}}
     health = _operation("Ready to serve (200) or not (503)", _json("Health"))

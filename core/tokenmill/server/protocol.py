@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal, TypeVar, cast
 
 import msgspec
@@ -142,6 +143,8 @@ class _RequestBase(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Scheduling priority; the server passes it to the engine beside the SamplingParams."""
     vllm_xargs: dict[str, Any] | None = None
     """Arguments for logits processor plugins (vLLM's name); they become ``SamplingParams.extra_args``."""
+    prompt_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    """vLLM's: each prompt token's logprob and rank, plus this many alternatives (not with ``stream``)."""
 
 
 class CompletionRequest(_RequestBase, kw_only=True, forbid_unknown_fields=True):
@@ -285,8 +288,6 @@ def decode_completion_request(body: bytes) -> tuple[CompletionRequest, SamplingP
     request = _decode(body, CompletionRequest)
     # From here on a string or a list of token ids (a list is invariant, hence the ignore).
     request.prompt = completion_prompt(request)  # type: ignore[assignment]
-    if request.echo:
-        raise _unsupported("echo")
     if request.suffix is not None:
         raise _unsupported("suffix")
     if request.best_of is not None and request.best_of != (request.n or 1):
@@ -327,10 +328,10 @@ def decode_tokenize_request(body: bytes) -> TokenizeCompletionRequest | Tokenize
         fields = msgspec.json.decode(body)
     except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
         fields = None  # _decode below reports it
-    is_chat = isinstance(fields, dict) and "messages" in fields
-    request = _decode(body, TokenizeChatRequest if is_chat else TokenizeCompletionRequest)
-    if isinstance(request, TokenizeChatRequest):
-        _check_messages(request.messages)
+    if not (isinstance(fields, dict) and "messages" in fields):
+        return _decode(body, TokenizeCompletionRequest)
+    request = _decode(body, TokenizeChatRequest)
+    _check_messages(request.messages)
     return request
 
 
@@ -342,6 +343,8 @@ def decode_detokenize_request(body: bytes) -> DetokenizeRequest:
 def _check_common(request: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
     if request.stream_options is not None and not request.stream:
         raise _bad("stream_options", "stream_options is only allowed when stream is true")
+    if request.prompt_logprobs is not None and request.stream:
+        raise _bad("prompt_logprobs", "prompt_logprobs is not supported with stream")
     if request.vllm_xargs is not None:
         _check_free_form("vllm_xargs", request.vllm_xargs)
     # A missing max_tokens stays None: the engine stops at the context window.
@@ -394,7 +397,7 @@ def _requested_max_tokens(request: CompletionRequest | ChatCompletionRequest) ->
 # Request fields SamplingParams takes under the same name and meaning.
 _PASSTHROUGH = (
     "n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
-    "seed", "min_tokens", "stop_token_ids", "ignore_eos", "skip_special_tokens",
+    "seed", "min_tokens", "stop_token_ids", "ignore_eos", "skip_special_tokens", "prompt_logprobs",
 )  # fmt: skip
 
 
@@ -411,6 +414,8 @@ def _sampling_params(request: CompletionRequest | ChatCompletionRequest, max_tok
         fields["logprobs"] = (request.top_logprobs or 0) if request.logprobs else None
     else:
         fields["logprobs"] = request.logprobs
+        if request.echo and request.logprobs is not None:  # the echoed prompt comes with its logprobs
+            fields["prompt_logprobs"] = max(request.prompt_logprobs or 0, request.logprobs)
     try:
         # A null field takes SamplingParams' default, which is also OpenAI's.
         return SamplingParams(max_tokens=max_tokens, **{k: v for k, v in fields.items() if v is not None})
@@ -498,9 +503,13 @@ def completion_logprobs(tokens: list[TextToken], *, text_offset: int = 0,
     result: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for token in tokens:
         result["tokens"].append(token.text)
-        result["token_logprobs"].append(_logprob(token.logprobs[token.token_id].logprob))
-        top = {lp.decoded_token: _logprob(lp.logprob) for _, lp in _ranked(token.logprobs, num_top_logprobs)}
-        result["top_logprobs"].append(top)
+        if token.token_id not in token.logprobs:  # an echoed prompt's first token: nothing precedes it
+            result["token_logprobs"].append(None)
+            result["top_logprobs"].append(None)
+        else:
+            result["token_logprobs"].append(_logprob(token.logprobs[token.token_id].logprob))
+            top = {lp.decoded_token: _logprob(lp.logprob) for _, lp in _ranked(token.logprobs, num_top_logprobs)}
+            result["top_logprobs"].append(top)
         result["text_offset"].append(text_offset)
         text_offset += len(token.text)
     return result
@@ -524,33 +533,65 @@ def _envelope(request_id: str, obj: str, created: int, model: str, choices: list
     return {"id": request_id, "object": obj, "created": created, "model": model, "choices": choices}
 
 
-def _full_response(chat: bool, request_id: str, model: str, created: int, outputs: RequestOutput,
-                   prompt_tokens: int, num_top_logprobs: int | None) -> dict[str, Any]:  # fmt: skip
+@dataclass(frozen=True)
+class Echo:
+    """The prompt a completion echoes (``echo``): its text and, when logprobs are asked for, its tokens."""
+
+    text: str
+    tokens: list[TextToken] | None
+
+
+def prompt_logprobs_json(prompt_logprobs: list[dict[int, Logprob] | None]) -> list[dict[str, Any] | None]:
+    """vLLM's ``prompt_logprobs``: per prompt token None (the first) or {token id: {logprob, rank, decoded_token}}."""
+    return [
+        None if entries is None else {
+            str(token_id): {"logprob": _logprob(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
+            for token_id, lp in entries.items()
+        }
+        for entries in prompt_logprobs
+    ]  # fmt: skip
+
+
+def _full_response(chat: bool, request_id: str, model: str, created: int, outputs: RequestOutput, prompt_tokens: int,
+                   num_top_logprobs: int | None, echo: Echo | None = None) -> dict[str, Any]:  # fmt: skip
     assert outputs.finished, "a full response needs every completion finished"
+    prompt_logprobs = prompt_logprobs_json(outputs.prompt_logprobs) if outputs.prompt_logprobs is not None else None
     choices = []
     for c in sorted(outputs.outputs, key=lambda c: c.index):
         choice: dict[str, Any] = {"index": c.index, "finish_reason": _finish_reason(c.finish_reason), "logprobs": None}
         if chat:
             choice["message"] = {"role": "assistant", "content": c.text}
         else:
-            choice["text"] = c.text
+            choice["text"] = echo.text + c.text if echo else c.text
         if c.text_tokens is not None:
-            build = chat_logprobs if chat else completion_logprobs
-            choice["logprobs"] = build(c.text_tokens, num_top_logprobs=num_top_logprobs)
+            if chat:
+                choice["logprobs"] = chat_logprobs(c.text_tokens, num_top_logprobs=num_top_logprobs)
+            else:
+                tokens = [*echo.tokens, *c.text_tokens] if echo and echo.tokens is not None else c.text_tokens
+                choice["logprobs"] = completion_logprobs(tokens, num_top_logprobs=num_top_logprobs)
+        if prompt_logprobs is not None and not chat:
+            choice["prompt_logprobs"] = prompt_logprobs  # vLLM: per choice in completions
         choices.append(choice)
     completion_tokens = sum(len(c.token_ids) for c in outputs.outputs)
     obj = "chat.completion" if chat else "text_completion"
-    return {**_envelope(request_id, obj, created, model, choices), "usage": _usage(prompt_tokens, completion_tokens)}
+    response = {
+        **_envelope(request_id, obj, created, model, choices),
+        "usage": _usage(prompt_tokens, completion_tokens),
+    }
+    if prompt_logprobs is not None and chat:
+        response["prompt_logprobs"] = prompt_logprobs  # vLLM: once, beside the choices, in chat
+    return response
 
 
 def completion_response(request_id: str, model: str, created: int, outputs: RequestOutput, prompt_tokens: int, *,
-                        num_top_logprobs: int | None = None) -> dict[str, Any]:  # fmt: skip
+                        num_top_logprobs: int | None = None, echo: Echo | None = None) -> dict[str, Any]:  # fmt: skip
     """A finished ``/v1/completions`` response (``openai.types.Completion``); ``request_id`` is its ``id``.
 
     Pass the request's ``logprobs`` as ``num_top_logprobs`` for OpenAI's number
-    of alternatives. An aborted choice raises ProtocolError (503).
+    of alternatives, and with ``echo`` the prompt each text starts with (its tokens
+    lead the logprobs). An aborted choice raises ProtocolError (503).
     """
-    return _full_response(False, request_id, model, created, outputs, prompt_tokens, num_top_logprobs)
+    return _full_response(False, request_id, model, created, outputs, prompt_tokens, num_top_logprobs, echo)
 
 
 def chat_response(request_id: str, model: str, created: int, outputs: RequestOutput, prompt_tokens: int, *,
