@@ -1,8 +1,11 @@
-"""/metrics under vLLM's names: the server's metrics object and a real server's scrape."""
+"""/metrics under vLLM's names: the server's metrics object, a real server's scrape, and the Grafana dashboard."""
 
 from __future__ import annotations
 
+import json
+import re
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
@@ -11,6 +14,9 @@ import pytest
 from tests.server.conftest import Server
 from tokenmill.messages import EngineStatsMessage
 from tokenmill.server.metrics import ServerMetrics
+
+REPO = Path(__file__).resolve().parents[2]
+DASHBOARD = REPO / "contrib" / "grafana" / "tokenmill-dashboard.json"
 
 
 def _metrics(*clients: SimpleNamespace) -> ServerMetrics:
@@ -115,3 +121,27 @@ def test_a_real_server_exports_vllm_names_with_sensible_values(tiny_server: Serv
     running = [line for line in text.splitlines() if line.startswith("tokenmill:num_requests_running{")]
     assert len(running) == 1 and 'model_name="tiny"' in running[0] and 'engine="0"' in running[0], running
     assert "tokenmill_" not in text and "vllm:" not in text
+
+
+def _exported_names(text: str) -> set[str]:
+    """Every sample name a /metrics page can have: those it has, and those its TYPE lines promise (a labelled
+    counter shows none until it is first counted)."""
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
+    names = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split(" ")
+            names |= {name + suffix for suffix in suffixes.get(kind, ("",))}
+    return names
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_the_grafana_dashboard_queries_only_metrics_the_server_exports(tiny_server: Server) -> None:
+    dashboard = json.loads(DASHBOARD.read_text())
+    exprs = [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]
+    exprs += [variable["definition"] for variable in dashboard["templating"]["list"] if "definition" in variable]
+    used = {name for expr in exprs for name in re.findall(r"\b\w+:\w+", expr)}
+    exported = _exported_names(httpx.get(f"{tiny_server.url}/metrics").text)
+    assert len(used) >= 15 and all(name.startswith("tokenmill:") for name in used), sorted(used)
+    assert used <= exported, sorted(used - exported)
