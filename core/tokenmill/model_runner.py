@@ -11,6 +11,8 @@ Its inputs, ``SequenceChunk`` and the batch layouts, live in
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Sequence
 
 import numpy
@@ -23,17 +25,27 @@ from tokenmill.step_batch import SequenceChunk, build_batch
 
 __all__ = ["ModelRunner", "SequenceChunk", "build_batch"]
 
+logger = logging.getLogger(__name__)
+
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed tensor. Zeros matter: attention multiplies unused slots by a weight of 0, and
-    uninitialised memory could hold NaN. On CPU, numpy's calloc-backed zeros get pages the OS
-    zeroes lazily, so a multi-GiB cache costs nothing until its blocks are used
-    (torch.zeros writes every byte up front: 9.4 s for 4.3 GiB on a 2-core machine)."""
+    """A zeroed tensor, resident from the start. Zeros matter: attention multiplies unused slots by a
+    weight of 0, and uninitialised memory could hold NaN.
+
+    On CPU the cache is numpy's calloc-backed zeros (which numpy advises the kernel to back with huge
+    pages), then written once through torch's parallel ``zero_``. Without that write the OS maps each page
+    only when a block first lands on it, and since the block pool hands out free blocks oldest first, a
+    server's RSS grew under load until the whole pool had been used (+1 GB in 150 s of a soak, on the way
+    to the pool's 4 GiB: issue 18), which hid a leak and overcommitted memory the machine may not have.
+    Now the whole pool is in RSS before the first request (2 to 4 s for 4 GiB on 2 busy cores), so growth
+    under load means a leak (docs/performance.md, "Memory")."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     element_size = torch.empty((), dtype=dtype).element_size()
     raw = numpy.zeros(shape, dtype={2: numpy.int16, 4: numpy.int32, 8: numpy.int64}[element_size])
-    return torch.from_numpy(raw).view(dtype)
+    cache = torch.from_numpy(raw)
+    cache.zero_()  # every page written once: resident now, not when a block first lands on it
+    return cache.view(dtype)
 
 
 class ModelRunner:
@@ -59,9 +71,14 @@ class ModelRunner:
         arch = loaded.arch
         num_cache_blocks = num_blocks + 1 if cuda_graph_batch_sizes else num_blocks
         shape = loaded.attention.kv_cache_shape(num_cache_blocks, block_size, arch.num_kv_heads, arch.head_dim)
+        started = time.perf_counter()
         self.kv_caches = [
             _zeros(shape, loaded.kv_cache_dtype, loaded.device) for _ in range(arch.num_layers)
         ]  # each [2, num_cache_blocks, block_size, num_kv_heads, head_dim] by default
+        logger.info(
+            "KV cache allocated and zeroed on %s: %.1f MiB in %.2f s",
+            loaded.device, sum(c.nbytes for c in self.kv_caches) / 2**20, time.perf_counter() - started,
+        )  # fmt: skip
         self.cuda_graphs: CudaGraphRunner | None = None
         if cuda_graph_batch_sizes:
             assert loaded.device.type == "cuda", "CUDA graphs are captured on a CUDA device only"

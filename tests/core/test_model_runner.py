@@ -1,0 +1,36 @@
+"""The runner's KV cache on CPU: zeroed, and resident before the first request (issue 18: a pool mapped
+page by page under load made RSS grow like a leak)."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tokenmill.testing.factories import make_engine
+
+
+def _resident_fraction(tensor: torch.Tensor) -> float:
+    """The share of the pages under ``tensor`` that are in RAM now (mincore(2))."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    start = tensor.data_ptr() // mmap.PAGESIZE * mmap.PAGESIZE
+    length = tensor.data_ptr() + tensor.nbytes - start
+    num_pages = -(-length // mmap.PAGESIZE)
+    pages = ctypes.create_string_buffer(num_pages)
+    if libc.mincore(start, length, pages) != 0:
+        raise OSError(ctypes.get_errno(), "mincore failed")
+    return sum(byte & 1 for byte in pages.raw) / num_pages
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore(2) as Linux has it")
+def test_kv_cache_is_zeroed_and_resident_before_any_request(tiny_model_dir: Path) -> None:
+    engine = make_engine(tiny_model_dir, cache={"block_size": 4, "num_kv_blocks": 65536})
+    caches = engine.runner.kv_caches
+    assert sum(cache.nbytes for cache in caches) >= 48 * 2**20  # many pages, most of them never used by a block
+    assert all(_resident_fraction(cache) > 0.99 for cache in caches)
+    assert all(not cache.any() and cache.device == torch.device("cpu") for cache in caches)
