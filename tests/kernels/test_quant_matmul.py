@@ -6,7 +6,9 @@ Tolerances (kept here on purpose, independent of any shared tolerance table):
   block dot products are exact in both; what differs is float32 rounding of the block scale products and of the
   running sums (at most K/32/8 + 5 roundings of 2**-24 each, i.e. < 1e-6 for K = 1536). The bound is applied to
   the sum of the absolute values of the terms (``_term_magnitude``), since outputs may cancel to near zero. 1e-5
-  leaves 10x headroom while a single wrong code in one block already shows up at ~1/K = 6e-4.
+  leaves 10x headroom while a single wrong weight code in one block already shows up at ~1/K = 6e-4. An
+  activation code one off moves the output by ~1/32767 of one term, below any float tolerance, so the kernels'
+  activation codes are compared with the reference's exactly instead (``test_activation_codes_match_reference``).
 * The loose comparison against plain ``x @ dequantize(W).T`` allows exactly the activation rounding error:
   ``|x - dx * qx| <= dx / 2`` per element, so ``|error| <= sum_g dx[m, g] / 2 * sum_j |w[n, g, j]|``, plus
   ``LOOSE_RTOL`` of ``|x| @ |w|.T`` for float32 summation in either product.
@@ -104,16 +106,42 @@ def test_kernel_matches_reference(kind: str, m: int, k: int) -> None:
             assert ((out - plain).abs() <= allowed).all(), f"{where}: too far from x @ dequantize(W).T"
 
 
-ISAS = ("avx2", "avx_vnni", "avx512_vnni")
+ISAS = ("avx2", "avx_vnni", "avx512")
+
+
+def _skip_unless_supported(isa: str) -> None:
+    if isa not in cpu.supported_isas():
+        pytest.skip(f"this CPU lacks {isa} (it supports {', '.join(cpu.supported_isas())})")
 
 
 @needs_kernels
-@pytest.mark.parametrize("isa", ISAS[1:])
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("kind", ["int8", "int4"])
-def test_isa_variants_are_bit_identical_to_avx2(kind: str, isa: str) -> None:
-    """Integer dot products are exact and every variant runs the same float32 operations in the same order."""
-    if isa not in cpu.supported_isas():
-        pytest.skip(f"this CPU lacks {isa} (it supports {', '.join(cpu.supported_isas())})")
+def test_every_isa_variant_matches_reference(kind: str, isa: str) -> None:
+    """``test_kernel_matches_reference`` runs the best variant; this runs each, on every tile shape (M up to 33
+    covers full and partial activation tiles, N = 1, 7 partial weight tiles of 2 and 4 rows)."""
+    _skip_unless_supported(isa)
+    before = cpu.isa()
+    try:
+        cpu.set_isa(isa)
+        for k in (32, 576):
+            for m in (1, 3, 4, 5, 32, 33):
+                x = torch.randn(m, k, generator=torch.Generator().manual_seed(m * k)) * 3.0
+                for n in N_VALUES:
+                    packed, _, bias = _layer(kind, n, k)
+                    err = (_kernel(kind, x, packed, bias) - _reference(kind, x, packed, bias)).abs()
+                    allowed = TIGHT_RTOL * _term_magnitude(kind, x, packed, bias) + 1e-30
+                    assert (err <= allowed).all(), f"{kind} {isa} M={m} K={k} N={n}: max err {err.max():.3g}"
+    finally:
+        cpu.set_isa(before)
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_avx_vnni_is_bit_identical_to_avx2(kind: str) -> None:
+    """Both hold a group as two 256-bit halves: exact integer dot products, then the same float32 operations in
+    the same order. (avx512 sums 16 float lanes instead of 8, so it matches them only to float32 rounding.)"""
+    _skip_unless_supported("avx_vnni")
     before = cpu.isa()
     try:
         for k in K_VALUES:
@@ -123,10 +151,26 @@ def test_isa_variants_are_bit_identical_to_avx2(kind: str, isa: str) -> None:
                     packed, _, bias = _layer(kind, n, k)
                     cpu.set_isa("avx2")
                     expected = _kernel(kind, x, packed, bias)
-                    cpu.set_isa(isa)
-                    assert torch.equal(_kernel(kind, x, packed, bias), expected), f"{kind} {isa} M={m} K={k} N={n}"
+                    cpu.set_isa("avx_vnni")
+                    assert torch.equal(_kernel(kind, x, packed, bias), expected), f"{kind} M={m} K={k} N={n}"
     finally:
         cpu.set_isa(before)
+
+
+@needs_kernels
+def test_activation_codes_match_reference() -> None:
+    """The kernels round activations exactly as reference.quantize_activations: same int16 codes, scales, sums."""
+    generator = torch.Generator().manual_seed(23)
+    x = torch.randn(7, 576, generator=generator) * 3.0
+    x[0, :32] = 0.0  # dx = 0: codes 0, not NaN
+    x[1, 40] = 1e6  # one outlier: the rest of its block rounds to few codes
+    x[2, 64:96] = torch.arange(32) - 16.0  # integers
+    x[3, 96:128] *= 1e-30  # tiny values, tiny scale
+    codes, scales, sums = cpu.quantize_activations(x)
+    expected = reference.quantize_activations(x)
+    assert codes.dtype == torch.int16 and codes.abs().max() == reference.ACT_MAX
+    for got, want in zip((codes, scales, sums), expected, strict=True):
+        assert torch.equal(got, want)
 
 
 @needs_kernels

@@ -5,10 +5,12 @@ than a binary tied to one torch build. The kernels need AVX2 and FMA, and :func:
 rather than letting the process die of an illegal instruction; they also need F16C for the float16 scales,
 which every AVX2 CPU has and the compiled op checks.
 
-The block dot products come in one variant per instruction set: ``"avx2"`` (``vpmaddubsw`` + ``vpmaddwd``),
-``"avx_vnni"`` and ``"avx512_vnni"`` (``vpdpbusd``, 256-bit vectors; the latter with 32 vector registers). The
-best one the CPU supports is used; :func:`supported_isas` lists them and :func:`set_isa` forces one, e.g. to
-compare speeds. All of them give bit-identical outputs.
+The kernels come in one variant per instruction set, all multiplying int16 activation codes with the weights
+widened to int16: ``"avx2"`` (``vpmaddwd`` on 256-bit vectors, a group of 32 in two halves), ``"avx_vnni"``
+(the same with ``vpdpwssd`` adding the halves) and ``"avx512"`` (one 512-bit ``vpmaddwd`` per group, 32
+vector registers, 4 x 4 tiles). The best one the CPU supports is used; :func:`supported_isas` lists them and
+:func:`set_isa` forces one, e.g. to compare speeds. ``"avx2"`` and ``"avx_vnni"`` give bit-identical outputs;
+``"avx512"`` sums 16 float32 lanes instead of 8, so its outputs differ from theirs in float32 rounding only.
 """
 
 from __future__ import annotations
@@ -20,7 +22,16 @@ from torch import Tensor
 
 from tokenmill_kernels.cpp_build import CppExtension
 
-__all__ = ["is_available", "isa", "load", "matmul_int4", "matmul_int8", "set_isa", "supported_isas"]
+__all__ = [
+    "is_available",
+    "isa",
+    "load",
+    "matmul_int4",
+    "matmul_int8",
+    "quantize_activations",
+    "set_isa",
+    "supported_isas",
+]
 
 # -ffp-contract=off keeps the compiler from fusing scalar a * b + c into FMAs, which would round differently
 # from reference.py; the kernels' own FMAs are explicit intrinsics.
@@ -68,8 +79,15 @@ def matmul_int4(x: Tensor, qweight: Tensor, scales: Tensor, mins: Tensor, bias: 
     return (_module or load()).matmul_int4(x, qweight, scales, mins, bias)
 
 
+def quantize_activations(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The kernels' own rounding of ``x [M, K] float32``: ``(qx int16 [M, K], dx, sx float32 [M, K // 32])``,
+    which must equal :func:`~.reference.quantize_activations` exactly (tests compare them)."""
+    q, d, s = load().quantize_activations(x)
+    return q, d, s
+
+
 def supported_isas() -> list[str]:
-    """The dot-product variants this CPU can run, best last: ``"avx2"``, then ``"avx_vnni"``, ``"avx512_vnni"``."""
+    """The kernel variants this CPU can run, best last: ``"avx2"``, then ``"avx_vnni"``, ``"avx512"``."""
     return list(load().supported_isas())
 
 

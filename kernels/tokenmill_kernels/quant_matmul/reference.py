@@ -42,9 +42,10 @@ directly, because these layouts are GGUF's: for Q8_0 ``qweight = qs`` (as int8) 
 ``qweight = qs`` (the 16 bytes of each block, concatenated per row), ``scales = d`` and ``mins = m``.
 
 Matmul numerics (``matmul_int8`` / ``matmul_int4`` below; the kernels differ only by float32 summation order):
-each activation row is quantized per 32-block like Q8_0 but without scale rounding::
+each activation row is quantized per 32-block to int16, symmetric, with a float32 scale::
 
-    dx = absmax(x_block) / 127 (float32);  ix = 1 / dx, or 0 when dx == 0;  qx = clamp(round(x * ix), -127, 127)
+    dx = absmax(x_block) / 32767 (float32);  ix = 1 / dx, or 0 when dx == 0
+    qx = clamp(round(x * ix), -32767, 32767)   (int16)
     sx = dx * sum(qx)          (float32; the block sum of the *quantized* activations, used for Q4_1's min term)
 
 and then, with integer block dot products ``dot_g = sum_j qw[n, g, j] * qx[m, g, j]``::
@@ -54,6 +55,15 @@ and then, with integer block dot products ``dot_g = sum_j qw[n, g, j] * qx[m, g,
 
 where the float16 ``dw`` and ``mw`` are converted to float32 (exactly), and ``dw * dx`` is rounded to float32
 before it multiplies ``dot_g``, as in the kernels.
+
+Why int16, not int8 like llama.cpp's Q8_1: on the default model (SmolLM2-135M Q4_1) int8 activations moved the
+chosen token's logprob by up to 0.44 nats against transformers float32 on the same dequantized weights and flipped
+near-tied greedy choices ("What is the capital of France?" answered "L'Étoile, ..."); int16 activations stay within
+0.006 nats there, most of it the float16 KV cache's (docs/performance.md, "Accuracy of the quantized path"). On
+AVX-512 they run as fast as the int8 ones did (a group's 32 codes fill one 512-bit register); with 256-bit vectors
+only, 8-35% slower. Using the quantized block sum ``sx`` rather than the exact one keeps the error of a Q4_1 group
+at ``sum_j w_j * (x_hat_j - x_j)``: with the exact sum it would be ``sum_j (w_j - m) * (x_hat_j - x_j)``, larger
+since ``w - m`` spans the whole group range.
 """
 
 from __future__ import annotations
@@ -62,8 +72,11 @@ import torch
 from torch import Tensor
 
 GROUP = 32
+#: The largest activation code: activations are rounded to integers in [-ACT_MAX, ACT_MAX] (int16).
+ACT_MAX = 32767
 
 __all__ = [
+    "ACT_MAX",
     "GROUP",
     "dequantize_int4",
     "dequantize_int8",
@@ -169,16 +182,16 @@ def dequantize_int4(qweight: Tensor, scales: Tensor, mins: Tensor) -> Tensor:
 
 
 def quantize_activations(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Per-32-block int8 quantization of activations ``x float32 [M, K]``, as done inside the kernels.
+    """Per-32-block int16 quantization of activations ``x float32 [M, K]``, as done inside the kernels.
 
-    Returns ``(qx int8 [M, K], dx float32 [M, K//32], sx float32 [M, K//32])`` with ``sx = dx * sum(qx)``.
+    Returns ``(qx int16 [M, K], dx float32 [M, K//32], sx float32 [M, K//32])`` with ``sx = dx * sum(qx)``.
     """
     m, k = x.shape
     blocks = x.reshape(m, k // GROUP, GROUP)
-    dx = blocks.abs().amax(dim=-1) / 127.0
-    qx = torch.round(blocks * _reciprocal(dx).unsqueeze(-1)).clamp_(-127, 127)
-    sx = qx.sum(dim=-1) * dx
-    return qx.to(torch.int8).reshape(m, k), dx, sx
+    dx = blocks.abs().amax(dim=-1) / ACT_MAX
+    qx = torch.round(blocks * _reciprocal(dx).unsqueeze(-1)).clamp_(-ACT_MAX, ACT_MAX)
+    sx = qx.sum(dim=-1) * dx  # |sum(qx)| <= 32 * 32767 < 2**24: exact in float32
+    return qx.to(torch.int16).reshape(m, k), dx, sx
 
 
 def _block_dots(qx: Tensor, qw: Tensor) -> Tensor:
@@ -187,7 +200,8 @@ def _block_dots(qx: Tensor, qw: Tensor) -> Tensor:
     n = qw.shape[0]
     a = qx.reshape(m, k // GROUP, GROUP).to(torch.float64)
     b = qw.reshape(n, k // GROUP, GROUP).to(torch.float64)
-    # Products of int8 codes summed over 32 elements stay far below 2**53, so float64 is exact here.
+    # Products of int16 activation and int8 weight codes summed over 32 elements stay below 2**28, far below
+    # 2**53, so float64 is exact here.
     return torch.einsum("mgj,ngj->mng", a, b)
 
 
@@ -198,7 +212,7 @@ def _finish(out: Tensor, bias: Tensor | None) -> Tensor:
 
 
 def matmul_int8(x: Tensor, qweight: Tensor, scales: Tensor, bias: Tensor | None = None) -> Tensor:
-    """Reference ``x @ dequantize_int8(qweight, scales).T + bias`` with int8-quantized activations, in float64."""
+    """Reference ``x @ dequantize_int8(qweight, scales).T + bias`` with int16-quantized activations, in float64."""
     qx, dx, _ = quantize_activations(x)
     dots = _block_dots(qx, qweight)
     scale = (scales.float().unsqueeze(0) * dx.unsqueeze(1)).to(torch.float64)  # [M, N, G], rounded to float32
@@ -206,7 +220,7 @@ def matmul_int8(x: Tensor, qweight: Tensor, scales: Tensor, bias: Tensor | None 
 
 
 def matmul_int4(x: Tensor, qweight: Tensor, scales: Tensor, mins: Tensor, bias: Tensor | None = None) -> Tensor:
-    """Reference ``x @ dequantize_int4(qweight, scales, mins).T + bias`` with int8-quantized activations."""
+    """Reference ``x @ dequantize_int4(qweight, scales, mins).T + bias`` with int16-quantized activations."""
     qx, dx, sx = quantize_activations(x)
     dots = _block_dots(qx, _unpack_nibbles(qweight))
     scale = (scales.float().unsqueeze(0) * dx.unsqueeze(1)).to(torch.float64)  # [M, N, G]

@@ -1,19 +1,22 @@
-// Weight-only quantized matmul for x86-64 CPUs with AVX2 + FMA + F16C, and VNNI where the CPU has it.
+// Weight-only quantized matmul for x86-64 CPUs with AVX2 + FMA + F16C, and AVX-VNNI or AVX-512 where present.
 //
 //   y[m, n] = sum_k x[m, k] * W[n, k] + bias[n]
 //
 // W is stored per 32-element group along k, either as int8 (Q8_0: w = d * q) or as packed 4-bit codes
 // (Q4_1: w = d * q + m). Decoding one token is bound by how fast the weights stream from memory, so the kernels
 // read 5 (int4) or 8.5 (int8) bits per weight, float16 scales and mins included, instead of 32. Each activation
-// row is quantized to int8 per 32-block so that the block dot products are integer dot products (unsigned x
-// signed bytes), scaled once per block. reference.py defines the formats and the numerics exactly; these kernels
-// differ from it only in the order of the float32 sums.
+// row is quantized to int16 per 32-block so that the block dot products are integer dot products (int16 x int16
+// pairs, vpmaddwd), scaled once per block. int16 rather than int8 (llama.cpp's Q8_1): int8 activations moved
+// SmolLM2's chosen-token logprobs by up to 0.44 nats against float32 on the same weights, int16 by 0.006, most
+// of it the float16 KV cache's (see docs/performance.md, "Accuracy of the quantized path"). reference.py defines the formats and the numerics
+// exactly; these kernels differ from it only in the order of the float32 sums.
 //
-// The file builds with -mavx2 -mfma -mf16c. The block dot products come in one variant per instruction set
-// (struct Avx2, AvxVnni, Avx512Vnni below), picked at run time from the CPU's features; the VNNI ones are
-// compiled with __attribute__((target)) so they are only ever executed on CPUs that have them. Integer dot
-// products are exact and every variant performs the same float32 operations in the same order, so all give
-// bit-identical outputs; set_isa forces one (for tests and benchmarks).
+// The file builds with -mavx2 -mfma -mf16c. The tiles come in one variant per instruction set (struct Avx2,
+// AvxVnni, Avx512 below), picked at run time from the CPU's features; the others are compiled with
+// __attribute__((target)) so they are only ever executed on CPUs that have them. avx2 and avx_vnni hold a group
+// as two 256-bit halves and run the same float32 operations in the same order, so they give bit-identical
+// outputs; avx512 holds a group in one 512-bit register and sums 16 float lanes instead of 8 (outputs within
+// float32 rounding of the others). set_isa forces one (for tests and benchmarks).
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -24,6 +27,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -32,16 +36,18 @@ namespace {
 #define UNROLL _Pragma("GCC unroll 8")
 
 constexpr int64_t kGroup = 32;
-// Weight rows that share each activation load, and activation rows that share each weight load: 2 x 4 = 8
-// accumulators plus operands fit the 16 ymm registers for int4 (int8 spills a few, yet 1 x 4 measured slower).
-constexpr int64_t kWeightTile = 2;
+// The largest value of an activation code: codes lie in [-kActMax, kActMax].
+constexpr float kActMax = 32767.0f;
+// Activation rows that share each weight load. The weight rows that share each activation load are the
+// variant's kWeightTile: 2 x 4 accumulators plus operands fit the 16 ymm registers of AVX2, 4 x 4 the 32 of
+// AVX-512.
 constexpr int64_t kActTile = 4;
 // Software prefetch distance along a task's weight rows. The hardware prefetcher alone leaves the single-row
 // (decode) case waiting on memory latency at well under the machine's bandwidth.
 constexpr int64_t kPrefetchBytes = 8192;
 // Below this many weight bytes a task is not worth handing to another thread (fork/join costs a few us).
 constexpr int64_t kMinBytesPerTask = 32 * 1024;
-// Groups whose scale products a tile computes ahead of their dot products (2 KB of stack for a 2 x 4 tile).
+// Groups whose scale products a tile computes ahead of their dot products (4 KB of stack for a 4 x 4 tile).
 constexpr int64_t kScaleChunk = 64;
 
 inline float hsum(__m256 v) {
@@ -65,14 +71,14 @@ inline int32_t hsum_i32(__m256i v) {
   return _mm_cvtsi128_si32(s);
 }
 
-// Activations quantized per 32-block: q int8 [M, K], d = absmax / 127 and s = d * sum(q), both [M, K / 32].
+// Activations quantized per 32-block: q int16 [M, K], d = absmax / 32767 and s = d * sum(q), both [M, K / 32].
 struct QuantizedActivations {
-  std::unique_ptr<int8_t[]> q;
+  std::unique_ptr<int16_t[]> q;
   std::unique_ptr<float[]> d;
   std::unique_ptr<float[]> s;
 };
 
-void quantize_block(const float* x, int8_t* q, float* d_out, float* s_out) {
+void quantize_block(const float* x, int16_t* q, float* d_out, float* s_out) {
   const __m256 sign_bit = _mm256_set1_ps(-0.0f);
   __m256 v[4];
   __m256 amax = _mm256_setzero_ps();
@@ -80,18 +86,21 @@ void quantize_block(const float* x, int8_t* q, float* d_out, float* s_out) {
     v[i] = _mm256_loadu_ps(x + 8 * i);
     amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, v[i]));
   }
-  // Same float32 operations as reference.quantize_activations, so the codes match it exactly.
-  const float d = hmax(amax) / 127.0f;
+  // Same float32 operations as reference.quantize_activations, so the codes match it exactly; |x| / d rounds
+  // to at most 32767, and the saturating pack below is the reference's clamp.
+  const float d = hmax(amax) / kActMax;
   const __m256 inv = _mm256_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
   __m256i c[4];
   for (int i = 0; i < 4; ++i) {
     c[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
+  // |sum| <= 32 * 32767 < 2**24: exact in int32 and in float32.
   const int32_t sum = hsum_i32(_mm256_add_epi32(_mm256_add_epi32(c[0], c[1]), _mm256_add_epi32(c[2], c[3])));
-  // The saturating packs work within 128-bit lanes and leave the 4-byte runs in the order 0 2 4 6 1 3 5 7.
-  const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
-  const __m256i ordered = _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), ordered);
+  // The saturating pack works within 128-bit lanes and leaves the 8-byte runs in the order 0 2 1 3.
+  for (int i = 0; i < 2; ++i) {
+    const __m256i packed = _mm256_packs_epi32(c[2 * i], c[2 * i + 1]);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 16 * i), _mm256_permute4x64_epi64(packed, 0xD8));
+  }
   *d_out = d;
   *s_out = d * static_cast<float>(sum);
 }
@@ -99,7 +108,8 @@ void quantize_block(const float* x, int8_t* q, float* d_out, float* s_out) {
 QuantizedActivations quantize_activations(const float* x, int64_t M, int64_t K) {
   const int64_t groups = K / kGroup;
   // Plain new[]: every element is written below, so the zero-fill of make_unique would be a wasted pass.
-  QuantizedActivations a{std::unique_ptr<int8_t[]>(new int8_t[M * K]), std::unique_ptr<float[]>(new float[M * groups]),
+  QuantizedActivations a{std::unique_ptr<int16_t[]>(new int16_t[M * K]),
+                         std::unique_ptr<float[]>(new float[M * groups]),
                          std::unique_ptr<float[]>(new float[M * groups])};
   const int64_t grain = std::max<int64_t>(1, 16384 / K);  // rows per task: cheap work, only split big batches
   at::parallel_for(0, M, grain, [&](int64_t begin, int64_t end) {
@@ -110,7 +120,8 @@ QuantizedActivations quantize_activations(const float* x, int64_t M, int64_t K) 
   return a;
 }
 
-// The 32 codes of one Q4_1 group in element order: byte j holds element j (low nibble) and j + 16 (high nibble).
+// A Q4_1 group's 32 codes in element order as 32 bytes: byte j of the group holds element j (low nibble) and
+// j + 16 (high nibble).
 inline __m256i unpack_nibbles(const uint8_t* p) {
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   // The 16-bit shift drags the next byte's low bits into each high nibble; the mask drops them.
@@ -119,35 +130,153 @@ inline __m256i unpack_nibbles(const uint8_t* p) {
 }
 
 struct Problem {
-  const uint8_t* w;     // row n starts at w + n * row_bytes
-  int64_t row_bytes;    // K for int8, K / 2 for int4
+  const uint8_t* w;        // row n starts at w + n * row_bytes
+  int64_t row_bytes;       // K for int8, K / 2 for int4
   const uint16_t* scales;  // float16 bits [N, groups]
   const uint16_t* mins;    // float16 bits [N, groups], int4 only
-  const float* bias;    // [N] or nullptr
+  const float* bias;       // [N] or nullptr
   const QuantizedActivations* act;
   int64_t M, N, K, groups;
   float* out;  // [M, N]
 };
 
+// How a variant holds one group: `Weights` (the 32 weight codes widened to int16), `Codes` (32 activation
+// codes), `Acc` (float32 partial sums of one output); `dot` gives the block's integer dot product as int32
+// lanes, `add_scaled` adds those lanes times the block's scale into an accumulator, `add_mins` adds the min
+// term of kMinLanes groups at once, `sum` reduces an accumulator. Integer products of int16 codes are exact
+// (|w * x| <= 127 * 32767, and 32 of them stay below 2**31), so variants differ only in float32 summation order.
+
+// 256-bit vectors: a group is two halves of 16 int16, and its dot product 8 int32 lanes (lane l sums elements
+// 2l, 2l + 1, 16 + 2l and 17 + 2l).
+struct Ymm {
+  struct Weights {
+    __m256i lo, hi;  // elements 0..15, 16..31
+  };
+  using Codes = Weights;
+  using Acc = __m256;
+  static constexpr int kMinLanes = 8;
+  static constexpr int64_t kWeightTile = 2;
+
+  static inline Weights widen_int4(const uint8_t* p) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    // As in unpack_nibbles, on 128-bit halves: each is widened by itself.
+    return {_mm256_cvtepu8_epi16(_mm_and_si128(bytes, mask)),
+            _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask))};
+  }
+  static inline Weights widen_int8(const uint8_t* p) {
+    return {_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+            _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)))};
+  }
+  static inline Codes load_codes(const int16_t* x) {
+    Codes c{_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)),
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16))};
+    // Keeps the codes in registers: the compiler would fold the loads into each of the tile's NR dot products,
+    // and loads limit the tile's inner loop.
+    __asm__("" : "+x"(c.lo), "+x"(c.hi));
+    return c;
+  }
+  static inline Acc zero() { return _mm256_setzero_ps(); }
+  static inline Acc add_scaled(Acc acc, __m256i dot, const float* scale) {
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_broadcast_ss(scale), acc);
+  }
+  static inline Acc add_mins(Acc acc, const uint16_t* mins, const float* sx) {
+    const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mins)));
+    return _mm256_fmadd_ps(m, _mm256_loadu_ps(sx), acc);
+  }
+  static inline float sum(Acc acc) { return hsum(acc); }
+};
+
+// The variants. Each `tile` is the entry point compiled for its instruction set; `flatten` inlines tile_body and
+// everything it calls into it, so the AVX-VNNI and AVX-512 intrinsics are only ever inlined into code built for
+// them.
+template <bool kInt4, int NR, int MR, class V>
+inline void tile_body(const Problem& p, int64_t n0, int64_t m0, bool prefetch);
+
+struct Avx2 : Ymm {
+  static inline __m256i dot(const Weights& w, const Codes& x) {
+    return _mm256_add_epi32(_mm256_madd_epi16(w.lo, x.lo), _mm256_madd_epi16(w.hi, x.hi));
+  }
+  template <bool kInt4, int NR, int MR>
+  __attribute__((noinline, flatten)) static void tile(const Problem& p, int64_t n0, int64_t m0, bool prefetch) {
+    tile_body<kInt4, NR, MR, Avx2>(p, n0, m0, prefetch);
+  }
+};
+
+// AVX-VNNI (Alder Lake, Zen 5): vpdpwssd adds the second half's products into the first's, one
+// instruction instead of vpmaddwd + vpaddd; the lanes are avx2's.
+struct AvxVnni : Ymm {
+  __attribute__((target("avxvnni"))) static inline __m256i dot(const Weights& w, const Codes& x) {
+    return _mm256_dpwssd_avx_epi32(_mm256_madd_epi16(w.lo, x.lo), w.hi, x.hi);
+  }
+  template <bool kInt4, int NR, int MR>
+  __attribute__((noinline, flatten, target("avxvnni"))) static void tile(const Problem& p, int64_t n0, int64_t m0,
+                                                                        bool prefetch) {
+    tile_body<kInt4, NR, MR, AvxVnni>(p, n0, m0, prefetch);
+  }
+};
+
+// AVX-512 (Skylake-SP, Ice Lake, Zen 4 and later): a group's 32 int16 codes fill one 512-bit register, so a
+// block's dot product is one vpmaddwd into 16 lanes, converted and scaled by one instruction each: half the
+// instructions of the 256-bit variants (on Zen 5, all linears of SmolLM2 at 32 rows: 30 ms against avx_vnni's
+// 42, and against 30 ms for the int8-activation kernels before it).
+#define AVX512_TARGET "avx512f,avx512bw,avx512vl"
+struct Avx512 {
+  using Weights = __m512i;
+  using Codes = __m512i;
+  using Acc = __m512;
+  static constexpr int kMinLanes = 16;
+  static constexpr int64_t kWeightTile = 4;  // 30 ms against 32.5 with 2, same test as above
+
+  __attribute__((target(AVX512_TARGET))) static inline Weights widen_int4(const uint8_t* p) {
+    return _mm512_cvtepu8_epi16(unpack_nibbles(p));
+  }
+  __attribute__((target(AVX512_TARGET))) static inline Weights widen_int8(const uint8_t* p) {
+    return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  __attribute__((target(AVX512_TARGET))) static inline Codes load_codes(const int16_t* x) {
+    __m512i c = _mm512_loadu_si512(x);
+    __asm__("" : "+v"(c));  // in a register, as in Ymm::load_codes
+    return c;
+  }
+  __attribute__((target(AVX512_TARGET))) static inline __m512i dot(const Weights& w, const Codes& x) {
+    return _mm512_madd_epi16(w, x);
+  }
+  __attribute__((target(AVX512_TARGET))) static inline Acc zero() { return _mm512_setzero_ps(); }
+  __attribute__((target(AVX512_TARGET))) static inline Acc add_scaled(Acc acc, __m512i dot, const float* scale) {
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(*scale), acc);
+  }
+  __attribute__((target(AVX512_TARGET))) static inline Acc add_mins(Acc acc, const uint16_t* mins, const float* sx) {
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mins)));
+    return _mm512_fmadd_ps(m, _mm512_loadu_ps(sx), acc);
+  }
+  __attribute__((target(AVX512_TARGET))) static inline float sum(Acc acc) { return _mm512_reduce_add_ps(acc); }
+
+  template <bool kInt4, int NR, int MR>
+  __attribute__((noinline, flatten, target(AVX512_TARGET))) static void tile(const Problem& p, int64_t n0, int64_t m0,
+                                                                            bool prefetch) {
+    tile_body<kInt4, NR, MR, Avx512>(p, n0, m0, prefetch);
+  }
+};
+
 // out[m0 .. m0+MR, n0 .. n0+NR] for one tile: NR weight rows against MR activation rows. `prefetch` asks for
 // the weight stream kPrefetchBytes ahead to be requested; only the first activation tile of a row group streams
 // from memory (the others find the rows in L1), and only while the target is still inside this task's rows.
-// Inlined into each Isa's tile entry point, which compiles it for that instruction set.
-template <bool kInt4, int NR, int MR, class Isa>
+template <bool kInt4, int NR, int MR, class V>
 inline void tile_body(const Problem& p, int64_t n0, int64_t m0, bool prefetch) {
   const int64_t groups = p.groups;
-  const int8_t* xq = p.act->q.get() + m0 * p.K;
+  const int16_t* xq = p.act->q.get() + m0 * p.K;
   const float* xd = p.act->d.get() + m0 * groups;
   const uint8_t* w = p.w + n0 * p.row_bytes;
   const uint16_t* wd = p.scales + n0 * groups;
   constexpr int64_t kGroupBytes = kInt4 ? kGroup / 2 : kGroup;
   constexpr int64_t kGroupsPerLine = 64 / kGroupBytes;
 
-  __m256 acc[NR][MR];
+  typename V::Acc acc[NR][MR];
   UNROLL
   for (int r = 0; r < NR; ++r) {
     UNROLL
-    for (int i = 0; i < MR; ++i) acc[r][i] = _mm256_setzero_ps();
+    for (int i = 0; i < MR; ++i) acc[r][i] = V::zero();
   }
   float scale[NR][MR][kScaleChunk];  // dw[n0 + r, g] * dx[m0 + i, g] for the chunk's groups
   for (int64_t g0 = 0; g0 < groups; g0 += kScaleChunk) {
@@ -179,11 +308,8 @@ inline void tile_body(const Problem& p, int64_t n0, int64_t m0, bool prefetch) {
     }
 
     for (g = g0; g < g_end; ++g) {
-      // The dot products multiply unsigned by signed bytes: int4 codes are already unsigned; for int8 the
-      // weight's sign is moved onto the activation (|w| * sign(w) x), which cannot overflow as both lie in
-      // [-127, 127].
-      __m256i wu[NR];
-      __m256i ws[NR];
+      // Each weight row's group is widened to int16 once, then meets every activation row of the tile.
+      typename V::Weights wg[NR];
       UNROLL
       for (int r = 0; r < NR; ++r) {
         const uint8_t* src = w + r * p.row_bytes + g * kGroupBytes;
@@ -191,47 +317,32 @@ inline void tile_body(const Problem& p, int64_t n0, int64_t m0, bool prefetch) {
           _mm_prefetch(reinterpret_cast<const char*>(src) + kPrefetchBytes, _MM_HINT_T0);
         }
         if constexpr (kInt4) {
-          wu[r] = unpack_nibbles(src);
+          wg[r] = V::widen_int4(src);
         } else {
-          ws[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
-          wu[r] = _mm256_abs_epi8(ws[r]);
+          wg[r] = V::widen_int8(src);
         }
       }
       UNROLL
       for (int i = 0; i < MR; ++i) {
-        __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * p.K + g * kGroup));
-        // Keeps x in a register: the compiler would fold the load into each of the NR dot products, and loads
-        // limit this loop (measured 5% faster at M = 32).
-        __asm__("" : "+x"(x));
+        const typename V::Codes x = V::load_codes(xq + i * p.K + g * kGroup);
         UNROLL
-        for (int r = 0; r < NR; ++r) {
-          __m256i xs;
-          if constexpr (kInt4) {
-            xs = x;
-          } else {
-            xs = _mm256_sign_epi8(x, ws[r]);
-          }
-          const __m256i dot = Isa::dot(wu[r], xs);
-          const __m256 dw_dx = _mm256_broadcast_ss(&scale[r][i][g - g0]);
-          acc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), dw_dx, acc[r][i]);
-        }
+        for (int r = 0; r < NR; ++r) acc[r][i] = V::add_scaled(acc[r][i], V::dot(wg[r], x), &scale[r][i][g - g0]);
       }
     }
   }
 
   float tail[NR][MR] = {};
   if constexpr (kInt4) {
-    // Q4_1's min term: sum_g m[n, g] * sx[m, g], eight groups at a time into acc and the rest one by one. The
-    // groups are the outer loop so that each block's mins are converted once and the tile stays unrolled.
+    // Q4_1's min term: sum_g m[n, g] * sx[m, g], kMinLanes groups at a time into acc and the rest one by one.
+    // The groups are the outer loop so that each block's mins are converted once and the tile stays unrolled.
     const uint16_t* wm = p.mins + n0 * groups;
     const float* sx = p.act->s.get() + m0 * groups;
     int64_t g = 0;
-    for (; g + 8 <= groups; g += 8) {
+    for (; g + V::kMinLanes <= groups; g += V::kMinLanes) {
       UNROLL
       for (int r = 0; r < NR; ++r) {
-        const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wm + r * groups + g)));
         UNROLL
-        for (int i = 0; i < MR; ++i) acc[r][i] = _mm256_fmadd_ps(m, _mm256_loadu_ps(sx + i * groups + g), acc[r][i]);
+        for (int i = 0; i < MR; ++i) acc[r][i] = V::add_mins(acc[r][i], wm + r * groups + g, sx + i * groups + g);
       }
     }
     for (; g < groups; ++g) {
@@ -247,53 +358,12 @@ inline void tile_body(const Problem& p, int64_t n0, int64_t m0, bool prefetch) {
     const int64_t n = n0 + r;
     const float b = p.bias != nullptr ? p.bias[n] : 0.0f;
     UNROLL
-    for (int i = 0; i < MR; ++i) p.out[(m0 + i) * p.N + n] = hsum(acc[r][i]) + tail[r][i] + b;
+    for (int i = 0; i < MR; ++i) p.out[(m0 + i) * p.N + n] = V::sum(acc[r][i]) + tail[r][i] + b;
   }
 }
 
-// The block dot product per instruction set: 8 int32 lanes, lane l = sum of the products of bytes 4l .. 4l+3
-// (unsigned u times signed s). The lanes are the same in every variant, so the float32 math after them is too.
-// Each `tile` is the entry point compiled for its instruction set; `flatten` inlines tile_body and everything
-// it calls into it, so the VNNI intrinsics are only ever inlined into code built for VNNI.
-struct Avx2 {
-  static inline __m256i dot(__m256i u, __m256i s) {
-    // Pairs of products fit int16 (<= 2 * 127 * 127); vpmaddwd with ones sums them to 8 int32 lanes.
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-  }
-  template <bool kInt4, int NR, int MR>
-  __attribute__((noinline, flatten)) static void tile(const Problem& p, int64_t n0, int64_t m0, bool prefetch) {
-    tile_body<kInt4, NR, MR, Avx2>(p, n0, m0, prefetch);
-  }
-};
-
-// AVX-VNNI (Alder Lake, Zen 4 and later): one vpdpbusd replaces vpmaddubsw + vpmaddwd.
-struct AvxVnni {
-  __attribute__((target("avxvnni"))) static inline __m256i dot(__m256i u, __m256i s) {
-    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
-  }
-  template <bool kInt4, int NR, int MR>
-  __attribute__((noinline, flatten, target("avxvnni"))) static void tile(const Problem& p, int64_t n0, int64_t m0,
-                                                                        bool prefetch) {
-    tile_body<kInt4, NR, MR, AvxVnni>(p, n0, m0, prefetch);
-  }
-};
-
-// AVX512-VNNI (Cascade Lake, Ice Lake, Zen 4) on 256-bit vectors: the same vpdpbusd, EVEX-encoded, and the
-// compiler gets 32 vector registers instead of 16.
-#define AVX512_VNNI_TARGET "avx512f,avx512bw,avx512vl,avx512vnni"
-struct Avx512Vnni {
-  __attribute__((target(AVX512_VNNI_TARGET))) static inline __m256i dot(__m256i u, __m256i s) {
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
-  }
-  template <bool kInt4, int NR, int MR>
-  __attribute__((noinline, flatten, target(AVX512_VNNI_TARGET))) static void tile(const Problem& p, int64_t n0,
-                                                                                 int64_t m0, bool prefetch) {
-    tile_body<kInt4, NR, MR, Avx512Vnni>(p, n0, m0, prefetch);
-  }
-};
-
-enum class Isa { kAvx2, kAvxVnni, kAvx512Vnni };
-constexpr const char* kIsaNames[] = {"avx2", "avx_vnni", "avx512_vnni"};  // indexed by Isa; as /proc/cpuinfo
+enum class Isa { kAvx2, kAvxVnni, kAvx512 };
+constexpr const char* kIsaNames[] = {"avx2", "avx_vnni", "avx512"};  // indexed by Isa
 
 // What this CPU (and OS, for the AVX-512 state) supports, best last; AVX2 + FMA is checked before the build,
 // F16C (which every AVX2 CPU has) by matmul.
@@ -301,9 +371,9 @@ std::vector<Isa> supported_isas() {
   std::vector<Isa> isas{Isa::kAvx2};
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avxvnni")) isas.push_back(Isa::kAvxVnni);
-  if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
-      __builtin_cpu_supports("avx512bw")) {
-    isas.push_back(Isa::kAvx512Vnni);
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl")) {
+    isas.push_back(Isa::kAvx512);
   }
   return isas;
 }
@@ -342,6 +412,7 @@ template <bool kInt4, class I>
 void run(const Problem& p) {
   static_assert(kActTile == 4, "row_group handles tails of up to 3 activation rows");
   // Tasks are ranges of row groups, so only the last group of the whole matrix can be short.
+  constexpr int64_t kWeightTile = I::kWeightTile;
   const int64_t row_groups = (p.N + kWeightTile - 1) / kWeightTile;
   const int64_t scale_bytes = p.groups * static_cast<int64_t>(sizeof(uint16_t)) * (kInt4 ? 2 : 1);
   const int64_t group_bytes = kWeightTile * (p.row_bytes + scale_bytes);
@@ -363,8 +434,8 @@ void run(const Problem& p) {
 template <bool kInt4>
 void run_on(const Problem& p, Isa isa) {
   switch (isa) {
-    case Isa::kAvx512Vnni:
-      run<kInt4, Avx512Vnni>(p);
+    case Isa::kAvx512:
+      run<kInt4, Avx512>(p);
       break;
     case Isa::kAvxVnni:
       run<kInt4, AvxVnni>(p);
@@ -386,6 +457,13 @@ void check_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype, a
                     t.is_contiguous() ? "" : " (not contiguous)", " on ", t.device());
 }
 
+void check_activations(const at::Tensor& x) {
+  TORCH_CHECK_VALUE(x.dim() == 2, "x [M, K] must be 2-D, got ", x.sizes());
+  const int64_t K = x.size(1);
+  TORCH_CHECK_VALUE(K > 0 && K % kGroup == 0, "K (in_features) must be a positive multiple of 32, got ", K);
+  check_tensor(x, "x", at::kFloat, x.sizes(), "[M, K]");
+}
+
 // Every input is checked before each call (the kernels index raw pointers, so a wrong shape would read out of
 // bounds); TORCH_CHECK_VALUE surfaces in Python as ValueError. Doing it here costs ~0.1 us instead of ~1 us in
 // Python, which matters at ~200 calls per decoded token.
@@ -394,14 +472,19 @@ void check_inputs(const at::Tensor& x, const at::Tensor& qweight, const at::Tens
                   int64_t codes_per_byte) {
   TORCH_CHECK_VALUE(x.dim() == 2 && qweight.dim() == 2, "x [M, K] and qweight must be 2-D, got ", x.sizes(),
                     " and ", qweight.sizes());
+  check_activations(x);
   const int64_t K = x.size(1);
   const int64_t N = qweight.size(0);
-  TORCH_CHECK_VALUE(K > 0 && K % kGroup == 0, "K (in_features) must be a positive multiple of 32, got ", K);
-  check_tensor(x, "x", at::kFloat, x.sizes(), "[M, K]");
   check_tensor(qweight, "qweight", wtype, {N, K / codes_per_byte}, codes_per_byte == 1 ? "[N, K]" : "[N, K / 2]");
   check_tensor(scales, "scales", at::kHalf, {N, K / kGroup}, "[N, K / 32]");
   if (mins != nullptr) check_tensor(*mins, "mins", at::kHalf, {N, K / kGroup}, "[N, K / 32]");
   if (bias.has_value()) check_tensor(*bias, "bias", at::kFloat, {N}, "[N]");
+}
+
+// Every AVX2 CPU has F16C too, but a virtual machine may hide it: fail here rather than on an illegal instruction.
+void check_f16c() {
+  static const bool has_f16c = __builtin_cpu_supports("f16c");
+  TORCH_CHECK(has_f16c, "tokenmill's quantized matmul kernels need a CPU with F16C");
 }
 
 at::Tensor matmul(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, const uint16_t* mins,
@@ -411,9 +494,7 @@ at::Tensor matmul(const at::Tensor& x, const at::Tensor& qweight, const at::Tens
   const int64_t N = qweight.size(0);
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
-  // Every AVX2 CPU has F16C too, but a virtual machine may hide it: fail here rather than on an illegal instruction.
-  static const bool has_f16c = __builtin_cpu_supports("f16c");
-  TORCH_CHECK(has_f16c, "tokenmill's quantized matmul kernels need a CPU with F16C");
+  check_f16c();
   const QuantizedActivations act = quantize_activations(x.data_ptr<float>(), M, K);
   const Problem p{static_cast<const uint8_t*>(qweight.data_ptr()),
                   qweight.size(1),
@@ -447,6 +528,23 @@ at::Tensor matmul_int4(const at::Tensor& x, const at::Tensor& qweight, const at:
   return matmul(x, qweight, scales, static_cast<const uint16_t*>(mins.data_ptr()), bias, /*int4=*/true);
 }
 
+// The kernels' own activation codes, for testing them against reference.quantize_activations exactly.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_activations_op(const at::Tensor& x) {
+  check_activations(x);
+  const int64_t M = x.size(0);
+  const int64_t K = x.size(1);
+  at::Tensor q = at::empty({M, K}, x.options().dtype(at::kShort));
+  at::Tensor d = at::empty({M, K / kGroup}, x.options());
+  at::Tensor s = at::empty({M, K / kGroup}, x.options());
+  if (M == 0) return {q, d, s};
+  check_f16c();
+  const QuantizedActivations act = quantize_activations(x.data_ptr<float>(), M, K);
+  std::copy_n(act.q.get(), M * K, q.data_ptr<int16_t>());
+  std::copy_n(act.d.get(), M * (K / kGroup), d.data_ptr<float>());
+  std::copy_n(act.s.get(), M * (K / kGroup), s.data_ptr<float>());
+  return {q, d, s};
+}
+
 std::vector<std::string> supported_isa_names() {
   std::vector<std::string> names;
   for (Isa isa : supported_isas()) names.emplace_back(kIsaNames[static_cast<int>(isa)]);
@@ -476,12 +574,15 @@ void set_isa(const std::string& name) {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "Weight-only int8 / int4 quantized matmul (AVX2 + FMA + F16C, VNNI); see tokenmill.kernels.quant_matmul.";
+  m.doc() = "Weight-only int8 / int4 quantized matmul (AVX2 + FMA + F16C, AVX-VNNI, AVX-512); see "
+            "tokenmill_kernels.quant_matmul.";
   m.def("matmul_int8", &matmul_int8, "x [M,K] f32 @ int8 [N,K] (+ f16 scales [N,K/32]) -> [M,N] f32", py::arg("x"),
         py::arg("qweight"), py::arg("scales"), py::arg("bias") = py::none());
   m.def("matmul_int4", &matmul_int4, "x [M,K] f32 @ packed 4-bit [N,K/2] (+ f16 scales, mins [N,K/32]) -> [M,N] f32",
         py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("bias") = py::none());
-  m.def("supported_isas", &supported_isa_names, "the dot-product variants this CPU can run, best last");
+  m.def("quantize_activations", &quantize_activations_op,
+        "x [M,K] f32 -> the kernels' int16 codes [M,K], scales d and block sums s [M,K/32]", py::arg("x"));
+  m.def("supported_isas", &supported_isa_names, "the kernel variants this CPU can run, best last");
   m.def("isa", &isa_name, "the variant matmul_* use now");
   m.def("set_isa", &set_isa, "use this variant from now on (\"auto\": the best supported)", py::arg("name"));
 }
