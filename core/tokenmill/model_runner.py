@@ -38,7 +38,7 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     server's RSS grew under load until the whole pool had been used (+1 GB in 150 s of a soak, on the way
     to the pool's 4 GiB: issue 18), which hid a leak and overcommitted memory the machine may not have.
     Now the whole pool is in RSS before the first request (2 to 4 s for 4 GiB on 2 busy cores), so growth
-    under load means a leak (docs/performance.md, "Memory")."""
+    under load means a leak (docs/serving.md, "Faults and shutdown")."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     element_size = torch.empty((), dtype=dtype).element_size()

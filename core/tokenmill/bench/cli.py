@@ -558,3 +558,239 @@ def kv_tiers(
             output_len=output_len, rounds=rounds, seed=seed,
         )  # fmt: skip
     _report(report, output_json, format_kv_tiers)
+
+
+@bench.command("engine-kills")
+@config_options
+@click.option("--kills", type=click.IntRange(min=1), default=20, show_default=True, help="SIGKILLs of engine 0.")
+@click.option("--concurrency", type=click.IntRange(min=1), default=8, show_default=True, help="Streams kept in flight.")
+@click.option("--input-len", type=click.IntRange(min=1), default=64, show_default=True, help="Prompt tokens.")
+@click.option(
+    "--output-len", type=click.IntRange(min=1), default=256, show_default=True, help="Generated tokens per request."
+)
+@_seed
+@click.option(
+    "--server-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=600.0,
+    show_default=True,
+    help="Seconds the server may take to start, and to serve again after a kill.",
+)
+@_output_json
+def engine_kills(
+    config: EngineConfig,
+    kills: int,
+    concurrency: int,
+    input_len: int,
+    output_len: int,
+    seed: int,
+    server_timeout: float,
+    output_json: Path | None,
+) -> None:
+    """Start a server, SIGKILL its engine again and again under streaming load: how fast in-flight requests
+    fail and the server serves again, and whether any process, port or memory is left behind."""
+    from tokenmill.bench.engine_kills import format_engine_kills, run_engine_kills
+
+    report = run_engine_kills(
+        config, kills=kills, concurrency=concurrency, input_len=input_len, output_len=output_len, seed=seed,
+        server_timeout_s=server_timeout,
+    )  # fmt: skip
+    _report(report, output_json, format_engine_kills)
+
+
+class _Duration(click.ParamType):
+    """Seconds, as a number or with a unit: ``90``, ``90s``, ``30m``, ``2h``."""
+
+    name = "duration"
+    _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        if isinstance(value, int | float):
+            return float(value)
+        text = str(value).strip().lower()
+        scale = self._UNITS.get(text[-1:], None) if text else None
+        try:
+            seconds = float(text[:-1] if scale else text) * (scale or 1.0)
+        except ValueError:
+            self.fail(f"{value!r} is not a duration such as 90, 90s, 30m or 2h", param, ctx)
+        if not seconds > 0:
+            self.fail(f"{value!r} must be positive", param, ctx)
+        return seconds
+
+
+def _length_range(ctx: click.Context, param: click.Parameter, value: tuple[int, int]) -> tuple[int, int]:
+    if value[0] > value[1]:
+        raise click.BadParameter(f"MIN {value[0]} > MAX {value[1]}")
+    return value
+
+
+@bench.command()
+@click.option(
+    "--base-url",
+    default=None,
+    help="Soak a running server (http://HOST:PORT) instead of starting one with the engine flags below.",
+)
+@click.option(
+    "--server-pid",
+    type=int,
+    default=None,
+    help="With --base-url: the server's root process, for the RSS samples.  [default: the local process listening "
+    "on the URL's port]",
+)
+@click.option("--duration", type=_Duration(), default="5m", show_default=True, help="How long to send load.")
+@click.option(
+    "--warmup",
+    type=_Duration(),
+    default="60s",
+    show_default=True,
+    help="The first part of the load, after which RSS growth is measured.",
+)
+@click.option(
+    "--concurrency", type=click.IntRange(min=1), default=16, show_default=True, help="Requests in flight at once."
+)
+@click.option(
+    "--input-len",
+    type=(click.IntRange(min=1), click.IntRange(min=1)),
+    default=(16, 512),
+    show_default=True,
+    callback=_length_range,
+    help="Shortest and longest prompt, in tokens (about, for text prompts), drawn uniformly.",
+)
+@click.option(
+    "--output-len",
+    type=(click.IntRange(min=1), click.IntRange(min=1)),
+    default=(8, 256),
+    show_default=True,
+    callback=_length_range,
+    help="Smallest and largest max_tokens, drawn uniformly.",
+)
+@click.option(
+    "--abort-fraction",
+    type=click.FloatRange(0, 1),
+    default=0.1,
+    show_default=True,
+    help="Share of the requests the client drops at a random point.",
+)
+@click.option(
+    "--sample-interval", type=_Duration(), default="5s", show_default=True, help="Between RSS and /metrics samples."
+)
+@click.option(
+    "--max-rss-growth",
+    type=click.FloatRange(min=0),
+    default=5.0,
+    show_default=True,
+    help="The check: most RSS growth (%) of any process, and of their total, from the warm-up's end to the load's.",
+)
+@click.option(
+    "--output-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("soak"),
+    show_default=True,
+    help="Where report.json, samples.csv, rss.svg (and the server's log) go.",
+)
+@_seed
+@click.option(
+    "--timeout", type=click.FloatRange(min=0, min_open=True), default=300.0, show_default=True, help="Per request (s)."
+)
+@click.option(
+    "--server-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=600.0,
+    show_default=True,
+    help="Seconds the server may take to load the model and answer /health.",
+)
+@click.option("--no-progress", is_flag=True, help="Hide the progress line.")
+@config_options
+def soak(
+    config: EngineConfig,
+    base_url: str | None,
+    server_pid: int | None,
+    duration: float,
+    warmup: float,
+    concurrency: int,
+    input_len: tuple[int, int],
+    output_len: tuple[int, int],
+    abort_fraction: float,
+    sample_interval: float,
+    max_rss_growth: float,
+    output_dir: Path,
+    seed: int,
+    timeout: float,
+    server_timeout: float,
+    no_progress: bool,
+) -> None:
+    """Mixed traffic (chat and completions, streaming or not, n>1, stop strings, logprobs, client aborts) for
+    --duration: errors, each server process's RSS over time, and KV blocks in use once idle. Exits 1 when a
+    check fails (an error, RSS growth over --max-rss-growth, KV blocks still in use)."""
+    from contextlib import ExitStack
+
+    from tokenmill.bench.local_server import local_server
+    from tokenmill.bench.process_rss import find_listening_pid
+    from tokenmill.bench.soak import SoakOptions, format_soak, run_soak
+
+    output_dir.mkdir(parents=True, exist_ok=True)
+    with ExitStack() as stack:
+        if base_url is None:
+            server = stack.enter_context(local_server(config, output_dir, timeout_s=server_timeout))
+            base_url, server_pid = server.url, server.process.pid
+        elif server_pid is None:
+            server_pid = find_listening_pid(base_url)
+            if server_pid is None:
+                logger.warning("no local process listens on %s: no RSS samples (pass --server-pid)", base_url)
+        options = SoakOptions(
+            base_url=base_url, output_dir=output_dir, duration_s=duration, concurrency=concurrency,
+            warmup_s=warmup, sample_interval_s=sample_interval, input_len=input_len, output_len=output_len,
+            abort_fraction=abort_fraction, seed=seed, model=config.server.served_model_name,
+            api_key=config.server.api_key, timeout_s=timeout, max_rss_growth_pct=max_rss_growth,
+            server_pid=server_pid, show_progress=not no_progress,
+        )  # fmt: skip
+        report = run_soak(options)
+    click.echo(format_soak(report))
+    if not report["results"]["passed"]:
+        raise SystemExit(1)
+
+
+def _accuracy_variant(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> list[Any]:
+    from tokenmill.bench.accuracy import Variant
+
+    try:
+        return [Variant.parse(text) for text in value]
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+@bench.command()
+@config_options
+@click.option(
+    "--variant",
+    "variants",
+    multiple=True,
+    default=("default",),
+    show_default=True,
+    callback=_accuracy_variant,
+    help="Repeatable. 'default' (the engine as configured) or comma-separated changes to it: kv=DTYPE, "
+    "quantization=NAME, act=MODE, body_act=MODE, head_act=MODE, with MODE kernel, float, int8 or int16 "
+    "(the linears' input as the kernel rounds it, or emulated; see tokenmill.bench.accuracy).",
+)
+@click.option(
+    "--max-tokens", type=click.IntRange(min=1), default=64, show_default=True, help="Greedy tokens per prompt at most."
+)
+@click.option(
+    "--max-error",
+    type=click.FloatRange(min=0),
+    default=None,
+    help="Exit 1 when a variant's chosen-token logprob error exceeds this many nats on any prompt.",
+)
+@_output_json
+def accuracy(
+    config: EngineConfig, variants: list[Any], max_tokens: int, max_error: float | None, output_json: Path | None
+) -> None:
+    """Greedy output on fixed chat prompts, and the perplexity of a fixed text, against transformers float32 on
+    the same weights (a GGUF file dequantized exactly): per prompt the largest and mean chosen-token logprob
+    error in nats and where greedy output parts from the reference."""
+    from tokenmill.bench.accuracy import format_accuracy, run_accuracy
+
+    report = run_accuracy(config, variants, max_tokens=max_tokens)
+    _report(report, output_json, format_accuracy)
+    if max_error is not None and any(v["max_error"] > max_error for v in report["results"]["variants"]):
+        raise SystemExit(1)
