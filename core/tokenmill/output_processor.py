@@ -99,7 +99,8 @@ class OutputProcessor:
             updated[request.request_id] = request
         for request_id, request in updated.items():
             complete = len(request.outputs) == self._requests[request_id][1].n or request_id in done
-            if complete and request.finished:
+            if complete and all(completion.finished for completion in request.outputs):
+                request.finished = True
                 del self._requests[request_id]
                 for completion in request.outputs:
                     self._completions.pop(completion_request_id(request_id, completion.index), None)

@@ -56,7 +56,7 @@ class RequestOutput:
     #: With ``prompt_logprobs``: per prompt token, None for the first (nothing precedes it), then
     #: {token_id: Logprob} for the prompt token (with its rank) and its top alternatives.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
-
-    @property
-    def finished(self) -> bool:
-        return bool(self.outputs) and all(o.finished for o in self.outputs)
+    #: Every completion has finished: all n of them (the output processor sets it; a completion that ends
+    #: while its siblings' outputs are still on their way leaves it False), or fewer when the request was
+    #: aborted before it forked.
+    finished: bool = False

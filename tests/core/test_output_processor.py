@@ -91,6 +91,21 @@ def test_n_completions_are_grouped_in_index_order(tokenizer: Tokenizer) -> None:
     assert request.finished and not processor.has_unfinished()
 
 
+def test_a_request_is_not_finished_while_a_sibling_is_on_its_way(tokenizer: Tokenizer) -> None:
+    """The server feeds a request's outputs one at a time: completion 0 ending on its first token (a stop
+    string) must not finish the request before completion 1's first output arrives (a soak found n=2
+    answered with one choice)."""
+    processor = OutputProcessor(tokenizer)
+    request = processor.add_request("r", None, [1], SamplingParams(n=2, stop=[" the"]))
+    step = processor.process([EngineCoreOutput("r", tokenizer.encode(" the"))])
+    assert step.to_abort == ["r"] and request.outputs[0].finished
+    assert not request.finished and processor.has_unfinished()
+    processor.process([EngineCoreOutput("r#1", tokenizer.encode(" cat"), parent_id="r", index=1)])
+    assert not request.finished
+    processor.process([EngineCoreOutput("r#1", [], finish_reason="length", parent_id="r", index=1)])
+    assert request.finished and [c.finish_reason for c in request.outputs] == ["stop", "length"]
+
+
 def test_logprobs_are_decoded(tokenizer: Tokenizer) -> None:
     processor = OutputProcessor(tokenizer)
     request = processor.add_request("r", None, [1], SamplingParams(logprobs=2))

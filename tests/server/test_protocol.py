@@ -338,7 +338,7 @@ def finished_output(n: int = 1, with_logprobs: bool = True) -> RequestOutput:
         )
         for i in reversed(range(n))  # out of order on purpose
     ]
-    return RequestOutput(request_id="r", prompt="p", prompt_token_ids=[1, 2, 3], outputs=outputs)
+    return RequestOutput(request_id="r", prompt="p", prompt_token_ids=[1, 2, 3], outputs=outputs, finished=True)
 
 
 def test_completion_response_parses_as_openai_completion() -> None:
