@@ -10,6 +10,7 @@ its KV blocks. Imports no torch.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import time
 import uuid
@@ -139,7 +140,9 @@ class OpenAIServer:
 
     def _check_auth(self, request: Request) -> None:
         key = self.state.config.server.api_key
-        if key is not None and request.headers.get("authorization") != f"Bearer {key}":
+        sent = request.headers.get("authorization", "").encode()
+        # In constant time: how long a comparison takes must not tell a client how much of a guess was right.
+        if key is not None and not hmac.compare_digest(sent, f"Bearer {key}".encode()):
             raise ProtocolError(
                 401, "Incorrect API key provided.", type="invalid_request_error", code="invalid_api_key"
             )
