@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenmill.attention.kv_quant import kv_row_size
 from tokenmill.config.cache import CacheConfig, parse_memory
 
 logger = logging.getLogger(__name__)
@@ -57,9 +58,13 @@ def plan_kv_cache(
     head_dim: int,
     dtype: torch.dtype,
 ) -> CacheLayout:
-    """Size the KV cache from the config's budget. Raises ValueError when it cannot hold one block."""
+    """Size the KV cache from the config's budget. Raises ValueError when it cannot hold one block.
+
+    A block's bytes are what the cache tensors hold: a quantized ``dtype`` (``fp8``, ``int8``) counts its
+    per-row scales too, so a budget holds about twice the tokens of float16, not exactly twice."""
     element_size = torch.empty((), dtype=dtype).element_size()
-    bytes_per_block = 2 * num_layers * config.block_size * num_kv_heads * head_dim * element_size
+    row_bytes = kv_row_size(head_dim, dtype) * element_size  # one token's K (or V) for one KV head
+    bytes_per_block = 2 * num_layers * config.block_size * num_kv_heads * row_bytes
     if config.num_kv_blocks is not None:
         return CacheLayout(config.num_kv_blocks, config.block_size, bytes_per_block)
     if config.kv_cache_memory == "auto":

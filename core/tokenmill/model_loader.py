@@ -66,14 +66,18 @@ def resolve_kv_cache_dtype(
     ``"auto"`` is the model's dtype, except that a float32 model with quantized linears stores
     float16 when its attention backend can: the quantized model is approximate already, and half
     the bytes per cached token is twice the tokens in the same memory and half the reads per
-    decode step (llama.cpp's default too). Float models stay exact."""
+    decode step (llama.cpp's default too). Float models stay exact. ``"fp8"`` (``"fp8_e4m3"``) and
+    ``"int8"``, vLLM's names, store one-byte codes with a scale per token and KV head
+    (``tokenmill.attention.kv_quant``): about half of float16's bytes, for backends that declare them."""
     if name == "auto":
         if dtype == torch.float32 and not quantizer.is_dense and torch.float16 in attention.kv_cache_dtypes:
             return torch.float16
         return dtype
-    kv_cache_dtype = _DTYPES[name]
+    dtypes = {**_DTYPES, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "int8": torch.int8}
+    kv_cache_dtype = dtypes[name]
     if kv_cache_dtype != dtype and kv_cache_dtype not in attention.kv_cache_dtypes:
-        supported = ", ".join(str(d).removeprefix("torch.") for d in (dtype, *attention.kv_cache_dtypes))
+        names = {value: key for key, value in reversed(dtypes.items())}  # float8_e4m3fn -> "fp8"
+        supported = ", ".join(names[d] for d in (dtype, *attention.kv_cache_dtypes) if d in names)
         raise PluginError(
             f"cache.kv_cache_dtype={name!r}: attention backend {attention.name!r} stores only {supported} "
             f"for this {str(dtype).removeprefix('torch.')} model; choose one of those or another attention.backend"

@@ -42,7 +42,7 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     element_size = torch.empty((), dtype=dtype).element_size()
-    raw = numpy.zeros(shape, dtype={2: numpy.int16, 4: numpy.int32, 8: numpy.int64}[element_size])
+    raw = numpy.zeros(shape, dtype={1: numpy.int8, 2: numpy.int16, 4: numpy.int32, 8: numpy.int64}[element_size])
     cache = torch.from_numpy(raw)
     cache.zero_()  # every page written once: resident now, not when a block first lands on it
     return cache.view(dtype)
@@ -70,11 +70,13 @@ class ModelRunner:
         self.num_blocks = num_blocks
         arch = loaded.arch
         num_cache_blocks = num_blocks + 1 if cuda_graph_batch_sizes else num_blocks
-        shape = loaded.attention.kv_cache_shape(num_cache_blocks, block_size, arch.num_kv_heads, arch.head_dim)
+        shape = loaded.attention.kv_cache_shape(
+            num_cache_blocks, block_size, arch.num_kv_heads, arch.head_dim, loaded.kv_cache_dtype
+        )
         started = time.perf_counter()
         self.kv_caches = [
             _zeros(shape, loaded.kv_cache_dtype, loaded.device) for _ in range(arch.num_layers)
-        ]  # each [2, num_cache_blocks, block_size, num_kv_heads, head_dim] by default
+        ]  # each [2, num_cache_blocks, block_size, num_kv_heads, head_dim (+ 4 scale bytes if quantized)] by default
         logger.info(
             "KV cache allocated and zeroed on %s: %.1f MiB in %.2f s",
             loaded.device, sum(c.nbytes for c in self.kv_caches) / 2**20, time.perf_counter() - started,
@@ -90,8 +92,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def read_blocks(self, block_ids: list[int]) -> list[torch.Tensor]:
-        """Copies of whole blocks, on the CPU, each [num_layers, 2, block_size, num_kv_heads, head_dim] in the
-        cache's dtype: what a KV tier stores. Needs the default cache layout (``kv_cache_shape``)."""
+        """Copies of whole blocks, on the CPU, each [num_layers, 2, block_size, num_kv_heads, row] in the
+        cache's dtype: what a KV tier stores (``row`` is head_dim, plus 4 bytes of scale in a quantized cache,
+        so the scales travel with their codes). Needs the default cache layout (``kv_cache_shape``)."""
         index = torch.tensor(block_ids, device=self.loaded.device)
         stacked = torch.stack([kv_cache[:, index] for kv_cache in self.kv_caches])  # [layers, 2, n, block_size, ...]
         return list(stacked.permute(2, 0, 1, 3, 4, 5).to("cpu").unbind(0))

@@ -9,6 +9,7 @@ import torch
 from tokenmill_kernels.paged_attention import cpu as kernels
 
 from tokenmill.attention.backend import AttentionLayerSpec
+from tokenmill.attention.kv_quant import is_quantized_kv, quantize_kv
 from tokenmill.attention.torch_backend import TorchAttentionBackend
 from tokenmill.model_runner import SequenceChunk, build_batch
 
@@ -34,8 +35,10 @@ def _step(query_lens: list[int], computed: list[int], block_size: int, num_block
 @pytest.mark.parametrize("block_size", [1, 4, 16, 32])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(4, 4, 32), (9, 3, 64), (8, 1, 128), (6, 2, 8)])
 @pytest.mark.parametrize("sliding_window", [None, 5])
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.float8_e4m3fn, torch.int8])
 def test_matches_reference_on_mixed_batches(block_size, num_heads, num_kv_heads, head_dim, sliding_window, cache_dtype):
+    """fp8/int8 caches (codes and a scale per row): the kernel writes the same bytes as the torch reference
+    backend and attends over them as it does, dequantizing on the fly."""
     # decode tokens, a prompt from scratch, a chunk continuing a prompt, a one-token prompt
     query_lens, computed = [1, 1, 7, 5, 1, 1], [0, 37, 0, 9, 0, 16]
     num_blocks = 96  # enough for every request even with block_size 1
@@ -46,7 +49,8 @@ def test_matches_reference_on_mixed_batches(block_size, num_heads, num_kv_heads,
     key = torch.randn(num_tokens, num_kv_heads, head_dim, generator=generator)
     value = torch.randn(num_tokens, num_kv_heads, head_dim, generator=generator)
     # Earlier tokens' K/V already in the cache: random, so every cached position matters.
-    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=generator).to(cache_dtype)
+    rows = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=generator)
+    cache = quantize_kv(rows, cache_dtype) if is_quantized_kv(cache_dtype) else rows.to(cache_dtype)
     spec = AttentionLayerSpec(num_heads, num_kv_heads, head_dim, head_dim**-0.5, sliding_window)
 
     reference_cache = cache.clone()
@@ -55,7 +59,8 @@ def test_matches_reference_on_mixed_batches(block_size, num_heads, num_kv_heads,
     expected = reference.forward(spec, query, key, value, reference_cache, metadata)
 
     kernels.write_kv_cache(key, value, cache[0], cache[1], metadata.slot_mapping)
-    assert torch.equal(cache, reference_cache)  # float16: rounded to nearest even, as torch's .to() does
+    # float16: rounded to nearest even, as torch's .to() does; fp8/int8: the same codes and scales
+    assert torch.equal(cache.view(torch.uint8), reference_cache.view(torch.uint8))
     token_req = torch.repeat_interleave(torch.arange(len(query_lens), dtype=torch.int32), torch.tensor(query_lens))
     got = kernels.paged_attention(
         query, cache[0], cache[1], metadata.block_tables, token_req, metadata.positions, spec.scale, sliding_window
@@ -82,9 +87,32 @@ def test_rejects_bad_shapes():
 def test_rejects_caches_it_cannot_read():
     args = (torch.zeros(1, 4, dtype=torch.int32), torch.zeros(3, dtype=torch.int32), torch.zeros(3, dtype=torch.int64))
     query = torch.zeros(3, 4, 64)
-    with pytest.raises(ValueError, match="float32 or float16"):
+    with pytest.raises(ValueError, match="float32, float16, float8_e4m3fn or int8"):
         kernels.paged_attention(query, *[torch.zeros(4, 16, 2, 64, dtype=torch.bfloat16)] * 2, *args, 0.1)
     with pytest.raises(ValueError, match="caches differ"):
         kernels.paged_attention(
             query, torch.zeros(4, 16, 2, 64), torch.zeros(4, 16, 2, 64, dtype=torch.float16), *args, 0.1
         )
+    # a quantized cache's rows carry 4 bytes of scale: head_dim is the last dimension less 4
+    with pytest.raises(ValueError, match="query head_dim 64 != cache head_dim 32"):
+        kernels.paged_attention(query, *[torch.zeros(4, 16, 2, 36, dtype=torch.int8)] * 2, *args, 0.1)
+
+
+def test_every_finite_fp8_code_reads_as_torch_converts_it():
+    """The kernel widens e4m3 codes with a float16 bit trick (subnormals included): over one cached token,
+    attention returns its value row, so each of the 254 finite codes must come back as torch reads it."""
+    head_dim, scale = 64, 0.75
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F]  # the two NaN codes are never written
+    codes = torch.cat([codes, codes[:2]]).view(4, head_dim)  # 4 rows of 64 codes
+    row = torch.cat([codes, torch.full((4, 1), scale).view(torch.uint8)], dim=1)  # codes, then the scale
+    cache = torch.zeros(2, 4, 1, 1, head_dim + 4, dtype=torch.uint8)  # block_size 1, one kv head
+    cache[:, :, 0, 0] = row
+    cache = cache.view(torch.float8_e4m3fn)
+    query = torch.zeros(4, 1, head_dim)
+    got = kernels.paged_attention(
+        query, cache[0], cache[1], torch.arange(4, dtype=torch.int32)[:, None], torch.arange(4, dtype=torch.int32),
+        torch.zeros(4, dtype=torch.int64), 0.1,
+    )  # fmt: skip
+    expected = codes.view(torch.float8_e4m3fn).float() * scale
+    assert torch.equal(got[:, 0], expected)

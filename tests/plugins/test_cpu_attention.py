@@ -13,6 +13,7 @@ from tokenmill_plugins.quant.weight_only import Int8Quantizer
 
 from tests.factories import make_engine, run_to_completion, save_hf_model
 from tokenmill.attention.backend import AttentionLayerSpec
+from tokenmill.attention.kv_quant import is_quantized_kv, quantize_kv
 from tokenmill.attention.torch_backend import TorchAttentionBackend
 from tokenmill.engine import now
 from tokenmill.messages import EngineCoreRequest
@@ -24,7 +25,9 @@ pytestmark = pytest.mark.skipif(not kernels.is_available(), reason="the CPU kern
 
 @pytest.mark.parametrize("sliding_window", [None, 37])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(9, 3), (4, 4)])
-def test_mixed_step_with_long_chunks_matches_reference(sliding_window, num_heads, num_kv_heads):
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float8_e4m3fn, torch.int8])
+def test_mixed_step_with_long_chunks_matches_reference(sliding_window, num_heads, num_kv_heads, cache_dtype):
+    """Both paths, the kernel and SDPA, read a float32 or quantized (fp8/int8) cache as the reference does."""
     block_size, num_blocks, head_dim = 16, 64, 64
     # decode, a 100-token chunk after 30 cached, a short chunk, a 70-token prompt from scratch
     query_lens, computed = [1, 100, 5, 70, 1], [40, 30, 12, 0, 200]
@@ -41,6 +44,8 @@ def test_mixed_step_with_long_chunks_matches_reference(sliding_window, num_heads
     key = torch.randn(metadata.num_tokens, num_kv_heads, head_dim, generator=generator)
     value = torch.randn(metadata.num_tokens, num_kv_heads, head_dim, generator=generator)
     cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=generator)
+    if is_quantized_kv(cache_dtype):
+        cache = quantize_kv(cache, cache_dtype)
     spec = AttentionLayerSpec(num_heads, num_kv_heads, head_dim, head_dim**-0.5, sliding_window)
 
     reference_cache = cache.clone()
@@ -52,11 +57,14 @@ def test_mixed_step_with_long_chunks_matches_reference(sliding_window, num_heads
     backend.prepare(metadata, block_size)
     assert len(metadata.backend_state.long_chunks) == 2  # the 100- and 70-token chunks
     got = backend.forward(spec, query, key, value, cache, metadata)
-    assert torch.equal(cache, reference_cache)
+    assert torch.equal(cache.view(torch.uint8), reference_cache.view(torch.uint8))
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=0)
 
 
-def test_engine_on_the_cpu_backend_matches_the_torch_backend(tmp_path):
+@pytest.mark.parametrize(
+    ("kv_cache_dtype", "stored"), [("auto", torch.float32), ("fp8", torch.float8_e4m3fn), ("int8", torch.int8)]
+)
+def test_engine_on_the_cpu_backend_matches_the_torch_backend(tmp_path, kv_cache_dtype, stored):
     save_hf_model("mistral-tiny", tmp_path)  # sliding window 8
     requests = [
         EngineCoreRequest(
@@ -68,9 +76,11 @@ def test_engine_on_the_cpu_backend_matches_the_torch_backend(tmp_path):
         )
         for i, length in enumerate([3, 90, 17, 150])  # two prompts take the SDPA path
     ]
-    expected = run_to_completion(make_engine(tmp_path, attention={"backend": "torch"}), requests)
-    engine = make_engine(tmp_path, attention={"backend": "cpu"})
+    cache = {"kv_cache_dtype": kv_cache_dtype}
+    expected = run_to_completion(make_engine(tmp_path, attention={"backend": "torch"}, cache=cache), requests)
+    engine = make_engine(tmp_path, attention={"backend": "cpu"}, cache=cache)
     assert engine.loaded.attention.name == "cpu"
+    assert {kv_cache.dtype for kv_cache in engine.runner.kv_caches} == {stored}
     assert run_to_completion(engine, requests) == expected
 
 

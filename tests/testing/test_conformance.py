@@ -172,6 +172,24 @@ def test_attention_backend_that_ignores_the_sliding_window_fails() -> None:
     _fails(check_attention_backend, NoWindow, match=r"sliding_window=6\): output differs")
 
 
+def test_attention_backend_that_stores_quantized_scales_its_own_way_fails() -> None:
+    from tokenmill.attention.torch_backend import TorchAttentionBackend
+
+    class NudgedScales(TorchAttentionBackend):
+        """Writes int8 rows, then nudges every row's scale by one ulp: outputs stay within tolerance, bytes do not."""
+
+        kv_cache_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.int8,)
+
+        def forward(self, layer: AttentionLayerSpec, *args: Any) -> torch.Tensor:
+            out = super().forward(layer, *args)
+            kv_cache = args[3]
+            if kv_cache.dtype == torch.int8:
+                kv_cache.view(torch.uint8)[..., -4] ^= 1  # the scale's lowest mantissa bit
+            return out
+
+    _fails(check_attention_backend, NudgedScales, match=r"kv_cache_dtype=torch.int8.*KV cache bytes differ")
+
+
 def test_quantizer_that_drops_the_bias_fails() -> None:
     from tokenmill.layers.dense import DenseQuantizer
 

@@ -15,6 +15,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from tokenmill.attention.kv_quant import kv_row_size
+
 
 @dataclass
 class AttentionMetadata:
@@ -83,6 +85,8 @@ class AttentionBackend(ABC):
     #: Storage dtypes, besides the model's own, that ``forward`` accepts for ``kv_cache``
     #: (``cache.kv_cache_dtype``): it converts new keys and values as it writes them and widens
     #: what it reads, computing in the query's dtype. Empty: the cache is in the model's dtype.
+    #: ``torch.float8_e4m3fn`` and ``torch.int8`` are the quantized formats of
+    #: ``tokenmill.attention.kv_quant`` (codes plus a float32 scale per token and KV head).
     kv_cache_dtypes: ClassVar[tuple[torch.dtype, ...]] = ()
 
     @classmethod
@@ -91,14 +95,18 @@ class AttentionBackend(ABC):
         start-up by ``attention.backend = "auto"``; must be cheap and must not raise."""
         return True
 
-    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
-        """Shape of one layer's KV cache tensor. Called once at start-up.
+    def kv_cache_shape(
+        self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype | None = None
+    ) -> tuple[int, ...]:
+        """Shape of one layer's KV cache tensor of ``dtype`` (the cache's storage dtype; None: a float
+        one). Called once at start-up.
 
         The default is ``[2, num_blocks, block_size, num_kv_heads, head_dim]``
-        (keys then values); a backend with another layout overrides this and
-        ``forward`` together.
+        (keys then values); for a quantized ``dtype`` each row holds its scale too,
+        ``head_dim + 4`` codes (``tokenmill.attention.kv_quant``). A backend with another
+        layout overrides this and ``forward`` together.
         """
-        return (2, num_blocks, block_size, num_kv_heads, head_dim)
+        return (2, num_blocks, block_size, num_kv_heads, kv_row_size(head_dim, dtype or torch.float32))
 
     def prepare(self, metadata: AttentionMetadata, block_size: int) -> None:
         """Precompute what every layer of this step shares into ``metadata.backend_state``.

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.attention.backend import AttentionBackend, AttentionLayerSpec, AttentionMetadata
+from tokenmill.attention.kv_quant import read_kv, write_kv
 
 
 @dataclass
@@ -30,7 +31,9 @@ class _StepState:
 
 class TorchAttentionBackend(AttentionBackend):
     name: ClassVar[str] = "torch"
-    kv_cache_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.float16, torch.bfloat16)
+    kv_cache_dtypes: ClassVar[tuple[torch.dtype, ...]] = (
+        torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.int8,
+    )  # fmt: skip
 
     def prepare(self, metadata: AttentionMetadata, block_size: int) -> None:
         device = metadata.positions.device
@@ -72,13 +75,14 @@ class TorchAttentionBackend(AttentionBackend):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         state: _StepState = metadata.backend_state
-        key_cache = kv_cache[0].view(-1, layer.num_kv_heads, layer.head_dim)  # [num_slots, kv_heads, dim]
-        value_cache = kv_cache[1].view(-1, layer.num_kv_heads, layer.head_dim)
-        key_cache.index_copy_(0, metadata.slot_mapping, key.to(key_cache.dtype))
-        value_cache.index_copy_(0, metadata.slot_mapping, value.to(value_cache.dtype))
+        row = kv_cache.shape[-1]  # head_dim, plus a quantized cache's scale (tokenmill.attention.kv_quant)
+        key_cache = kv_cache[0].view(-1, layer.num_kv_heads, row)  # [num_slots, kv_heads, row]
+        value_cache = kv_cache[1].view(-1, layer.num_kv_heads, row)
+        write_kv(key_cache, metadata.slot_mapping, key)
+        write_kv(value_cache, metadata.slot_mapping, value)
 
-        keys = key_cache[state.key_slots].transpose(1, 2)  # [num_reqs, kv_heads, max_seq_len, dim]
-        values = value_cache[state.key_slots].transpose(1, 2)
+        keys = read_kv(key_cache[state.key_slots], query.dtype).transpose(1, 2)  # [num_reqs, kv_heads, max_s, dim]
+        values = read_kv(value_cache[state.key_slots], query.dtype).transpose(1, 2)
         padded_query = query.new_zeros(
             metadata.num_reqs, metadata.max_query_len, layer.num_heads, layer.head_dim
         )  # [num_reqs, max_query_len, heads, dim]
@@ -89,8 +93,8 @@ class TorchAttentionBackend(AttentionBackend):
             mask = mask & window[:, None]
         out = F.scaled_dot_product_attention(
             padded_query.transpose(1, 2),
-            keys.to(query.dtype),
-            values.to(query.dtype),
+            keys,
+            values,
             attn_mask=mask,
             scale=layer.scale,
             enable_gqa=layer.num_heads != layer.num_kv_heads,

@@ -4,7 +4,11 @@
 request's cached keys and values, read through the block table: decode tokens and prompt
 chunks alike, with GQA and sliding windows. ``write_kv_cache`` stores a step's new keys and
 values into their slots first. Queries, keys and values are float32; the cache is float32 or
-float16 (rounded to nearest even on write, widened on read, so all arithmetic is float32).
+float16 (rounded to nearest even on write, widened on read, so all arithmetic is float32), or
+quantized: float8_e4m3fn or int8 codes with a float32 scale per (token, kv head) row stored after
+the row's codes, so its last dimension is head_dim + 4 (``tokenmill.attention.kv_quant`` defines the
+format: scale = absmax / 448 or / 127, codes rounded to nearest even). Quantized rows are
+dequantized as they are read.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ def write_kv_cache(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: T
 
 def paged_attention(
     query: Tensor,  # [num_tokens, heads, head_dim] float32
-    key_cache: Tensor,  # [num_blocks, block_size, kv_heads, head_dim] float32 or float16
+    key_cache: Tensor,  # [num_blocks, block_size, kv_heads, head_dim (+ 4 quantized)] float32/16, float8_e4m3fn, int8
     value_cache: Tensor,
     block_tables: Tensor,  # [num_reqs, max_blocks] int32
     token_req: Tensor,  # [num_tokens] int32

@@ -4,7 +4,9 @@ Each token attends over its own request's cache blocks in place (see
 ``tokenmill_kernels.paged_attention.cpu``), so a decode step costs what its keys and values
 weigh, and a step mixing a long prompt chunk with many decode tokens does not pad every
 request to the chunk's length, as the ``torch`` reference backend does. The cache may be
-float16 (``cache.kv_cache_dtype``), which halves what a decode step reads.
+float16 (``cache.kv_cache_dtype``), which halves what a decode step reads, or ``fp8``/``int8``
+(``tokenmill.attention.kv_quant``: one byte per value and a scale per token and KV head), which
+halves it again; the kernel dequantizes rows as it reads them.
 
 Prompt chunks longer than ``max_kernel_query_len`` tokens go to torch's
 ``scaled_dot_product_attention`` instead: its blocked kernel computes a long prompt's
@@ -22,6 +24,7 @@ import torch.nn.functional as F
 from tokenmill_kernels.paged_attention import cpu as kernels
 
 from tokenmill.attention.backend import AttentionBackend, AttentionLayerSpec, AttentionMetadata
+from tokenmill.attention.kv_quant import read_kv
 
 
 @dataclass
@@ -47,7 +50,7 @@ class CpuAttentionBackend(AttentionBackend):
     name: ClassVar[str] = "cpu"
     supported_devices: ClassVar[tuple[str, ...]] = ("cpu",)
     auto_priority: ClassVar[int] = 10
-    kv_cache_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float16,)
+    kv_cache_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float16, torch.float8_e4m3fn, torch.int8)
     #: Longer prompt chunks are attended with SDPA rather than the per-token kernel.
     max_kernel_query_len: ClassVar[int] = 64
 
@@ -94,7 +97,7 @@ class CpuAttentionBackend(AttentionBackend):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         state: _StepState = metadata.backend_state
-        key_cache, value_cache = kv_cache[0], kv_cache[1]  # each [num_blocks, block_size, kv_heads, head_dim]
+        key_cache, value_cache = kv_cache[0], kv_cache[1]  # each [num_blocks, block_size, kv_heads, row]
         kernels.write_kv_cache(key.contiguous(), value.contiguous(), key_cache, value_cache, metadata.slot_mapping)
         if not state.long_chunks:
             return self._kernel(layer, query.contiguous(), key_cache, value_cache, state, metadata.positions)
@@ -106,8 +109,9 @@ class CpuAttentionBackend(AttentionBackend):
             out[tokens] = self._kernel(
                 layer, query[tokens].contiguous(), key_cache, value_cache, state, metadata.positions[tokens], tokens
             )
-        flat_keys = key_cache.view(-1, layer.num_kv_heads, layer.head_dim)  # [num_slots, kv_heads, head_dim]
-        flat_values = value_cache.view(-1, layer.num_kv_heads, layer.head_dim)
+        row = kv_cache.shape[-1]  # head_dim, plus a quantized cache's scale
+        flat_keys = key_cache.view(-1, layer.num_kv_heads, row)  # [num_slots, kv_heads, row]
+        flat_values = value_cache.view(-1, layer.num_kv_heads, row)
         for chunk in state.long_chunks:
             # A whole prompt without a window is plain causal attention, which SDPA computes without
             # a mask and skipping the upper triangle (twice as fast); otherwise the mask says it.
@@ -119,8 +123,8 @@ class CpuAttentionBackend(AttentionBackend):
                     mask &= chunk.key_positions > chunk.query_positions - layer.sliding_window
             attended = F.scaled_dot_product_attention(
                 query[chunk.start : chunk.end].transpose(0, 1)[None],  # [1, heads, query_len, head_dim]
-                flat_keys[chunk.key_slots].to(query.dtype).transpose(0, 1)[None],  # [1, kv_heads, seq_len, head_dim]
-                flat_values[chunk.key_slots].to(query.dtype).transpose(0, 1)[None],
+                read_kv(flat_keys[chunk.key_slots], query.dtype).transpose(0, 1)[None],  # [1, kv_heads, seq_len, dim]
+                read_kv(flat_values[chunk.key_slots], query.dtype).transpose(0, 1)[None],
                 attn_mask=mask,
                 is_causal=is_whole_prompt,
                 scale=layer.scale,

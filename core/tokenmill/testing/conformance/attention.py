@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.attention.backend import AttentionBackend, AttentionLayerSpec
+from tokenmill.attention.kv_quant import is_quantized_kv, quantize_kv
 from tokenmill.attention.torch_backend import TorchAttentionBackend
 from tokenmill.step_batch import SequenceChunk, build_batch
 from tokenmill.testing.conformance._util import conformance_check, fail, instantiate
@@ -56,7 +57,8 @@ def check_attention_backend(
     request's tokens differs. For the model's dtype and every cache dtype in ``kv_cache_dtypes`` that
     the reference stores too, outputs must agree within ``tolerances`` (default per dtype,
     ``ATTENTION_TOLERANCES``), have the query's shape and dtype, leave the inputs unchanged and, when the
-    backend keeps the default cache layout, write the same keys and values.
+    backend keeps the default cache layout, write the same keys and values (for a quantized cache, ``fp8``
+    or ``int8``, the same bytes: codes and scales as ``tokenmill.attention.kv_quant`` defines them).
 
     :param backend: the class (built with no arguments, as the engine builds it) or an instance.
     :param device: where to run; default ``cpu`` when the backend supports it, else ``cuda``.
@@ -112,7 +114,10 @@ def _compare(
     def new_caches(backend: AttentionBackend) -> list[torch.Tensor]:
         # The same garbage for both when the layouts agree, so their caches can be compared exactly.
         garbage = torch.Generator().manual_seed(seed + 1)
-        shape = backend.kv_cache_shape(num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+        shape = backend.kv_cache_shape(num_blocks, block_size, spec.num_kv_heads, spec.head_dim, cache_dtype)
+        if is_quantized_kv(cache_dtype):  # garbage rows with finite scales: random bytes could read as NaN
+            rows = torch.randn(*shape[:-1], spec.head_dim, generator=garbage)
+            return [quantize_kv(rows, cache_dtype).to(device) for _ in specs]
         return [torch.randn(shape, generator=garbage).to(device, cache_dtype) for _ in specs]
 
     backends = {"reference": reference, "candidate": candidate}
@@ -153,7 +158,13 @@ def _compare(
             if any(not torch.equal(t, o) for t, o in zip(inputs, originals, strict=True)):
                 fail(f"{here}: forward changed its query, key or value argument")
             _assert_close(got, expected, tolerances, f"{here}: output", rows, starts)
-            if same_layout:
+            if same_layout and is_quantized_kv(cache_dtype):
+                written, expected_bytes = (caches[role][layer].view(torch.uint8) for role in ("candidate", "reference"))
+                if not torch.equal(written, expected_bytes):
+                    where_bytes = (written != expected_bytes).nonzero()[0].tolist()
+                    fail(f"{here}: KV cache bytes differ from the reference's at {where_bytes} (codes and scales of "
+                         "tokenmill.attention.kv_quant)")  # fmt: skip
+            elif same_layout:
                 _assert_close(caches["candidate"][layer], caches["reference"][layer], (0.0, 0.0),
                               f"{here}: KV cache contents", None, None)  # fmt: skip
 

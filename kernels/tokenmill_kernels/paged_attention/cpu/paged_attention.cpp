@@ -1,5 +1,5 @@
-// Paged attention on CPU: float32 queries over a float32 or float16 cache, AVX2/FMA/F16C,
-// parallel over (token, kv head).
+// Paged attention on CPU: float32 queries over a float32, float16, fp8 (e4m3) or int8 cache,
+// AVX2/FMA/F16C, parallel over (token, kv head).
 //
 // Each query token attends to the keys of its own request at positions <= its own position
 // (and within the sliding window), read straight from the paged cache through the request's
@@ -8,12 +8,20 @@
 // Softmax is computed online (running max and sum) one cache block at a time. A float16 cache
 // halves the bytes a decode step reads and doubles the tokens a cache holds; rows are widened
 // to float32 as they are loaded (F16C), so all arithmetic stays float32.
+//
+// A quantized cache (fp8 e4m3 or int8: tokenmill.attention.kv_quant) stores each (token, kv head)
+// row as head_dim one-byte codes followed by the row's float32 scale: a quarter of float32's bytes
+// plus 4. Key rows are widened and scaled once for the group (as float16 ones are widened); value
+// rows are widened as they load and their scales folded into the softmax weights, so the inner
+// loops are those of the float16 cache.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -24,9 +32,45 @@ constexpr int kMaxGroup = 16;      // query heads per kv head
 constexpr int kMaxHeadDim = 256;
 constexpr int kMaxBlockSize = 256;
 
+// One float8 e4m3 (torch.float8_e4m3fn) code: sign, 4 exponent bits (bias 7), 3 mantissa bits.
+struct Fp8 {
+  uint8_t bits;
+};
+
+// Codes of a quantized cache: each (token, kv head) row is head_dim codes, then its float32 scale.
+template <typename T>
+constexpr bool kIsQuantized = std::is_same_v<T, Fp8> || std::is_same_v<T, int8_t>;
+// What load8 returns for a code, over its value: see load8(const Fp8*).
+template <typename T>
+constexpr float kCodeScale = std::is_same_v<T, Fp8> ? 256.f : 1.f;
+// The code a row's absolute maximum maps to.
+template <typename T>
+constexpr float kMaxCode = std::is_same_v<T, Fp8> ? 448.f : 127.f;
+constexpr int kScaleBytes = 4;
+
 // Eight cache elements as float32, and back: the only places the cache's dtype shows.
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+// Eight e4m3 codes, each times 2^-8: moved into float16's bit fields (sign to bit 15, exponent and
+// mantissa shifted up by 7) they are float16 numbers 2^-8 times their value, subnormals included,
+// since e4m3's exponent bias (7) is float16's (15) less 8. F16C widens those; kCodeScale undoes the
+// 2^-8 in the row's scale. The NaN codes never occur: writes saturate at 448.
+inline __m256 load8(const Fp8* p) {
+  const __m128i bytes = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i magnitude = _mm_slli_epi16(_mm_and_si128(bytes, _mm_set1_epi16(0x7F)), 7);
+  const __m128i sign = _mm_slli_epi16(_mm_and_si128(bytes, _mm_set1_epi16(0x80)), 8);
+  return _mm256_cvtph_ps(_mm_or_si128(magnitude, sign));
+}
+// The float32 scale stored after a quantized row's head_dim codes.
+template <typename T>
+inline float row_scale(const T* row, int head_dim) {
+  float scale;
+  std::memcpy(&scale, reinterpret_cast<const char*>(row) + head_dim, sizeof(float));
+  return scale * kCodeScale<T>;
+}
 inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
 // Round to nearest even, as torch's float -> float16 conversion does.
 inline void store8(at::Half* p, __m256 v) {
@@ -136,21 +180,34 @@ void check_float(const torch::Tensor& t, const char* name, int64_t dim, const ch
                     t.sizes());
 }
 
+bool is_quantized(const torch::Tensor& cache) {
+  return cache.scalar_type() == at::kFloat8_e4m3fn || cache.scalar_type() == at::kChar;
+}
+
+// The cache's head_dim: its rows' length, less the scale of a quantized cache's rows.
+int64_t cache_head_dim(const torch::Tensor& cache) {
+  return cache.size(3) - (is_quantized(cache) ? kScaleBytes : 0);
+}
+
 void check_cache(const torch::Tensor& key_cache, const torch::Tensor& value_cache) {
   for (const auto* t : {&key_cache, &value_cache}) {
-    TORCH_CHECK_VALUE(t->dim() == 4 && (t->scalar_type() == at::kFloat || t->scalar_type() == at::kHalf) &&
+    const auto dtype = t->scalar_type();
+    TORCH_CHECK_VALUE(t->dim() == 4 &&
+                          (dtype == at::kFloat || dtype == at::kHalf || dtype == at::kFloat8_e4m3fn ||
+                           dtype == at::kChar) &&
                           t->is_contiguous() && t->device().is_cpu(),
                       t == &key_cache ? "key_cache" : "value_cache",
-                      " must be a contiguous float32 or float16 CPU tensor [num_blocks, block_size, kv_heads, "
-                      "head_dim], got ",
+                      " must be a contiguous float32, float16, float8_e4m3fn or int8 CPU tensor [num_blocks, "
+                      "block_size, kv_heads, head_dim (+ 4 scale bytes when quantized)], got ",
                       t->scalar_type(), " ", t->sizes());
   }
   TORCH_CHECK_VALUE(key_cache.sizes() == value_cache.sizes() && key_cache.scalar_type() == value_cache.scalar_type(),
                     "key and value caches differ: ", key_cache.scalar_type(), " ", key_cache.sizes(), " vs ",
                     value_cache.scalar_type(), " ", value_cache.sizes());
-  TORCH_CHECK_VALUE(key_cache.size(1) <= kMaxBlockSize && key_cache.size(3) <= kMaxHeadDim && key_cache.size(3) % 8 == 0,
+  const int64_t head_dim = cache_head_dim(key_cache);
+  TORCH_CHECK_VALUE(key_cache.size(1) <= kMaxBlockSize && head_dim > 0 && head_dim <= kMaxHeadDim && head_dim % 8 == 0,
                     "block_size must be <= ", kMaxBlockSize, " and head_dim a multiple of 8 up to ", kMaxHeadDim,
-                    ", got ", key_cache.size(1), " and ", key_cache.size(3));
+                    ", got ", key_cache.size(1), " and ", head_dim);
 }
 
 void check_index(const torch::Tensor& t, const char* name, at::ScalarType dtype, int64_t dim) {
@@ -170,6 +227,35 @@ void write_rows(const float* k, const float* v, T* kc, T* vc, const int64_t* slo
   }
 }
 
+// Quantizes each token's row per kv head into its slot: codes, then the row's float32 scale
+// (tokenmill.attention.kv_quant: absmax / kMaxCode, codes rounded to nearest even, int8 clamped).
+template <typename T>
+void write_rows_quantized(const float* k, const float* v, T* kc, T* vc, const int64_t* slots, int64_t num_tokens,
+                          int64_t num_kv_heads, int64_t head_dim) {
+  const int64_t row = head_dim + kScaleBytes;  // codes per cache row, with the scale's bytes
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+      for (int kv = 0; kv < 2; ++kv) {
+        const float* src = (kv == 0 ? k : v) + (t * num_kv_heads + h) * head_dim;
+        T* dst = (kv == 0 ? kc : vc) + (slots[t] * num_kv_heads + h) * row;
+        float absmax = 0.f;
+        for (int64_t i = 0; i < head_dim; ++i) absmax = std::max(absmax, std::fabs(src[i]));
+        const float scale = absmax / kMaxCode<T>;
+        const float divisor = scale > 0.f ? scale : 1.f;  // an all-zero row stays zero
+        for (int64_t i = 0; i < head_dim; ++i) {
+          const float code = src[i] / divisor;
+          if constexpr (std::is_same_v<T, Fp8>) {
+            dst[i].bits = c10::Float8_e4m3fn(code).x;  // torch's own conversion: nearest even
+          } else {
+            dst[i] = int8_t(std::clamp(std::nearbyint(code), -127.f, 127.f));  // nearest even, as torch.round
+          }
+        }
+        std::memcpy(reinterpret_cast<char*>(dst + head_dim), &scale, sizeof(float));
+      }
+    }
+  }
+}
+
 // One step's attention problem, as raw pointers; the cache's element type is T.
 template <typename T>
 struct Problem {
@@ -181,6 +267,7 @@ struct Problem {
   const int64_t* pos;     // [num_tokens]
   float* out;             // [num_tokens, heads, head_dim]
   int num_tokens, num_heads, head_dim, block_size, num_kv_heads;
+  int row_len;  // cache elements per (slot, kv head): head_dim, plus the scale's bytes when quantized
   int64_t max_blocks, sliding_window;
   float scale;
 };
@@ -188,12 +275,14 @@ struct Problem {
 template <typename T>
 void attend(const Problem<T>& p) {
   const int group = p.num_heads / p.num_kv_heads, head_dim = p.head_dim, block_size = p.block_size;
-  const int64_t token_row = int64_t(block_size) * p.num_kv_heads * head_dim;  // elements per cache block
-  const int64_t slot_row = int64_t(p.num_kv_heads) * head_dim;                // elements per cache slot
+  const int row_len = p.row_len;
+  const int64_t token_row = int64_t(block_size) * p.num_kv_heads * row_len;  // elements per cache block
+  const int64_t slot_row = int64_t(p.num_kv_heads) * row_len;                // elements per cache slot
   at::parallel_for(0, int64_t(p.num_tokens) * p.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     float acc[kMaxGroup][kMaxHeadDim];
     float scores[kMaxGroup][kMaxBlockSize + 8];
     float running_max[kMaxGroup], running_sum[kMaxGroup];
+    float value_scales[kMaxBlockSize + 8];  // a quantized cache's value row scales, for the block
     std::vector<float> widened_keys(std::is_same_v<T, float> ? 0 : block_size * head_dim);  // [block_size, head_dim]
     for (int64_t item = begin; item < end; ++item) {
       const int t = item / p.num_kv_heads, kv_head = item % p.num_kv_heads;
@@ -208,23 +297,32 @@ void attend(const Problem<T>& p) {
       }
       for (int64_t block_start = first - first % block_size; block_start <= last; block_start += block_size) {
         const int64_t lo = std::max(block_start, first), hi = std::min<int64_t>(block_start + block_size - 1, last);
-        const int64_t base = int64_t(table[block_start / block_size]) * token_row + int64_t(kv_head) * head_dim;
+        const int64_t base = int64_t(table[block_start / block_size]) * token_row + int64_t(kv_head) * row_len;
         const int n = int(hi - lo + 1), offset = int(lo - block_start);
         // This block's key and value rows, padded to a multiple of 8 with the last one. Every
-        // query head of the group reads each key row: a float16 key row is widened into
-        // `widened_keys` once for all of them. Value rows are read once, widened as they load.
+        // query head of the group reads each key row: a float16 or quantized key row is widened
+        // (and scaled) into `widened_keys` once for all of them. Value rows are read once, widened
+        // as they load; a quantized one's scale goes into `value_scales`.
         const float* key_rows[kMaxBlockSize + 8];
         const T* value_rows[kMaxBlockSize + 8];
         for (int j = 0; j < n + 8; ++j) {
           const int i = std::min(j, n - 1);
           const int64_t row = base + int64_t(offset + i) * slot_row;
           value_rows[j] = p.value_cache + row;
+          if constexpr (kIsQuantized<T>) value_scales[j] = row_scale(p.value_cache + row, head_dim);
           if constexpr (std::is_same_v<T, float>) {
             key_rows[j] = p.key_cache + row;
           } else {
             float* k = widened_keys.data() + int64_t(i) * head_dim;
             if (j < n) {
-              for (int d = 0; d < head_dim; d += 8) _mm256_storeu_ps(k + d, load8(p.key_cache + row + d));
+              if constexpr (kIsQuantized<T>) {
+                const __m256 key_scale = _mm256_set1_ps(row_scale(p.key_cache + row, head_dim));
+                for (int d = 0; d < head_dim; d += 8) {
+                  _mm256_storeu_ps(k + d, _mm256_mul_ps(load8(p.key_cache + row + d), key_scale));
+                }
+              } else {
+                for (int d = 0; d < head_dim; d += 8) _mm256_storeu_ps(k + d, load8(p.key_cache + row + d));
+              }
             }
             key_rows[j] = k;
           }
@@ -235,24 +333,25 @@ void attend(const Problem<T>& p) {
         // ahead measured no better than one.
         if (block_start + block_size <= last) {
           const int64_t next_start = block_start + block_size;
-          const int64_t next = int64_t(table[next_start / block_size]) * token_row + int64_t(kv_head) * head_dim;
+          const int64_t next = int64_t(table[next_start / block_size]) * token_row + int64_t(kv_head) * row_len;
           const int next_n = int(std::min<int64_t>(block_size, last - next_start + 1));
           for (int j = 0; j < next_n; ++j) {
             const char* k_row = reinterpret_cast<const char*>(p.key_cache + next + j * slot_row);
             const char* v_row = reinterpret_cast<const char*>(p.value_cache + next + j * slot_row);
-            for (int64_t byte = 0; byte < int64_t(head_dim * sizeof(T)); byte += 64) {
+            for (int64_t byte = 0; byte < int64_t(row_len * sizeof(T)); byte += 64) {
               _mm_prefetch(k_row + byte, _MM_HINT_T0);
               _mm_prefetch(v_row + byte, _MM_HINT_T0);
             }
             // A thread takes the kv heads of a token one after another: with a float16 cache, its
             // first head also pulls the later heads' rows (the rest of each slot, one contiguous
             // run) into L2. Batch 32 x 256 context, 30 layers: 18.7 -> 14.2-16.4 ms; with a float32
-            // cache, twice the bytes, the same measured 10% slower, so it is not done there.
-            if constexpr (sizeof(T) == 2) {
+            // cache, twice the bytes, the same measured 10% slower, so it is not done there (a
+            // quantized cache, half float16's bytes, does it too).
+            if constexpr (sizeof(T) <= 2) {
               if (kv_head == 0 || item == begin) {
-                const char* k_slot = k_row - kv_head * head_dim * sizeof(T);
-                const char* v_slot = v_row - kv_head * head_dim * sizeof(T);
-                for (int64_t byte = (kv_head + 1) * head_dim * sizeof(T); byte < slot_row * int64_t(sizeof(T));
+                const char* k_slot = k_row - kv_head * row_len * sizeof(T);
+                const char* v_slot = v_row - kv_head * row_len * sizeof(T);
+                for (int64_t byte = (kv_head + 1) * row_len * sizeof(T); byte < slot_row * int64_t(sizeof(T));
                      byte += 64) {
                   _mm_prefetch(k_slot + byte, _MM_HINT_T1);
                   _mm_prefetch(v_slot + byte, _MM_HINT_T1);
@@ -289,6 +388,12 @@ void attend(const Problem<T>& p) {
             for (; j < n; ++j) sum += s[j];
           }
           running_sum[g] = running_sum[g] * correction[g] + sum;
+          if constexpr (kIsQuantized<T>) {
+            // Each value row's scale goes into its weight: sum_j w_j (s_j code_j) = sum_j (w_j s_j) code_j.
+            for (int jj = 0; jj < n; jj += 8) {
+              _mm256_storeu_ps(s + jj, _mm256_mul_ps(_mm256_loadu_ps(s + jj), _mm256_loadu_ps(value_scales + jj)));
+            }
+          }
         }
         for (int g = 0; g < group; g += 4) {
           accumulate_values(acc + g, scores + g, correction + g, std::min(4, group - g), value_rows, n, head_dim);
@@ -305,7 +410,8 @@ void attend(const Problem<T>& p) {
 
 }  // namespace
 
-// Writes each new token's key and value into its cache slot (rounded to float16 for a float16 cache).
+// Writes each new token's key and value into its cache slot (rounded to float16 for a float16 cache,
+// quantized with a scale per row for an fp8 or int8 one).
 void write_kv_cache(const torch::Tensor& key,          // [num_tokens, kv_heads, head_dim]
                     const torch::Tensor& value,        // [num_tokens, kv_heads, head_dim]
                     torch::Tensor& key_cache,          // [num_blocks, block_size, kv_heads, head_dim]
@@ -317,14 +423,20 @@ void write_kv_cache(const torch::Tensor& key,          // [num_tokens, kv_heads,
   for (const auto* t : {&key, &value}) {
     check_float(*t, t == &key ? "key" : "value", 3, "[num_tokens, kv_heads, head_dim]");
     TORCH_CHECK_VALUE(t->size(0) == slot_mapping.size(0) && t->size(1) == key_cache.size(2) &&
-                          t->size(2) == key_cache.size(3),
+                          t->size(2) == cache_head_dim(key_cache),
                       "key and value must be [", slot_mapping.size(0), ", ", key_cache.size(2), ", ",
-                      key_cache.size(3), "], got ", t->sizes());
+                      cache_head_dim(key_cache), "], got ", t->sizes());
   }
   const int64_t num_tokens = key.size(0);
   const int64_t row = key.size(1) * key.size(2);  // a multiple of 8: head_dim is
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  if (key_cache.scalar_type() == at::kHalf) {
+  if (key_cache.scalar_type() == at::kFloat8_e4m3fn) {
+    write_rows_quantized(key.data_ptr<float>(), value.data_ptr<float>(), static_cast<Fp8*>(key_cache.data_ptr()),
+                         static_cast<Fp8*>(value_cache.data_ptr()), slots, num_tokens, key.size(1), key.size(2));
+  } else if (key_cache.scalar_type() == at::kChar) {
+    write_rows_quantized(key.data_ptr<float>(), value.data_ptr<float>(), key_cache.data_ptr<int8_t>(),
+                         value_cache.data_ptr<int8_t>(), slots, num_tokens, key.size(1), key.size(2));
+  } else if (key_cache.scalar_type() == at::kHalf) {
     write_rows(key.data_ptr<float>(), value.data_ptr<float>(), key_cache.data_ptr<at::Half>(),
                value_cache.data_ptr<at::Half>(), slots, num_tokens, row);
   } else {
@@ -345,8 +457,8 @@ torch::Tensor paged_attention(const torch::Tensor& query,         // [num_tokens
   check_index(block_tables, "block_tables", at::kInt, 2);
   check_index(token_req, "token_req", at::kInt, 1);
   check_index(positions, "positions", at::kLong, 1);
-  TORCH_CHECK_VALUE(query.size(2) == key_cache.size(3), "query head_dim ", query.size(2), " != cache head_dim ",
-                    key_cache.size(3));
+  TORCH_CHECK_VALUE(query.size(2) == cache_head_dim(key_cache), "query head_dim ", query.size(2),
+                    " != cache head_dim ", cache_head_dim(key_cache));
   TORCH_CHECK_VALUE(query.size(1) % key_cache.size(2) == 0 && query.size(1) / key_cache.size(2) <= kMaxGroup,
                     query.size(1), " heads cannot share ", key_cache.size(2), " kv heads (at most ", kMaxGroup,
                     " per kv head)");
@@ -356,8 +468,8 @@ torch::Tensor paged_attention(const torch::Tensor& query,         // [num_tokens
   auto problem = [&](auto* element) {
     using T = std::remove_pointer_t<decltype(element)>;
     return Problem<T>{query.data_ptr<float>(),
-                      key_cache.data_ptr<T>(),
-                      value_cache.data_ptr<T>(),
+                      static_cast<const T*>(key_cache.data_ptr()),
+                      static_cast<const T*>(value_cache.data_ptr()),
                       block_tables.data_ptr<int32_t>(),
                       token_req.data_ptr<int32_t>(),
                       positions.data_ptr<int64_t>(),
@@ -367,11 +479,16 @@ torch::Tensor paged_attention(const torch::Tensor& query,         // [num_tokens
                       int(query.size(2)),
                       int(key_cache.size(1)),
                       int(key_cache.size(2)),
+                      int(key_cache.size(3)),
                       block_tables.size(1),
                       sliding_window,
                       float(scale)};
   };
-  if (key_cache.scalar_type() == at::kHalf) {
+  if (key_cache.scalar_type() == at::kFloat8_e4m3fn) {
+    attend(problem(static_cast<Fp8*>(nullptr)));
+  } else if (key_cache.scalar_type() == at::kChar) {
+    attend(problem(static_cast<int8_t*>(nullptr)));
+  } else if (key_cache.scalar_type() == at::kHalf) {
     attend(problem(static_cast<at::Half*>(nullptr)));
   } else {
     attend(problem(static_cast<float*>(nullptr)));
