@@ -29,6 +29,7 @@ from tokenmill_kernels.paged_attention import triton as kernels
 from tokenmill_kernels.paged_attention.reference import paged_attention_reference, write_kv_cache_reference
 
 from tests.kernels.tolerances import tolerance
+from tokenmill.attention.kv_quant import dequantize_kv, quantize_kv
 
 assert torch.cuda.is_available() or kernels.is_interpreted(), (
     "the Triton kernels were imported before TRITON_INTERPRET=1 was set (tests/kernels/conftest.py sets it)"
@@ -259,6 +260,48 @@ def test_write_skips_padding_slots() -> None:
     _write_both_ways(batch)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.int8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_quantized_cache_matches_reference(cache_dtype: torch.dtype, dtype: torch.dtype) -> None:
+    """fp8/int8 caches: the write stores the bytes ``tokenmill.attention.kv_quant`` defines (codes, then the row's
+    float32 scale), and both kernels attend over the dequantized rows, read in the query's dtype. Slots no request
+    owns hold NaN rows (NaN scales), so a stray read still shows."""
+    batch = make_batch([(1, 30), (19, 12), (1, 3), (0, 2)], 6, 2, 32, 8, dtype, seed=7)
+    for name in ("key_cache", "value_cache"):
+        setattr(batch, name, quantize_kv(getattr(batch, name), cache_dtype))  # [blocks, block_size, kv_heads, 36]
+    expected_cache = [cache.clone() for cache in (batch.key_cache, batch.value_cache)]
+    for cache, new in zip(expected_cache, (batch.key, batch.value), strict=True):
+        cache.view(torch.uint8).view(-1, 2, 36)[batch.slot_mapping] = quantize_kv(new, cache_dtype).view(torch.uint8)
+    kernels.write_kv_cache(batch.key, batch.value, batch.key_cache, batch.value_cache, batch.slot_mapping)
+    for got, expected in zip((batch.key_cache, batch.value_cache), expected_cache, strict=True):
+        assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
+
+    scale = 32**-0.5
+    widened = [dequantize_kv(cache, dtype) for cache in (batch.key_cache, batch.value_cache)]
+    expected = paged_attention_reference(batch.query, *widened, *batch.attention_args()[3:], scale, 6)
+    tiles = kernels.build_prefill_tiles(batch.query_start_loc, batch.query.shape[0])
+    out = kernels.paged_attention(*batch.attention_args(), tiles, scale=scale, sliding_window=6)
+    torch.testing.assert_close(out, expected, **tolerance(dtype))
+    split = torch.zeros_like(out)
+    kernels.paged_attention_decode(*batch.attention_args(), split, scale=scale, sliding_window=6, num_splits=2)
+    torch.testing.assert_close(split[:1], expected[:1], **tolerance(dtype))  # the first request decodes
+
+
+def test_quantized_write_rounds_ties_to_even_as_torch() -> None:
+    """Rows whose absmax makes the scale exactly 1 put values on the midpoints between codes: e4m3 normals and
+    subnormals, and int8 halves, must round to even as torch's conversions do."""
+    fp8_row = torch.tensor([448.0, 1.0625, 1.1875, -1.0625, 2.0**-10, 3 * 2.0**-10, 0.01513671875, -5 * 2.0**-10])
+    int8_row = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, 126.5, -3.5])
+    for row, cache_dtype in ((fp8_row, torch.float8_e4m3fn), (int8_row, torch.int8)):
+        key = torch.cat([row, torch.zeros(24)]).view(1, 1, 32)
+        cache = torch.zeros(1, 8, 1, 36, dtype=cache_dtype)
+        kernels.write_kv_cache(key, key, cache, cache.clone(), torch.tensor([3]))
+        assert torch.equal(cache[0, 3].view(torch.uint8), quantize_kv(key[0], cache_dtype).view(torch.uint8))
+        codes = cache[0, 3, 0, :8]
+        expected_codes = row.to(cache_dtype) if cache_dtype == torch.float8_e4m3fn else row.round().to(torch.int8)
+        assert torch.equal(codes.view(torch.uint8), expected_codes.view(torch.uint8))
+
+
 def test_prefill_tile_table() -> None:
     """Tiles of 16 query tokens for requests with more than one; decode and padding requests get none."""
     query_lens = [1, 40, 0, 16, 2, 1]
@@ -309,6 +352,9 @@ def test_launchers_check_their_arguments() -> None:
         decode((2, batch.value_cache[:-1]))
     with pytest.raises(ValueError, match="key must be"):
         kernels.write_kv_cache(batch.key[:, :1], batch.value, batch.key_cache, batch.value_cache, batch.slot_mapping)
+    quantized = torch.zeros(*batch.key_cache.shape, dtype=torch.int8)  # rows of 64: head_dim 60
+    with pytest.raises(ValueError, match=r"head_dim 60 is not supported.*rows are head_dim \+ 4 long"):
+        decode((1, quantized), (2, quantized))
 
 
 _COMPILE_FOR_SM90 = """
@@ -324,8 +370,10 @@ def arg_type(name):
         return "*i32"
     if name in ("positions_ptr", "slot_mapping_ptr"):
         return "*i64"
-    if name.startswith("partial"):
+    if name.startswith("partial") or name.endswith("_scale_ptr"):
         return "*fp32"
+    if name.endswith("_cache_ptr"):
+        return CACHE
     if name.endswith("_ptr"):
         return "*bf16"
     return "fp32" if name == "scale_log2" else "i32"
@@ -335,11 +383,13 @@ def compile_for_sm90(kernel, **constexprs):
     signature = {name: "constexpr" if name in constexprs else arg_type(name) for name in names}
     triton.compile(ASTSource(kernel, signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32))
 
-shapes = dict(HEAD_DIM=64, BLOCK_SIZE=16, TILE_N=32, USE_WINDOW=True, DOT_FP32=False)
-compile_for_sm90(kernels._write_kv_cache_kernel, HEAD_DIM=64, BLOCK_SIZE=16, BLOCK_T=16)
-compile_for_sm90(kernels._decode_kernel, GROUP=4, GROUP_PAD=16, NUM_SPLITS=2, **shapes)
+# QUANT 0: a bfloat16 cache; 1: float8 e4m3 codes as bytes; 2: int8 codes
+for QUANT, CACHE in ((0, "*bf16"), (1, "*u8"), (2, "*i8")):
+    shapes = dict(HEAD_DIM=64, BLOCK_SIZE=16, TILE_N=32, USE_WINDOW=True, DOT_FP32=False, QUANT=QUANT)
+    compile_for_sm90(kernels._write_kv_cache_kernel, HEAD_DIM=64, BLOCK_SIZE=16, BLOCK_T=16, QUANT=QUANT)
+    compile_for_sm90(kernels._decode_kernel, GROUP=4, GROUP_PAD=16, NUM_SPLITS=2, **shapes)
+    compile_for_sm90(kernels._prefill_kernel, GROUP=3, HEADS_PER_PROGRAM=4, BLOCK_Q=16, **shapes)
 compile_for_sm90(kernels._decode_reduce_kernel, HEAD_DIM=64, NUM_SPLITS=3, NUM_SPLITS_PAD=4)
-compile_for_sm90(kernels._prefill_kernel, GROUP=3, HEADS_PER_PROGRAM=4, BLOCK_Q=16, **shapes)
 print("compiled")
 """
 

@@ -74,13 +74,17 @@ def test_triton_backend_matches_the_torch_backend() -> None:
 
 
 @pytest.mark.parametrize(
-    "model, overrides",
+    "model, overrides, kv_cache_dtype",
     [
-        ("qwen3-tiny", {}),  # head_dim 32, q/k norms
-        ("mistral-tiny", {"head_dim": 32}),  # sliding window of 8 tokens, shorter than the prompts
+        ("qwen3-tiny", {}, "auto"),  # head_dim 32, q/k norms
+        ("mistral-tiny", {"head_dim": 32}, "auto"),  # sliding window of 8 tokens, shorter than the prompts
+        ("mistral-tiny", {"head_dim": 32}, "fp8"),  # quantized caches: the same bytes, read alike
+        ("qwen3-tiny", {}, "int8"),
     ],
 )
-def test_triton_backend_serves_the_same_greedy_tokens(model: str, overrides: dict, tmp_path: Path) -> None:
+def test_triton_backend_serves_the_same_greedy_tokens(
+    model: str, overrides: dict, kv_cache_dtype: str, tmp_path: Path
+) -> None:
     """End to end through the engine (chunked prefill mixed with decode): the same tokens as ``torch``."""
     save_hf_model(model, tmp_path, **overrides)
     rng = random.Random(0)
@@ -88,7 +92,10 @@ def test_triton_backend_serves_the_same_greedy_tokens(model: str, overrides: dic
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     tokens = {}
     for backend in ("torch", "triton"):
-        engine = make_engine(tmp_path, attention={"backend": backend}, scheduler={"max_num_batched_tokens": 16})
+        engine = make_engine(
+            tmp_path, attention={"backend": backend}, scheduler={"max_num_batched_tokens": 16},
+            cache={"kv_cache_dtype": kv_cache_dtype},
+        )  # fmt: skip
         assert engine.config.attention.backend == backend
         requests = [EngineCoreRequest(str(i), prompt, params, [], now()) for i, prompt in enumerate(prompts)]
         tokens[backend] = run_to_completion(engine, requests)

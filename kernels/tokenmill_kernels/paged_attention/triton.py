@@ -23,6 +23,15 @@ up its own block id, so any block size works and a tile may span blocks.
 Scores and the softmax are float32; probabilities are rounded to the cache
 dtype before the P·V product (as flash attention does).
 
+The cache is in the query's dtype, or quantized (``QUANTIZED_DTYPES``, the format of
+``tokenmill.attention.kv_quant``): each (token, KV head) row is ``head_dim`` one-byte codes,
+float8 e4m3 or int8, then the row's float32 scale (absmax / 448 or / 127), so the cache's last
+dimension is ``head_dim + 4``. The write quantizes (codes rounded to nearest even, as torch's
+conversions do, computed with integer and float32 arithmetic rather than Triton's float8 type,
+so that it runs on any GPU and under the interpreter alike); attention dequantizes each key and
+value tile to the query's dtype as it loads it. The launchers pass a quantized cache twice: as
+its codes (bytes) and as float32 words, through which the kernels read and write the scales.
+
 On a machine without a GPU the kernels run under the Triton interpreter, which
 is chosen when the kernels are decorated: ``TRITON_INTERPRET=1`` must be in
 the environment before this module is imported (``is_interpreted`` tells).
@@ -37,6 +46,7 @@ import triton.language as tl
 __all__ = [
     "MAX_NUM_SPLITS",
     "PREFILL_BLOCK_Q",
+    "QUANTIZED_DTYPES",
     "SUPPORTED_DTYPES",
     "SUPPORTED_HEAD_DIMS",
     "build_prefill_tiles",
@@ -52,6 +62,12 @@ __all__ = [
 PREFILL_BLOCK_Q = 16
 SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+#: Cache dtypes stored as codes plus a float32 scale per row, for queries of any ``SUPPORTED_DTYPES``.
+QUANTIZED_DTYPES = (torch.float8_e4m3fn, torch.int8)
+#: The kernels' ``QUANT`` argument per cache dtype: 0 float, 1 float8 e4m3, 2 int8.
+_QUANT = {torch.float8_e4m3fn: 1, torch.int8: 2}
+#: Bytes of a quantized row's scale, after its codes.
+_SCALE_BYTES = 4
 #: Most key slices one decode request is split into.
 MAX_NUM_SPLITS = 16
 #: A split should cover at least this many keys, or merging costs more than it saves.
@@ -94,6 +110,8 @@ def _attend_tile(
     block_table_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     kv_head,
     scale_log2,
     stride_cache_block,
@@ -104,6 +122,7 @@ def _attend_tile(
     TILE_N: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     """One key tile of the online softmax: returns the updated (acc, m_i, l_i). Scores are in log2 units."""
     key_pos = key_start + tl.arange(0, TILE_N)
@@ -111,8 +130,23 @@ def _attend_tile(
     block_ids = tl.load(block_table_ptr + key_pos // BLOCK_SIZE, mask=in_seq, other=0).to(tl.int64)
     slots = block_ids * stride_cache_block + (key_pos % BLOCK_SIZE) * stride_cache_offset + kv_head * stride_cache_head
     offs_d = tl.arange(0, HEAD_DIM)
-    k = tl.load(k_cache_ptr + slots[:, None] + offs_d[None, :], mask=in_seq[:, None], other=0.0)  # [TILE_N, HEAD_DIM]
-    v = tl.load(v_cache_ptr + slots[:, None] + offs_d[None, :], mask=in_seq[:, None], other=0.0)
+    k = tl.load(k_cache_ptr + slots[:, None] + offs_d[None, :], mask=in_seq[:, None], other=0)  # [TILE_N, HEAD_DIM]
+    v = tl.load(v_cache_ptr + slots[:, None] + offs_d[None, :], mask=in_seq[:, None], other=0)
+    if QUANT != 0:
+        # Codes times their row's scale (a float32 word after the row's HEAD_DIM bytes), in the query's dtype.
+        k_scale = tl.load(k_scale_ptr + (slots + HEAD_DIM) // 4, mask=in_seq, other=0.0)  # [TILE_N]
+        v_scale = tl.load(v_scale_ptr + (slots + HEAD_DIM) // 4, mask=in_seq, other=0.0)
+        if QUANT == 1:
+            # An e4m3 code moved into float16's bit fields (sign to bit 15, the rest up by 7) is a float16
+            # 2^-8 times its value, subnormals included (the exponent biases differ by 8): widen, times 256.
+            k = k.to(tl.int32)
+            k = (((k & 0x7F) << 7) | ((k & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True)
+            v = v.to(tl.int32)
+            v = (((v & 0x7F) << 7) | ((v & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True)
+            k_scale = k_scale * 256.0
+            v_scale = v_scale * 256.0
+        k = (k.to(tl.float32) * k_scale[:, None]).to(q.dtype)
+        v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
 
     # DOT_FP32: float32 must not fall back to TF32, and the interpreter multiplies bfloat16 operands
     # wrongly (triton 3.9): both take an exact float32 product. (Inline, not a helper: each jit call
@@ -131,7 +165,7 @@ def _attend_tile(
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(scores - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    p = p.to(v.dtype)  # rounded to the cache dtype for the P·V product, as flash attention does
+    p = p.to(v.dtype)  # rounded to the cache (or query) dtype for the P·V product, as flash attention does
     if DOT_FP32:
         acc = acc * alpha[:, None] + tl.dot(p.to(tl.float32), v.to(tl.float32), input_precision="ieee")
     else:
@@ -140,11 +174,44 @@ def _attend_tile(
 
 
 @triton.jit
+def _store_quantized(
+    rows,  # [BLOCK_T, HEAD_DIM]
+    codes_ptr,
+    scale_ptr,
+    dest,  # [BLOCK_T] int64: each row's first code
+    mask,  # [BLOCK_T, 1]
+    HEAD_DIM: tl.constexpr,
+    QUANT: tl.constexpr,
+):
+    """Quantize rows as ``tokenmill.attention.kv_quant`` does and store codes and scales."""
+    rows = rows.to(tl.float32)
+    scale = tl.math.div_rn(tl.max(tl.abs(rows), axis=1), 448.0 if QUANT == 1 else 127.0)  # [BLOCK_T]
+    scaled = tl.math.div_rn(rows, tl.where(scale > 0, scale, 1.0)[:, None])  # |scaled| <= 448 (or 127)
+    if QUANT == 1:
+        # float32 -> e4m3, rounded to nearest even: normals round the 23-bit mantissa to 3 and rebias the
+        # exponent (127 -> 7); below 2^-6 the subnormal step is 2^-9, and adding 2^23 to a * 512 rounds it.
+        bits = scaled.to(tl.int32, bitcast=True)
+        magnitude = bits & 0x7FFFFFFF
+        normal = ((magnitude + 0x7FFFF + ((magnitude >> 20) & 1)) >> 20) - (120 << 3)
+        a = magnitude.to(tl.float32, bitcast=True)
+        subnormal = ((a * 512.0 + 8388608.0) - 8388608.0).to(tl.int32)
+        codes = tl.where(a < 0.015625, subnormal, normal) | ((bits >> 24) & 0x80)
+    else:
+        # round to nearest even (adding 1.5 * 2^23 does it), then clamp
+        codes = tl.minimum(tl.maximum((scaled + 12582912.0) - 12582912.0, -127.0), 127.0).to(tl.int32)
+    offs_d = tl.arange(0, HEAD_DIM)
+    tl.store(codes_ptr + dest[:, None] + offs_d[None, :], codes.to(codes_ptr.dtype.element_ty), mask=mask)
+    tl.store(scale_ptr + (dest[:, None] + HEAD_DIM) // 4, scale[:, None], mask=mask)
+
+
+@triton.jit
 def _write_kv_cache_kernel(
     key_ptr,
     value_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     slot_mapping_ptr,
     num_tokens,
     stride_key_token,
@@ -157,6 +224,7 @@ def _write_kv_cache_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     kv_head = tl.program_id(1)
@@ -176,8 +244,12 @@ def _write_kv_cache_kernel(
         + (slots % BLOCK_SIZE) * stride_cache_offset
         + kv_head * stride_cache_head
     )
-    tl.store(k_cache_ptr + dest[:, None] + offs_d[None, :], key.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + dest[:, None] + offs_d[None, :], value.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    if QUANT == 0:
+        tl.store(k_cache_ptr + dest[:, None] + offs_d[None, :], key.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_cache_ptr + dest[:, None] + offs_d[None, :], value.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    else:
+        _store_quantized(key, k_cache_ptr, k_scale_ptr, dest, mask, HEAD_DIM, QUANT)
+        _store_quantized(value, v_cache_ptr, v_scale_ptr, dest, mask, HEAD_DIM, QUANT)
 
 
 @triton.jit
@@ -188,6 +260,8 @@ def _decode_kernel(
     query_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     block_tables_ptr,
     seq_lens_ptr,
     query_start_loc_ptr,
@@ -212,6 +286,7 @@ def _decode_kernel(
     NUM_SPLITS: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -252,9 +327,9 @@ def _decode_kernel(
     for tile in range(tile_begin, tile_end):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, query_pos, row_valid, lo + tile * TILE_N, seq_len, window,
-            block_table_ptr, k_cache_ptr, v_cache_ptr, kv_head, scale_log2,
+            block_table_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, kv_head, scale_log2,
             stride_cache_block, stride_cache_offset, stride_cache_head,
-            HEAD_DIM, BLOCK_SIZE, TILE_N, USE_WINDOW, DOT_FP32,
+            HEAD_DIM, BLOCK_SIZE, TILE_N, USE_WINDOW, DOT_FP32, QUANT,
         )  # fmt: skip
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)  # an empty sequence or slice has acc == 0: its output is 0
@@ -313,6 +388,8 @@ def _prefill_kernel(
     query_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     block_tables_ptr,
     seq_lens_ptr,
     query_start_loc_ptr,
@@ -337,6 +414,7 @@ def _prefill_kernel(
     TILE_N: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -379,9 +457,9 @@ def _prefill_kernel(
     for key_start in range(lo, hi, TILE_N):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, query_pos, row_valid, key_start, seq_len, window,
-            block_table_ptr, k_cache_ptr, v_cache_ptr, kv_head, scale_log2,
+            block_table_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, kv_head, scale_log2,
             stride_cache_block, stride_cache_offset, stride_cache_head,
-            HEAD_DIM, BLOCK_SIZE, TILE_N, USE_WINDOW, DOT_FP32,
+            HEAD_DIM, BLOCK_SIZE, TILE_N, USE_WINDOW, DOT_FP32, QUANT,
         )  # fmt: skip
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -401,6 +479,21 @@ def _expect(condition: bool, message: str) -> None:
         raise ValueError(message)
 
 
+def _cache_head_dim(cache: torch.Tensor) -> int:
+    """head_dim of a cache: its last dimension, less a quantized cache's scale bytes."""
+    return cache.shape[-1] - (_SCALE_BYTES if cache.dtype in QUANTIZED_DTYPES else 0)
+
+
+def _cache_args(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """What a kernel takes for a cache: its codes (or values), the tensor its scales are read through (float32
+    words over the same bytes), and ``QUANT``. A float cache stands in for its own (unused) scales."""
+    quant = _QUANT.get(cache.dtype, 0)
+    if not quant:
+        return cache, cache, 0
+    codes = cache.view(torch.uint8) if cache.dtype == torch.float8_e4m3fn else cache
+    return codes, cache.view(torch.float32), quant
+
+
 def _check_cache(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
     _expect(
         key_cache.dim() == 4,
@@ -413,10 +506,12 @@ def _check_cache(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
     )
     _expect(key_cache.stride(-1) == 1, f"the cache's head_dim must be contiguous, got strides {key_cache.stride()}")
     _expect(value_cache.dtype == key_cache.dtype, f"cache dtypes differ: {key_cache.dtype} and {value_cache.dtype}")
-    _expect(key_cache.dtype in SUPPORTED_DTYPES, f"cache dtype {key_cache.dtype} is not one of {SUPPORTED_DTYPES}")
+    dtypes = SUPPORTED_DTYPES + QUANTIZED_DTYPES
+    _expect(key_cache.dtype in dtypes, f"cache dtype {key_cache.dtype} is not one of {dtypes}")
     _expect(
-        key_cache.shape[-1] in SUPPORTED_HEAD_DIMS,
-        f"head_dim {key_cache.shape[-1]} is not supported; the kernels take {SUPPORTED_HEAD_DIMS}",
+        _cache_head_dim(key_cache) in SUPPORTED_HEAD_DIMS,
+        f"head_dim {_cache_head_dim(key_cache)} is not supported; the kernels take {SUPPORTED_HEAD_DIMS}"
+        + (" (a quantized cache's rows are head_dim + 4 long)" if key_cache.dtype in QUANTIZED_DTYPES else ""),
     )
     _expect(value_cache.device == key_cache.device, "key_cache and value_cache are on different devices")
 
@@ -441,10 +536,14 @@ def _check_attention_args(
     _expect(query.dim() == 3, f"query must be [num_tokens, num_heads, head_dim], got {tuple(query.shape)}")
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
-    _expect(head_dim == key_cache.shape[3], f"query head_dim {head_dim} != cache head_dim {key_cache.shape[3]}")
+    cache_head_dim = _cache_head_dim(key_cache)
+    _expect(head_dim == cache_head_dim, f"query head_dim {head_dim} != cache head_dim {cache_head_dim}")
     _expect(num_heads % num_kv_heads == 0, f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     _expect(query.stride(-1) == 1, f"query's head_dim must be contiguous, got strides {query.stride()}")
-    _expect(query.dtype == key_cache.dtype, f"query dtype {query.dtype} != cache dtype {key_cache.dtype}")
+    _expect(
+        query.dtype == key_cache.dtype or (key_cache.dtype in QUANTIZED_DTYPES and query.dtype in SUPPORTED_DTYPES),
+        f"query dtype {query.dtype} != cache dtype {key_cache.dtype}",
+    )
     _expect(out.shape == query.shape and out.dtype == query.dtype, "out must have the query's shape and dtype")
     _expect(out.stride(-1) == 1, f"out's head_dim must be contiguous, got strides {out.stride()}")
     num_reqs = query_start_loc.shape[0] - 1
@@ -485,13 +584,13 @@ def write_kv_cache(
     value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64; negative for padding tokens
 ) -> None:
-    """Store each new token's key and value in its cache slot (cast to the cache dtype).
+    """Store each new token's key and value in its cache slot (cast to the cache dtype, or quantized).
 
     Called by the Triton and CUDA attention backends once per layer per step,
     before attention. Padding tokens (slot < 0) are skipped.
     """
     _check_cache(key_cache, value_cache)
-    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+    num_kv_heads, head_dim = key_cache.shape[2], _cache_head_dim(key_cache)
     num_tokens = slot_mapping.shape[0]
     for name, tensor in (("key", key), ("value", value)):
         _expect(
@@ -503,11 +602,13 @@ def write_kv_cache(
     _check_index("slot_mapping", slot_mapping, (num_tokens,), (torch.int64, torch.int32))
     if num_tokens == 0:
         return
+    k_codes, k_scales, quant = _cache_args(key_cache)
+    v_codes, v_scales, _ = _cache_args(value_cache)
     _write_kv_cache_kernel[(triton.cdiv(num_tokens, _WRITE_BLOCK_T), num_kv_heads)](
-        key, value, key_cache, value_cache, slot_mapping, num_tokens,
+        key, value, k_codes, v_codes, k_scales, v_scales, slot_mapping, num_tokens,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        HEAD_DIM=head_dim, BLOCK_SIZE=key_cache.shape[1], BLOCK_T=_WRITE_BLOCK_T,
+        HEAD_DIM=head_dim, BLOCK_SIZE=key_cache.shape[1], BLOCK_T=_WRITE_BLOCK_T, QUANT=quant,
     )  # fmt: skip
 
 
@@ -565,8 +666,10 @@ def paged_attention_decode(
     else:
         partial_out = partial_lse = out  # unused: the kernel writes the output directly
     stride_partial_req, stride_partial_head = num_heads * num_splits, num_splits
+    k_codes, k_scales, quant = _cache_args(key_cache)
+    v_codes, v_scales, _ = _cache_args(value_cache)
     _decode_kernel[(num_reqs, num_kv_heads, num_splits)](
-        out, partial_out, partial_lse, query, key_cache, value_cache,
+        out, partial_out, partial_lse, query, k_codes, v_codes, k_scales, v_scales,
         block_tables, seq_lens, query_start_loc, positions,
         scale * 1.4426950408889634, window,  # log2(e): the kernel uses exp2
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
@@ -574,7 +677,7 @@ def paged_attention_decode(
         stride_partial_req, stride_partial_head,
         GROUP=group, GROUP_PAD=max(_MIN_DOT_ROWS, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=key_cache.shape[1], TILE_N=tile_n, NUM_SPLITS=num_splits, USE_WINDOW=use_window,
-        DOT_FP32=_dot_fp32(query.dtype), num_warps=4,
+        DOT_FP32=_dot_fp32(query.dtype), QUANT=quant, num_warps=4,
     )  # fmt: skip
     if num_splits > 1:
         _decode_reduce_kernel[(num_reqs, num_heads)](
@@ -653,14 +756,16 @@ def paged_attention_prefill(
     if tile_req.shape[0] == 0:
         return
     rows = PREFILL_BLOCK_Q * heads_per_program
+    k_codes, k_scales, quant = _cache_args(key_cache)
+    v_codes, v_scales, _ = _cache_args(value_cache)
     _prefill_kernel[(tile_req.shape[0], num_kv_heads, triton.cdiv(group, heads_per_program))](
-        out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, positions,
+        out, query, k_codes, v_codes, k_scales, v_scales, block_tables, seq_lens, query_start_loc, positions,
         tile_req, tile_start, scale * 1.4426950408889634, window,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
         GROUP=group, HEADS_PER_PROGRAM=heads_per_program, BLOCK_Q=PREFILL_BLOCK_Q, HEAD_DIM=head_dim,
         BLOCK_SIZE=key_cache.shape[1], TILE_N=tile_n, USE_WINDOW=use_window, DOT_FP32=_dot_fp32(query.dtype),
-        num_warps=8 if rows * head_dim >= 128 * 128 else 4,
+        QUANT=quant, num_warps=8 if rows * head_dim >= 128 * 128 else 4,
     )  # fmt: skip
 
 

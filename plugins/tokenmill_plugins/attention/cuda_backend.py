@@ -31,6 +31,8 @@ class CudaAttentionBackend(TritonAttentionBackend):
     auto_priority: ClassVar[int] = -1
     #: Not inherited from ``triton``: capturing the CuPy launch in a CUDA graph is untested.
     supports_cuda_graphs: ClassVar[bool] = False
+    #: Not inherited from ``triton`` either: the CUDA decode kernel reads caches in the model's dtype only.
+    kv_cache_dtypes: ClassVar[tuple[torch.dtype, ...]] = ()
 
     @classmethod
     def is_available(cls) -> bool:

@@ -65,6 +65,10 @@ class TritonAttentionBackend(AttentionBackend):
     #: on the batch size and ``max_seq_len`` (the context window at capture; a slice past a request's
     #: ``seq_len`` is empty and weighs 0 in the merge). Not yet run on a GPU.
     supports_cuda_graphs: ClassVar[bool] = True
+    #: Quantized caches (``fp8``, ``int8``: codes and a float32 scale per token and KV head, the format of
+    #: ``tokenmill.attention.kv_quant``): the write quantizes, attention dequantizes each tile as it loads it.
+    #: Otherwise the cache is in the model's dtype.
+    kv_cache_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float8_e4m3fn, torch.int8)
 
     @classmethod
     def is_available(cls) -> bool:
@@ -94,7 +98,7 @@ class TritonAttentionBackend(AttentionBackend):
         query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim (+ 4 when quantized)]
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         """Write this step's K/V, then attend. Called once per layer per step; launches kernels only."""
