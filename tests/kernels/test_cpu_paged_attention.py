@@ -116,3 +116,26 @@ def test_every_finite_fp8_code_reads_as_torch_converts_it():
     )  # fmt: skip
     expected = codes.view(torch.float8_e4m3fn).float() * scale
     assert torch.equal(got[:, 0], expected)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.int8])
+def test_quantized_write_rounds_every_midpoint_as_torch(cache_dtype):
+    """The vectorized write against torch's conversions at their hardest inputs: rows whose absmax makes the scale
+    exactly 1 carry every midpoint between adjacent codes (ties, rounded to even), a float32 ulp either side of
+    each, and e4m3's subnormals and the boundary to its normals."""
+    if cache_dtype == torch.float8_e4m3fn:
+        codes = torch.arange(0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # 0 .. 448, ascending
+        top = 448.0
+    else:
+        codes = torch.arange(128, dtype=torch.float32)
+        top = 127.0
+    midpoints = (codes[1:] + codes[:-1]) / 2  # exact in float32
+    values = torch.cat([midpoints, midpoints.nextafter(torch.tensor(0.0)), midpoints.nextafter(torch.tensor(1e9))])
+    values = torch.cat([values, -values, codes]).clamp(max=top)
+    values = torch.cat([values, torch.zeros(-len(values) % 63)]).view(-1, 63)  # rows of 63, then the absmax
+    key = torch.cat([values, torch.full((len(values), 1), top)], dim=1)[:, None, :]  # [rows, 1 kv head, 64]
+    cache = torch.zeros(2, len(key), 1, 1, 68, dtype=cache_dtype)
+    kernels.write_kv_cache(key, key, cache[0], cache[1], torch.arange(len(key)))
+    expected = quantize_kv(key, cache_dtype).view(torch.uint8)
+    assert torch.equal(cache[0, :, 0].view(torch.uint8), expected)
+    assert torch.equal(cache[1, :, 0].view(torch.uint8), expected)

@@ -16,7 +16,6 @@
 // loops are those of the float16 cache.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#include <c10/util/Float8_e4m3fn.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -227,27 +226,69 @@ void write_rows(const float* k, const float* v, T* kc, T* vc, const int64_t* slo
   }
 }
 
+// Eight floats (already divided by the row's scale: |x| <= 448) as float8 e4m3 codes in the low
+// byte of each 32-bit lane, rounded to nearest even as torch's conversion rounds: a normal rounds
+// its 23-bit mantissa to 3 and rebiases its exponent (127 -> 7); below 2^-6 the subnormal step is
+// 2^-9, so x * 512 rounded to an integer is the code.
+inline __m256i to_fp8_codes(__m256 x) {
+  const __m256i bits = _mm256_castps_si256(x);
+  const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(bits, 24), _mm256_set1_epi32(0x80));
+  const __m256i magnitude = _mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFFFF));
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(magnitude, 20), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_add_epi32(_mm256_add_epi32(magnitude, _mm256_set1_epi32(0x7FFFF)), odd);
+  const __m256i normal = _mm256_sub_epi32(_mm256_srli_epi32(rounded, 20), _mm256_set1_epi32(120 << 3));
+  const __m256 a = _mm256_castsi256_ps(magnitude);
+  const __m256i subnormal = _mm256_cvtps_epi32(
+      _mm256_round_ps(_mm256_mul_ps(a, _mm256_set1_ps(512.f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  const __m256 is_subnormal = _mm256_cmp_ps(a, _mm256_set1_ps(0.015625f), _CMP_LT_OQ);
+  const __m256i code = _mm256_castps_si256(
+      _mm256_blendv_ps(_mm256_castsi256_ps(normal), _mm256_castsi256_ps(subnormal), is_subnormal));
+  return _mm256_or_si256(code, sign);
+}
+
+// Eight floats (already divided by the row's scale) as int8 codes: rounded to nearest even, as
+// torch.round, and clamped to [-127, 127].
+inline __m256i to_int8_codes(__m256 x) {
+  const __m256 rounded = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  return _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(rounded, _mm256_set1_ps(-127.f)), _mm256_set1_ps(127.f)));
+}
+
+// Stores the low byte of each of eight 32-bit lanes holding codes: 0..255 (fp8) or -127..127 (int8).
+template <typename T>
+inline void store8_codes(T* p, __m256i codes) {
+  const __m128i lo = _mm256_castsi256_si128(codes), hi = _mm256_extracti128_si256(codes, 1);
+  __m128i bytes;
+  if constexpr (std::is_same_v<T, Fp8>) {
+    bytes = _mm_packus_epi16(_mm_packus_epi32(lo, hi), _mm_setzero_si128());
+  } else {
+    bytes = _mm_packs_epi16(_mm_packs_epi32(lo, hi), _mm_setzero_si128());
+  }
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(p), bytes);
+}
+
 // Quantizes each token's row per kv head into its slot: codes, then the row's float32 scale
 // (tokenmill.attention.kv_quant: absmax / kMaxCode, codes rounded to nearest even, int8 clamped).
+// Divisions, not multiplications by an inverse, so every code is the one torch computes.
 template <typename T>
 void write_rows_quantized(const float* k, const float* v, T* kc, T* vc, const int64_t* slots, int64_t num_tokens,
                           int64_t num_kv_heads, int64_t head_dim) {
   const int64_t row = head_dim + kScaleBytes;  // codes per cache row, with the scale's bytes
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   for (int64_t t = 0; t < num_tokens; ++t) {
     for (int64_t h = 0; h < num_kv_heads; ++h) {
       for (int kv = 0; kv < 2; ++kv) {
         const float* src = (kv == 0 ? k : v) + (t * num_kv_heads + h) * head_dim;
         T* dst = (kv == 0 ? kc : vc) + (slots[t] * num_kv_heads + h) * row;
-        float absmax = 0.f;
-        for (int64_t i = 0; i < head_dim; ++i) absmax = std::max(absmax, std::fabs(src[i]));
-        const float scale = absmax / kMaxCode<T>;
-        const float divisor = scale > 0.f ? scale : 1.f;  // an all-zero row stays zero
-        for (int64_t i = 0; i < head_dim; ++i) {
-          const float code = src[i] / divisor;
+        __m256 vmax = _mm256_setzero_ps();
+        for (int64_t i = 0; i < head_dim; i += 8) vmax = _mm256_max_ps(vmax, _mm256_and_ps(_mm256_loadu_ps(src + i), abs_mask));
+        const float scale = hmax(vmax) / kMaxCode<T>;
+        const __m256 divisor = _mm256_set1_ps(scale > 0.f ? scale : 1.f);  // an all-zero row stays zero
+        for (int64_t i = 0; i < head_dim; i += 8) {
+          const __m256 x = _mm256_div_ps(_mm256_loadu_ps(src + i), divisor);
           if constexpr (std::is_same_v<T, Fp8>) {
-            dst[i].bits = c10::Float8_e4m3fn(code).x;  // torch's own conversion: nearest even
+            store8_codes(dst + i, to_fp8_codes(x));
           } else {
-            dst[i] = int8_t(std::clamp(std::nearbyint(code), -127.f, 127.f));  // nearest even, as torch.round
+            store8_codes(dst + i, to_int8_codes(x));
           }
         }
         std::memcpy(reinterpret_cast<char*>(dst + head_dim), &scale, sizeof(float));
