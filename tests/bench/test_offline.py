@@ -54,3 +54,21 @@ def test_throughput(tmp_path: Path, smollm2_gguf: Path) -> None:
     assert results["output_throughput"] == pytest.approx(32 / results["duration_s"])
     assert results["request_throughput"] == pytest.approx(4 / results["duration_s"])
     assert "Output token throughput (tok/s)" in table
+
+
+def test_throughput_reports_the_kv_cache_a_budget_buys(tmp_path: Path, smollm2_gguf: Path) -> None:
+    """At the same --kv-cache-memory, fp8 and int8 caches hold 128/68 of float16's tokens (head_dim 64: one byte
+    per value plus a float32 scale per row, against two bytes per value)."""
+    layouts = {}
+    for dtype in ("float16", "fp8", "int8"):
+        _, report = _bench(
+            tmp_path, smollm2_gguf, "throughput", "--kv-cache-dtype", dtype,
+            *("--num-prompts", "2", "--input-len", "8", "--output-len", "2"),
+        )  # fmt: skip
+        layouts[dtype] = report["parameters"]["kv_cache"]
+    assert layouts["fp8"]["dtype"] == "float8_e4m3fn" and layouts["int8"]["dtype"] == "int8"
+    assert layouts["float16"]["bytes_per_token"] == 30 * 2 * 3 * 64 * 2  # layers, K/V, kv heads, head_dim, bytes
+    for dtype in ("fp8", "int8"):
+        assert layouts[dtype]["bytes_per_token"] == 30 * 2 * 3 * 68
+        assert layouts[dtype]["num_tokens"] / layouts["float16"]["num_tokens"] == pytest.approx(128 / 68, rel=0.01)
+        assert layouts[dtype]["num_bytes"] <= 256 * 2**20

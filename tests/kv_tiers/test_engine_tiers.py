@@ -186,3 +186,24 @@ def test_while_a_prefix_is_read_from_disk_the_running_requests_keep_decoding(
     assert tokens["from-disk"] == expected
     assert disk.stats.hits == (len(_prompt(10)) - 1) // 4  # loaded, not recomputed
     engine.close()
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "int8"])
+def test_quantized_blocks_travel_through_tiers_with_their_scales(
+    model_dir: Path, tmp_path: Path, kv_cache_dtype: str
+) -> None:
+    """An fp8/int8 cache's blocks hold their scales (rows of head_dim + 4 codes), so tiers store and reload them
+    as any block: greedy output with tiers equals the same quantized cache without."""
+    prompts = [_prompt(seed) for seed in range(4)] * 2
+    cache = {"num_kv_blocks": 30, "kv_cache_dtype": kv_cache_dtype}
+    plain = _rounds(make_engine(model_dir, cache=cache), prompts, concurrent=4)
+    tiers = [{"name": "cpu", "capacity": "64KiB"}, {"name": "disk", "capacity": "16MiB", "path": str(tmp_path)}]
+    engine = make_engine(model_dir, cache=cache, kv_tiers=tiers)  # type: ignore[arg-type]
+    tiered = _rounds(engine, prompts, concurrent=4)
+    engine.close()
+    assert tiered == plain
+    cpu, disk = engine.kv_tiers
+    assert cpu.stats.hits + disk.stats.hits > 0
+    (block,) = engine.runner.read_blocks([0])
+    head_dim = engine.loaded.arch.head_dim
+    assert block.dtype == engine.loaded.kv_cache_dtype and block.shape[-1] == head_dim + 4

@@ -13,7 +13,10 @@ same way (one token a step) for its perplexity under each path.
 Variants measure where the error comes from. Each is ``default`` (the configured engine) or
 comma-separated ``key=value`` changes to it:
 
-* ``kv=float32|float16|bfloat16``: the KV cache's dtype (``cache.kv_cache_dtype``);
+* ``kv=float32|float16|bfloat16|fp8|int8``: the KV cache's dtype (``cache.kv_cache_dtype``; ``fp8`` and
+  ``int8`` are the quantized caches, one byte per value and a scale per token and KV head). The text is
+  scored one token a step, so every position reads its context from the cache as stored: comparing
+  ``kv=fp8`` with ``kv=float16`` gives what quantizing the cache costs in perplexity;
 * ``quantization=NAME``: ``model.quantization`` (``none`` is the float32 path);
 * ``act=MODE`` for every linear, ``body_act=MODE`` for all but the output projection,
   ``head_act=MODE`` for the output projection (``lm_head``). ``kernel`` leaves the layer as its
@@ -37,6 +40,7 @@ import msgspec
 
 from tokenmill.bench.metrics import build_report, format_header
 from tokenmill.config import EngineConfig
+from tokenmill.config.cache import CacheConfig
 from tokenmill.layers.quantizer import Quantizer
 
 if TYPE_CHECKING:  # torch loads with the engine, transformers with the reference
@@ -103,6 +107,11 @@ class Variant:
                 )
             if key.endswith("act") and value not in ACTIVATION_MODES:
                 raise ValueError(f"variant {text!r}: {key} must be one of {', '.join(ACTIVATION_MODES)}, got {value!r}")
+            if key == "kv":
+                try:  # the setting's own check: the names cache.kv_cache_dtype takes
+                    msgspec.convert({"kv_cache_dtype": value}, CacheConfig)
+                except msgspec.ValidationError as exc:
+                    raise ValueError(f"variant {text!r}: kv: {exc}") from None
             settings[key] = value
         body = settings.get("body_act", settings.get("act", "kernel"))
         head = settings.get("head_act", settings.get("act", "kernel"))
@@ -377,11 +386,16 @@ def format_accuracy(report: dict[str, Any]) -> str:
     for number, prompt in enumerate(results["reference"]["prompts"]):
         lines.append(f"  prompt {number}: {prompt['prompt']!r} -> {prompt['text']!r}")
     header = f"{'prompt':<8}{'tokens':>7}{'max err':>10}{'mean err':>10}{'worst at':>10}{'diverges':>10}"
+    first = results["variants"][0] if results["variants"] else None
     for variant in results["variants"]:
+        change = ""
+        if first is not None and variant is not first:
+            relative = variant["perplexity"] / first["perplexity"] - 1
+            change = f" ({relative:+.2%} vs {first['variant']})"
         lines += [
             "-" * len(header),
             f"{variant['variant']} ({variant['quantization']}, KV cache {variant['kv_cache_dtype']}): "
-            f"perplexity {variant['perplexity']:.4f}, text max err {variant['text_max_error']:.4f}",
+            f"perplexity {variant['perplexity']:.4f}{change}, text max err {variant['text_max_error']:.4f}",
             header,
         ]
         for number, prompt in enumerate(variant["prompts"]):

@@ -768,7 +768,8 @@ def _accuracy_variant(ctx: click.Context, param: click.Parameter, value: tuple[s
     default=("default",),
     show_default=True,
     callback=_accuracy_variant,
-    help="Repeatable. 'default' (the engine as configured) or comma-separated changes to it: kv=DTYPE, "
+    help="Repeatable. 'default' (the engine as configured) or comma-separated changes to it: kv=DTYPE "
+    "(float32, float16, bfloat16, fp8, int8), "
     "quantization=NAME, act=MODE, body_act=MODE, head_act=MODE, with MODE kernel, float, int8 or int16 "
     "(the linears' input as the kernel rounds it, or emulated; see tokenmill.bench.accuracy).",
 )

@@ -130,9 +130,22 @@ def run_throughput(
         "output_len": output_len,
         "mixed": mixed,
         "seed": seed,
+        "kv_cache": _kv_cache_layout(llm),
         "config": llm.config.to_dict(),
     }
     return build_report("throughput", parameters, summary)
+
+
+def _kv_cache_layout(llm: LLM) -> dict[str, Any]:
+    """The KV cache as sized at start-up: what ``cache.kv_cache_memory`` bought in this dtype."""
+    layout = llm.engine.layout
+    return {
+        "dtype": str(llm.engine.loaded.kv_cache_dtype).removeprefix("torch."),
+        "num_blocks": layout.num_blocks,
+        "num_tokens": layout.num_tokens,
+        "bytes_per_token": layout.bytes_per_block // layout.block_size,
+        "num_bytes": layout.num_bytes,
+    }
 
 
 def _prompts(llm: LLM, lengths: list[int], *, seed: int) -> list[dict[str, Any]]:

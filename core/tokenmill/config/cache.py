@@ -100,9 +100,9 @@ class CacheConfig(ConfigSection, frozen=True):
             "What the KV cache stores. 'auto' is the model's dtype, except float16 for a float32 model with "
             "quantized weights (such as the default GGUF model) when the attention backend supports it: half the "
             "memory per token and half the reads per decode step. 'fp8' (= 'fp8_e4m3', float8 e4m3) and 'int8' "
-            "store one byte per value plus a float32 scale per token and KV head: about half of float16's bytes, "
-            "so twice the cached tokens in the same memory (backends 'cpu', 'torch', 'triton'). Attention still "
-            "computes in the model's dtype."
+            "store one byte per value plus a float32 scale per token and KV head (docs/kv_cache.md): about half of "
+            "float16's bytes, so about 1.9x the cached tokens in the same memory; the 'cpu', 'torch' and 'triton' "
+            "backends store them. Attention still computes in the model's dtype."
         ),
     ] = "auto"
     enable_prefix_caching: Annotated[
