@@ -18,6 +18,8 @@ from tokenmill.bench.cli import bench
 from tokenmill.config import EngineConfig
 from tokenmill.config.options import config_options
 from tokenmill.errors import TokenmillError
+from tokenmill.eval.cli import eval_group
+from tokenmill.quantize.cli import quantize
 from tokenmill.train.cli import train
 
 logger = logging.getLogger(__name__)
@@ -196,6 +198,8 @@ def chat(config: EngineConfig, url: str | None, system: str | None, max_tokens: 
 
 
 main.add_command(bench)
+main.add_command(eval_group)
+main.add_command(quantize)
 main.add_command(train)
 
 
