@@ -8,6 +8,7 @@ so peak memory stays near the model's own size.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -85,6 +86,17 @@ def resolve_kv_cache_dtype(
     return kv_cache_dtype
 
 
+def _quantization_config(hf_config: Mapping[str, Any], path: Path) -> Mapping[str, Any] | None:
+    """The checkpoint's ``quantization_config``, or None for a float checkpoint or a GGUF file (whose weight
+    format reports its block type there, read as ``ArchitectureConfig.stored_weight_type``)."""
+    quantization_config = hf_config.get("quantization_config")
+    if quantization_config is None or quantization_config.get("quant_method") == "gguf":
+        return None
+    if not isinstance(quantization_config, Mapping):
+        raise WeightsError(f"{path}: quantization_config is a {type(quantization_config).__name__}, not an object")
+    return quantization_config
+
+
 def select_weight_format(path: Path, plugins: PluginSystem, name: str | None) -> WeightFormat:
     """The named format, or the first registered one that recognises ``path``."""
     if name is not None:
@@ -135,11 +147,29 @@ def select_attention_backend(name: str, device: torch.device, plugins: PluginSys
     return plugins.instantiate(Slot.ATTENTION_BACKEND, name, implementation)
 
 
-def select_quantizer(name: str, arch: ArchitectureConfig, device: torch.device, plugins: PluginSystem) -> Quantizer:
-    """The named quantizer, or for ``"auto"`` the available one that holds the checkpoint's stored
-    weight type exactly on this device (``"none"`` when the checkpoint is float or none fits)."""
+def select_quantizer(
+    name: str,
+    arch: ArchitectureConfig,
+    device: torch.device,
+    plugins: PluginSystem,
+    quantization_config: Mapping[str, Any] | None = None,
+) -> Quantizer:
+    """The named quantizer, or for ``"auto"`` the available one that holds the checkpoint's weights exactly on
+    this device (``"none"`` when the checkpoint is float or none fits).
+
+    A checkpoint quantized by another tool (its config's ``quantization_config``) is read by a quantizer whose
+    ``quant_methods`` names its ``quant_method``, configured from it; any other choice, an unknown method or a
+    variant the quantizer lacks is a one-line ``PluginError`` before anything loads."""
+    if quantization_config is not None:
+        return _select_checkpoint_quantizer(name, device, plugins, quantization_config)
     if name != "auto":
         implementation = _load_for_device(plugins.registry, Slot.QUANTIZER, name, device, "model.quantization")
+        if getattr(implementation, "quant_methods", ()):
+            methods = ", ".join(implementation.quant_methods)
+            raise PluginError(
+                f"model.quantization={name!r} reads checkpoints quantized with {methods}, "
+                "and this checkpoint has no quantization_config; use 'auto', 'none', 'int8' or 'int4'"
+            )
         return plugins.instantiate(Slot.QUANTIZER, name, implementation)
     candidates = [
         (quantizer_name, quantizer_class)
@@ -156,16 +186,52 @@ def select_quantizer(name: str, arch: ArchitectureConfig, device: torch.device, 
     return plugins.instantiate(Slot.QUANTIZER, best_name, best_class)
 
 
+def _select_checkpoint_quantizer(
+    name: str, device: torch.device, plugins: PluginSystem, quantization_config: Mapping[str, Any]
+) -> Quantizer:
+    method = quantization_config.get("quant_method")
+    readers = [(n, c) for n, c in _loadable(plugins.registry, Slot.QUANTIZER) if getattr(c, "quant_methods", ())]
+    supported = ", ".join(sorted({m for _, c in readers for m in c.quant_methods})) or "none installed"
+    matching = [(n, c) for n, c in readers if method in c.quant_methods]
+    if not matching:
+        raise PluginError(
+            f"the checkpoint is quantized with quant_method {method!r}, which no installed quantizer reads "
+            f"(supported: {supported})"
+        )
+    if name == "auto":
+        usable = [(n, c) for n, c in matching if device.type in c.supported_devices and c.is_available()]
+        if not usable:
+            names = ", ".join(n for n, _ in matching)
+            raise PluginError(f"quantizer {names} reads {method!r} checkpoints but does not run on {device.type} here")
+        name, implementation = max(usable, key=lambda c: c[1].auto_priority)
+    elif name not in (n for n, _ in matching):
+        raise PluginError(
+            f"model.quantization={name!r} cannot run this checkpoint, quantized with {method!r}; "
+            f"use 'auto' or {', '.join(repr(n) for n, _ in matching)}"
+        )
+    else:
+        implementation = _load_for_device(plugins.registry, Slot.QUANTIZER, name, device, "model.quantization")
+    quantizer: Quantizer = plugins.instantiate(Slot.QUANTIZER, name, implementation)
+    try:
+        quantizer.configure(quantization_config)
+    except ValueError as exc:
+        raise PluginError(f"cannot run this {method} checkpoint: {exc}") from exc
+    return quantizer
+
+
 def load_model(config: EngineConfig, plugins: PluginSystem | None = None) -> LoadedModel:
     """Build the configured model on its device and load its weights."""
     plugins = plugins if plugins is not None else resolve_plugins(config)
     path = resolve_model(config.model.model)
     weight_format = select_weight_format(path, plugins, config.model.weight_format)
-    arch = ArchitectureConfig.from_hf_config(weight_format.read_config(path))
+    hf_config = weight_format.read_config(path)
+    arch = ArchitectureConfig.from_hf_config(hf_config)
     model_class = plugins.load(Slot.ARCHITECTURE, arch.architecture)
     device = resolve_device(config.device.device)
     attention = select_attention_backend(config.attention.backend, device, plugins)
-    quantizer = select_quantizer(config.model.quantization, arch, device, plugins)
+    quantizer = select_quantizer(
+        config.model.quantization, arch, device, plugins, _quantization_config(hf_config, path)
+    )
     if config.device.num_threads is not None:
         torch.set_num_threads(config.device.num_threads)
     dtype = resolve_dtype(config.model.dtype, arch, device)

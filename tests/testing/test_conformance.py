@@ -74,6 +74,9 @@ def _runnable(cls: Any, slot: Slot, name: str) -> None:
     devices = getattr(cls, "supported_devices", ("cpu",))
     if "cpu" not in devices and not torch.cuda.is_available():
         pytest.skip(f"{slot.value} {name!r} needs {devices}")
+    if getattr(cls, "quant_methods", ()):  # takes packed tensors, not the float weights the kit feeds
+        pytest.skip(f"{slot.value} {name!r} reads quantized checkpoints: tests/models/quantized checks it against "
+                    "the tools that wrote them")  # fmt: skip
     if hasattr(cls, "is_available") and not cls.is_available():
         pytest.skip(f"{slot.value} {name!r} is not available on this machine")
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -9,7 +11,13 @@ from tokenmill.layers.quantizer import Quantizer
 
 
 class Linear(nn.Module):
-    """``y = x W^T + b`` with ``W`` held however the quantizer chooses."""
+    """``y = x W^T + b`` with ``W`` held however the quantizer chooses.
+
+    Checkpoint tensors arrive one at a time through :meth:`load_checkpoint_tensor`, in whatever order the
+    checkpoint stores them: the weight's tensors (the quantizer's ``checkpoint_tensor_names``: a float
+    ``weight``, or a quantized format's ``qweight``, ``scales``, ...) are kept until all are here, then read
+    by the quantizer into one weight.
+    """
 
     def __init__(
         self, in_features: int, out_features: int, bias: bool, quantizer: Quantizer, dtype: torch.dtype
@@ -20,12 +28,49 @@ class Linear(nn.Module):
         self.has_bias = bias
         self.quantizer = quantizer
         quantizer.create_weights(self, in_features, out_features, bias, dtype)
+        self._pending: dict[tuple[str, int], dict[str, torch.Tensor]] = {}  # (what, part) -> tensors so far
+        self._parts: dict[str, list[Any]] = {}  # "weight" / "bias" -> each part's value, once read
 
-    def expected_shape(self, param_name: str) -> tuple[int, ...]:
-        """Shape of the checkpoint tensor for ``param_name``, before any quantization."""
-        return (self.out_features, self.in_features) if param_name == "weight" else (self.out_features,)
+    #: The output sizes of the checkpoint modules this layer holds, in order (one for a plain linear).
+    @property
+    def part_sizes(self) -> tuple[int, ...]:
+        return (self.out_features,)
+
+    def accepts(self, param_name: str) -> bool:
+        """Whether a checkpoint tensor named ``<module>.<param_name>`` belongs to this layer."""
+        return param_name == "bias" or param_name in self.quantizer.checkpoint_tensor_names
+
+    def load_checkpoint_tensor(self, param_name: str, tensor: torch.Tensor, part: int = 0) -> None:
+        """Take one checkpoint tensor of part ``part``; store the weight or bias once all of it is here.
+
+        Raises ``ValueError`` for a tensor whose shape or type does not fit, with one line that reads on
+        from the tensor's name, which the caller puts first ("has shape [3], expected [4]").
+        """
+        size = self.part_sizes[part]
+        if param_name == "bias":
+            if tuple(tensor.shape) != (size,):
+                raise ValueError(f"has shape {list(tensor.shape)}, expected {[size]}")
+            self._collect("bias", part, tensor)
+            return
+        tensors = self._pending.setdefault(("weight", part), {})
+        tensors[param_name] = tensor
+        if tensors.keys() >= set(self.quantizer.checkpoint_tensor_names):
+            del self._pending[("weight", part)]
+            self._collect("weight", part, self.quantizer.read_checkpoint(tensors, size, self.in_features))
+
+    def _collect(self, what: str, part: int, value: Any) -> None:
+        parts = self._parts.setdefault(what, [None] * len(self.part_sizes))
+        parts[part] = value
+        if all(p is not None for p in parts):
+            del self._parts[what]
+            if what == "bias":
+                merged: Any = torch.cat(parts, dim=0)
+            else:
+                merged = parts[0] if len(parts) == 1 else self.quantizer.merge(parts)
+            self.quantizer.load_weight(self, what, merged)
 
     def load_weight(self, param_name: str, tensor: torch.Tensor) -> None:
+        """Store a whole float ``weight`` ``[out, in]`` or ``bias`` ``[out]`` directly (tests, tools)."""
         self.quantizer.load_weight(self, param_name, tensor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -39,8 +84,9 @@ class MergedLinear(Linear):
     """Several linears over the same input held as one (q/k/v, gate/up): one matmul per step
     instead of several, and a quantized kernel rounds the shared input once.
 
-    The checkpoint stores the parts separately; they arrive one by one through ``load_shard``
-    and reach the quantizer together, concatenated along the output dimension.
+    The checkpoint stores the parts separately; each part's tensors arrive through
+    ``load_checkpoint_tensor(..., part=i)`` and reach the quantizer together, stacked along the
+    output dimension (by its ``merge``).
     """
 
     def __init__(
@@ -48,17 +94,7 @@ class MergedLinear(Linear):
     ) -> None:
         super().__init__(in_features, sum(shard_sizes), bias, quantizer, dtype)
         self.shard_sizes = shard_sizes
-        self._pending: dict[str, list[torch.Tensor | None]] = {}
 
-    def shard_shape(self, param_name: str, shard: int) -> tuple[int, ...]:
-        """Shape of one part's checkpoint tensor for ``param_name``."""
-        size = self.shard_sizes[shard]
-        return (size, self.in_features) if param_name == "weight" else (size,)
-
-    def load_shard(self, param_name: str, shard: int, tensor: torch.Tensor) -> None:
-        """Keep one part; once every part of ``param_name`` is here, store them as one tensor."""
-        parts = self._pending.setdefault(param_name, [None] * len(self.shard_sizes))
-        parts[shard] = tensor
-        if all(part is not None for part in parts):
-            del self._pending[param_name]
-            self.load_weight(param_name, torch.cat(parts, dim=0))  # type: ignore[arg-type]
+    @property
+    def part_sizes(self) -> tuple[int, ...]:
+        return self.shard_sizes

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -30,6 +31,12 @@ class Quantizer(ABC):
     is_dense: ClassVar[bool] = False
     #: Devices whose tensors ``apply`` accepts.
     supported_devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
+    #: The ``quantization_config.quant_method`` values of Hugging Face checkpoints this quantizer reads
+    #: (``"gptq"``, ``"awq"``, ``"compressed-tensors"``): ``quantization = "auto"`` picks it for them.
+    quant_methods: ClassVar[tuple[str, ...]] = ()
+    #: The tensors one linear layer stores in the checkpoint, besides ``bias`` (``("qweight", "qzeros",
+    #: "scales", "g_idx")`` for GPTQ); :meth:`configure` may set them from the checkpoint's config.
+    checkpoint_tensor_names: tuple[str, ...] = ("weight",)
 
     @classmethod
     def is_available(cls) -> bool:
@@ -45,6 +52,33 @@ class Quantizer(ABC):
         """
         return self
 
+    def configure(self, quantization_config: Mapping[str, Any]) -> None:
+        """Read a checkpoint's ``quantization_config`` (its ``config.json`` entry). Called once, before the
+        model is built, for checkpoints whose ``quant_method`` is in :attr:`quant_methods`.
+
+        Raises ``ValueError`` with one line naming the variant and what is supported when the checkpoint
+        uses one this quantizer cannot run, so that nothing is loaded in vain.
+        """
+        raise ValueError(f"quantizer {self.name!r} does not read quantized checkpoints")
+
+    def read_checkpoint(self, tensors: Mapping[str, torch.Tensor], out_features: int, in_features: int) -> Any:
+        """One checkpoint module's weight from its tensors (:attr:`checkpoint_tensor_names`, all present), for
+        a linear of that shape. Called once per checkpoint module at load. The default reads a float ``weight``.
+
+        Raises ``ValueError`` for tensors whose shape or type does not fit, with one line that reads on from
+        the name of the tensor that completed the set, which the caller puts first ("has shape [3, 4], ...";
+        "belongs to a module whose 'qzeros' is ...").
+        """
+        weight = tensors["weight"]
+        if tuple(weight.shape) != (out_features, in_features):
+            raise ValueError(f"has shape {list(weight.shape)}, expected {[out_features, in_features]}")
+        return weight
+
+    def merge(self, parts: Sequence[Any]) -> Any:
+        """What :meth:`read_checkpoint` returned for the parts of a merged linear (q, k, v), as one weight
+        stacked along the output dimension. Called once per merged linear at load."""
+        return torch.cat(list(parts), dim=0)
+
     @abstractmethod
     def create_weights(
         self, layer: nn.Module, in_features: int, out_features: int, bias: bool, dtype: torch.dtype
@@ -52,9 +86,9 @@ class Quantizer(ABC):
         """Register the layer's parameters (``weight``, and ``bias`` when asked) on ``layer``."""
 
     @abstractmethod
-    def load_weight(self, layer: nn.Module, param_name: str, tensor: torch.Tensor) -> None:
-        """Store a checkpoint tensor (``"weight"`` ``[out, in]`` or ``"bias"`` ``[out]``) into the layer,
-        converting or quantizing it. The caller has checked its shape."""
+    def load_weight(self, layer: nn.Module, param_name: str, tensor: Any) -> None:
+        """Store ``"weight"`` (what :meth:`read_checkpoint` or :meth:`merge` returned; a float ``[out, in]``
+        tensor by default) or ``"bias"`` (``[out]``) into the layer, converting or quantizing it."""
 
     @abstractmethod
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:

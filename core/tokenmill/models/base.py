@@ -55,16 +55,17 @@ class CausalLM(nn.Module):
     def load_weights(self, tensors: Iterable[LoadedTensor]) -> None:
         """Copy checkpoint tensors (Hugging Face names) into the parameters, one at a time.
 
-        Raises ``WeightsError`` naming the file and tensor for a shape
+        Raises ``WeightsError`` naming the file and tensor for a shape or type
         mismatch, and naming the missing tensors if any parameter was never loaded.
         """
         params = dict(self.named_parameters())
-        linears = {
-            name: module
+        # Checkpoint module name -> the linear holding it and which of its parts it is.
+        linears: dict[str, tuple[Linear, int]] = {
+            name: (module, 0)
             for name, module in self.named_modules()
             if isinstance(module, Linear) and not isinstance(module, MergedLinear)
         }
-        shards = self._checkpoint_shards()
+        linears.update(self._checkpoint_shards())
         loaded: set[str] = set()
         files: set[Path] = set()
         for item in tensors:
@@ -74,25 +75,23 @@ class CausalLM(nn.Module):
                 continue
             for target in (name, *self.checkpoint_aliases(name)):
                 module_name, _, param_name = target.rpartition(".")
-                linear = linears.get(module_name)
-                if module_name in shards and param_name in ("weight", "bias"):
-                    merged, shard = shards[module_name]
-                    _check_shape(item, merged.shard_shape(param_name, shard))
-                    merged.load_shard(param_name, shard, item.tensor)
-                elif linear is not None and param_name in ("weight", "bias"):
-                    _check_shape(item, linear.expected_shape(param_name))
-                    linear.load_weight(param_name, item.tensor)
+                linear, part = linears.get(module_name, (None, 0))
+                if linear is not None and linear.accepts(param_name):
+                    try:
+                        linear.load_checkpoint_tensor(param_name, item.tensor, part)
+                    except ValueError as exc:
+                        raise WeightsError(f"{item.file}: tensor {name!r} {exc}") from exc
                 elif target in params:
                     _check_shape(item, tuple(params[target].shape))
                     params[target].data.copy_(item.tensor)
                 else:
                     raise WeightsError(f"{item.file}: tensor {name!r} does not belong to {type(self).__name__}")
                 loaded.add(target)
-        # A quantizer may store a linear's weight under other names; expect the checkpoint's names.
-        merged_names = {name for name, module in self.named_modules() if isinstance(module, MergedLinear)}
-        expected = {n for n in params if n.rpartition(".")[0] not in linears.keys() | merged_names}
-        for module_name, linear in [*linears.items(), *((n, merged) for n, (merged, _) in shards.items())]:
-            expected.add(f"{module_name}.weight")
+        # A quantizer stores a linear's weight under names of its own; expect the checkpoint's names.
+        holders = {name for name, module in self.named_modules() if isinstance(module, Linear)}
+        expected = {n for n in params if n.rpartition(".")[0] not in holders}
+        for module_name, (linear, _) in linears.items():
+            expected.update(f"{module_name}.{tensor}" for tensor in linear.quantizer.checkpoint_tensor_names)
             if linear.has_bias:
                 expected.add(f"{module_name}.bias")
         missing = sorted(expected - loaded)
@@ -104,9 +103,9 @@ class CausalLM(nn.Module):
     #: Merged linears and the checkpoint modules they hold, in order: ``{"qkv_proj": ("q_proj", ...)}``.
     packed_modules: ClassVar[dict[str, tuple[str, ...]]] = {}
 
-    def _checkpoint_shards(self) -> dict[str, tuple[MergedLinear, int]]:
+    def _checkpoint_shards(self) -> dict[str, tuple[Linear, int]]:
         """Checkpoint module name -> (the merged linear holding it, its part index)."""
-        shards = {}
+        shards: dict[str, tuple[Linear, int]] = {}
         for name, module in self.named_modules():
             if isinstance(module, MergedLinear):
                 parent, _, attribute = name.rpartition(".")

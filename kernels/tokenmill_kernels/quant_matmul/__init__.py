@@ -7,15 +7,24 @@ compiled on first use. The formats and exact numerics are documented in :mod:`.r
 from __future__ import annotations
 
 from tokenmill_kernels.quant_matmul.cpu import is_available, load, matmul_int4, matmul_int8
-from tokenmill_kernels.quant_matmul.reference import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
+from tokenmill_kernels.quant_matmul.reference import (
+    GROUP,
+    dequantize_int4,
+    dequantize_int8,
+    pack_int4_codes,
+    quantize_int4,
+    quantize_int8,
+)
 
 __all__ = [
+    "GROUP",
     "dequantize_int4",
     "dequantize_int8",
     "is_available",
     "load",
     "matmul_int4",
     "matmul_int8",
+    "pack_int4_codes",
     "quantize_int4",
     "quantize_int8",
 ]

@@ -82,6 +82,7 @@ __all__ = [
     "dequantize_int8",
     "matmul_int4",
     "matmul_int8",
+    "pack_int4_codes",
     "quantize_activations",
     "quantize_int4",
     "quantize_int8",
@@ -138,6 +139,12 @@ def dequantize_int8(qweight: Tensor, scales: Tensor) -> Tensor:
     n, k = qweight.shape
     groups = qweight.reshape(n, k // GROUP, GROUP).to(torch.float32)
     return (groups * scales.float().unsqueeze(-1)).reshape(n, k)
+
+
+def pack_int4_codes(q: Tensor) -> Tensor:
+    """``uint8 [N, K]`` codes in 0..15 -> the int4 layout's ``qweight`` ``uint8 [N, K//2]``: per group of 32,
+    byte j = q[j] | q[j + 16] << 4. For weights quantized elsewhere (GPTQ, AWQ), whose scales and mins are known."""
+    return _pack_nibbles(q)
 
 
 def _pack_nibbles(q: Tensor) -> Tensor:

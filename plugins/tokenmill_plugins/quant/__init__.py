@@ -1,2 +1,3 @@
-"""Weight-only quantizers for CPU: linear layers kept as 8-bit or 4-bit groups and multiplied by
-the AVX2 kernels in ``tokenmill_kernels.quant_matmul``."""
+"""Quantizers for CPU: linear layers quantized at load to 8-bit or 4-bit groups (``int8``, ``int4``), and
+checkpoints quantized by other tools (``gptq``, ``awq``, ``compressed-tensors``) repacked for the same kernels in
+``tokenmill_kernels.quant_matmul``."""

@@ -1,0 +1,228 @@
+"""Running quantized checkpoints on the CPU kernels: the runtime shared by the GPTQ, AWQ and compressed-tensors
+readers.
+
+Each reader unpacks its format into an ``IntWeight`` or ``FloatWeight`` (``checkpoint_weights``); this module
+repacks that once, at load, for the kernels in ``tokenmill_kernels.quant_matmul``:
+
+* **4-bit codes** become the int4 kernel's Q4_1 layout (``w = d * q + m`` per 32 inputs): ``d`` is the group's
+  scale and ``m = -zero * d``, so GPTQ/AWQ groups of 32, 64, 128 split into groups of 32 with the same scale.
+  With one scale per output channel the kernel runs with ``d = 1, m = -zero`` (exact in float16) and the output
+  is multiplied by the float32 channel scale. Group scales are stored as float16, the kernel's format: a relative
+  rounding of at most 2**-11 on a scale (GPTQ and AWQ store float16 scales already; compressed-tensors' float32 or
+  bfloat16 scales round), and ``m`` rounds to float16 too when the zero point is not a power of two.
+* **8-bit codes** become the int8 kernel's Q8_0 layout (``q - 128`` as int8); an asymmetric zero point adds
+  ``sum_g (128 - zero_g) * d_g * sum(x in group g)``, one small float32 matmul.
+* **Activation order** (GPTQ ``desc_act``, a non-trivial ``g_idx``): the input columns are permuted once at load so
+  that each group is contiguous, and each input row is permuted the same way (a gather) before the kernel.
+* **FP8** weights stay FP8 (one byte each) and are converted to float32 one tile of 128 output rows at a time
+  inside ``apply``, then multiplied in float32 (CPUs have no FP8 arithmetic): the conversion costs about as much
+  as the float32 GEMM it feeds (docs/quantization.md gives the figures).
+* **INT8 weights and activations** (W8A8, one scale per output channel): each input row is rounded to int8 (per
+  token, or per tensor with the checkpoint's static ``input_scale``) and multiplied by the int8 weights in integers
+  (``torch._int_mm``: oneDNN's int8 GEMM, VNNI where the CPU has it), then scaled: the checkpoint's numerics exactly,
+  up to float32 rounding of the scales. (Feeding the already rounded activations to the int16-activation kernel
+  would round them again, and on a tiny random model those second roundings moved the next layer's int8 codes
+  enough to shift logits by 0.09.)
+* **FP8 activations**: each input is rounded to FP8 and back (per token, per tensor or per group), as
+  compressed-tensors does, before the float32 matmul.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from tokenmill_kernels import quant_matmul
+from tokenmill_kernels.quant_matmul import cpu as quant_cpu
+from torch import Tensor, nn
+
+from tokenmill.layers.dense import DenseQuantizer
+from tokenmill.layers.quantizer import Quantizer, layer_bias, layer_tensor
+from tokenmill_plugins.quant.checkpoint_weights import ActivationScheme, FloatWeight, IntWeight, merge_parts
+
+#: The kernels' group: 32 consecutive inputs share a scale.
+KERNEL_GROUP = quant_matmul.GROUP
+#: Output rows of an FP8 weight converted to float32 at a time.
+FP8_TILE_ROWS = 128
+#: The layer buffers this runtime fills (empty when unused); named alike for every layer so the weight cache
+#: stores and restores them.
+_STORAGE = ("qweight", "scales", "mins", "perm", "out_scale", "zero_term", "input_scale")
+
+
+class CheckpointQuantizer(Quantizer):
+    """A quantizer that reads a checkpoint format (subclasses: GPTQ, AWQ, compressed-tensors) and runs it on the
+    CPU kernels. ``configure`` sets :attr:`checkpoint_tensor_names`, :attr:`weight_kind` and
+    :attr:`activations`; ``read_checkpoint`` unpacks one module's tensors."""
+
+    supported_devices: ClassVar[tuple[str, ...]] = ("cpu",)
+    auto_priority: ClassVar[int] = 10
+
+    #: "int4", "int8", "w8a8" or "fp8": which kernel the weights run on, known from the config.
+    weight_kind: str = "int4"
+    #: How inputs are quantized before the matmul, or None (weight-only).
+    activations: ActivationScheme | None = None
+
+    @classmethod
+    def is_available(cls) -> bool:
+        return quant_cpu.is_available()
+
+    def __init__(self) -> None:
+        quant_cpu.load()  # build or load the C++ now, not inside the first step
+
+    def output_quantizer(self) -> Quantizer:
+        # The tools this reads leave lm_head in float (configure refuses a checkpoint that quantized it).
+        return DenseQuantizer()
+
+    def merge(self, parts: Sequence[Any]) -> Any:
+        return merge_parts(parts)
+
+    def create_weights(
+        self, layer: nn.Module, in_features: int, out_features: int, bias: bool, dtype: torch.dtype
+    ) -> None:
+        if dtype != torch.float32:
+            raise ValueError(
+                f"quantizer {self.name!r} computes in float32 on the CPU; set model.dtype to float32 or auto"
+            )
+        if self.weight_kind != "fp8" and in_features % KERNEL_GROUP:
+            raise ValueError(
+                f"quantizer {self.name!r} needs in_features divisible by {KERNEL_GROUP}, got {in_features}"
+            )
+        for name in _STORAGE:  # shaped by the weight when it arrives
+            layer.register_buffer(name, torch.empty(0))
+        bias_param = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+        layer.register_parameter("bias", bias_param)
+
+    def load_weight(self, layer: nn.Module, param_name: str, tensor: Any) -> None:
+        if param_name == "bias":
+            layer_tensor(layer, "bias").data.copy_(tensor)
+            return
+        if isinstance(tensor, IntWeight):
+            storage = repack_int(tensor)
+        elif isinstance(tensor, FloatWeight):
+            storage = {"qweight": tensor.values.contiguous(), "scales": tensor.scales.float().contiguous()}
+            if tensor.input_scale is not None:
+                storage["input_scale"] = tensor.input_scale.float().reshape(1)
+        else:
+            raise ValueError(f"quantizer {self.name!r} reads quantized checkpoints, not a float weight")
+        for name, value in storage.items():
+            setattr(layer, name, value)
+
+    def apply(self, layer: nn.Module, x: Tensor) -> Tensor:
+        x = x.float()
+        perm = layer_tensor(layer, "perm")
+        if perm.numel():
+            x = x.index_select(1, perm)
+        qweight = layer_tensor(layer, "qweight")
+        scales = layer_tensor(layer, "scales")
+        out_scale = layer_tensor(layer, "out_scale")
+        bias = layer_bias(layer)
+        if self.weight_kind == "w8a8":
+            assert self.activations is not None
+            codes, x_scale = quantize_activations(x, self.activations, layer_tensor(layer, "input_scale"))
+            out = torch._int_mm(codes.to(torch.int8), qweight.T).float() * (x_scale.reshape(-1, 1) * out_scale)
+            return out if bias is None else out + bias
+        if self.activations is not None:
+            codes, x_scale = quantize_activations(x, self.activations, layer_tensor(layer, "input_scale"))
+            x = (codes * x_scale).reshape(x.shape)
+        x = x.contiguous()
+        if self.weight_kind == "fp8":
+            out = _fp8_matmul(x, qweight, scales)
+        elif self.weight_kind == "int4":
+            out = quant_matmul.matmul_int4(x, qweight, scales, layer_tensor(layer, "mins"), None)
+        else:
+            out = quant_matmul.matmul_int8(x, qweight, scales, None)
+        zero_term = layer_tensor(layer, "zero_term")
+        if zero_term.numel():  # [out, num_groups]
+            out = out + x.reshape(x.shape[0], zero_term.shape[1], -1).sum(dim=-1) @ zero_term.T
+        if out_scale.numel():
+            out = out * out_scale
+        return out if bias is None else out + bias
+
+    # What each format supplies.
+    def configure(self, quantization_config: Mapping[str, Any]) -> None:
+        raise NotImplementedError
+
+    def read_checkpoint(self, tensors: Mapping[str, Tensor], out_features: int, in_features: int) -> Any:
+        raise NotImplementedError
+
+
+def repack_int(weight: IntWeight) -> dict[str, Tensor]:
+    """The kernel storage for ``weight`` (see the module docstring): ``qweight``, ``scales`` and, as needed,
+    ``mins``, ``perm``, ``out_scale``, ``zero_term`` and ``input_scale``."""
+    out_features, in_features = weight.codes.shape
+    codes, groups = weight.codes, weight.group_index()
+    storage: dict[str, Tensor] = {}
+    if weight.g_idx is not None and not torch.equal(groups, torch.arange(in_features) // weight.group_size):
+        perm = torch.argsort(groups, stable=True)
+        if not torch.equal(torch.bincount(groups), torch.full((weight.scales.shape[1],), weight.group_size)):
+            raise ValueError("its g_idx does not put group_size inputs in every group")
+        codes, storage["perm"] = codes[:, perm], perm
+    num_groups = weight.scales.shape[1]
+    per_channel = num_groups == 1
+    if not per_channel and weight.group_size % KERNEL_GROUP:
+        raise ValueError(f"group size {weight.group_size} is not a multiple of {KERNEL_GROUP}")
+    repeat = in_features // KERNEL_GROUP // num_groups  # kernel groups per checkpoint group
+    if per_channel:
+        d = torch.ones(out_features, 1)  # [out, 1]; the channel scale multiplies the output instead
+        storage["out_scale"] = weight.scales[:, 0].float().contiguous()
+    else:
+        d = weight.scales.float().to(torch.float16).float()  # [out, num_groups], as the kernel stores it
+    zeros = weight.zeros.float()
+    if weight.bits == 4:
+        mins = (-zeros * d).to(torch.float16)
+        storage["qweight"] = quant_matmul.pack_int4_codes(codes)
+        storage["scales"] = d.to(torch.float16).repeat_interleave(repeat, dim=1).contiguous()
+        storage["mins"] = mins.repeat_interleave(repeat, dim=1).contiguous()
+    elif weight.bits == 8:
+        storage["qweight"] = (codes.to(torch.int16) - 128).to(torch.int8).contiguous()
+        storage["scales"] = d.to(torch.float16).repeat_interleave(repeat, dim=1).contiguous()
+        if not torch.all(zeros == 128):
+            storage["zero_term"] = ((128 - zeros) * d).contiguous()  # [out, num_groups]
+    else:
+        raise ValueError(f"{weight.bits}-bit codes have no kernel (4 and 8 bits do)")
+    if weight.input_scale is not None:
+        storage["input_scale"] = weight.input_scale.float().reshape(1)
+    return storage
+
+
+def quantize_activations(x: Tensor, scheme: ActivationScheme, input_scale: Tensor) -> tuple[Tensor, Tensor]:
+    """``x`` ``[num_tokens, in]`` on the scheme's symmetric grid, as compressed-tensors does: ``(codes, scale)``
+    with ``x ~= codes * scale``, the codes as float32 (integers, or FP8 values), shaped ``[num_tokens, in]`` (for
+    groups ``[num_tokens, groups, group_size]``). The scale is absmax over the token (or tensor, or group) / half
+    the code range (127.5 for int8, 448 for FP8 e4m3), or the static ``input_scale``; codes are clamped to the
+    range (-128..127, +-448)."""
+    if scheme.type == "int":
+        low, high = -float(2 ** (scheme.num_bits - 1)), float(2 ** (scheme.num_bits - 1) - 1)
+    else:
+        high = torch.finfo(torch.float8_e4m3fn).max
+        low = -high
+    if scheme.strategy == "group" and scheme.group_size:
+        x = x.reshape(x.shape[0], -1, scheme.group_size)
+    if scheme.is_dynamic:
+        dims: tuple[int, ...] = tuple(range(x.dim())) if scheme.strategy == "tensor" else (-1,)
+        scale = x.abs().amax(dim=dims, keepdim=True) / ((high - low) / 2)
+        scale = torch.where(scale == 0, torch.finfo(torch.float32).eps, scale)
+    else:
+        scale = input_scale
+    scaled = torch.clamp(x / scale, low, high)
+    codes = scaled.round() if scheme.type == "int" else scaled.to(torch.float8_e4m3fn).float()
+    return codes, scale
+
+
+def _fp8_matmul(x: Tensor, values: Tensor, scales: Tensor) -> Tensor:
+    """``x @ (float(values) * scales).T``, converting ``FP8_TILE_ROWS`` output rows at a time. ``scales`` is
+    float32 ``[out, in // block]``: ``[out, 1]`` per channel (applied to the output), wider for blocks."""
+    out = torch.empty(x.shape[0], values.shape[0])  # [num_tokens, out]
+    per_channel = scales.shape[1] == 1
+    block = -(-values.shape[1] // scales.shape[1])
+    for start in range(0, values.shape[0], FP8_TILE_ROWS):
+        rows = slice(start, start + FP8_TILE_ROWS)
+        tile = values[rows].float()  # [tile, in]
+        if per_channel:
+            out[:, rows] = F.linear(x, tile) * scales[rows, 0]
+        else:
+            tile *= scales[rows].repeat_interleave(block, dim=1)[:, : values.shape[1]]
+            out[:, rows] = F.linear(x, tile)
+    return out

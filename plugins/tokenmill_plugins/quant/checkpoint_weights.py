@@ -1,0 +1,131 @@
+"""What a quantized checkpoint's linear holds, whatever format wrote it: integer codes with group scales and zero
+points (GPTQ, AWQ, compressed-tensors' pack- and int-quantized), or FP8 values with scales (float-quantized).
+
+The format readers (``gptq``, ``awq``, ``compressed_tensors``) unpack their tensors into these, laid out
+``[out_features, in_features]`` like ``nn.Linear.weight``, so that the parts of a merged linear (q, k, v) stack
+along the output dimension and one runtime (``checkpoint_quantizer``) repacks them for the kernels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class ActivationScheme:
+    """How the checkpoint quantizes a linear's input: its values are rounded to this grid and back before the
+    matmul, as compressed-tensors and vLLM do (symmetric, scale = absmax / largest code)."""
+
+    type: str  # "int" or "float"
+    num_bits: int  # 8
+    strategy: str  # "token", "tensor" or "group"
+    is_dynamic: bool  # scales from each input (else the checkpoint's ``input_scale``)
+    group_size: int | None = None  # for strategy "group"
+
+
+@dataclass(frozen=True)
+class IntWeight:
+    """``w[n, i] = (codes[n, i] - zeros[n, g(i)]) * scales[n, g(i)]`` with ``g(i) = g_idx[i]``, or ``i // group_size``
+    when ``g_idx`` is None (groups of consecutive inputs)."""
+
+    bits: int
+    codes: Tensor  # uint8 [out, in], 0 .. 2**bits - 1
+    scales: Tensor  # float32 [out, num_groups]
+    zeros: Tensor  # float32 [out, num_groups], in the codes' unsigned domain (2**(bits-1) when symmetric)
+    group_size: int  # inputs per group; in_features for one scale per output channel
+    g_idx: Tensor | None = None  # int64 [in]: each input's group (activation order), None when consecutive
+    input_scale: Tensor | None = None  # float32 [1] for static activation quantization
+
+    def dequantize(self) -> Tensor:
+        """Float32 ``[out, in]``: the weight the format defines."""
+        groups = self.group_index()
+        return (self.codes.float() - self.zeros[:, groups]) * self.scales[:, groups]
+
+    def group_index(self) -> Tensor:
+        """Each input's group: int64 [in]."""
+        if self.g_idx is not None:
+            return self.g_idx
+        return torch.arange(self.codes.shape[1]) // self.group_size
+
+
+@dataclass(frozen=True)
+class FloatWeight:
+    """FP8 (e4m3) values times a scale per tensor, per output channel or per block: ``w = float(values) * scale``."""
+
+    values: Tensor  # float8_e4m3fn [out, in]
+    scales: Tensor  # float32 [out, in // block_in] after expansion of per-tensor and per-channel scales
+    block_size: tuple[int, int]  # (rows, columns) one scale covers; (1, in) per channel
+    input_scale: Tensor | None = None  # float32 [1] for static activation quantization
+
+    def dequantize(self) -> Tensor:
+        rows, columns = self.block_size
+        scales = self.scales.repeat_interleave(rows, dim=0)[: self.values.shape[0]]
+        scales = scales.repeat_interleave(columns, dim=1)[:, : self.values.shape[1]]
+        return self.values.float() * scales
+
+
+def merge_parts(parts: Sequence[IntWeight | FloatWeight]) -> IntWeight | FloatWeight:
+    """The parts of a merged linear (q, k, v) as one weight, stacked along the output dimension.
+
+    Raises ``ValueError`` when they cannot share one input: different activation orders or group sizes."""
+    first = parts[0]
+    if any(type(part) is not type(first) for part in parts):
+        raise ValueError("the parts of a merged linear are stored in different formats")
+    input_scale = _merged_input_scale([part.input_scale for part in parts])
+    if isinstance(first, IntWeight):
+        ints = [part for part in parts if isinstance(part, IntWeight)]
+        if any(p.bits != first.bits or p.group_size != first.group_size for p in ints):
+            raise ValueError("the parts of a merged linear (q/k/v or gate/up) have different bit widths or group sizes")
+        if any(not _same(p.g_idx, first.g_idx) for p in ints):
+            raise ValueError(
+                "the parts of a merged linear (q/k/v or gate/up) were quantized with different activation orders "
+                "(g_idx); they share one input, so tokenmill needs one order"
+            )
+        return IntWeight(
+            bits=first.bits,
+            codes=torch.cat([p.codes for p in ints]),
+            scales=torch.cat([p.scales for p in ints]),
+            zeros=torch.cat([p.zeros for p in ints]),
+            group_size=first.group_size,
+            g_idx=first.g_idx,
+            input_scale=input_scale,
+        )
+    floats = [part for part in parts if isinstance(part, FloatWeight)]
+    if any(p.block_size != first.block_size for p in floats):
+        raise ValueError("the parts of a merged linear have FP8 scales of different granularity")
+    return FloatWeight(
+        values=torch.cat([p.values for p in floats]),
+        scales=torch.cat([p.scales for p in floats]),
+        block_size=first.block_size,
+        input_scale=input_scale,
+    )
+
+
+def _same(a: Tensor | None, b: Tensor | None) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+
+
+def _merged_input_scale(scales: Sequence[Tensor | None]) -> Tensor | None:
+    """One static input scale for parts that read the same input: the largest, as vLLM does (llm-compressor
+    calibrates each part on the same activations, so they are equal in practice)."""
+    present = [s for s in scales if s is not None]
+    if not present:
+        return None
+    return torch.stack([s.reshape(()) for s in present]).amax().reshape(1)
+
+
+def unpack_int32(packed: Tensor, bits: int, dim: int, count: int) -> Tensor:
+    """Codes packed ``32 // bits`` to an int32 along ``dim``, lowest bits first (GPTQ, AWQ before reordering,
+    compressed-tensors): uint8 with ``count`` elements along ``dim``."""
+    per_word = 32 // bits
+    words = packed.to(torch.int32).movedim(dim, -1)
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)  # [per_word]
+    codes = (words.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # [..., words, per_word]
+    codes = codes.flatten(-2)[..., :count]
+    if codes.shape[-1] != count:
+        raise ValueError(f"holds {words.shape[-1] * per_word} codes along dimension {dim}, expected {count}")
+    return codes.to(torch.uint8).movedim(-1, dim)

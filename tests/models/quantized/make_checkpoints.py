@@ -1,0 +1,236 @@
+"""Makes the quantized checkpoints that tests/models/quantized/ loads, with the field's own tools.
+
+Each checkpoint is a tiny random Llama (hidden 128, intermediate 384, vocab 512, 2 layers, seed 0, with the
+tiny test tokenizer) quantized by llm-compressor (compressed-tensors formats) or GPTQModel (GPTQ and AWQ
+formats) on random token calibration data. CI cannot install either tool (llm-compressor pins an older
+transformers; GPTQModel is a large install), so the checkpoints are carried in ``checkpoints/`` and this script
+remakes them. Run each producer in a virtual environment that has it, with this repository on ``PYTHONPATH``
+(for the tiny model factory)::
+
+    python -m venv /tmp/lc && /tmp/lc/bin/pip install -c constraints.txt torch==2.13.0 llmcompressor msgspec pluggy
+    PYTHONPATH=core:. /tmp/lc/bin/python tests/models/quantized/make_checkpoints.py llmcompressor
+    python -m venv /tmp/gq && /tmp/gq/bin/pip install -c constraints.txt torch==2.13.0 gptqmodel msgspec pluggy
+    GPTQMODEL_CPU_WORKERS=2 PYTHONPATH=core:. /tmp/gq/bin/python tests/models/quantized/make_checkpoints.py gptqmodel
+
+(seen working with llmcompressor 0.14.0.1 / compressed-tensors 0.19.0 / transformers 5.17.0, and GPTQModel 7.6.0 /
+transformers 5.24.0, torch 2.13.0+cpu, 2026-11-25.)
+
+Beside each checkpoint it stores ``reference.safetensors``: the producing tool's float32 logits at every position
+of each of ``PROMPTS``, its greedy continuation of each, and at each greedy step the margin between its two best
+logits (so that tests can tell a near tie from a wrong token). For llm-compressor's checkpoints the reference is
+transformers running them through compressed-tensors (transformers 5.24 with compressed-tensors 0.19 fails to load
+the asymmetric ones, so the tests do not recompute it live); for GPTQModel's, transformers in float32 with each
+quantized linear replaced by GPTQModel's own dequantization of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+CHECKPOINTS = HERE / "checkpoints"
+#: The tiny base model: group sizes up to 128 divide every in_features (128 and 384).
+BASE_CONFIG: dict[str, Any] = {"hidden_size": 128, "intermediate_size": 384}
+#: Token prompts the references are computed on (ids of the tiny tokenizer, none special).
+PROMPTS: tuple[tuple[int, ...], ...] = (
+    (17, 260, 301, 45, 99, 400, 12, 7, 388, 261, 262, 263),
+    (500, 3, 77, 78, 79),
+)
+NUM_GREEDY_TOKENS = 12
+NUM_CALIBRATION_SAMPLES = 32
+CALIBRATION_LENGTH = 64
+
+
+def _calibration_ids() -> list[list[int]]:
+    generator = torch.Generator().manual_seed(1234)
+    return [torch.randint(3, 512, (CALIBRATION_LENGTH,), generator=generator).tolist() for _ in range(32)]
+
+
+def _base(directory: Path) -> Path:
+    from tokenmill.testing.factories import save_tiny_model
+
+    shutil.rmtree(directory, ignore_errors=True)
+    return save_tiny_model(directory, "llama-tiny", seed=0, **BASE_CONFIG)
+
+
+def _clean(directory: Path) -> None:
+    """Keep what a model directory needs; drop tool logs and recipes that would only churn."""
+    for name in ("recipe.yaml", "quant_log.csv"):
+        (directory / name).unlink(missing_ok=True)
+
+
+# ------------------------------------------------------------------ llm-compressor
+
+
+def make_with_llmcompressor(work: Path, only: list[str]) -> None:
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.awq import AWQModifier
+    from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
+    from transformers import AutoModelForCausalLM
+
+    if not torch.cuda.is_available():
+        # llm-compressor's AWQ pins its activation cache in page-locked memory, which torch refuses without
+        # an accelerator; on the CPU pinning would change nothing, so it becomes a no-op.
+        torch.Tensor.pin_memory = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
+    base = _base(work / "base")
+    ids = _calibration_ids()
+    dataset = Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * len(i) for i in ids]})
+
+    def group_scheme(num_bits: int, group_size: int, symmetric: bool, actorder: str | None = None) -> Any:
+        weights = QuantizationArgs(
+            num_bits=num_bits,
+            type="int",
+            strategy="group",
+            group_size=group_size,
+            symmetric=symmetric,
+            actorder=actorder,
+        )
+        return QuantizationScheme(targets=["Linear"], weights=weights)
+
+    recipes: dict[str, Any] = {
+        # The W4A16 preset: symmetric, groups of 128.
+        "ct-w4a16-gptq": GPTQModifier(targets="Linear", scheme="W4A16", ignore=["lm_head"]),
+        # Activation order ("weight": columns visited by Hessian order, groups kept in place) with groups of 32.
+        "ct-w4a16-gptq-actorder": GPTQModifier(
+            config_groups={"group_0": group_scheme(4, 32, True, actorder="weight")}, ignore=["lm_head"]
+        ),
+        # The W4A16_ASYM preset through AWQ: zero points.
+        "ct-w4a16-asym-awq": AWQModifier(targets="Linear", scheme="W4A16_ASYM", ignore=["lm_head"]),
+        # 8-bit weights per channel.
+        "ct-w8a16-gptq": GPTQModifier(targets="Linear", scheme="W8A16", ignore=["lm_head"]),
+        # FP8 weights per channel, FP8 activations per token (dynamic): the FP8_DYNAMIC preset.
+        "ct-fp8-dynamic": QuantizationModifier(targets="Linear", scheme="FP8_DYNAMIC", ignore=["lm_head"]),
+        # FP8 weights per tensor, FP8 activations per tensor with a calibrated (static) scale: the FP8 preset.
+        "ct-fp8-static": QuantizationModifier(targets="Linear", scheme="FP8", ignore=["lm_head"]),
+        # INT8 weights per channel, INT8 activations per token (dynamic): the W8A8 preset.
+        "ct-w8a8-int8": GPTQModifier(targets="Linear", scheme="W8A8", ignore=["lm_head"]),
+    }
+    for name, recipe in recipes.items():
+        if only and name not in only:
+            continue
+        output = CHECKPOINTS / name
+        shutil.rmtree(output, ignore_errors=True)
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        oneshot(
+            model=model,
+            dataset=dataset,
+            recipe=recipe,
+            num_calibration_samples=NUM_CALIBRATION_SAMPLES,
+            max_seq_length=CALIBRATION_LENGTH,
+            output_dir=str(output),
+        )
+        _clean(output)
+        # transformers runs the checkpoint through compressed-tensors (weights dequantized, activations
+        # quantized and dequantized as the scheme says).
+        _write_reference(AutoModelForCausalLM.from_pretrained(output, dtype=torch.float32), output)
+        print(f"wrote {output}", file=sys.stderr)
+
+
+# ------------------------------------------------------------------ GPTQModel
+
+
+def make_with_gptqmodel(work: Path, only: list[str]) -> None:
+    from gptqmodel import BACKEND, GPTQModel, QuantizeConfig
+
+    base = _base(work / "base")
+    calibration = [{"input_ids": i, "attention_mask": [1] * len(i)} for i in _calibration_ids()]
+    configs: dict[str, dict[str, Any]] = {
+        "gptq-4bit-g32-sym": {"bits": 4, "group_size": 32, "desc_act": False, "sym": True},
+        "gptq-4bit-g128-asym-actorder": {"bits": 4, "group_size": 128, "desc_act": True, "sym": False},
+        "gptq-4bit-g64-asym": {"bits": 4, "group_size": 64, "desc_act": False, "sym": False},
+        "gptq-8bit-channel-sym": {
+            "bits": 8,
+            "group_size": -1,
+            "desc_act": False,
+            "sym": True,
+            "act_group_aware": False,
+        },
+        "gptq-8bit-g128-asym-actorder": {"bits": 8, "group_size": 128, "desc_act": True, "sym": False},
+        "awq-4bit-g128-gemm": {"bits": 4, "group_size": 128, "sym": False, "quant_method": "awq", "format": "gemm"},
+    }
+    for name, settings in configs.items():
+        if only and name not in only:
+            continue
+        output = CHECKPOINTS / name
+        shutil.rmtree(output, ignore_errors=True)
+        model = GPTQModel.load(str(base), QuantizeConfig(**settings), device="cpu")
+        # AWQ picks a CUDA kernel unless told to pack for the portable torch one.
+        backend = BACKEND.TORCH if settings.get("quant_method") == "awq" else BACKEND.AUTO
+        model.quantize(calibration, batch_size=1, backend=backend)
+        model.save(str(output))
+        _clean(output)
+        quantized = GPTQModel.load(str(output), device="cpu", backend=BACKEND.TORCH, dtype=torch.float16)
+        _write_reference(_dequantized(quantized.model), output)
+        print(f"wrote {output}", file=sys.stderr)
+
+
+def _dequantized(model: Any) -> Any:
+    """``model`` with each GPTQModel quantized linear replaced by a float32 ``nn.Linear`` holding GPTQModel's own
+    dequantization of its weights: its torch kernel runs only in float16 or bfloat16, whose rounding would swamp
+    the differences the tests look for, while its unpacking is what defines the reference."""
+    from gptqmodel.nn_modules.qlinear import BaseQuantLinear
+    from gptqmodel.nn_modules.qlinear.torch_awq import AwqTorchLinear, dequantize_gemm
+
+    for name, module in list(model.named_modules()):
+        if isinstance(module, AwqTorchLinear):
+            weight = dequantize_gemm(
+                qweight=module.qweight,
+                qzeros=module.qzeros,
+                scales=module.scales,
+                bits=module.bits,
+                group_size=module.group_size,
+            )
+            weight = weight.float().T.contiguous()  # [out, in]
+        elif isinstance(module, BaseQuantLinear):
+            weight = module.dequantize_weight().float().T.contiguous()  # [out, in]
+        else:
+            continue
+        linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=module.bias is not None)
+        linear.weight.data.copy_(weight)
+        if module.bias is not None:
+            linear.bias.data.copy_(module.bias.float())
+        parent, _, attribute = name.rpartition(".")
+        setattr(model.get_submodule(parent), attribute, linear)
+    return model.float()
+
+
+def _write_reference(model: Any, directory: Path) -> None:
+    """The producer's float32 logits at every position of each prompt, and its greedy continuation."""
+    from safetensors.torch import save_file
+
+    tensors = {}
+    model = model.eval()
+    with torch.no_grad():
+        for index, prompt in enumerate(PROMPTS):
+            tensors[f"logits.{index}"] = model(torch.tensor([prompt])).logits[0].float().contiguous()
+            tokens, margins = list(prompt), []
+            for _ in range(NUM_GREEDY_TOKENS):
+                top2 = model(torch.tensor([tokens])).logits[0, -1].float().topk(2)
+                tokens.append(int(top2.indices[0]))
+                margins.append(float(top2.values[0] - top2.values[1]))
+            tensors[f"greedy.{index}"] = torch.tensor(tokens[len(prompt) :])
+            tensors[f"margins.{index}"] = torch.tensor(margins)  # top logit minus the runner-up, per step
+    save_file(tensors, directory / "reference.safetensors", metadata={"prompts": json.dumps(PROMPTS)})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("producer", choices=["llmcompressor", "gptqmodel"])
+    parser.add_argument("only", nargs="*", help="checkpoint names to remake (default: all of the producer's)")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/tokenmill-quantized-base"))
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    (make_with_llmcompressor if args.producer == "llmcompressor" else make_with_gptqmodel)(args.work, args.only)
+
+
+if __name__ == "__main__":
+    main()
