@@ -109,7 +109,9 @@ def tokenmill_register_quantizers(register: Register) -> None:
     :return: nothing; every implementation is called.
 
     Called once per process at start-up. Selected by ``model.quantization``
-    (``--quantization``); ``auto`` picks by the checkpoint's stored weight type.
+    (``--quantization``); ``auto`` picks by the checkpoint's stored weight type, or, for a
+    checkpoint quantized by another tool, by its ``quantization_config.quant_method`` among the
+    quantizers whose ``quant_methods`` name it, then given that config through its ``configure``.
     Since: 0.1. Stability: provisional.
     """
 

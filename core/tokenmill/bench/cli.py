@@ -261,6 +261,33 @@ def step(
         click.echo(f"wrote {output_json}", err=True)
 
 
+@bench.command()
+@config_options
+@click.option(
+    "--compare",
+    "compare",
+    multiple=True,
+    help="Another model (checkpoint path or name) to time after --model, with the same settings. Repeatable.",
+)
+@click.option("--rows", default="1,32", show_default=True, callback=_int_list, help="Comma-separated input rows M.")
+@click.option("--repeats", type=click.IntRange(min=1), default=20, show_default=True, help="Timed passes (best).")
+@_seed
+@_output_json
+def linears(
+    config: EngineConfig, compare: tuple[str, ...], rows: list[int], repeats: int, seed: int, output_json: Path | None
+) -> None:
+    """Every linear layer of --model and of each --compare model timed alone: how quantized formats of the
+    same shapes compare, without the rest of the engine."""
+    import msgspec
+
+    from tokenmill.bench.linears import format_linears, run_linears
+
+    configs = [config] + [
+        msgspec.structs.replace(config, model=msgspec.structs.replace(config.model, model=model)) for model in compare
+    ]
+    _report(run_linears(configs, rows, repeats, seed), output_json, format_linears)
+
+
 # ------------------------------------------------ the comparison suite (bench.suite)
 
 

@@ -29,6 +29,7 @@ import argparse
 import json
 import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +51,10 @@ CALIBRATION_LENGTH = 64
 
 def _calibration_ids() -> list[list[int]]:
     generator = torch.Generator().manual_seed(1234)
-    return [torch.randint(3, 512, (CALIBRATION_LENGTH,), generator=generator).tolist() for _ in range(32)]
+    return [
+        torch.randint(3, 512, (CALIBRATION_LENGTH,), generator=generator).tolist()
+        for _ in range(NUM_CALIBRATION_SAMPLES)
+    ]
 
 
 def _base(directory: Path) -> Path:
@@ -72,7 +76,6 @@ def _clean(directory: Path) -> None:
 def make_with_llmcompressor(work: Path, only: list[str]) -> None:
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
     from datasets import Dataset
-    from llmcompressor import oneshot
     from llmcompressor.modifiers.awq import AWQModifier
     from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
     from transformers import AutoModelForCausalLM
@@ -114,24 +117,84 @@ def make_with_llmcompressor(work: Path, only: list[str]) -> None:
         # INT8 weights per channel, INT8 activations per token (dynamic): the W8A8 preset.
         "ct-w8a8-int8": GPTQModifier(targets="Linear", scheme="W8A8", ignore=["lm_head"]),
     }
+    for output in _oneshot_each(recipes, only, base, dataset, CHECKPOINTS, CALIBRATION_LENGTH):
+        # transformers runs the checkpoint through compressed-tensors (weights dequantized, activations
+        # quantized and dequantized as the scheme says).
+        _write_reference(AutoModelForCausalLM.from_pretrained(output, dtype=torch.float32), output)
+        print(f"wrote {output}", file=sys.stderr)
+
+
+def make_default_with_llmcompressor(work: Path, only: list[str]) -> None:
+    """The default model (SmolLM2-135M-Instruct Q4_1), dequantized by transformers into a float32 Hugging Face
+    directory, then quantized by llm-compressor in each format, calibrated on 64 windows of 512 tokens of
+    tokenmill's bundled calibration text: the checkpoints docs/quantization.md measures. Written to ``work``
+    (about 1.3 GB in all), not committed."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from datasets import Dataset
+    from llmcompressor.modifiers.awq import AWQModifier
+    from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tokenmill.model_files import resolve_model
+    from tokenmill.quantize.calibration import default_calibration_text
+
+    if not torch.cuda.is_available():
+        torch.Tensor.pin_memory = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
+    gguf = resolve_model("SmolLM2-135M-Instruct-Q4_1")
+    base = work / "default-float32"
+    if not (base / "model.safetensors").is_file():
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        # Dequantized on load; what remains of "GGUF" is a marker that makes save_pretrained refuse.
+        model.hf_quantizer = None
+        model.config.__dict__.pop("quantization_config", None)
+        model.save_pretrained(base)
+        tokenizer.save_pretrained(base)
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    ids = tokenizer(default_calibration_text())["input_ids"]
+    windows = [ids[i : i + 512] for i in range(0, len(ids) - 512, 512)][:64]
+    dataset = Dataset.from_dict({"input_ids": windows, "attention_mask": [[1] * len(w) for w in windows]})
+
+    def groups_of_64(num_bits: int, symmetric: bool) -> Any:
+        # The presets' groups of 128 do not divide the default model's hidden size (576); 64 does.
+        weights = QuantizationArgs(num_bits=num_bits, type="int", strategy="group", group_size=64, symmetric=symmetric)
+        return {"group_0": QuantizationScheme(targets=["Linear"], weights=weights)}
+
+    recipes: dict[str, Any] = {
+        "default-w4a16-gptq": GPTQModifier(config_groups=groups_of_64(4, True), ignore=["lm_head"]),
+        "default-w4a16-asym-awq": AWQModifier(config_groups=groups_of_64(4, False), ignore=["lm_head"]),
+        "default-w8a16-gptq": GPTQModifier(config_groups=groups_of_64(8, True), ignore=["lm_head"]),
+        "default-w8a8-int8": GPTQModifier(targets="Linear", scheme="W8A8", ignore=["lm_head"]),
+        "default-fp8-dynamic": QuantizationModifier(targets="Linear", scheme="FP8_DYNAMIC", ignore=["lm_head"]),
+    }
+    for _ in _oneshot_each(recipes, only, base, dataset, work, 512):
+        pass
+
+
+def _oneshot_each(
+    recipes: dict[str, Any], only: list[str], base: Path, dataset: Any, root: Path, max_seq_length: int
+) -> Iterator[Path]:
+    """Run llm-compressor's ``oneshot`` with each recipe (those in ``only``, if given) on a fresh float32 copy of
+    ``base``, writing ``root / name``; yields each output directory once it is written."""
+    from llmcompressor import oneshot
+    from transformers import AutoModelForCausalLM
+
     for name, recipe in recipes.items():
         if only and name not in only:
             continue
-        output = CHECKPOINTS / name
+        output = root / name
         shutil.rmtree(output, ignore_errors=True)
         model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
         oneshot(
             model=model,
             dataset=dataset,
             recipe=recipe,
-            num_calibration_samples=NUM_CALIBRATION_SAMPLES,
-            max_seq_length=CALIBRATION_LENGTH,
+            num_calibration_samples=len(dataset),
+            max_seq_length=max_seq_length,
             output_dir=str(output),
         )
         _clean(output)
-        # transformers runs the checkpoint through compressed-tensors (weights dequantized, activations
-        # quantized and dequantized as the scheme says).
-        _write_reference(AutoModelForCausalLM.from_pretrained(output, dtype=torch.float32), output)
+        yield output
         print(f"wrote {output}", file=sys.stderr)
 
 
@@ -224,12 +287,17 @@ def _write_reference(model: Any, directory: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("producer", choices=["llmcompressor", "gptqmodel"])
+    parser.add_argument("producer", choices=["llmcompressor", "gptqmodel", "llmcompressor-default"])
     parser.add_argument("only", nargs="*", help="checkpoint names to remake (default: all of the producer's)")
     parser.add_argument("--work", type=Path, default=Path("/tmp/tokenmill-quantized-base"))
     args = parser.parse_args()
     torch.manual_seed(0)
-    (make_with_llmcompressor if args.producer == "llmcompressor" else make_with_gptqmodel)(args.work, args.only)
+    producers = {
+        "llmcompressor": make_with_llmcompressor,
+        "gptqmodel": make_with_gptqmodel,
+        "llmcompressor-default": make_default_with_llmcompressor,
+    }
+    producers[args.producer](args.work, args.only)
 
 
 if __name__ == "__main__":
