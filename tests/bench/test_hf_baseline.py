@@ -69,3 +69,17 @@ def test_unloadable_model_is_a_one_line_error(tmp_path: Path) -> None:
     with pytest.raises(HFBaselineError, match="could not load") as error:
         HFModel.load(tmp_path)
     assert "\n" not in str(error.value)
+
+
+def test_loads_an_asymmetric_compressed_tensors_checkpoint_as_its_tool_runs_it() -> None:
+    """transformers refuses llm-compressor's asymmetric W4A16 unless it decompresses at load; decompressed, it
+    gives the logits llm-compressor's environment stored."""
+    from safetensors.torch import load_file
+
+    checkpoint = Path(__file__).parents[1] / "models" / "quantized" / "checkpoints" / "ct-w4a16-asym-awq"
+    model = HFModel.load(checkpoint)
+    reference = load_file(checkpoint / "reference.safetensors")
+    prompt = [17, 260, 301, 45, 99, 400, 12, 7, 388, 261, 262, 263]  # make_checkpoints.PROMPTS[0]
+    with torch.no_grad():
+        logits = model.model(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(logits, reference["logits.0"], atol=1e-5, rtol=0)

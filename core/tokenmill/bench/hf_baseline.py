@@ -96,6 +96,7 @@ class HFModel:
             raise HFBaselineError(_MISSING) from None
         path = Path(model_path)
         location, extra = (str(path.parent), {"gguf_file": path.name}) if path.is_file() else (str(path), {})
+        extra.update(_compressed_tensors_options(path))
         logger.info("loading %s into transformers as %s on %s", path, dtype, device)
         with torch_threads(num_threads):
             try:
@@ -250,3 +251,21 @@ def run_hf_prefill(
     model = HFModel.load(model_path, device=device, dtype=dtype, num_threads=num_threads)
     (prompt,) = random_token_ids([input_len], seed=seed)
     return model.prefill(prompt, num_iters=num_iters)
+
+
+def _compressed_tensors_options(path: Path) -> dict[str, Any]:
+    """For an llm-compressor checkpoint: decompress it to dense weights at load (``run_compressed=False``).
+    transformers 5.24 with compressed-tensors 0.19 refuses asymmetric ``pack-quantized`` checkpoints otherwise
+    (it expects their packed zero points unpacked); on the CPU it decompresses the others anyway, so the numerics
+    are the same (activations are still quantized as the scheme says)."""
+    import json
+
+    config = path / "config.json"
+    if not path.is_dir() or not config.is_file():
+        return {}
+    quantization = json.loads(config.read_text()).get("quantization_config") or {}
+    if quantization.get("quant_method") != "compressed-tensors":
+        return {}
+    from transformers import CompressedTensorsConfig
+
+    return {"quantization_config": CompressedTensorsConfig(run_compressed=False)}
