@@ -116,6 +116,11 @@ class EngineStatsMessage(msgspec.Struct, array_like=True, frozen=True, gc=False)
     spec_decode_num_accepted_tokens_per_pos: list[int] = msgspec.field(default_factory=list)
     #: KV tiers, nearest first; empty without tiers.
     kv_tiers: list[KVTierStatsMessage] = msgspec.field(default_factory=list)
+    #: Messages the engine's endpoint dropped instead of serving, by reason (``malformed``: not a message of
+    #: the engine's types; ``oversized``: over ``transport.max_message_size``; ``multipart``: not one frame).
+    num_dropped_messages: dict[str, int] = msgspec.field(default_factory=dict)
+    #: Connections refused during the transport's handshake (CURVE: an unknown key, or no CURVE at all).
+    num_refused_connections: int = 0
 
 
 class Ready(msgspec.Struct, array_like=True, frozen=True, gc=False, tag=True):
