@@ -25,10 +25,28 @@ repacks that once, at load, for the kernels in ``tokenmill_kernels.quant_matmul`
   enough to shift logits by 0.09.)
 * **FP8 activations**: each input is rounded to FP8 and back (per token, per tensor or per group), as
   compressed-tensors does, before the float32 matmul.
+
+On CUDA (the layer's buffers live on the GPU when its weight loads; ``apply`` dispatches on the input's device) the
+model computes in float16, bfloat16 or float32 and the same names hold GPU layouts:
+
+* **4- and 8-bit weights** (weight-only) run the Triton kernel ``tokenmill_kernels.quant_matmul.triton``:
+  ``qweight`` int32 ``[in * bits / 32, out]`` (codes packed along the input), float32 ``scales`` and ``mins``
+  (``-zero * scale``) ``[groups, out]`` at the checkpoint's own group size (one group per channel included), and
+  ``perm`` for activation order as on the CPU. Each tile is dequantized inside the kernel and accumulated in float32.
+* **W8A8** keeps the CPU layout (int8 ``[out, in]``, ``out_scale``) and ``torch._int_mm`` (cuBLAS) multiplies; it
+  needs more than 16 rows, so a decode batch of 16 tokens or fewer is padded with zero rows to 17, which costs far
+  less than dequantizing the weight; inputs or outputs not a multiple of 8 fall back to a float32 matmul of the codes.
+* **FP8** keeps the CPU layout. With FP8 activations per token or per tensor, per-channel (or per-tensor) weight
+  scales, dimensions that are multiples of 16 and a GPU of compute capability 8.9 or more, ``torch._scaled_mm``
+  multiplies the FP8 codes (unit scales, float32 output) and the token and channel scales multiply its output.
+  Otherwise (older GPUs, weight-only FP8, block scales, per-group activations) activations are rounded to FP8 and
+  back as on the CPU and the weight is dequantized ``FP8_GPU_TILE_ROWS`` output rows at a time into the model's
+  dtype for ``F.linear``.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -46,6 +64,12 @@ from tokenmill_plugins.quant.checkpoint_weights import ActivationScheme, FloatWe
 KERNEL_GROUP = quant_matmul.GROUP
 #: Output rows of an FP8 weight converted to float32 at a time.
 FP8_TILE_ROWS = 128
+#: Output rows of an FP8 weight dequantized at a time on a GPU without FP8 matmuls (or for block scales).
+FP8_GPU_TILE_ROWS = 1024
+#: ``torch._int_mm`` on CUDA needs more rows than 16: fewer are padded to this.
+INT_MM_MIN_ROWS = 17
+#: Model dtypes the CUDA paths compute in.
+_CUDA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 #: The layer buffers this runtime fills (empty when unused); named alike for every layer so the weight cache
 #: stores and restores them.
 _STORAGE = ("qweight", "scales", "mins", "perm", "out_scale", "zero_term", "input_scale")
@@ -53,10 +77,10 @@ _STORAGE = ("qweight", "scales", "mins", "perm", "out_scale", "zero_term", "inpu
 
 class CheckpointQuantizer(Quantizer):
     """A quantizer that reads a checkpoint format (subclasses: GPTQ, AWQ, compressed-tensors) and runs it on the
-    CPU kernels. ``configure`` sets :attr:`checkpoint_tensor_names`, :attr:`weight_kind` and
-    :attr:`activations`; ``read_checkpoint`` unpacks one module's tensors."""
+    CPU kernels, or on CUDA (module docstring). ``configure`` sets :attr:`checkpoint_tensor_names`,
+    :attr:`weight_kind` and :attr:`activations`; ``read_checkpoint`` unpacks one module's tensors."""
 
-    supported_devices: ClassVar[tuple[str, ...]] = ("cpu",)
+    supported_devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
     auto_priority: ClassVar[int] = 10
 
     #: "int4", "int8", "w8a8" or "fp8": which kernel the weights run on, known from the config.
@@ -66,10 +90,12 @@ class CheckpointQuantizer(Quantizer):
 
     @classmethod
     def is_available(cls) -> bool:
-        return quant_cpu.is_available()
+        return quant_cpu.is_available() or _cuda_is_available()
 
     def __init__(self) -> None:
-        quant_cpu.load()  # build or load the C++ now, not inside the first step
+        self._dtype = torch.float32
+        if quant_cpu.is_available():  # a GPU host may lack AVX2 or a compiler; the CUDA paths need neither
+            quant_cpu.load()  # build or load the C++ now, not inside the first step
 
     def output_quantizer(self) -> Quantizer:
         # The tools this reads leave lm_head in float (configure refuses a checkpoint that quantized it).
@@ -81,10 +107,11 @@ class CheckpointQuantizer(Quantizer):
     def create_weights(
         self, layer: nn.Module, in_features: int, out_features: int, bias: bool, dtype: torch.dtype
     ) -> None:
-        if dtype != torch.float32:
+        if dtype != torch.float32 and not (dtype in _CUDA_DTYPES and _cuda_is_available()):
             raise ValueError(
                 f"quantizer {self.name!r} computes in float32 on the CPU; set model.dtype to float32 or auto"
             )
+        self._dtype = dtype
         if self.weight_kind != "fp8" and in_features % KERNEL_GROUP:
             raise ValueError(
                 f"quantizer {self.name!r} needs in_features divisible by {KERNEL_GROUP}, got {in_features}"
@@ -98,8 +125,14 @@ class CheckpointQuantizer(Quantizer):
         if param_name == "bias":
             layer_tensor(layer, "bias").data.copy_(tensor)
             return
+        device = layer_tensor(layer, "qweight").device  # the placeholder's: the layer is on its device already
+        is_cpu = not _takes_gpu_paths(device)
+        if is_cpu and self._dtype != torch.float32:
+            raise ValueError(
+                f"quantizer {self.name!r} computes in float32 on the CPU; set model.dtype to float32 or auto"
+            )
         if isinstance(tensor, IntWeight):
-            storage = repack_int(tensor)
+            storage = repack_int(tensor) if is_cpu or self.weight_kind == "w8a8" else repack_int_gpu(tensor)
         elif isinstance(tensor, FloatWeight):
             storage = {"qweight": tensor.values.contiguous(), "scales": tensor.scales.float().contiguous()}
             if tensor.input_scale is not None:
@@ -107,9 +140,11 @@ class CheckpointQuantizer(Quantizer):
         else:
             raise ValueError(f"quantizer {self.name!r} reads quantized checkpoints, not a float weight")
         for name, value in storage.items():
-            setattr(layer, name, value)
+            setattr(layer, name, value.to(device))  # the same tensor on the CPU
 
     def apply(self, layer: nn.Module, x: Tensor) -> Tensor:
+        if _takes_gpu_paths(x.device):
+            return self._apply_gpu(layer, x)
         x = x.float()
         perm = layer_tensor(layer, "perm")
         if perm.numel():
@@ -139,6 +174,27 @@ class CheckpointQuantizer(Quantizer):
         if out_scale.numel():
             out = out * out_scale
         return out if bias is None else out + bias
+
+    def _apply_gpu(self, layer: nn.Module, x: Tensor) -> Tensor:
+        """``apply`` on CUDA (module docstring): ``[num_tokens, out]`` in ``x``'s dtype."""
+        qweight = layer_tensor(layer, "qweight")
+        scales = layer_tensor(layer, "scales")
+        bias = layer_bias(layer)
+        if self.weight_kind in ("int4", "int8"):
+            from tokenmill_kernels.quant_matmul import triton as quant_triton
+
+            perm = layer_tensor(layer, "perm")
+            bits = 4 if self.weight_kind == "int4" else 8
+            mins = layer_tensor(layer, "mins")
+            return quant_triton.dequant_matmul(x, qweight, scales, mins, bits, bias, perm if perm.numel() else None)
+        input_scale = layer_tensor(layer, "input_scale")
+        if self.weight_kind == "w8a8":
+            assert self.activations is not None
+            out = int8_matmul(x, qweight, layer_tensor(layer, "out_scale"), self.activations, input_scale)
+            out = out if bias is None else out + bias
+            return out.to(x.dtype)
+        use_scaled_mm = supports_fp8_matmul(x.device)
+        return fp8_matmul(x, qweight, scales, self.activations, input_scale, bias, use_scaled_mm=use_scaled_mm)
 
     # What each format supplies.
     def configure(self, quantization_config: Mapping[str, Any]) -> None:
@@ -226,3 +282,114 @@ def _fp8_matmul(x: Tensor, values: Tensor, scales: Tensor) -> Tensor:
             tile *= scales[rows].repeat_interleave(block, dim=1)[:, : values.shape[1]]
             out[:, rows] = F.linear(x, tile)
     return out
+
+
+# ---------------------------------------------------------------- CUDA
+
+
+def _takes_gpu_paths(device: torch.device) -> bool:
+    """Whether a layer on ``device`` stores and runs the GPU layouts. Tests route CPU tensors through them (the
+    Triton kernel under the interpreter) by replacing this."""
+    return device.type != "cpu"
+
+
+def _cuda_is_available() -> bool:
+    return torch.cuda.is_available() and importlib.util.find_spec("triton") is not None
+
+
+def supports_fp8_matmul(device: torch.device) -> bool:
+    """Whether ``torch._scaled_mm`` multiplies float8 e4m3 on ``device``: NVIDIA GPUs of compute capability 8.9
+    (Ada) or more."""
+    return device.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def repack_int_gpu(weight: IntWeight) -> dict[str, Tensor]:
+    """The Triton kernel's storage for ``weight`` (``tokenmill_kernels.quant_matmul.triton``): ``qweight`` int32
+    ``[in * bits / 32, out]``, float32 ``scales`` and ``mins = -zero * scale`` ``[groups, out]`` and, for
+    activation order, ``perm`` (as in :func:`repack_int`). On the CPU; the caller moves it to the device."""
+    from tokenmill_kernels.quant_matmul import triton as quant_triton
+
+    in_features = weight.codes.shape[1]
+    codes, groups = weight.codes, weight.group_index()
+    storage: dict[str, Tensor] = {}
+    if weight.g_idx is not None and not torch.equal(groups, torch.arange(in_features) // weight.group_size):
+        if not torch.equal(torch.bincount(groups), torch.full((weight.scales.shape[1],), weight.group_size)):
+            raise ValueError("its g_idx does not put group_size inputs in every group")
+        storage["perm"] = torch.argsort(groups, stable=True)
+        codes = codes[:, storage["perm"]]
+    if weight.bits not in quant_triton.SUPPORTED_BITS:
+        raise ValueError(f"{weight.bits}-bit codes have no kernel (4 and 8 bits do)")
+    if (in_features // weight.scales.shape[1]) % KERNEL_GROUP:
+        raise ValueError(f"group size {weight.group_size} is not a multiple of {KERNEL_GROUP}")
+    scales = weight.scales.float()  # [out, num_groups]
+    storage["qweight"] = quant_triton.pack_int_weight(codes, weight.bits)
+    storage["scales"] = scales.T.contiguous()
+    storage["mins"] = (-weight.zeros.float() * scales).T.contiguous()
+    return storage
+
+
+def int8_matmul(x: Tensor, qweight: Tensor, out_scale: Tensor, scheme: ActivationScheme, input_scale: Tensor) -> Tensor:
+    """W8A8 on any device: ``x`` rounded to int8 as ``scheme`` says, times the int8 ``qweight`` ``[out, in]`` in
+    integers, times the token and channel scales: float32 ``[num_tokens, out]``.
+
+    ``torch._int_mm`` (cuBLAS on CUDA) needs more than 16 rows and dimensions that are multiples of 8: fewer rows
+    are padded with zeros; other dimensions multiply the codes in float32 (exact while the sums stay below 2**24)."""
+    codes, x_scale = quantize_activations(x.float(), scheme, input_scale)
+    num_tokens = codes.shape[0]
+    out_features, in_features = qweight.shape
+    if in_features % 8 or out_features % 8:
+        dots = codes @ qweight.float().T
+    else:
+        rows = codes.to(torch.int8)
+        if num_tokens < INT_MM_MIN_ROWS:
+            rows = F.pad(rows, (0, 0, 0, INT_MM_MIN_ROWS - num_tokens))  # [17, in]
+        dots = torch._int_mm(rows, qweight.T)[:num_tokens].float()
+    return dots * (x_scale.reshape(-1, 1) * out_scale)
+
+
+def fp8_matmul(
+    x: Tensor,
+    values: Tensor,
+    scales: Tensor,
+    scheme: ActivationScheme | None,
+    input_scale: Tensor,
+    bias: Tensor | None,
+    *,
+    use_scaled_mm: bool,
+) -> Tensor:
+    """``x @ (float(values) * scales).T + bias`` for FP8 ``values`` ``[out, in]`` and float32 ``scales``
+    ``[out, in // block]``, with ``x`` first rounded to FP8 and back when ``scheme`` says: ``[num_tokens, out]`` in
+    ``x``'s dtype, on any device.
+
+    With ``use_scaled_mm`` (:func:`supports_fp8_matmul`) and a scheme ``torch._scaled_mm`` can take (FP8 per token
+    or per tensor, per-channel weight scales, dimensions multiples of 16) the FP8 codes are multiplied as they are;
+    otherwise the weight is dequantized ``FP8_GPU_TILE_ROWS`` rows at a time into ``x``'s dtype."""
+    out_features, in_features = values.shape
+    scaled_mm_fits = (
+        scheme is not None
+        and scheme.type == "float"
+        and scheme.strategy in ("token", "tensor")
+        and scales.shape[1] == 1
+        and in_features % 16 == 0
+        and out_features % 16 == 0
+    )
+    if use_scaled_mm and scaled_mm_fits:
+        assert scheme is not None
+        codes, x_scale = quantize_activations(x.float(), scheme, input_scale)
+        one = torch.ones((), device=x.device)  # unit scales: the token and channel scales multiply the output
+        dots = torch._scaled_mm(codes.to(torch.float8_e4m3fn), values.T, one, one, out_dtype=torch.float32)
+        out = dots * (x_scale.reshape(-1, 1) * scales.reshape(1, -1))
+        return (out if bias is None else out + bias).to(x.dtype)
+    if scheme is not None:
+        codes, x_scale = quantize_activations(x.float(), scheme, input_scale)
+        x = (codes * x_scale).reshape(x.shape).to(x.dtype)
+    out = torch.empty(x.shape[0], out_features, dtype=x.dtype, device=x.device)  # [num_tokens, out]
+    block = -(-in_features // scales.shape[1])
+    for start in range(0, out_features, FP8_GPU_TILE_ROWS):
+        rows = slice(start, start + FP8_GPU_TILE_ROWS)
+        if scales.shape[1] == 1:  # FP8 values are exact in x's dtype; the channel scale multiplies the output
+            out[:, rows] = F.linear(x, values[rows].to(x.dtype)) * scales[rows, 0]
+        else:
+            tile = values[rows].float() * scales[rows].repeat_interleave(block, dim=1)[:, :in_features]
+            out[:, rows] = F.linear(x, tile.to(x.dtype))
+    return out if bias is None else out + bias
