@@ -83,3 +83,19 @@ def test_loads_an_asymmetric_compressed_tensors_checkpoint_as_its_tool_runs_it()
     with torch.no_grad():
         logits = model.model(torch.tensor([prompt])).logits[0]
     torch.testing.assert_close(logits, reference["logits.0"], atol=1e-5, rtol=0)
+
+
+def test_keeps_activation_quantization_of_w8a8_and_fp8_checkpoints() -> None:
+    """Decompressing at load would drop their int8 / FP8 activation rounding; the reference must keep it."""
+    from safetensors.torch import load_file
+
+    for name in ("ct-w8a8-int8", "ct-fp8-dynamic"):
+        checkpoint = Path(__file__).parents[1] / "models" / "quantized" / "checkpoints" / name
+        reference = load_file(checkpoint / "reference.safetensors")
+        with torch.no_grad():
+            logits = (
+                HFModel.load(checkpoint)
+                .model(torch.tensor([[17, 260, 301, 45, 99, 400, 12, 7, 388, 261, 262, 263]]))
+                .logits[0]
+            )
+        torch.testing.assert_close(logits, reference["logits.0"], atol=1e-5, rtol=0)

@@ -254,10 +254,11 @@ def run_hf_prefill(
 
 
 def _compressed_tensors_options(path: Path) -> dict[str, Any]:
-    """For an llm-compressor checkpoint: decompress it to dense weights at load (``run_compressed=False``).
-    transformers 5.24 with compressed-tensors 0.19 refuses asymmetric ``pack-quantized`` checkpoints otherwise
-    (it expects their packed zero points unpacked); on the CPU it decompresses the others anyway, so the numerics
-    are the same (activations are still quantized as the scheme says)."""
+    """For a weight-only llm-compressor checkpoint: decompress it to dense weights at load
+    (``run_compressed=False``). transformers 5.24 with compressed-tensors 0.19 refuses asymmetric ``pack-quantized``
+    checkpoints otherwise (it expects their packed zero points unpacked). Not for schemes that quantize
+    activations (W8A8, FP8): that option drops their quantization scheme, so activations would stay float, while
+    transformers' own load decompresses the weights on the CPU and keeps the scheme."""
     import json
 
     config = path / "config.json"
@@ -265,6 +266,9 @@ def _compressed_tensors_options(path: Path) -> dict[str, Any]:
         return {}
     quantization = json.loads(config.read_text()).get("quantization_config") or {}
     if quantization.get("quant_method") != "compressed-tensors":
+        return {}
+    groups = (quantization.get("config_groups") or {}).values()
+    if any(group.get("input_activations") for group in groups):
         return {}
     from transformers import CompressedTensorsConfig
 
