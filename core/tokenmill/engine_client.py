@@ -40,7 +40,7 @@ from tokenmill.messages import (
 )
 from tokenmill.routing import EngineState, Router
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.transport.base import FrontendConnection, Transport
+from tokenmill.transport.base import FrontendConnection, Transport, TransportSecurity
 from tokenmill.transport.serde import decode_from_engine, encode
 
 logger = logging.getLogger(__name__)
@@ -83,6 +83,7 @@ class EngineClient:
 
     :param process: the ``LocalEngineProcess`` of an engine this front end started, else None.
     :param max_restarts: failed restarts in a row allowed; 0 gives up at the first death.
+    :param security: this front end's keys for the transport (``tokenmill.transport.security``), or None.
     """
 
     def __init__(
@@ -93,9 +94,11 @@ class EngineClient:
         process: LocalEngineProcess | None = None,
         heartbeat_timeout: float = 5.0,
         max_restarts: int = 0,
+        security: TransportSecurity | None = None,
     ) -> None:
         self.address = address
         self.transport = transport
+        self.security = security  # given to connect (CURVE keys for tcp:// engines), for transports that take it
         self.index = index
         self.process = process
         self.heartbeat_timeout = heartbeat_timeout
@@ -139,7 +142,10 @@ class EngineClient:
         return self.ready
 
     async def _handshake(self, timeout: float) -> None:
-        connection = self.transport.connect(self.address)
+        if self.security is not None and self.transport.supports_security:
+            connection = self.transport.connect(self.address, security=self.security)
+        else:
+            connection = self.transport.connect(self.address)
         self._connection = connection
         try:
             connection.send(encode(Hello(PROTOCOL_VERSION)))

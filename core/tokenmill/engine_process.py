@@ -38,10 +38,12 @@ from tokenmill.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
+    EngineStatsMessage,
     Hello,
     Ready,
 )
 from tokenmill.transport.base import EngineEndpoint
+from tokenmill.transport.security import check_supported, engine_security, security_kwargs
 from tokenmill.transport.serde import decode_to_engine, encode
 
 logger = logging.getLogger(__name__)
@@ -79,10 +81,13 @@ def run_engine_process(config_data: dict[str, Any], address: str, watch_parent: 
     config = msgspec.convert(config_data, EngineConfig)
     plugins = resolve_plugins(config, skip=FRONT_END_SLOTS)  # the router runs in the front end
     transport = plugins.create(Slot.TRANSPORT, config.transport.backend)
-    endpoint: EngineEndpoint = transport.bind(address)  # before loading: front ends' Hello waits there
+    check_supported(transport, config.transport)
+    security = engine_security(config.transport)
+    # Bound before loading: front ends' Hello waits there.
+    endpoint: EngineEndpoint = transport.bind(address, **security_kwargs(transport, security))
     try:
         engine = EngineCore(config, plugins)
-        server = _EngineServer(engine, endpoint)
+        server = _EngineServer(engine, endpoint, security.max_message_size)
         logger.info("serving %s on %s (transport %r)", engine.loaded.path, address, config.transport.backend)
         while not stopping:
             if watch_parent and os.getppid() != parent:
@@ -103,26 +108,39 @@ def run_engine_process(config_data: dict[str, Any], address: str, watch_parent: 
 
 
 class _EngineServer:
-    """Moves messages between the endpoint and the engine; keeps which client owns which request."""
+    """Moves messages between the endpoint and the engine; keeps which client owns which request.
 
-    def __init__(self, engine: Any, endpoint: EngineEndpoint) -> None:
+    A frame over ``max_message_size`` bytes, or one that is not a message of the engine's types, is dropped
+    and counted (``EngineStatsMessage.num_dropped_messages``); nothing a peer sends takes the engine down.
+    """
+
+    def __init__(self, engine: Any, endpoint: EngineEndpoint, max_message_size: int = 64 * 2**20) -> None:
         self.engine = engine
         self.endpoint = endpoint
+        self.max_message_size = max_message_size
         self.clients: set[bytes] = set()
         self.owners: dict[str, bytes] = {}  # request id -> the peer that sent it, until its last output
         self.last_sent = 0.0
+        self.num_dropped: dict[str, int] = {}  # by reason: oversized, malformed
 
     def receive(self, timeout_ms: int) -> None:
         if not self.endpoint.poll(timeout_ms):
             return
         while (received := self.endpoint.recv()) is not None:
             identity, frame = received
+            if len(frame) > self.max_message_size:
+                self._drop("oversized", f"{len(frame)} bytes, over transport.max_message_size", identity)
+                continue
             try:
                 message = decode_to_engine(frame)
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                logger.warning("dropping a malformed message: %s", exc)
+            except Exception as exc:  # DecodeError, ValidationError, and whatever else garbage makes msgspec raise
+                self._drop("malformed", f"{type(exc).__name__}: {exc}", identity)
                 continue
             self._dispatch(identity, message)
+
+    def _drop(self, reason: str, why: str, identity: bytes) -> None:
+        self.num_dropped[reason] = self.num_dropped.get(reason, 0) + 1
+        logger.warning("dropping a message from peer %r (%s): %s", identity, reason, why[:200])
 
     def _dispatch(self, identity: bytes, message: Any) -> None:
         if isinstance(message, Hello):
@@ -169,8 +187,19 @@ class _EngineServer:
             for identity in self.clients:
                 self._send(identity, [])
 
+    def stats(self) -> EngineStatsMessage:
+        """The engine's stats, plus what this server and its endpoint dropped or refused."""
+        dropped = self.endpoint.num_dropped_messages()
+        for reason, count in self.num_dropped.items():
+            dropped[reason] = dropped.get(reason, 0) + count
+        refused = self.endpoint.num_refused_connections()
+        stats: EngineStatsMessage = self.engine.stats()
+        if not dropped and not refused:
+            return stats
+        return msgspec.structs.replace(stats, num_dropped_messages=dropped, num_refused_connections=refused)
+
     def _send(self, identity: bytes, outputs: list[EngineCoreOutput]) -> None:
-        message = EngineCoreOutputs(outputs, self.engine.stats())
+        message = EngineCoreOutputs(outputs, self.stats())
         self.endpoint.send(identity, encode(message))
         self.last_sent = time.monotonic()
 

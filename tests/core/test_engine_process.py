@@ -122,3 +122,17 @@ def test_a_malformed_frame_is_dropped() -> None:
     endpoint.inbox.extend([(b"a", b"\xff not msgpack"), (b"a", _request("r1"))])
     server.receive(timeout_ms=0)
     assert server.engine.request_ids == ["r1"]
+
+
+def test_oversized_and_malformed_frames_are_dropped_counted_and_reported() -> None:
+    endpoint = _FakeEndpoint()
+    server = _EngineServer(_FakeEngine(), endpoint, max_message_size=64)
+    bad_utf8 = b"\x92\xa2\xff\xfe\x01"  # a tag that is not UTF-8: msgspec raises UnicodeDecodeError, not DecodeError
+    endpoint.inbox.extend([(b"a", b"\xff not msgpack"), (b"a", bad_utf8), (b"a", _request("big" * 30)),
+                           (b"a", _request("r1"))])  # fmt: skip
+    server.receive(timeout_ms=0)
+    assert server.engine.request_ids == ["r1"]
+    server._send(b"a", [])  # every batch and heartbeat carries the counts
+    [(_, message)] = endpoint.take()
+    assert message.stats.num_dropped_messages == {"malformed": 2, "oversized": 1}
+    assert message.stats.num_refused_connections == 0

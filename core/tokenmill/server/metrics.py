@@ -96,12 +96,25 @@ class _EngineCollector(Collector):
             key: CounterMetricFamily(f"{PREFIX}kv_tier_{key}", text, labels=[*_LABELS, "tier"])
             for key, text in _KV_TIER_COUNTERS.items()
         }
+        dropped = CounterMetricFamily(
+            f"{PREFIX}engine_dropped_messages",
+            "Messages an engine dropped unread, by reason: malformed (not one of its message types), oversized (over "
+            "transport.max_message_size), multipart.", labels=[*_LABELS, "reason"],
+        )  # fmt: skip
+        refused = CounterMetricFamily(
+            f"{PREFIX}engine_refused_connections",
+            "Connections an engine refused during the transport's handshake (CURVE: a key not allowed, or no CURVE).",
+            labels=_LABELS,
+        )
         for client in self.group.clients:
             labels = [self.model_name, str(client.index)]
             restarts.add_metric(labels, getattr(client, "num_restarts", 0))
             stats = client.stats
             if stats is None:
                 continue
+            for reason, count in stats.num_dropped_messages.items():
+                dropped.add_metric([*labels, reason], count)
+            refused.add_metric(labels, stats.num_refused_connections)
             for tier in stats.kv_tiers:
                 for key, family in tier_counters.items():
                     family.add_metric([*labels, tier.name], getattr(tier, key))
@@ -112,7 +125,8 @@ class _EngineCollector(Collector):
                 family.add_metric(labels, getattr(stats, key))
             for position, count in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
                 per_pos.add_metric([*labels, str(position)], count)
-        yield from (running, waiting, usage, restarts, *counters.values(), per_pos, *tier_counters.values())
+        yield from (running, waiting, usage, restarts, *counters.values(), per_pos, *tier_counters.values(), dropped,
+                    refused)  # fmt: skip
 
 
 class ServerMetrics:

@@ -45,6 +45,7 @@ from tokenmill.server.app import ServerState, build_app
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.tokenizer import Tokenizer
 from tokenmill.transport.base import Transport
+from tokenmill.transport.security import check_supported, frontend_security
 
 logger = logging.getLogger(__name__)
 
@@ -156,10 +157,11 @@ def _engine_group(config: EngineConfig, transport: Transport, router: Router, ro
         prefill, decode = start_local_engines(config, 2, transport, configs, socket_dir)
         return DisaggregatedGroup(prefill, decode, router)
     if config.server.engines:
+        check_supported(transport, config.transport)
+        security = frontend_security(config.transport)  # CURVE keys for tcp:// engines
+        timeout, restarts = config.server.engine_timeout, config.server.max_engine_restarts
         clients = [
-            EngineClient(
-                address, transport, index, None, config.server.engine_timeout, config.server.max_engine_restarts
-            )  # fmt: skip
+            EngineClient(address, transport, index, None, timeout, restarts, security)
             for index, address in enumerate(config.server.engines)
         ]
     else:
