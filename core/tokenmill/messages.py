@@ -13,6 +13,8 @@ import msgspec
 from tokenmill.sampling_params import SamplingParams
 
 PROTOCOL_VERSION = 1
+#: Bytes of a block hash that the prefix cache summary in ``EngineStatsMessage`` carries per block.
+PREFIX_KEY_SIZE = 8
 
 
 def completion_request_id(request_id: str, index: int) -> str:
@@ -79,7 +81,8 @@ class AbortRequests(msgspec.Struct, array_like=True, frozen=True, gc=False, tag=
 
 
 class Hello(msgspec.Struct, array_like=True, frozen=True, gc=False, tag=True):
-    """Front end -> engine, first message on a connection: the handshake."""
+    """Front end -> engine, first message on a connection: the handshake. Sent again on a live connection, it
+    asks for a full snapshot of the prefix cache summary (``EngineStatsMessage.prefix_cache_reset``)."""
 
     protocol_version: int
 
@@ -121,6 +124,21 @@ class EngineStatsMessage(msgspec.Struct, array_like=True, frozen=True, gc=False)
     num_dropped_messages: dict[str, int] = msgspec.field(default_factory=dict)
     #: Connections refused during the transport's handshake (CURVE: an unknown key, or no CURVE at all).
     num_refused_connections: int = 0
+    #: Work left in the engine, in tokens: over its running and waiting requests, prompt tokens not computed
+    #: yet plus tokens still to generate (``max_tokens``, or up to the context window, less those generated).
+    num_outstanding_tokens: int = 0
+    #: KV blocks an allocation can take now (free, plus cached ones not in use); routers' KV headroom.
+    num_free_kv_blocks: int = 0
+    #: The prefix cache's contents as deltas, per connection (vLLM's KV events, compacted): the first 8 bytes
+    #: (``PREFIX_KEY_SIZE``) of each block hash the cache gained (``prefix_cache_added``) or lost
+    #: (``prefix_cache_removed``) since the last message to this front end, concatenated. With
+    #: ``prefix_cache_reset`` the message instead carries every hash the cache holds (after a ``Hello``).
+    #: ``prefix_cache_seq`` counts the messages sent on the connection, so a receiver sees a gap (a dropped
+    #: message) and asks for a full snapshot again with a ``Hello``.
+    prefix_cache_seq: int = 0
+    prefix_cache_reset: bool = False
+    prefix_cache_added: bytes = b""
+    prefix_cache_removed: bytes = b""
 
 
 class Ready(msgspec.Struct, array_like=True, frozen=True, gc=False, tag=True):
