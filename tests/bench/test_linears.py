@@ -24,7 +24,7 @@ def test_times_each_models_linears_against_the_first(tmp_path: Path) -> None:
     report = json.loads(output.read_text())
     first, second = report["models"]
     assert (first["quantizer"], second["quantizer"]) == ("gptq", "compressed-tensors")
-    assert first["lm_head_quantizer"] == second["lm_head_quantizer"] == "none"
+    assert first["lm_head_quantizer"] == second["lm_head_quantizer"] == "none"  # untied: a float lm_head linear
     assert first["num_linears"] == second["num_linears"] == 8  # 2 layers x (qkv, o, gate_up, down)
     assert first["body_vs_first"] == {"1": 1.0, "4": 1.0}
     for entry in report["models"]:

@@ -271,3 +271,36 @@ def test_compressed_tensors_configure_reads_each_scheme() -> None:
         assert quantizer.weight_kind == kind
         assert (quantizer.activations.type if quantizer.activations else None) == activations
         assert quantizer.checkpoint_tensor_names == names
+
+
+def test_fp8_bytes_convert_exactly() -> None:
+    from tokenmill_plugins.quant.checkpoint_quantizer import FP8_SCALE, fp8_to_float
+
+    codes = torch.arange(256, dtype=torch.uint8)
+    finite = ~torch.isnan(codes.view(torch.float8_e4m3fn).float())
+    assert finite.sum() == 254  # every code but the two NaNs
+    expected = codes.view(torch.float8_e4m3fn).float()[finite]
+    assert torch.equal(fp8_to_float(codes)[finite] * FP8_SCALE, expected)
+
+
+@pytest.mark.parametrize("block", [None, 32])
+def test_fp8_layer_matches_dequantize_then_matmul(block: int | None) -> None:
+    from tokenmill_plugins.quant.checkpoint_weights import FloatWeight
+    from torch import nn
+
+    from tokenmill.layers.linear import Linear
+
+    generator = torch.Generator().manual_seed(3)
+    out_features, in_features = 300, 64  # 300: the last 128-row tile is partial
+    values = (torch.randn(out_features, in_features, generator=generator) * 30).to(torch.float8_e4m3fn)
+    columns = in_features if block is None else block
+    scales = torch.rand(out_features, in_features // columns, generator=generator) + 0.01
+    weight = FloatWeight(values=values, scales=scales, block_size=(1, columns))
+    quantizer = CompressedTensorsQuantizer()
+    quantizer.weight_kind = "fp8"
+    layer = Linear(in_features, out_features, bias=True, quantizer=quantizer, dtype=torch.float32)
+    bias = torch.randn(out_features, generator=generator)
+    layer.load_weight("weight", weight)  # type: ignore[arg-type]
+    layer.load_weight("bias", bias)
+    x = torch.randn(3, in_features, generator=generator)
+    torch.testing.assert_close(layer(x), nn.functional.linear(x, weight.dequantize(), bias), rtol=1e-5, atol=1e-4)

@@ -4,7 +4,8 @@ The quantizers of different checkpoints of one model (a Q4_1 GGUF, its GPTQ, AWQ
 store the same shapes differently; this times each model's linears as loaded, outside the engine, so that what
 differs is the storage and the matmul alone. Per model and number of input rows ``M`` (1 is a decode step of one
 request, 32 of 32): the time of one pass over all linears of the body (every layer's q/k/v, o, gate/up and down),
-the output projection's (``lm_head``) apart, each the best of ``repeats`` passes after a warm-up. Every layer has
+and the output projection's apart (``compute_logits``: a quantized ``lm_head``, or the float embedding when the
+checkpoint ties them), each the best of ``repeats`` passes after a warm-up. Every layer has
 its own weights, so they stream from memory as in a real step. Models run one after the other: only one is loaded
 at a time.
 """
@@ -35,14 +36,15 @@ def run_linears(configs: Sequence[EngineConfig], rows: Sequence[int], repeats: i
         inputs = {
             (m, k): torch.randn(m, k, generator=generator)
             for m in rows
-            for k in {module.in_features for _, module in linears}
+            for k in {module.in_features for _, module in linears} | {loaded.arch.hidden_size}
         }
         body = [module for name, module in linears if not name.endswith("lm_head")]
         head = [module for name, module in linears if name.endswith("lm_head")]
+        hidden_size = loaded.arch.hidden_size
         entry: dict[str, Any] = {
             "model": config.model.model,
             "quantizer": body[0].quantizer.name if body else None,
-            "lm_head_quantizer": head[0].quantizer.name if head else None,
+            "lm_head_quantizer": head[0].quantizer.name if head else "tied embedding (float)",
             "num_linears": len(body),
             "ms": {},
         }
@@ -50,7 +52,7 @@ def run_linears(configs: Sequence[EngineConfig], rows: Sequence[int], repeats: i
             for m in rows:
                 entry["ms"][str(m)] = {
                     "body": _best_ms(body, inputs, m, repeats),
-                    "lm_head": _best_ms(head, inputs, m, repeats),
+                    "lm_head": _best_ms([_Head(loaded.model, hidden_size)], inputs, m, repeats),
                 }
         models.append(entry)
         del loaded, linears, body, head, inputs
@@ -63,6 +65,17 @@ def run_linears(configs: Sequence[EngineConfig], rows: Sequence[int], repeats: i
         "parameters": {"rows": list(rows), "repeats": repeats, "seed": seed, "threads": torch.get_num_threads()},
         "models": models,
     }
+
+
+class _Head:
+    """The output projection as the model runs it, in the shape ``_best_ms`` times."""
+
+    def __init__(self, model: Any, hidden_size: int) -> None:
+        self.model = model
+        self.in_features = hidden_size
+
+    def __call__(self, x: Any) -> Any:
+        return self.model.compute_logits(x)
 
 
 def _best_ms(modules: list[Any], inputs: dict[tuple[int, int], Any], m: int, repeats: int) -> float:
