@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -15,6 +15,23 @@ class ServerConfig(ConfigSection, frozen=True):
     api_key: Annotated[
         str | None, describe("When set, requests must send `Authorization: Bearer <key>` (else 401).")
     ] = None
+    api_keys: Annotated[
+        str | None,
+        describe(
+            "A file of API keys, one entry per key (key, tenant, optional requests_per_minute, tokens_per_minute, "
+            "max_concurrent_requests): TOML `[[keys]]` tables when it ends in .toml, else JSON lines. Requests "
+            "must send one of them (or api_key's, tenant 'default'), else 401; a key over a limit gets 429 with "
+            "Retry-After. Usage is counted per tenant in /metrics (docs/serving.md#tenants)."
+        ),
+    ] = None
+    tenant_prefix_caching: Annotated[
+        Literal["isolated", "shared"],
+        describe(
+            "With api_keys: 'isolated' salts each tenant's prefix cache apart, so one tenant's cached prefix never "
+            "shortens another's time to first token (which would tell it what others sent); 'shared' lets tenants "
+            "hit each other's cached prefixes (faster, and that side channel open)."
+        ),
+    ] = "isolated"
     public_metrics: Annotated[
         bool,
         describe("Serve /metrics without the API key (Prometheus scrapers rarely carry one); /health always is."),

@@ -10,7 +10,6 @@ its KV blocks. Imports no torch.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 import uuid
@@ -38,6 +37,7 @@ from tokenmill.server import protocol
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.openapi import openapi_document
 from tokenmill.server.protocol import ProtocolError
+from tokenmill.server.tenants import KeyState, Lease, RateLimited, Tenants
 from tokenmill.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -52,12 +52,17 @@ class ServerState:
     metrics: ServerMetrics
     created: int = field(default_factory=lambda: int(time.time()))
     is_draining: bool = False
+    #: Keys, tenants and their limits; None: built from ``config.server`` (``Tenants.from_config``).
+    tenants: Tenants | None = None
 
 
 class _ClosingStreamingResponse(StreamingResponse):
     """Closes its generator however the response ends. When a client disconnects, Starlette
     just stops iterating; closing runs the generators' ``finally`` now (aborting the request and
-    freeing its KV blocks) instead of whenever the garbage collector finalises them."""
+    freeing its KV blocks) instead of whenever the garbage collector finalises them. ``on_close`` callbacks
+    run then too (a tenant's concurrency slot is released when its stream ends)."""
+
+    on_close: list[Callable[[], None]]
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
@@ -67,15 +72,24 @@ class _ClosingStreamingResponse(StreamingResponse):
             # async iterable).
             body = self.body_iterator
             assert isinstance(body, AsyncGenerator)
-            await body.aclose()
+            try:
+                await body.aclose()
+            finally:
+                for callback in getattr(self, "on_close", ()):
+                    callback()
 
 
-def _error(exc: ProtocolError, metrics: ServerMetrics) -> JSONResponse:
-    metrics.observe_rejected(exc.status, exc.code)
+def _error(exc: ProtocolError, metrics: ServerMetrics, tenant: str | None = None) -> JSONResponse:
+    """OpenAI's JSON error for ``exc``, counted (for ``tenant`` too, when the key is known); a rate limit's
+    carries ``Retry-After``."""
+    limit = exc.limit if isinstance(exc, RateLimited) else None
+    metrics.observe_rejected(exc.status, exc.code, tenant, limit)
+    headers = {"Retry-After": str(exc.retry_after)} if isinstance(exc, RateLimited) else None
     return Response(
         protocol.error_body(exc.status, exc.message, exc.type, exc.param, exc.code),
         status_code=exc.status,
         media_type="application/json",
+        headers=headers,
     )  # type: ignore[return-value]
 
 
@@ -93,6 +107,7 @@ class _Generation:
     last_token_at: dict[int, float] = field(default_factory=dict)  # by completion index
     first_token_at: float | None = None
     queue_time: float = 0.0  # in the engine, before its first step
+    lease: Lease | None = None  # its key's: tokens are charged to it as they arrive
 
 
 Endpoint = Callable[[Request], Awaitable[Response]]
@@ -102,24 +117,48 @@ class OpenAIServer:
     def __init__(self, state: ServerState) -> None:
         self.state = state
         config = state.config.server
+        if state.tenants is None:
+            state.tenants = Tenants.from_config(config)
+        self.tenants = state.tenants
+        state.metrics.add_tenants(self.tenants.names)
         document = openapi_document(
-            __version__, [state.model_name], api_key=config.api_key is not None, public_metrics=config.public_metrics
+            __version__, [state.model_name], api_key=self.tenants.requires_key, public_metrics=config.public_metrics
         )
         self._openapi = msgspec.json.encode(document)  # encoded once: it never changes while serving
 
     # ------------------------------------------------------------------ plumbing
 
-    def endpoint(self, handler: Endpoint, *, auth: bool = True) -> Endpoint:
-        """``handler`` as a route: behind the API key (unless ``auth`` is false), and every ``ProtocolError``
-        it raises answered as OpenAI's JSON error."""
+    def endpoint(self, handler: Endpoint, *, auth: bool = True, limited: bool = False) -> Endpoint:
+        """``handler`` as a route: behind the API keys (unless ``auth`` is false), within the key's limits
+        (``limited``: generation endpoints; the request holds a ``Lease`` in ``request.state.lease`` until its
+        response, or its stream, ends), and every ``ProtocolError`` it raises answered as OpenAI's JSON error."""
 
         async def route(request: Request) -> Response:
+            key: KeyState | None = None
+            lease: Lease | None = None
             try:
                 if auth:
-                    self._check_auth(request)
-                return await handler(request)
+                    key = self.tenants.authenticate(request.headers.get("authorization"))
+                if limited:
+                    assert key is not None, "a limited route is behind the keys"
+                    lease = self.tenants.admit(key)
+                    request.state.lease = lease
+                    self.state.metrics.observe_tenant_request(lease.tenant)
+                response = await handler(request)
             except ProtocolError as exc:
-                return _error(exc, self.state.metrics)
+                if lease is not None:
+                    lease.release()
+                return _error(exc, self.state.metrics, key.tenant if key is not None else None)
+            except BaseException:
+                if lease is not None:
+                    lease.release()
+                raise
+            if lease is not None:
+                if isinstance(response, _ClosingStreamingResponse):
+                    response.on_close = [lease.release]
+                else:
+                    lease.release()
+            return response
 
         return route
 
@@ -137,15 +176,6 @@ class OpenAIServer:
         logger.error("%s %s failed", request.method, request.url.path, exc_info=exc)
         error = ProtocolError(500, f"internal server error ({type(exc).__name__})", code="internal_error")
         return _error(error, self.state.metrics)
-
-    def _check_auth(self, request: Request) -> None:
-        key = self.state.config.server.api_key
-        sent = request.headers.get("authorization", "").encode()
-        # In constant time: how long a comparison takes must not tell a client how much of a guess was right.
-        if key is not None and not hmac.compare_digest(sent, f"Bearer {key}".encode()):
-            raise ProtocolError(
-                401, "Incorrect API key provided.", type="invalid_request_error", code="invalid_api_key"
-            )
 
     async def _body(self, request: Request) -> bytes:
         """The request body, refused with 413 as soon as it is known to exceed ``server.max_request_body``."""
@@ -183,13 +213,15 @@ class OpenAIServer:
             )
 
     def _start(self, prompt_token_ids: list[int], prompt: str | None, params: SamplingParams, priority: int,
-               prefix: str) -> _Generation:  # fmt: skip
+               prefix: str, lease: Lease | None = None, cache_salt: str | None = None) -> _Generation:  # fmt: skip
         protocol.check_token_ids(params, prompt_token_ids, self.state.tokenizer.vocab_size)
         self._check_capacity()
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         arrival = time.monotonic()
+        tenant = lease.tenant if lease is not None else None
+        salt = self.tenants.cache_salt(tenant, cache_salt) if tenant is not None else cache_salt
         message = EngineCoreRequest(
-            request_id, prompt_token_ids, params, list(self.state.tokenizer.eos_token_ids), arrival, priority
+            request_id, prompt_token_ids, params, list(self.state.tokenizer.eos_token_ids), arrival, priority, salt
         )
         try:
             stream = self.state.group.add_request(message)
@@ -197,9 +229,12 @@ class OpenAIServer:
             raise ProtocolError(503, str(exc), type="server_error", code="engine_unavailable") from None
         except RouterError as exc:  # a plugin's bug: this request fails, the server keeps serving
             raise ProtocolError(500, str(exc), type="server_error", code="router_error") from None
+        if lease is not None:  # charged once it is sent: tokens_per_minute counts what the engines compute
+            lease.charge_tokens(len(prompt_token_ids))
+            self.state.metrics.observe_tenant_tokens(lease.tenant, num_prompt_tokens=len(prompt_token_ids))
         processor = OutputProcessor(self.state.tokenizer)
         output = processor.add_request(request_id, prompt, prompt_token_ids, params)
-        return _Generation(request_id, stream, processor, output, params, arrival)
+        return _Generation(request_id, stream, processor, output, params, arrival, lease=lease)
 
     async def _updates(self, generation: _Generation) -> AsyncGenerator[list[CompletionDelta]]:
         """Yield the text deltas of every engine output until the request finishes; ``generation.output``
@@ -238,6 +273,9 @@ class OpenAIServer:
             generation.queue_time = output.queue_time
             metrics.observe_queue_time(engine, output.queue_time)
         if output.new_token_ids:
+            if generation.lease is not None:  # generated tokens are charged as they arrive
+                generation.lease.charge_tokens(len(output.new_token_ids))
+                metrics.observe_tenant_tokens(generation.lease.tenant, num_generation_tokens=len(output.new_token_ids))
             now = time.monotonic()
             metrics.observe_token(engine, now, generation.arrival, generation.last_token_at.get(output.index))
             generation.last_token_at[output.index] = now
@@ -331,7 +369,8 @@ class OpenAIServer:
     ) -> Response:
         """What both endpoints do once the prompt is tokenized: start, then stream or wait and answer."""
         protocol.check_context_length(body, params, len(token_ids), self.state.group.max_model_len)
-        generation = self._start(token_ids, prompt_text, params, body.priority, id_prefix)
+        lease = getattr(request.state, "lease", None)
+        generation = self._start(token_ids, prompt_text, params, body.priority, id_prefix, lease, body.cache_salt)
         generation.echo = echo
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -493,8 +532,8 @@ def build_app(state: ServerState) -> Starlette:
     endpoint = server.endpoint
     public_metrics = state.config.server.public_metrics
     routes = [
-        Route("/v1/completions", endpoint(server.completions), methods=["POST"]),
-        Route("/v1/chat/completions", endpoint(server.chat_completions), methods=["POST"]),
+        Route("/v1/completions", endpoint(server.completions, limited=True), methods=["POST"]),
+        Route("/v1/chat/completions", endpoint(server.chat_completions, limited=True), methods=["POST"]),
         Route("/v1/models", endpoint(server.models), methods=["GET"]),
         Route("/v1/models/{model_id:path}", endpoint(server.model), methods=["GET"]),
         Route("/tokenize", endpoint(server.tokenize), methods=["POST"]),

@@ -177,6 +177,39 @@ class ServerMetrics:
             for reason in FINISHED_REASONS:
                 self.request_success.labels(model_name, engine, reason)
         self.registry.register(_EngineCollector(group, model_name))
+        # Per tenant (never per key): docs/serving.md#tenants.
+        tenant_labels = ["model_name", "tenant"]
+        self.tenant_requests = Counter(
+            f"{PREFIX}tenant_requests", "Generation requests admitted, by tenant.", tenant_labels,
+            registry=self.registry,
+        )  # fmt: skip
+        self.tenant_prompt_tokens = Counter(
+            f"{PREFIX}tenant_prompt_tokens", "Prompt tokens sent to the engines, by tenant.", tenant_labels,
+            registry=self.registry,
+        )  # fmt: skip
+        self.tenant_generation_tokens = Counter(
+            f"{PREFIX}tenant_generation_tokens", "Tokens generated, by tenant.", tenant_labels, registry=self.registry
+        )
+        self.tenant_rejected = Counter(
+            f"{PREFIX}tenant_rejected", "Requests of a known key answered with an error, by tenant and reason "
+            "(requests_per_minute, tokens_per_minute, max_concurrent_requests, or request_rejected's reasons).",
+            [*tenant_labels, "reason"], registry=self.registry,
+        )  # fmt: skip
+
+    def add_tenants(self, tenants: list[str]) -> None:
+        """Start every tenant's usage series at zero, so a dashboard sees them at once."""
+        for tenant in tenants:
+            for family in (self.tenant_requests, self.tenant_prompt_tokens, self.tenant_generation_tokens):
+                family.labels(self.model_name, tenant)
+
+    def observe_tenant_request(self, tenant: str) -> None:
+        self.tenant_requests.labels(self.model_name, tenant).inc()
+
+    def observe_tenant_tokens(self, tenant: str, num_prompt_tokens: int = 0, num_generation_tokens: int = 0) -> None:
+        if num_prompt_tokens:
+            self.tenant_prompt_tokens.labels(self.model_name, tenant).inc(num_prompt_tokens)
+        if num_generation_tokens:
+            self.tenant_generation_tokens.labels(self.model_name, tenant).inc(num_generation_tokens)
 
     def observe_queue_time(self, engine: int, seconds: float) -> None:
         self.request_queue_time.labels(self.model_name, str(engine)).observe(seconds)
@@ -205,10 +238,15 @@ class ServerMetrics:
         engine died); counted, not timed."""
         self.request_success.labels(self.model_name, str(engine), reason).inc()
 
-    def observe_rejected(self, status: int, code: str | None) -> None:
+    def observe_rejected(
+        self, status: int, code: str | None, tenant: str | None = None, tenant_reason: str | None = None
+    ) -> None:
         """The server answered a request with HTTP ``status`` and error ``code`` (``queue_full``,
-        ``invalid_api_key``...); counted by that code, or by the status when the error has none."""
+        ``invalid_api_key``...); counted by that code, or by the status when the error has none. A request whose
+        key is known is also counted for its ``tenant``, by ``tenant_reason`` (the limit it is over) or that."""
         if status == 499:  # the client went away mid-request: nobody gets this answer, and it counts as abort
             return
         reason = code or _REJECTED_BY_STATUS.get(status, f"http_{status}")
         self.request_rejected.labels(self.model_name, reason).inc()
+        if tenant is not None:
+            self.tenant_rejected.labels(self.model_name, tenant, tenant_reason or reason).inc()

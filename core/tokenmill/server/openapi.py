@@ -152,7 +152,8 @@ _ERRORS = {
     "401": "Missing or wrong API key.",
     "404": "No such model.",
     "413": "The request body is larger than `server.max_request_body`.",
-    "429": "The server is at capacity; retry later.",
+    "429": "The server is at capacity, or the API key is over one of its limits; retry after `Retry-After` seconds "
+    "when the response has that header.",
     "503": "No engine is available (restarting, or the server is shutting down).",
 }
 

@@ -25,6 +25,7 @@ MAX_STOP_SEQUENCES = 16  # OpenAI allows 4; more is cheap for us
 MAX_COMPLETION_LOGPROBS = 5  # /v1/completions `logprobs`, as OpenAI
 MAX_TOP_LOGPROBS = 20  # /v1/chat/completions `top_logprobs`, as OpenAI
 MAX_STOP_LENGTH = 1024  # characters per stop string: each is searched for in every new piece of text
+MAX_CACHE_SALT_LENGTH = 1024  # characters; hashed into the first block's hash, never stored per block
 MAX_JSON_DEPTH = 32  # nesting of free-form fields (vllm_xargs, tool_calls); typed fields nest a fixed few levels
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # the range vLLM takes for seed; wider ints cannot reach the engine
 UINT64_MAX = 2**64 - 1
@@ -145,6 +146,9 @@ class _RequestBase(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Arguments for logits processor plugins (vLLM's name); they become ``SamplingParams.extra_args``."""
     prompt_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     """vLLM's: each prompt token's logprob and rank, plus this many alternatives (not with ``stream``)."""
+    cache_salt: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_CACHE_SALT_LENGTH)] | None = None
+    """vLLM's: requests share prefix-cache blocks only with requests of the same salt (and, with tenants, of
+    the same tenant), so a prompt's cached prefix cannot be probed by timing from outside the group."""
 
 
 class CompletionRequest(_RequestBase, kw_only=True, forbid_unknown_fields=True):

@@ -43,6 +43,7 @@ from tokenmill.plugin_manager import Slot, resolve_plugins
 from tokenmill.routing import Router
 from tokenmill.server.app import ServerState, build_app
 from tokenmill.server.metrics import ServerMetrics
+from tokenmill.server.tenants import Tenants
 from tokenmill.tokenizer import Tokenizer
 from tokenmill.transport.base import Transport
 from tokenmill.transport.security import check_supported, frontend_security
@@ -127,6 +128,7 @@ async def _serve(config: EngineConfig) -> int:
     transport = plugins.create(Slot.TRANSPORT, config.transport.backend)
     router = plugins.create(Slot.ROUTER, config.server.router)
     router_plugin = plugins.registry.get(Slot.ROUTER, config.server.router).plugin
+    tenants = Tenants.from_config(config.server)  # a bad keys file fails here, before any engine starts
     shutdown = _Shutdown()
     loop = asyncio.get_running_loop()
     signals = (signal.SIGINT, signal.SIGTERM)
@@ -137,7 +139,7 @@ async def _serve(config: EngineConfig) -> int:
         group = _engine_group(config, transport, router, router_plugin, socket_dir)
         shutdown.group = group
         try:
-            state = await _start(config, group, shutdown)
+            state = await _start(config, group, shutdown, tenants)
             if state is None:  # a signal came first
                 return 128 + shutdown.forced_by if shutdown.forced_by is not None else 0
             return await _run(config, state, shutdown)
@@ -169,7 +171,8 @@ def _engine_group(config: EngineConfig, transport: Transport, router: Router, ro
     return EngineGroup(clients, router, config.server.router, router_plugin)
 
 
-async def _start(config: EngineConfig, group: EngineGroup, shutdown: _Shutdown) -> ServerState | None:
+async def _start(config: EngineConfig, group: EngineGroup, shutdown: _Shutdown,
+                 tenants: Tenants | None = None) -> ServerState | None:  # fmt: skip
     """Wait for every engine's handshake and load the tokenizer; None if a signal came first."""
 
     async def start() -> Tokenizer:
@@ -189,7 +192,7 @@ async def _start(config: EngineConfig, group: EngineGroup, shutdown: _Shutdown) 
         return None
     tokenizer = starting.result()  # raises what starting raised
     name = served_model_name(config)
-    return ServerState(config, group, tokenizer, name, ServerMetrics(group, name))
+    return ServerState(config, group, tokenizer, name, ServerMetrics(group, name), tenants=tenants)
 
 
 async def _run(config: EngineConfig, state: ServerState, shutdown: _Shutdown) -> int:
