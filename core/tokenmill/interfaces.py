@@ -67,6 +67,7 @@ _EXPORTS: dict[str, str] = {
     "SpeculatorContext": "tokenmill.speculator",
     "Speculator": "tokenmill.speculator",
     "Transport": "tokenmill.transport.base",
+    "TransportSecurity": "tokenmill.transport.base",
     "WeightFormat": "tokenmill.weights.format",
 }
 
