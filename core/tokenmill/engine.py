@@ -126,6 +126,8 @@ class EngineCore:
         self._hidden_states: dict[str, torch.Tensor] = {}
         #: The requests of the last ``propose`` call (a new one's first call also reads its prompt).
         self._drafted_last_step: set[str] = set()
+        #: Steps that ran the model (the engine process sends stats after each, even with no output).
+        self.num_steps = 0
         #: Disaggregated requests held until their prompt's blocks arrive: id -> (request, deadline, hashes).
         self._awaiting_kv: dict[str, tuple[EngineCoreRequest, float, list[bytes]]] = {}
 
@@ -249,16 +251,22 @@ class EngineCore:
         return bool(self._awaiting_kv) and not self.scheduler.has_unfinished_requests()
 
     def stats(self) -> EngineStatsMessage:
-        """A snapshot for metrics and routers; cheap to take every step."""
+        """A snapshot for metrics and routers; cheap to take every step. The prefix cache's changes are not in
+        it: the engine process takes them (``take_prefix_cache_delta``) for each connection's summary."""
         stats = self.scheduler.stats()
+        num_free_kv_blocks = round((1.0 - stats.kv_cache_usage) * self.layout.num_blocks)
         if not self.kv_tiers:
-            return stats
+            return msgspec.structs.replace(stats, num_free_kv_blocks=num_free_kv_blocks)
         tiers = [
             KVTierStatsMessage(tier.name, t.hits, t.misses, t.bytes_read, t.bytes_written, t.rejected, t.errors,
                                t.loads, t.load_seconds)
             for tier in self.kv_tiers for t in [tier.stats]
         ]  # fmt: skip
-        return msgspec.structs.replace(stats, kv_tiers=tiers)
+        return msgspec.structs.replace(stats, kv_tiers=tiers, num_free_kv_blocks=num_free_kv_blocks)
+
+    def take_prefix_cache_delta(self) -> tuple[list[bytes], list[bytes]]:
+        """The block hashes the device prefix cache gained and lost since the last call (net)."""
+        return self.kv_cache.take_prefix_cache_delta()
 
     # ------------------------------------------------------------------ the step
 
@@ -271,6 +279,7 @@ class EngineCore:
             if self.kv_tiers:  # perhaps a prefix being read in the background: let the readers run, not spin
                 time.sleep(0.0005)
             return []
+        self.num_steps += 1
         started = time.perf_counter()
         runner_output = self.execute(scheduler_output)
         if self.draft_policy is not None and all(s.samples_token for s in scheduler_output.scheduled):

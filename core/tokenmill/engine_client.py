@@ -8,8 +8,10 @@ with ``EngineDeadError``, so no caller hangs, and brings the engine back:
 restarts an engine process this front end started, reconnects to a remote one,
 with backoff and a bounded number of failed attempts in a row. ``EngineGroup``
 asks a ``Router`` plugin which engine serves each request, among those that are
-up; a router that fails fails only that request, with ``RouterError``. Runs in
-the asyncio front end; imports no torch.
+up; when the router fails, that request goes to the least loaded engine instead
+and the fallback is counted. Each client keeps the engine's latest stats and a
+mirror of its prefix cache (``tokenmill.prefix_summary``) for the routers. Runs
+in the asyncio front end; imports no torch.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ from tokenmill.messages import (
     Hello,
     Ready,
 )
-from tokenmill.routing import EngineState, Router
+from tokenmill.prefix_summary import PrefixCacheSummary, prefix_keys
+from tokenmill.routing import EngineState, Router, least_loaded
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.transport.base import FrontendConnection, Transport, TransportSecurity
 from tokenmill.transport.serde import decode_from_engine, encode
@@ -57,7 +60,8 @@ class EngineDeadError(TokenmillError):
 
 
 class RouterError(TokenmillError):
-    """The router plugin raised, or picked something that is not a healthy engine, for one request."""
+    """The router plugin raised, or picked something that is not a healthy engine, for one request. The
+    front end no longer fails requests with it (it falls back to ``least_loaded``); kept for callers."""
 
 
 @dataclass
@@ -105,6 +109,8 @@ class EngineClient:
         self.max_restarts = max_restarts
         self.ready: Ready | None = None
         self.stats: EngineStatsMessage | None = None
+        #: What the engine's prefix cache holds, from its stats messages (for prefix-aware routers).
+        self.prefix_cache = PrefixCacheSummary()
         self.is_dead = False
         self.death_reason = ""
         #: Times the engine came back (restarted, or reconnected to) after it died.
@@ -122,6 +128,8 @@ class EngineClient:
         self._is_restarted = False  # the current engine comes from a restart (its early death is a failed one)
         self._num_failed_restarts = 0  # in a row
         self._orphaned_ids: list[str] = []  # requests a remote engine may still be running for nobody
+        # Estimated tokens of the requests sent since the engine's last stats message (not in its counts yet).
+        self._num_unreported_tokens = 0
 
     @property
     def num_in_flight(self) -> int:
@@ -170,6 +178,8 @@ class EngineClient:
             raise
         self._last_seen = self._ready_at = time.monotonic()
         self._has_served = False
+        self.prefix_cache.clear()  # a restarted engine's cache starts empty; a snapshot follows the Hello
+        self._num_unreported_tokens = 0
         self._receiver = asyncio.create_task(self._receive(connection))
 
     def add_request(self, request: EngineCoreRequest) -> RequestStream:
@@ -190,11 +200,18 @@ class EngineClient:
         """Whether the request's stream is open (not finished, aborted or failed)."""
         return request_id in self._streams
 
-    def submit(self, request: EngineCoreRequest) -> None:
+    def submit(self, request: EngineCoreRequest, num_cached_tokens: int = 0) -> None:
+        """Send ``request``; ``num_cached_tokens`` of its prompt are expected to be in the engine's prefix cache
+        (for the load estimate until the engine counts the request)."""
         if self.is_dead:
             raise EngineDeadError(f"engine at {self.address} is down: {self.death_reason}")
         assert self._connection is not None
         self._connection.send(encode(request))
+        num_prompt = len(request.prompt_token_ids)
+        max_tokens = request.params.max_tokens
+        if max_tokens is None:
+            max_tokens = max(0, self.ready.max_model_len - num_prompt) if self.ready is not None else 0
+        self._num_unreported_tokens += max(0, num_prompt - num_cached_tokens) + max_tokens * request.params.n
 
     def abort(self, request_ids: list[str], completions_only: bool = False) -> None:
         """Abort whole requests (every completion; their streams end here), or with ``completions_only``
@@ -222,6 +239,9 @@ class EngineClient:
             if not isinstance(message, EngineCoreOutputs):
                 continue
             self.stats = message.stats
+            self._num_unreported_tokens = 0
+            if not self.prefix_cache.apply(message.stats):  # a message was lost: ask for a snapshot
+                connection.send(encode(Hello(PROTOCOL_VERSION)))
             for output in message.outputs:
                 if output.request_finished:
                     self._has_served = True
@@ -317,8 +337,14 @@ class EngineClient:
         logger.error("%s", self.failure)
         return False
 
-    def state(self) -> EngineState:
+    def state(self, prefix_keys: Sequence[bytes] = ()) -> EngineState:
+        """What routers see of this engine; ``prefix_keys`` (a prompt's, ``tokenmill.prefix_summary``) fill in
+        ``num_cached_prefix_tokens``."""
         stats = self.stats
+        unreported = self._num_unreported_tokens
+        block_size = self.ready.block_size if self.ready is not None else 0
+        num_free_kv_tokens = stats.num_free_kv_blocks * block_size if stats else 0
+        num_cached_blocks = self.prefix_cache.num_matching_blocks(prefix_keys) if prefix_keys else 0
         return EngineState(
             index=self.index,
             is_healthy=not self.is_dead,
@@ -326,6 +352,9 @@ class EngineClient:
             num_waiting=stats.num_waiting if stats else 0,
             kv_cache_usage=stats.kv_cache_usage if stats else 0.0,
             num_in_flight=self.num_in_flight,
+            num_outstanding_tokens=(stats.num_outstanding_tokens if stats else 0) + unreported,
+            num_free_kv_tokens=max(0, num_free_kv_tokens - unreported),
+            num_cached_prefix_tokens=num_cached_blocks * block_size,
         )
 
     def kill(self) -> None:
@@ -349,8 +378,11 @@ class EngineClient:
 class EngineGroup:
     """Every engine the front end serves from, and the router that picks one per request.
 
+    When the router raises or picks something that is not a healthy engine, the request goes to the engine
+    ``least_loaded`` picks; ``num_router_fallbacks`` counts those by reason (``error``, ``invalid_choice``).
+
     :param router_name: the name the config selected the router by, and ``plugin_name`` the plugin that
-        registered it; a ``RouterError`` names both, so the user knows which plugin to fix or unselect.
+        registered it; the fallback's log line names both, so the user knows which plugin to fix or unselect.
     """
 
     def __init__(
@@ -359,8 +391,10 @@ class EngineGroup:
         assert all(client.index == position for position, client in enumerate(clients)), "index is the position"
         self.clients = clients
         self.router = router
-        name = router_name or getattr(router, "name", type(router).__name__)
-        self.router_label = f"router {name!r} (plugin {plugin_name!r})"
+        self.router_name = str(router_name or getattr(router, "name", type(router).__name__))
+        self.router_label = f"router {self.router_name!r} (plugin {plugin_name!r})"
+        #: Requests routed by ``least_loaded`` because the router failed, by reason.
+        self.num_router_fallbacks: dict[str, int] = {"error": 0, "invalid_choice": 0}
 
     @property
     def is_healthy(self) -> bool:
@@ -386,28 +420,40 @@ class EngineGroup:
         return sum(client.num_in_flight for client in self.clients)
 
     def add_request(self, request: EngineCoreRequest) -> RequestStream:
-        """Send ``request`` to the engine the router picks.
+        """Send ``request`` to the engine the router picks (``least_loaded``'s pick when the router fails).
 
-        Raises ``EngineDeadError`` when no engine is up, and ``RouterError`` when the router raises or
-        picks an engine that is not a healthy one; either way nothing was sent.
+        Raises ``EngineDeadError`` when no engine is up; then nothing was sent.
         """
-        states = [client.state() for client in self.clients]
+        prefix_hashes = self._prefix_hashes(request) if self.router.needs_prefix_hashes else ()
+        keys = prefix_keys(prefix_hashes)
+        states = [client.state(keys) for client in self.clients]
         if not any(state.is_healthy for state in states):
             reasons = "; ".join(c.death_reason for c in self.clients)
             raise EngineDeadError(f"no engine is available: {reasons}")
-        prefix_hashes = self._prefix_hashes(request) if self.router.needs_prefix_hashes else ()
         try:
             index = self.router.select(request, states, prefix_hashes)
-        except Exception as exc:  # a broken router fails this request, not the server
-            logger.error("%s failed for request %s", self.router_label, request.request_id, exc_info=exc)
-            raise RouterError(f"{self.router_label} failed: {type(exc).__name__}: {exc}") from exc
-        is_engine = isinstance(index, int) and not isinstance(index, bool) and 0 <= index < len(states)
-        if not is_engine or not states[index].is_healthy:
-            healthy = [state.index for state in states if state.is_healthy]
-            message = f"{self.router_label} failed: returned {index!r}, not a healthy engine (healthy: {healthy})"
-            logger.error("%s", message)
-            raise RouterError(message)
-        return self.clients[index].add_request(request)
+        except Exception as exc:  # a broken router must not fail the request, nor the server
+            index = self._fall_back(states, "error", f"{type(exc).__name__}: {exc}", request.request_id, exc)
+        else:
+            is_engine = isinstance(index, int) and not isinstance(index, bool) and 0 <= index < len(states)
+            if not is_engine or not states[index].is_healthy:
+                healthy = [state.index for state in states if state.is_healthy]
+                why = f"returned {index!r}, not a healthy engine (healthy: {healthy})"
+                index = self._fall_back(states, "invalid_choice", why, request.request_id)
+        client = self.clients[index]
+        stream = client.open_stream(request.request_id)
+        client.submit(request, states[index].num_cached_prefix_tokens)
+        client.prefix_cache.note_routed(keys)
+        return stream
+
+    def _fall_back(self, states: list[EngineState], reason: str, why: str, request_id: str,
+                   exc: BaseException | None = None) -> int:  # fmt: skip
+        """Count a router failure and pick with ``least_loaded`` instead; the first failure of each reason is
+        logged with its traceback, later ones in one line (a broken router fails every request)."""
+        count = self.num_router_fallbacks[reason] = self.num_router_fallbacks.get(reason, 0) + 1
+        logger.error("%s failed for request %s (%s); routing it with least_loaded (fallback %d)", self.router_label,
+                     request_id, why, count, exc_info=exc if count == 1 else None)  # fmt: skip
+        return least_loaded(states)
 
     def _prefix_hashes(self, request: EngineCoreRequest) -> Sequence[bytes]:
         """The prompt's block hashes as the engines' prefix caches compute them (all engines serve the same

@@ -42,6 +42,7 @@ from tokenmill.messages import (
     Hello,
     Ready,
 )
+from tokenmill.prefix_summary import PrefixSummaryFeed
 from tokenmill.transport.base import EngineEndpoint
 from tokenmill.transport.security import check_supported, engine_security, security_kwargs
 from tokenmill.transport.serde import decode_to_engine, encode
@@ -99,7 +100,10 @@ def run_engine_process(config_data: dict[str, Any], address: str, watch_parent: 
                 timeout_ms = 0 if engine.has_unfinished_requests() else int(HEARTBEAT_INTERVAL_S * 1000)
             server.receive(timeout_ms=timeout_ms)
             if engine.has_unfinished_requests():
-                server.send_outputs(engine.step())
+                num_steps = engine.num_steps
+                served = server.send_outputs(engine.step())
+                if engine.num_steps != num_steps:  # the step ran: every front end hears of it (routers' stats)
+                    server.send_stats(skip=served)
             server.heartbeat()
     finally:
         if engine is not None:
@@ -122,6 +126,7 @@ class _EngineServer:
         self.owners: dict[str, bytes] = {}  # request id -> the peer that sent it, until its last output
         self.last_sent = 0.0
         self.num_dropped: dict[str, int] = {}  # by reason: oversized, malformed
+        self.prefix_summary = PrefixSummaryFeed()  # each front end's view of the prefix cache
 
     def receive(self, timeout_ms: int) -> None:
         if not self.endpoint.poll(timeout_ms):
@@ -149,6 +154,7 @@ class _EngineServer:
                 error = f"protocol version {message.protocol_version} != engine's {PROTOCOL_VERSION}"
             else:
                 self.clients.add(identity)
+                self.prefix_summary.reset(identity)  # its next message carries the whole prefix cache summary
             engine = self.engine
             ready = Ready(
                 PROTOCOL_VERSION, str(engine.loaded.path), engine.max_model_len,
@@ -169,7 +175,8 @@ class _EngineServer:
         elif isinstance(message, AbortRequests):
             self.send_outputs(self.engine.abort_requests(message.request_ids, message.completions_only))
 
-    def send_outputs(self, outputs: list[EngineCoreOutput]) -> None:
+    def send_outputs(self, outputs: list[EngineCoreOutput]) -> set[bytes]:
+        """Send each front end the outputs of its requests; returns the front ends sent a message."""
         by_client: dict[bytes, list[EngineCoreOutput]] = {}
         for output in outputs:
             root = output.parent_id or output.request_id
@@ -181,6 +188,14 @@ class _EngineServer:
                 del self.owners[root]
         for identity, client_outputs in by_client.items():
             self._send(identity, client_outputs)
+        return set(by_client)
+
+    def send_stats(self, skip: set[bytes]) -> None:
+        """Send the stats, with no outputs, to every front end but those in ``skip`` (after a step that gave
+        them no output: a prompt chunk still changes the load and the prefix cache routers see)."""
+        for identity in self.clients:
+            if identity not in skip:
+                self._send(identity, [])
 
     def heartbeat(self) -> None:
         if time.monotonic() - self.last_sent >= HEARTBEAT_INTERVAL_S:
@@ -199,7 +214,12 @@ class _EngineServer:
         return msgspec.structs.replace(stats, num_dropped_messages=dropped, num_refused_connections=refused)
 
     def _send(self, identity: bytes, outputs: list[EngineCoreOutput]) -> None:
-        message = EngineCoreOutputs(outputs, self.stats())
+        summary = self.prefix_summary
+        summary.update(*self.engine.take_prefix_cache_delta())
+        seq, is_reset, added, removed = summary.take(identity)
+        stats = msgspec.structs.replace(self.stats(), prefix_cache_seq=seq, prefix_cache_reset=is_reset,
+                                        prefix_cache_added=added, prefix_cache_removed=removed)  # fmt: skip
+        message = EngineCoreOutputs(outputs, stats)
         self.endpoint.send(identity, encode(message))
         self.last_sent = time.monotonic()
 

@@ -52,6 +52,9 @@ class _FakeEngine:
         self.layout = SimpleNamespace(block_size=32)
         self.kv_cache_hash_salt = "x:float32"
         self.request_ids: list[str] = []
+        self.num_steps = 0
+        # What take_prefix_cache_delta hands out next: the hashes the prefix cache gained and lost.
+        self.prefix_delta: tuple[list[bytes], list[bytes]] = ([], [])
 
     def add_request(self, message: EngineCoreRequest) -> None:
         if not message.prompt_token_ids:
@@ -60,6 +63,10 @@ class _FakeEngine:
 
     def stats(self) -> EngineStatsMessage:
         return EngineStatsMessage(0, 0, 0.0, 0, 0, 0, 0, 0)
+
+    def take_prefix_cache_delta(self) -> tuple[list[bytes], list[bytes]]:
+        delta, self.prefix_delta = self.prefix_delta, ([], [])
+        return delta
 
 
 def _server() -> tuple[_EngineServer, _FakeEndpoint]:
@@ -136,3 +143,65 @@ def test_oversized_and_malformed_frames_are_dropped_counted_and_reported() -> No
     [(_, message)] = endpoint.take()
     assert message.stats.num_dropped_messages == {"malformed": 2, "oversized": 1}
     assert message.stats.num_refused_connections == 0
+
+
+def _hash(number: int) -> bytes:
+    return number.to_bytes(4, "little") * 8  # a 32-byte block hash; its summary key is its first 8 bytes
+
+
+def _key(number: int) -> bytes:
+    return _hash(number)[:8]
+
+
+def _hello(server: _EngineServer, endpoint: _FakeEndpoint, peer: bytes) -> None:
+    endpoint.inbox.append((peer, encode(Hello(PROTOCOL_VERSION))))
+    server.receive(timeout_ms=0)
+    endpoint.take()  # the Ready
+
+
+def test_each_front_end_gets_a_snapshot_after_hello_then_its_own_deltas() -> None:
+    server, endpoint = _server()
+    engine = server.engine
+    engine.prefix_delta = ([_hash(1), _hash(2)], [])
+    _hello(server, endpoint, b"a")
+    server.heartbeat()
+    [(_, first)] = endpoint.take()
+    assert (first.stats.prefix_cache_seq, first.stats.prefix_cache_reset) == (1, True)
+    assert sorted(_split(first.stats.prefix_cache_added)) == [_key(1), _key(2)]
+    engine.prefix_delta = ([_hash(3)], [_hash(1)])
+    server.send_stats(skip=set())
+    [(_, second)] = endpoint.take()
+    assert (second.stats.prefix_cache_seq, second.stats.prefix_cache_reset) == (2, False)
+    assert (second.stats.prefix_cache_added, second.stats.prefix_cache_removed) == (_key(3), _key(1))
+    # A second front end connects: a snapshot of what the cache holds now; the first gets only the change.
+    _hello(server, endpoint, b"b")
+    engine.prefix_delta = ([_hash(4)], [])
+    server.send_stats(skip=set())
+    sent = {peer: message.stats for peer, message in endpoint.take()}
+    assert (sent[b"a"].prefix_cache_reset, sent[b"a"].prefix_cache_added) == (False, _key(4))
+    assert sent[b"b"].prefix_cache_reset and sorted(_split(sent[b"b"].prefix_cache_added)) == [
+        _key(2), _key(3), _key(4)
+    ]  # fmt: skip
+    # Nothing changed: an empty delta, still numbered (so a lost message shows as a gap).
+    server.send_stats(skip={b"b"})
+    [(peer, third)] = endpoint.take()
+    assert peer == b"a" and third.stats.prefix_cache_seq == 4
+    assert (third.stats.prefix_cache_added, third.stats.prefix_cache_removed) == (b"", b"")
+
+
+def test_a_repeated_hello_asks_for_a_snapshot_again() -> None:
+    server, endpoint = _server()
+    server.engine.prefix_delta = ([_hash(1)], [])
+    _hello(server, endpoint, b"a")
+    server.heartbeat()
+    server.send_stats(skip=set())
+    endpoint.take()
+    _hello(server, endpoint, b"a")
+    server.send_stats(skip=set())
+    [(_, message)] = endpoint.take()
+    assert message.stats.prefix_cache_reset and message.stats.prefix_cache_added == _key(1)
+    assert message.stats.prefix_cache_seq == 3
+
+
+def _split(data: bytes) -> list[bytes]:
+    return [data[i : i + 8] for i in range(0, len(data), 8)]

@@ -10,11 +10,11 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import pytest
 
-from tokenmill.engine_client import DisaggregatedGroup, EngineClient, EngineDeadError, EngineGroup, RouterError
+from tokenmill.engine_client import DisaggregatedGroup, EngineClient, EngineDeadError, EngineGroup
 from tokenmill.hookspecs import Register, hookimpl
 from tokenmill.kv_cache.block_hash import block_hashes
 from tokenmill.messages import (
@@ -43,10 +43,12 @@ class _FakeEngine(FrontendConnection):
         self.inbox: asyncio.Queue[bytes] = asyncio.Queue()
         self.request_ids: list[str] = []
         self.requests: list[EngineCoreRequest] = []
+        self.num_hellos = 0
 
     def send(self, frame: bytes) -> None:
         message = decode_to_engine(frame)
         if isinstance(message, Hello):
+            self.num_hellos += 1
             ready = Ready(PROTOCOL_VERSION, "model-x", 128, 8, block_size=BLOCK_SIZE, hash_salt=HASH_SALT)
             self.inbox.put_nowait(encode(ready))
         elif isinstance(message, EngineCoreRequest):
@@ -194,35 +196,52 @@ def test_no_prefix_hashes_unless_the_router_asks() -> None:
 # ---------------------------------------------------------------- failures
 
 
-def test_a_raising_router_fails_only_that_request() -> None:
-    async def body(group: EngineGroup, transport: _FakeTransport) -> None:
-        with pytest.raises(RouterError) as info:
-            group.add_request(_request("raise-1"))
-        assert str(info.value) == "router 'flaky' (plugin 'my-routers') failed: ValueError: boom"
-        group.add_request(_request("ok"))
-        assert _received(transport) == [["ok"], [], []]
-        assert group.num_in_flight == 1
+async def _report(transport: _FakeTransport, index: int, stats: EngineStatsMessage) -> None:
+    """Engine ``index`` sends ``stats`` (with no outputs), and the front end reads it."""
+    transport.engines[f"fake://{index}"].inbox.put_nowait(encode(EngineCoreOutputs([], stats)))
+    await asyncio.sleep(0.01)
 
-    _with_group(_FlakyRouter(), body, router_name="flaky", plugin_name="my-routers")
+
+def _stats(num_outstanding_tokens: int = 0, **fields: Any) -> EngineStatsMessage:
+    return EngineStatsMessage(0, 0, 0.0, 0, 0, 0, 0, 0, num_outstanding_tokens=num_outstanding_tokens, **fields)
+
+
+def test_a_raising_router_falls_back_to_least_loaded_and_is_counted(caplog: pytest.LogCaptureFixture) -> None:
+    async def body(group: EngineGroup, transport: _FakeTransport) -> None:
+        await _report(transport, 0, _stats(500))
+        await _report(transport, 1, _stats(100))
+        await _report(transport, 2, _stats(300))
+        group.add_request(_request("raise-1"))  # served by the least loaded engine: 1
+        group.add_request(_request("ok"))
+        assert _received(transport) == [["ok"], ["raise-1"], []]
+        assert group.num_in_flight == 2
+        assert group.num_router_fallbacks == {"error": 1, "invalid_choice": 0}
+
+    with caplog.at_level("ERROR", logger="tokenmill.engine_client"):
+        _with_group(_FlakyRouter(), body, router_name="flaky", plugin_name="my-routers")
+    assert "router 'flaky' (plugin 'my-routers') failed for request raise-1 (ValueError: boom); routing it with " \
+        "least_loaded" in caplog.text  # fmt: skip
 
 
 @pytest.mark.parametrize("index", [3, -1])
-def test_an_index_out_of_range_is_a_router_error(index: int) -> None:
+def test_an_index_out_of_range_falls_back_and_is_counted(index: int) -> None:
     async def body(group: EngineGroup, transport: _FakeTransport) -> None:
-        with pytest.raises(RouterError, match=rf"router 'flaky' \(plugin 'my-routers'\) failed: returned {index}"):
-            group.add_request(_request(f"index-{index}"))
-        assert _received(transport) == [[], [], []]
+        await _report(transport, 0, _stats(50))
+        group.add_request(_request(f"index-{index}"))
+        assert _received(transport) == [[], [f"index-{index}"], []]  # 1 and 2 are idle; ties go to the lower
+        assert group.num_router_fallbacks == {"error": 0, "invalid_choice": 1}
 
     _with_group(_FlakyRouter(), body, router_name="flaky", plugin_name="my-routers")
 
 
-def test_a_dead_engine_is_a_router_error() -> None:
+def test_a_dead_engine_chosen_falls_back_to_a_healthy_one() -> None:
     async def body(group: EngineGroup, transport: _FakeTransport) -> None:
         group.clients[2].is_dead = True
-        with pytest.raises(RouterError, match=r"returned 2, not a healthy engine \(healthy: \[0, 1\]\)"):
-            group.add_request(_request("index-2"))
+        await _report(transport, 0, _stats(50))
+        group.add_request(_request("index-2"))
         group.add_request(_request("index-1"))
-        assert _received(transport) == [[], ["index-1"], []]
+        assert _received(transport) == [[], ["index-2", "index-1"], []]
+        assert group.num_router_fallbacks["invalid_choice"] == 1
 
     _with_group(_FlakyRouter(), body)
 
@@ -233,17 +252,87 @@ class _RouterPlugin:
         register("flaky", "tests.core.test_routing:_FlakyRouter")
 
 
-def test_a_router_from_a_plugin_is_named_by_its_plugin() -> None:
+def test_a_router_from_a_plugin_is_named_by_its_plugin(caplog: pytest.LogCaptureFixture) -> None:
     """What ``tokenmill serve`` does: build the router through the plugin system, label it by its plugin."""
     plugins = load_plugins(autoload=False, extra_plugins=[("my-routers", _RouterPlugin())])
     router = plugins.create(Slot.ROUTER, "flaky")
     plugin_name = plugins.registry.get(Slot.ROUTER, "flaky").plugin
 
     async def body(group: EngineGroup, transport: _FakeTransport) -> None:
-        with pytest.raises(RouterError, match=r"^router 'flaky' \(plugin 'my-routers'\) failed: ValueError: boom$"):
-            group.add_request(_request("raise-2"))
+        group.add_request(_request("raise-2"))
+        assert group.router_name == "flaky"
 
-    _with_group(router, body, router_name="flaky", plugin_name=plugin_name)
+    with caplog.at_level("ERROR", logger="tokenmill.engine_client"):
+        _with_group(router, body, router_name="flaky", plugin_name=plugin_name)
+    assert "router 'flaky' (plugin 'my-routers') failed for request raise-2" in caplog.text
+
+
+# ---------------------------------------------------------------- what routers see
+
+
+def test_states_carry_the_engines_stats_plus_the_requests_sent_since() -> None:
+    async def body(group: EngineGroup, transport: _FakeTransport) -> None:
+        await _report(transport, 1, _stats(40, num_free_kv_blocks=100))
+        state = group.clients[1].state()
+        assert (state.num_outstanding_tokens, state.num_free_kv_tokens) == (40, 100 * BLOCK_SIZE)
+        # Sent, not counted by the engine yet: 10 prompt tokens + max_tokens 16 (SamplingParams' default), n=2.
+        request = EngineCoreRequest("r", list(range(10)), SamplingParams(n=2), [0], 0.0)
+        group.clients[1].add_request(request)
+        state = group.clients[1].state()
+        assert state.num_outstanding_tokens == 40 + 10 + 2 * 16
+        assert state.num_free_kv_tokens == 100 * BLOCK_SIZE - 42
+        await _report(transport, 1, _stats(77, num_free_kv_blocks=90))  # the engine counts it now
+        state = group.clients[1].state()
+        assert (state.num_outstanding_tokens, state.num_free_kv_tokens) == (77, 90 * BLOCK_SIZE)
+
+    _with_group(RoundRobinRouter(), body)
+
+
+def _summary(
+    seq: int, added: Sequence[bytes] = (), removed: Sequence[bytes] = (), reset: bool = False
+) -> EngineStatsMessage:
+    return _stats(prefix_cache_seq=seq, prefix_cache_reset=reset, prefix_cache_added=b"".join(h[:8] for h in added),
+                  prefix_cache_removed=b"".join(h[:8] for h in removed))  # fmt: skip
+
+
+def test_states_say_how_much_of_the_prompt_each_engine_caches() -> None:
+    router = _RecordingRouter()
+    prompt = list(range(100, 113))  # three full blocks of 4
+    hashes = block_hashes(prompt, BLOCK_SIZE, HASH_SALT, None)
+
+    async def body(group: EngineGroup, transport: _FakeTransport) -> None:
+        await _report(transport, 1, _summary(1, hashes[:2], reset=True))
+        await _report(transport, 2, _summary(1, hashes, reset=True))
+        await _report(transport, 2, _summary(2, removed=hashes[1:2]))  # evicted: the chain breaks after block 0
+        group.add_request(_request("first", prompt))
+        cached = [state.num_cached_prefix_tokens for state in router.calls[0][0]]
+        assert cached == [0, 2 * BLOCK_SIZE, 1 * BLOCK_SIZE]
+        # The request went to engine 0 (the recording router's pick): its prefix counts as held there now,
+        # before engine 0 reports it, so the next request with that prefix can follow it.
+        group.add_request(_request("second", prompt[:8] + [7, 7, 7, 7]))
+        cached = [state.num_cached_prefix_tokens for state in router.calls[1][0]]
+        assert cached == [2 * BLOCK_SIZE, 2 * BLOCK_SIZE, 1 * BLOCK_SIZE]
+
+    _with_group(router, body)
+
+
+def test_a_missed_stats_message_asks_the_engine_for_a_snapshot() -> None:
+    hashes = block_hashes(list(range(8)), BLOCK_SIZE, HASH_SALT, None)
+
+    async def body(group: EngineGroup, transport: _FakeTransport) -> None:
+        engine = transport.engines["fake://0"]
+        num_hellos = engine.num_hellos
+        await _report(transport, 0, _summary(1, hashes[:1], reset=True))
+        await _report(transport, 0, _summary(3, hashes[1:]))  # message 2 was lost
+        assert engine.num_hellos == num_hellos + 1
+        summary = group.clients[0].prefix_cache
+        assert not summary.is_synced and summary.keys == {hashes[0][:8]}  # the delta after the gap is not applied
+        await _report(transport, 0, _summary(4, hashes[1:]))  # sent before the engine saw the Hello: ignored
+        assert summary.keys == {hashes[0][:8]}
+        await _report(transport, 0, _summary(5, hashes, reset=True))
+        assert summary.is_synced and summary.keys == {h[:8] for h in hashes}
+
+    _with_group(RoundRobinRouter(), body, num_engines=1)
 
 
 def test_disaggregated_requests_go_to_prefill_then_to_decode_with_the_kv_transfer_params() -> None:

@@ -212,3 +212,17 @@ def test_a_runner_error_finishes_only_that_request() -> None:
     while scheduler.has_unfinished_requests():
         _complete(scheduler, scheduler.schedule())
     assert requests[0].output_token_ids == [7, 7, 7]
+
+
+def test_outstanding_tokens_count_uncomputed_prompt_and_tokens_still_to_generate() -> None:
+    scheduler = make_scheduler()  # a 16-token step budget
+    short, long = make_requests(1, prompt_len=6, max_tokens=3) + make_requests(2, prompt_len=40, max_tokens=2)[1:]
+    scheduler.add_request(short)
+    scheduler.add_request(long)
+    assert scheduler.stats().num_outstanding_tokens == (6 + 3) + (40 + 2)
+    _complete(scheduler, scheduler.schedule())  # short's prompt and a token; 10 of long's prompt
+    assert scheduler.stats().num_outstanding_tokens == (0 + 2) + (30 + 2)
+    _complete(scheduler, scheduler.schedule())  # short: one token; long: 15 more of its prompt
+    assert scheduler.stats().num_outstanding_tokens == (0 + 1) + (15 + 2)
+    scheduler.abort_requests([long.request_id])
+    assert scheduler.stats().num_outstanding_tokens == 1

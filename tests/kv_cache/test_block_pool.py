@@ -89,3 +89,28 @@ def test_reset_drops_only_unreferenced_hashes() -> None:
 def test_invalid_size() -> None:
     with pytest.raises(ValueError, match="num_blocks"):
         BlockPool(0)
+
+
+def test_index_delta_is_the_net_change_since_the_last_take() -> None:
+    pool = BlockPool(3)
+    a, b, c = pool.allocate(3)
+    assert pool.take_index_delta() == ([], [])
+    pool.cache_block(a, h(1))
+    pool.cache_block(b, h(2))
+    assert pool.cache_block(c, h(2)) is False  # the existing entry wins: no change reported
+    assert pool.take_index_delta() == ([h(1), h(2)], [])
+    assert pool.take_index_delta() == ([], [])
+    pool.uncache_block(a)  # h(1) lost ...
+    pool.cache_block(a, h(1))  # ... and back before anyone looked: no net change
+    pool.cache_block(c, h(3))
+    pool.uncache_block(c)  # gained and lost in between: nothing
+    pool.free([b, c])
+    (reused,) = pool.allocate(1)  # c was free: no eviction yet
+    pool.free([reused])
+    assert pool.take_index_delta() == ([], [])
+    pool.allocate(2)  # takes the free block, then evicts b, which held h(2)
+    assert pool.take_index_delta() == ([], [h(2)])
+    pool.free([a])
+    pool.reset_prefix_cache()
+    assert pool.take_index_delta() == ([], [h(1)])
+    pool.check_invariants()

@@ -44,6 +44,8 @@ class BlockPool:
         self.record_evictions = False
         self.evicted: list[tuple[int, bytes]] = []
         self._index: dict[bytes, int] = {}  # block hash -> the one block holding it
+        # The index's net change since the last take_index_delta: hash -> True (gained) / False (lost).
+        self._index_delta: dict[bytes, bool] = {}
 
     # ------------------------------------------------------------------ state
 
@@ -96,6 +98,7 @@ class BlockPool:
                 block_hash = self._hashes[block_id]
                 assert block_hash is not None
                 del self._index[block_hash]
+                self._note_removed(block_hash)
                 self._hashes[block_id] = None
                 if self.record_evictions:
                     self.evicted.append((block_id, block_hash))
@@ -140,6 +143,8 @@ class BlockPool:
             return False
         self._hashes[block_id] = block_hash
         self._index[block_hash] = block_id
+        if self._index_delta.pop(block_hash, None) is None:  # (lost then regained: no net change)
+            self._index_delta[block_hash] = True
         return True
 
     def uncache_block(self, block_id: int) -> None:
@@ -148,6 +153,7 @@ class BlockPool:
         block_hash = self._hashes[block_id]
         if block_hash is not None:
             del self._index[block_hash]
+            self._note_removed(block_hash)
             self._hashes[block_id] = None
 
     def reset_prefix_cache(self) -> int:
@@ -161,12 +167,25 @@ class BlockPool:
             block_hash = self._hashes[block_id]
             assert block_hash is not None
             del self._index[block_hash]
+            self._note_removed(block_hash)
             self._hashes[block_id] = None
             self._free[block_id] = None
         self._evictable.clear()
         if num_dropped:
             logger.info("Prefix cache reset: dropped %d cached blocks", num_dropped)
         return num_dropped
+
+    def take_index_delta(self) -> tuple[list[bytes], list[bytes]]:
+        """The hashes the index gained and lost since the last call (net: a hash gained and lost in between
+        is in neither). O(hashes changed); the engine takes it once per stats message."""
+        delta, self._index_delta = self._index_delta, {}
+        added = [block_hash for block_hash, gained in delta.items() if gained]
+        removed = [block_hash for block_hash, gained in delta.items() if not gained]
+        return added, removed
+
+    def _note_removed(self, block_hash: bytes) -> None:
+        if self._index_delta.pop(block_hash, None) is None:  # (gained then lost: no net change)
+            self._index_delta[block_hash] = False
 
     # -------------------------------------------------------------- checking
 

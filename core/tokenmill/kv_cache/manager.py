@@ -156,6 +156,13 @@ class KVCacheManager(ABC):
         """Prompt tokens reused from the prefix cache so far (a counter)."""
         return 0
 
+    def take_prefix_cache_delta(self) -> tuple[list[bytes], list[bytes]]:
+        """The block hashes the prefix cache gained and lost since the last call, net (vLLM's KV events
+        ``BlockStored``/``BlockRemoved``, compacted): what routers in the front end learn the cache holds.
+        Called by the engine process once per stats message (after a step, or a heartbeat); O(hashes
+        changed). The default reports nothing: prefix-aware routers then see no cached prefix here."""
+        return [], []
+
 
 class PagedKVCacheManager(KVCacheManager):
     """Block tables, ref counts, prefix caching and copy-on-write over one pool of KV blocks.
@@ -232,6 +239,9 @@ class PagedKVCacheManager(KVCacheManager):
     def prefix_cache_hits(self) -> int:
         """Prompt tokens reused from the prefix cache so far (a counter)."""
         return self._prefix_cache_hits
+
+    def take_prefix_cache_delta(self) -> tuple[list[bytes], list[bytes]]:
+        return self._pool.take_index_delta()
 
     @property
     def num_cached_blocks(self) -> int:
