@@ -125,8 +125,32 @@ class _EngineCollector(Collector):
                 family.add_metric(labels, getattr(stats, key))
             for position, count in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
                 per_pos.add_metric([*labels, str(position)], count)
+        fallbacks = CounterMetricFamily(
+            f"{PREFIX}router_fallbacks",
+            "Requests the router failed to place (reason error: it raised; invalid_choice: it returned no healthy "
+            "engine's index), routed by least_loaded instead.", labels=["model_name", "router", "reason"],
+        )  # fmt: skip
+        outstanding = GaugeMetricFamily(
+            f"{PREFIX}num_outstanding_tokens", "Tokens of work queued in the engine: prompt tokens not computed yet "
+            "plus tokens still to generate (max_tokens), over its requests (what least_loaded compares).",
+            labels=_LABELS,
+        )  # fmt: skip
+        cached_blocks = GaugeMetricFamily(
+            f"{PREFIX}prefix_cache_summary_blocks", "Blocks the front end knows the engine's prefix cache holds, "
+            "from its stats (what prefix_aware matches prompts against).", labels=_LABELS,
+        )  # fmt: skip
+        for client in self.group.clients:
+            labels = [self.model_name, str(client.index)]
+            if client.stats is not None:
+                outstanding.add_metric(labels, client.stats.num_outstanding_tokens)
+            summary = getattr(client, "prefix_cache", None)
+            if summary is not None:
+                cached_blocks.add_metric(labels, len(summary.keys))
+        router_name = getattr(self.group, "router_name", "")
+        for reason, count in getattr(self.group, "num_router_fallbacks", {}).items():
+            fallbacks.add_metric([self.model_name, router_name, reason], count)
         yield from (running, waiting, usage, restarts, *counters.values(), per_pos, *tier_counters.values(), dropped,
-                    refused)  # fmt: skip
+                    refused, outstanding, cached_blocks, fallbacks)  # fmt: skip
 
 
 class ServerMetrics:
