@@ -84,6 +84,20 @@ def test_engine_state_is_read_from_heartbeats_and_restarts_from_the_client() -> 
     assert _value(metrics, "tokenmill:num_requests_running", engine="1") is None
 
 
+def test_router_fallbacks_outstanding_tokens_and_summary_size_are_exported() -> None:
+    stats = EngineStatsMessage(0, 0, 0.0, 0, 0, 0, 0, 0, num_outstanding_tokens=321)
+    engine = SimpleNamespace(index=0, stats=stats, prefix_cache=SimpleNamespace(keys={b"a" * 8, b"b" * 8}))
+    group = SimpleNamespace(clients=[engine, _client(1)], router_name="prefix_aware",
+                            num_router_fallbacks={"error": 3, "invalid_choice": 1})  # fmt: skip
+    metrics = ServerMetrics(group, "m")
+    fallbacks = "tokenmill:router_fallbacks_total"
+    assert _value(metrics, fallbacks, router="prefix_aware", reason="error") == 3
+    assert _value(metrics, fallbacks, router="prefix_aware", reason="invalid_choice") == 1
+    assert _value(metrics, "tokenmill:num_outstanding_tokens", engine="0") == 321
+    assert _value(metrics, "tokenmill:num_outstanding_tokens", engine="1") is None  # no stats yet
+    assert _value(metrics, "tokenmill:prefix_cache_summary_blocks", engine="0") == 2
+
+
 # ---------------------------------------------------------------- a real server
 
 

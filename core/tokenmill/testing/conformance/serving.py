@@ -24,7 +24,7 @@ def check_router(
     """Check a router against the ``Router`` contract.
 
     For 1 to ``max_engines`` engines and every pattern of which are healthy (at least one), with random
-    loads, ``select`` returns the ``index`` of a healthy engine, every time, for requests with and without
+    loads, KV headroom and cached prefixes, ``select`` returns the ``index`` of a healthy engine, every time, for requests with and without
     a prefix (``prefix_hashes`` are given when ``needs_prefix_hashes``), within a second. With
     ``torch_free``, the router's module is imported in a fresh interpreter, which must not import torch:
     routers run in the API front end.
@@ -49,6 +49,9 @@ def check_router(
                     num_waiting=rng.randrange(8),
                     kv_cache_usage=rng.random(),
                     num_in_flight=rng.randrange(64),
+                    num_outstanding_tokens=rng.randrange(10_000),
+                    num_free_kv_tokens=rng.randrange(10_000),
+                    num_cached_prefix_tokens=rng.choice((0, 16, 32)),
                 )  # fmt: skip
                 for i, healthy in enumerate(health)
             ]

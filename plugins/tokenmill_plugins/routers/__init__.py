@@ -1,0 +1,5 @@
+"""First-party routers: ``least_loaded``, ``kv_aware`` and ``prefix_aware`` (``server.router``, ``--router``).
+
+Registered through the ``tokenmill`` entry point ``routers`` like any third-party plugin; options come from
+the ``[plugins.routers]`` table (``RoutersOptions``). Nothing here imports torch: routers run in the front end.
+"""
