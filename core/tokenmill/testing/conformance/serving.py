@@ -24,8 +24,9 @@ def check_router(
     """Check a router against the ``Router`` contract.
 
     For 1 to ``max_engines`` engines and every pattern of which are healthy (at least one), with random
-    loads, KV headroom and cached prefixes, ``select`` returns the ``index`` of a healthy engine, every time, for requests with and without
-    a prefix (``prefix_hashes`` are given when ``needs_prefix_hashes``), within a second. With
+    loads, KV headroom and cached prefixes, ``select`` returns the ``index`` of a healthy engine, every
+    time, for requests with and without a prefix (``prefix_hashes`` are given when
+    ``needs_prefix_hashes``), within a second. With
     ``torch_free``, the router's module is imported in a fresh interpreter, which must not import torch:
     routers run in the API front end.
 
