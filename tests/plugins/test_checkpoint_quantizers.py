@@ -304,3 +304,26 @@ def test_fp8_layer_matches_dequantize_then_matmul(block: int | None) -> None:
     layer.load_weight("bias", bias)
     x = torch.randn(3, in_features, generator=generator)
     torch.testing.assert_close(layer(x), nn.functional.linear(x, weight.dequantize(), bias), rtol=1e-5, atol=1e-4)
+
+
+def test_output_quantization_int8_quantizes_the_float_output_projection() -> None:
+    """``[plugins.quant] output_quantization = "int8"``: the float lm_head the tools leave becomes Q8_0 at load."""
+    from safetensors.torch import load_file as load_reference
+
+    from tests.factories import make_engine
+
+    name = "ct-w4a16-gptq"
+    default = make_engine(CHECKPOINTS / name).loaded.model
+    engine = make_engine(CHECKPOINTS / name, plugins={"quant": {"output_quantization": "int8"}})
+    model = engine.loaded.model
+    assert default.lm_head.quantizer.name == "none"
+    assert model.lm_head.quantizer.name == "int8"
+    assert model.model.layers[0].self_attn.qkv_proj.quantizer.name == "compressed-tensors"
+    hidden = torch.randn(3, 128)
+    reference = load_reference(CHECKPOINTS / name / "reference.safetensors")["logits.0"]
+    with torch.no_grad():
+        float_logits, int8_logits = default.compute_logits(hidden), model.compute_logits(hidden)
+    difference = (int8_logits - float_logits).abs().max().item()
+    assert 0 < difference < 0.01 * reference.abs().max().item()  # rounded, but only by int8 steps
+    with pytest.raises(TokenmillError, match="output_quantization"):
+        make_engine(CHECKPOINTS / name, plugins={"quant": {"output_quantization": "int4"}})

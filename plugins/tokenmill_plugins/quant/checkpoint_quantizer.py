@@ -61,6 +61,8 @@ from torch import Tensor, nn
 from tokenmill.layers.dense import DenseQuantizer
 from tokenmill.layers.quantizer import Quantizer, layer_bias, layer_tensor
 from tokenmill_plugins.quant.checkpoint_weights import ActivationScheme, FloatWeight, IntWeight, merge_parts
+from tokenmill_plugins.quant.options import QuantOptions
+from tokenmill_plugins.quant.weight_only import Int8Quantizer
 
 #: The kernels' group: 32 consecutive inputs share a scale.
 KERNEL_GROUP = quant_matmul.GROUP
@@ -94,13 +96,17 @@ class CheckpointQuantizer(Quantizer):
     def is_available(cls) -> bool:
         return quant_cpu.is_available() or _cuda_is_available()
 
-    def __init__(self) -> None:
+    def __init__(self, options: QuantOptions | None = None) -> None:
+        self.output_quantization = (options or QuantOptions()).output_quantization
         self._dtype = torch.float32
         if quant_cpu.is_available():  # a GPU host may lack AVX2 or a compiler; the CUDA paths need neither
             quant_cpu.load()  # build or load the C++ now, not inside the first step
 
     def output_quantizer(self) -> Quantizer:
-        # The tools this reads leave lm_head in float (configure refuses a checkpoint that quantized it).
+        # The tools this reads leave lm_head in float (configure refuses a checkpoint that quantized it);
+        # [plugins.quant] output_quantization = "int8" quantizes it at load, as GGUF files store it.
+        if self.output_quantization == "int8":
+            return Int8Quantizer()
         return DenseQuantizer()
 
     def merge(self, parts: Sequence[Any]) -> Any:

@@ -8,6 +8,12 @@ from __future__ import annotations
 
 from tokenmill import hookimpl
 from tokenmill.hookspecs import Register
+from tokenmill_plugins.quant.options import QuantOptions
+
+
+@hookimpl
+def tokenmill_plugin_options() -> type[QuantOptions]:
+    return QuantOptions
 
 
 @hookimpl

@@ -44,7 +44,7 @@ class _WeightOnlyQuantizer(Quantizer):
     def is_available(cls) -> bool:
         return quant_cpu.is_available()
 
-    def __init__(self) -> None:
+    def __init__(self, options: object = None) -> None:  # the quant plugin's options; these read none
         quant_cpu.load()  # build (first run on a machine) or load the C++ now, not inside the first step
 
     def create_weights(
