@@ -50,6 +50,14 @@ _input_len = click.option(
 _output_len = click.option(
     "--output-len", type=click.IntRange(min=1), default=128, show_default=True, help="Generated tokens per request."
 )
+_request_rate = click.option(
+    "--request-rate",
+    type=click.FloatRange(min=0, min_open=True),
+    default=math.inf,
+    show_default=True,
+    help="Mean requests per second, with Poisson (exponential-gap) arrivals; inf sends all at once (at most "
+    "--concurrency in flight).",
+)
 _mixed = click.option(
     "--mixed",
     is_flag=True,
@@ -88,13 +96,7 @@ def bench() -> None:
 @click.option("--num-requests", type=click.IntRange(min=1), default=100, show_default=True, help="Requests to send.")
 @_input_len
 @_output_len
-@click.option(
-    "--request-rate",
-    type=click.FloatRange(min=0, min_open=True),
-    default=math.inf,
-    show_default=True,
-    help="Mean requests per second, with Poisson (exponential-gap) arrivals; inf sends all at once.",
-)
+@_request_rate
 @_mixed
 @_seed
 @click.option("--api-key", default=None, help="Sent as 'Authorization: Bearer KEY'; never written to the report.")
@@ -649,6 +651,91 @@ def _length_range(ctx: click.Context, param: click.Parameter, value: tuple[int, 
     if value[0] > value[1]:
         raise click.BadParameter(f"MIN {value[0]} > MAX {value[1]}")
     return value
+
+
+@bench.command()
+@config_options
+@click.option(
+    "--routers",
+    "router_names",
+    default="round_robin,least_loaded,prefix_aware",
+    show_default=True,
+    help="Comma-separated routers, each measured behind its own fresh server; ratios are to round_robin.",
+)
+@click.option(
+    "--workload",
+    type=click.Choice(["shared-prefix", "mixed", "both"]),
+    default="both",
+    show_default=True,
+    help="'shared-prefix': tenants with long system prompts, short user suffixes, interleaved; 'mixed': log-normal "
+    "prompt and output lengths (means --input-len, --output-len).",
+)
+@click.option(
+    "--num-requests", type=click.IntRange(min=1), default=200, show_default=True, help="Per workload and router."
+)
+@click.option("--concurrency", type=click.IntRange(min=1), default=16, show_default=True, help="Requests in flight.")
+@_request_rate
+@click.option("--tenants", type=click.IntRange(min=1), default=8, show_default=True, help="shared-prefix: tenants.")
+@click.option(
+    "--system-prompt-len", type=click.IntRange(min=1), default=1024, show_default=True,
+    help="shared-prefix: tokens of each tenant's system prompt.",
+)  # fmt: skip
+@click.option(
+    "--suffix-len", type=(click.IntRange(min=1), click.IntRange(min=1)), default=(16, 64), show_default=True,
+    callback=_length_range, help="shared-prefix: shortest and longest user suffix, in tokens.",
+)  # fmt: skip
+@click.option(
+    "--kv-fraction", type=click.FloatRange(min=0, min_open=True), default=0.6, show_default=True,
+    help="shared-prefix, without --num-kv-blocks: each engine's KV cache holds this share of all the tenants' system "
+    "prompts (plus room for the running requests).",
+)  # fmt: skip
+@click.option("--input-len", type=click.IntRange(min=1), default=512, show_default=True, help="mixed: mean prompt.")
+@click.option("--output-len", type=click.IntRange(min=1), default=64, show_default=True, help="Generated tokens.")
+@_seed
+@click.option(
+    "--server-timeout", type=click.FloatRange(min=0, min_open=True), default=600.0, show_default=True,
+    help="Seconds each server may take to load the model and answer /health.",
+)  # fmt: skip
+@click.option(
+    "--timeout", type=click.FloatRange(min=0, min_open=True), default=600.0, show_default=True, help="Per request (s)."
+)
+@click.option("--no-progress", is_flag=True, help="Hide the progress bars.")
+@_output_json
+def routers(
+    config: EngineConfig,
+    router_names: str,
+    workload: str,
+    num_requests: int,
+    concurrency: int,
+    request_rate: float,
+    tenants: int,
+    system_prompt_len: int,
+    suffix_len: tuple[int, int],
+    kv_fraction: float,
+    input_len: int,
+    output_len: int,
+    seed: int,
+    server_timeout: float,
+    timeout: float,
+    no_progress: bool,
+    output_json: Path | None,
+) -> None:
+    """Routers compared with --data-parallel-size 2 (or more): prefix cache hit rate (/metrics), TTFT p50/p99 and
+    throughput of each router on the same requests, each behind a fresh server, with ratios to round_robin."""
+    from tokenmill.bench.routers import WORKLOADS, RouterBenchOptions, format_routers, run_routers
+    from tokenmill.plugin_manager import Slot, load_plugins
+
+    names = tuple(name.strip() for name in router_names.split(",") if name.strip())
+    registry = load_plugins().registry
+    for name in names:
+        registry.get(Slot.ROUTER, name)  # an unknown router fails now, with the installed ones
+    options = RouterBenchOptions(
+        routers=names, workloads=WORKLOADS if workload == "both" else (workload,), num_requests=num_requests,
+        concurrency=concurrency, request_rate=request_rate, output_len=output_len, num_tenants=tenants,
+        system_prompt_len=system_prompt_len, suffix_lens=suffix_len, kv_fraction=kv_fraction, input_len=input_len,
+        seed=seed, server_timeout_s=server_timeout, request_timeout_s=timeout, show_progress=not no_progress,
+    )  # fmt: skip
+    _report(run_routers(config, options), output_json, format_routers)
 
 
 @bench.command()

@@ -41,7 +41,7 @@ def _rng(seed: int, *keys: int) -> np.random.Generator:
 
 
 # Stream numbers: one per purpose, so each draw is independent of the others.
-_LENGTHS, _PROMPTS, _ARRIVALS, _SHARED_PREFIX = 0, 1, 2, 3
+_LENGTHS, _PROMPTS, _ARRIVALS, _SHARED_PREFIX, _TENANTS = 0, 1, 2, 3, 4
 
 
 def sample_lengths(
@@ -88,6 +88,36 @@ def shared_prefix_prompts(
     low = min(MIN_TOKEN_ID, high // 2)
     prefix = rng.integers(low, high, size=prefix_len).tolist()
     return [prefix + rng.integers(low, high, size=n).tolist() for n in lengths]
+
+
+def multi_tenant_prompts(
+    num: int,
+    num_tenants: int,
+    system_prompt_len: int,
+    suffix_lens: tuple[int, int],
+    *,
+    seed: int,
+    vocab_size: int | None = None,
+) -> tuple[list[list[int]], list[int]]:
+    """A shared-prefix multi-tenant workload: ``num_tenants`` tenants, each with its own random
+    ``system_prompt_len``-token system prompt, and ``num`` requests, each its tenant's system prompt then a
+    distinct random user suffix of a length drawn uniformly from ``suffix_lens`` (inclusive). Tenants are
+    interleaved: each request's tenant is drawn uniformly, so consecutive requests rarely share a prefix.
+    Returns ``(prompts, tenant of each prompt)``; the same arguments give the same workload."""
+    low_len, high_len = suffix_lens
+    if num_tenants < 1 or system_prompt_len < 1 or not 1 <= low_len <= high_len:
+        raise ValueError(f"need num_tenants >= 1, system_prompt_len >= 1 and 1 <= suffix lengths {suffix_lens}, "
+                         f"got {num_tenants} and {system_prompt_len}")  # fmt: skip
+    rng = _rng(seed, _TENANTS)
+    high = MAX_TOKEN_ID if vocab_size is None else min(MAX_TOKEN_ID, vocab_size)
+    low = min(MIN_TOKEN_ID, high // 2)
+    system_prompts = [rng.integers(low, high, size=system_prompt_len).tolist() for _ in range(num_tenants)]
+    tenants = rng.integers(0, num_tenants, size=num).tolist()
+    lengths = rng.integers(low_len, high_len + 1, size=num).tolist()
+    prompts = [
+        system_prompts[t] + rng.integers(low, high, size=n).tolist() for t, n in zip(tenants, lengths, strict=True)
+    ]
+    return prompts, tenants
 
 
 def random_texts(lengths: list[int], *, seed: int) -> list[str]:
