@@ -17,7 +17,7 @@ slot                      interface                       built in
 ``logits_processor``      ``LogitsProcessor``             ``logit_bias``, ``min_tokens``
 ``speculator``            ``Speculator``                  ``ngram``, ``draft_model``, ``medusa``
 ``kv_tier``               ``KVTier``                      ``cpu``, ``disk``, ``zmq-push``, ``zmq-pull``
-``router``                ``Router``                      ``round-robin``
+``router``                ``Router``                      ``round_robin``; plugin ``routers``: ``least_loaded``, ...
 ``transport``             ``Transport``                   ``zmq``
 ========================  ==============================  ======================================
 
