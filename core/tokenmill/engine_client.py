@@ -59,11 +59,6 @@ class EngineDeadError(TokenmillError):
     """The engine serving a request stopped answering (its process died or its heartbeats stopped)."""
 
 
-class RouterError(TokenmillError):
-    """The router plugin raised, or picked something that is not a healthy engine, for one request. The
-    front end no longer fails requests with it (it falls back to ``least_loaded``); kept for callers."""
-
-
 @dataclass
 class RequestStream:
     """Where one request's outputs arrive, in order; an ``EngineDeadError`` ends it early."""

@@ -28,7 +28,7 @@ from starlette.routing import Route
 
 from tokenmill import __version__
 from tokenmill.config import EngineConfig
-from tokenmill.engine_client import EngineDeadError, EngineGroup, RequestStream, RouterError
+from tokenmill.engine_client import EngineDeadError, EngineGroup, RequestStream
 from tokenmill.messages import EngineCoreOutput, EngineCoreRequest
 from tokenmill.output_processor import CompletionDelta, OutputProcessor
 from tokenmill.outputs import RequestOutput
@@ -227,8 +227,6 @@ class OpenAIServer:
             stream = self.state.group.add_request(message)
         except EngineDeadError as exc:
             raise ProtocolError(503, str(exc), type="server_error", code="engine_unavailable") from None
-        except RouterError as exc:  # a plugin's bug: this request fails, the server keeps serving
-            raise ProtocolError(500, str(exc), type="server_error", code="router_error") from None
         if lease is not None:  # charged once it is sent: tokens_per_minute counts what the engines compute
             lease.charge_tokens(len(prompt_token_ids))
             self.state.metrics.observe_tenant_tokens(lease.tenant, num_prompt_tokens=len(prompt_token_ids))
