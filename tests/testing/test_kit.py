@@ -67,7 +67,7 @@ def test_plugin_manager_registers_plugin_objects_beside_the_builtins(
     plugin_manager: Callable[..., PluginSystem],
 ) -> None:
     system = plugin_manager(_Greeter(), ("named", _Greeter()))
-    assert system.registry.names(Slot.ROUTER) == ["greeter", "round-robin"]
+    assert system.registry.names(Slot.ROUTER) == ["greeter", "round-robin", "round_robin"]
     infos = {info.name: info for info in system.infos}
     # Named after its class, or as given; registering the same class under a name again is no conflict.
     assert infos["_Greeter"].provides == infos["named"].provides == {"router": ["greeter"]}
