@@ -90,11 +90,11 @@ def _quantization_config(hf_config: Mapping[str, Any], path: Path) -> Mapping[st
     """The checkpoint's ``quantization_config``, or None for a float checkpoint or a GGUF file (whose weight
     format reports its block type there, read as ``ArchitectureConfig.stored_weight_type``)."""
     quantization_config = hf_config.get("quantization_config")
-    if quantization_config is None or quantization_config.get("quant_method") == "gguf":
+    if quantization_config is None:
         return None
     if not isinstance(quantization_config, Mapping):
         raise WeightsError(f"{path}: quantization_config is a {type(quantization_config).__name__}, not an object")
-    return quantization_config
+    return None if quantization_config.get("quant_method") == "gguf" else quantization_config
 
 
 def select_weight_format(path: Path, plugins: PluginSystem, name: str | None) -> WeightFormat:

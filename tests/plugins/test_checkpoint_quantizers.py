@@ -327,3 +327,12 @@ def test_output_quantization_int8_quantizes_the_float_output_projection() -> Non
     assert 0 < difference < 0.01 * reference.abs().max().item()  # rounded, but only by int8 steps
     with pytest.raises(TokenmillError, match="output_quantization"):
         make_engine(CHECKPOINTS / name, plugins={"quant": {"output_quantization": "int4"}})
+
+
+def test_a_quantization_config_that_is_not_an_object_is_a_one_line_error(tmp_path: Path) -> None:
+    directory = _copy("gptq-4bit-g32-sym", tmp_path)
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"] = "gptq"
+    (directory / "config.json").write_text(json.dumps(config))
+    with pytest.raises(TokenmillError, match="quantization_config is a str, not an object"):
+        _load(directory)

@@ -92,7 +92,7 @@ class ArchitectureConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
             torch_dtype=hf.get("torch_dtype") or hf.get("dtype"),
-            stored_weight_type=(hf.get("quantization_config") or {}).get("weight_type"),
+            stored_weight_type=_stored_weight_type(hf.get("quantization_config")),
         )
 
 
@@ -140,3 +140,11 @@ def _sliding_windows(hf: dict[str, Any], model_type: str, num_layers: int) -> tu
         first = int(hf.get("max_window_layers", num_layers))
         return tuple(window if i >= first else None for i in range(num_layers))
     return (window,) * num_layers  # Mistral: every layer
+
+
+def _stored_weight_type(quantization_config: Any) -> str | None:
+    """A GGUF weight format's block type (``quantization_config.weight_type``); None for anything else, including
+    a malformed entry, which the model loader reports."""
+    if isinstance(quantization_config, dict) and isinstance(quantization_config.get("weight_type"), str):
+        return str(quantization_config["weight_type"])
+    return None
