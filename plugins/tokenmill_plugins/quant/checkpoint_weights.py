@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from tokenmill.quantize import packing
+
 
 @dataclass(frozen=True)
 class ActivationScheme:
@@ -120,12 +122,10 @@ def _merged_input_scale(scales: Sequence[Tensor | None]) -> Tensor | None:
 
 def unpack_int32(packed: Tensor, bits: int, dim: int, count: int) -> Tensor:
     """Codes packed ``32 // bits`` to an int32 along ``dim``, lowest bits first (GPTQ, AWQ before reordering,
-    compressed-tensors): uint8 with ``count`` elements along ``dim``."""
-    per_word = 32 // bits
-    words = packed.to(torch.int32).movedim(dim, -1)
-    shifts = torch.arange(0, 32, bits, dtype=torch.int32)  # [per_word]
-    codes = (words.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # [..., words, per_word]
-    codes = codes.flatten(-2)[..., :count]
-    if codes.shape[-1] != count:
-        raise ValueError(f"holds {words.shape[-1] * per_word} codes along dimension {dim}, expected {count}")
-    return codes.to(torch.uint8).movedim(-1, dim)
+    compressed-tensors): uint8 with ``count`` elements along ``dim``. The bit layout is the quantize writer's
+    (:mod:`tokenmill.quantize.packing`), whose signed codes are these minus ``2**(bits - 1)``."""
+    available = packed.shape[dim] * (32 // bits)
+    if available < count:
+        raise ValueError(f"holds {available} codes along dimension {dim}, expected {count}")
+    signed = packing.unpack_int32(packed.to(torch.int32), bits, count, dim=dim)
+    return (signed.to(torch.int16) + (1 << (bits - 1))).to(torch.uint8)
