@@ -198,7 +198,7 @@ def test_greedy_outputs_equal_the_offline_engine(client, default_server, smollm2
     assert asyncio.run(concurrently()) == expected * 3
 
 
-def test_64_concurrent_streams_get_their_lengths_and_65_more_get_429(tiny_server: Server) -> None:
+def test_64_concurrent_streams_get_their_lengths_and_65_more_get_429_with_retry_after(tiny_server: Server) -> None:
     async def stream(client: openai.AsyncOpenAI, max_tokens: int) -> int:
         chunks = await client.completions.create(
             model="tiny", prompt="Once upon a time", max_tokens=max_tokens, temperature=0.8, stream=True,
@@ -218,6 +218,7 @@ def test_64_concurrent_streams_get_their_lengths_and_65_more_get_429(tiny_server
     crowded = asyncio.run(run(80))
     rejected = [r for r in crowded if isinstance(r, openai.RateLimitError)]
     assert len(rejected) >= 16 and all(isinstance(r, int) or r in rejected for r in crowded)
+    assert {r.response.headers["retry-after"] for r in rejected} == {"1"}
     assert tiny_server.metrics()["tokenmill:kv_cache_usage_perc"] == 0.0
 
 

@@ -133,6 +133,7 @@ def test_a_killed_engine_fails_its_requests_and_is_restarted(
             assert stream.ended_at - killed < 5
         refused = _completion(server)
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_unavailable"
+        assert refused.headers["retry-after"] == "5"
         down = _wait_healthy(server, 60)
         assert down and all(answer.status_code == 503 for answer in down)
         assert down[0].json()["engines"] == [

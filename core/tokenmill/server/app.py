@@ -42,6 +42,9 @@ from tokenmill.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
+#: Retry-After of a 503 while engines restart: a restarted engine reloads its model, which takes seconds.
+ENGINE_RESTART_RETRY_AFTER_S = 5
+
 
 @dataclass
 class ServerState:
@@ -80,11 +83,11 @@ class _ClosingStreamingResponse(StreamingResponse):
 
 
 def _error(exc: ProtocolError, metrics: ServerMetrics, tenant: str | None = None) -> JSONResponse:
-    """OpenAI's JSON error for ``exc``, counted (for ``tenant`` too, when the key is known); a rate limit's
-    carries ``Retry-After``."""
+    """OpenAI's JSON error for ``exc``, counted (for ``tenant`` too, when the key is known), with ``Retry-After``
+    when the error will pass (a rate limit, a full queue, engines restarting)."""
     limit = exc.limit if isinstance(exc, RateLimited) else None
     metrics.observe_rejected(exc.status, exc.code, tenant, limit)
-    headers = {"Retry-After": str(exc.retry_after)} if isinstance(exc, RateLimited) else None
+    headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after is not None else None
     return Response(
         protocol.error_body(exc.status, exc.message, exc.type, exc.param, exc.code),
         status_code=exc.status,
@@ -205,12 +208,14 @@ class OpenAIServer:
         if not group.is_serving:  # some engine up: the router skips those that are down
             raise ProtocolError(
                 503, "No engine is available (restarting); retry later.", type="server_error",
-                code="engine_unavailable",
+                code="engine_unavailable", retry_after=ENGINE_RESTART_RETRY_AFTER_S,
             )  # fmt: skip
         if group.num_in_flight >= group.max_num_seqs + self.state.config.server.max_waiting:
+            # When a slot frees depends on how long the running requests generate: 1 s, as for a key's concurrency.
             raise ProtocolError(
-                429, "The server is at capacity; retry later.", type="rate_limit_error", code="queue_full"
-            )
+                429, "The server is at capacity; retry later.", type="rate_limit_error", code="queue_full",
+                retry_after=1,
+            )  # fmt: skip
 
     def _start(self, prompt_token_ids: list[int], prompt: str | None, params: SamplingParams, priority: int,
                prefix: str, lease: Lease | None = None, cache_salt: str | None = None) -> _Generation:  # fmt: skip

@@ -65,12 +65,15 @@ def error_body(
 
 
 class ProtocolError(Exception):
-    """A request the API answers with an error; the server sends ``body()`` with ``status``."""
+    """A request the API answers with an error; the server sends ``body()`` with ``status``, and a
+    ``Retry-After`` header of ``retry_after`` seconds when that is set (429s and 503s that will pass)."""
 
     def __init__(
-        self, status: int, message: str, *, type: str | None = None, param: str | None = None, code: str | None = None
-    ) -> None:
+        self, status: int, message: str, *, type: str | None = None, param: str | None = None, code: str | None = None,
+        retry_after: int | None = None,
+    ) -> None:  # fmt: skip
         super().__init__(message)
+        self.retry_after = retry_after
         default_type, default_code = _error_defaults(status)
         self.status = status
         self.message = message

@@ -156,11 +156,11 @@ class RateLimited(ProtocolError):
 
     def __init__(self, limit: str, value: int, retry_after: float) -> None:
         self.limit = limit
-        self.retry_after = max(1, math.ceil(retry_after))
+        seconds = max(1, math.ceil(retry_after))
         what = limit.replace("_", " ")
         super().__init__(
-            429, f"Rate limit reached for this API key: {what} ({value}). Retry after {self.retry_after} s.",
-            type="rate_limit_error", code="rate_limit_exceeded",
+            429, f"Rate limit reached for this API key: {what} ({value}). Retry after {seconds} s.",
+            type="rate_limit_error", code="rate_limit_exceeded", retry_after=seconds,
         )  # fmt: skip
 
 
