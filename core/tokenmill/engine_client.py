@@ -23,11 +23,12 @@ import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import msgspec
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine_process import LocalEngineProcess, describe_exit
+from tokenmill.engine_process import LocalEngineProcess
 from tokenmill.errors import TokenmillError
 from tokenmill.kv_cache.block_hash import block_hashes
 from tokenmill.messages import (
@@ -59,6 +60,38 @@ class EngineDeadError(TokenmillError):
     """The engine serving a request stopped answering (its process died or its heartbeats stopped)."""
 
 
+class EngineProcess(Protocol):
+    """An engine the front end started and brings back after it dies: a ``LocalEngineProcess`` on this host, or
+    a replica on a Ray cluster (``tokenmill.ray_replicas.RayEngineReplica``). Called from the front end's event
+    loop; nothing here blocks for long."""
+
+    @property
+    def exit_reason(self) -> str:
+        """Once ``is_alive`` is false: how it ended, as the end of a sentence (``was killed by SIGKILL``)."""
+        ...
+
+    def is_alive(self) -> bool:
+        """Whether the engine runs (called every watchdog tick)."""
+        ...
+
+    async def locate(self, timeout: float) -> tuple[str, TransportSecurity | None]:
+        """Where the engine serves, once started (a restarted one may move), and the keys to connect to it with
+        (None: the client's own). Raises ``EngineDeadError`` if that is not known within ``timeout`` s."""
+        ...
+
+    async def restart(self) -> None:
+        """Start it again after it died (or was killed); ``locate`` then finds the new one."""
+        ...
+
+    def kill(self) -> None:
+        """Kill it now, with whatever it started (a hung engine); ``restart`` brings it back."""
+        ...
+
+    async def stop(self, timeout: float) -> None:
+        """Stop it for good: up to ``timeout`` s to finish its step and flush, then killed."""
+        ...
+
+
 @dataclass
 class RequestStream:
     """Where one request's outputs arrive, in order; an ``EngineDeadError`` ends it early."""
@@ -80,7 +113,7 @@ class EngineClient:
     saying why (the server then exits). An attempt fails when the engine does not answer the handshake, or
     answers and dies again before it has served: finished a request or stayed up for a minute.
 
-    :param process: the ``LocalEngineProcess`` of an engine this front end started, else None.
+    :param process: the ``EngineProcess`` of an engine this front end started, else None.
     :param max_restarts: failed restarts in a row allowed; 0 gives up at the first death.
     :param security: this front end's keys for the transport (``tokenmill.transport.security``), or None.
     """
@@ -90,7 +123,7 @@ class EngineClient:
         address: str,
         transport: Transport,
         index: int = 0,
-        process: LocalEngineProcess | None = None,
+        process: EngineProcess | None = None,
         heartbeat_timeout: float = 5.0,
         max_restarts: int = 0,
         security: TransportSecurity | None = None,
@@ -145,6 +178,10 @@ class EngineClient:
         return self.ready
 
     async def _handshake(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        if self.process is not None:  # a Ray replica serves where its current actor bound, with its own keys
+            self.address, security = await self.process.locate(timeout)
+            self.security = security or self.security
         if self.security is not None and self.transport.supports_security:
             connection = self.transport.connect(self.address, security=self.security)
         else:
@@ -152,14 +189,14 @@ class EngineClient:
         self._connection = connection
         try:
             connection.send(encode(Hello(PROTOCOL_VERSION)))
-            deadline = time.monotonic() + timeout
             while True:
                 if self.process is not None and not self.process.is_alive():
-                    code = describe_exit(self.process.exitcode)
-                    raise EngineDeadError(f"engine at {self.address} {code} while starting")
+                    raise EngineDeadError(f"engine at {self.address} {self.process.exit_reason} while starting")
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise EngineDeadError(f"no engine answered at {self.address} within {timeout:.0f} s")
+                if (refusal := connection.handshake_failure()) is not None:
+                    raise EngineDeadError(f"engine at {self.address} refused the connection: {refusal}")
                 if await connection.poll(min(remaining, 0.5)):
                     message = decode_from_engine(await connection.recv())
                     if isinstance(message, Ready):
@@ -257,7 +294,7 @@ class EngineClient:
             if self.is_dead:
                 continue  # marked down from outside; nothing to watch
             if self.process is not None and not self.process.is_alive():
-                return f"engine process {describe_exit(self.process.exitcode)}"
+                return f"engine process {self.process.exit_reason}"
             if time.monotonic() - self._last_seen > self.heartbeat_timeout:
                 return f"no heartbeat for {self.heartbeat_timeout:.0f} s"
 
@@ -300,8 +337,7 @@ class EngineClient:
             started = time.monotonic()
             try:
                 if self.process is not None:
-                    await self.process.stop(timeout=0)  # killed already: reap it and whatever it started
-                    self.process.start()
+                    await self.process.restart()  # killed already: a fresh one (Ray restarts its actor itself)
                     await self._handshake(self._start_timeout)
                 else:
                     await self._handshake(min(self._start_timeout, self.heartbeat_timeout))

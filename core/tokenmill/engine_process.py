@@ -27,6 +27,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
@@ -43,7 +44,7 @@ from tokenmill.messages import (
     Ready,
 )
 from tokenmill.prefix_summary import PrefixSummaryFeed
-from tokenmill.transport.base import EngineEndpoint
+from tokenmill.transport.base import EngineEndpoint, TransportSecurity
 from tokenmill.transport.security import check_supported, engine_security, security_kwargs
 from tokenmill.transport.serde import decode_to_engine, encode
 
@@ -54,11 +55,20 @@ HEARTBEAT_INTERVAL_S = 0.5
 PROCESS_LABEL = "tokenmill-engine"
 
 
-def run_engine_process(config_data: dict[str, Any], address: str, watch_parent: bool = False) -> None:
+def run_engine_process(
+    config_data: dict[str, Any],
+    address: str,
+    watch_parent: bool = False,
+    stop: threading.Event | None = None,
+    security: TransportSecurity | None = None,
+) -> None:
     """Entry point of an engine process: load the model, serve ``address`` until SIGTERM/SIGINT.
 
     :param config_data: the resolved ``EngineConfig`` as builtins (it crosses a process boundary).
     :param watch_parent: exit when the process that started this one dies.
+    :param stop: set from another thread to stop the engine after its step; with it, the engine runs on any thread
+        and installs no signal handlers (a Ray actor's, ``tokenmill.ray_replicas``).
+    :param security: the endpoint's keys, instead of those the config's ``[transport]`` files hold.
     """
     from tokenmill.config import EngineConfig
     from tokenmill.engine import EngineCore
@@ -76,21 +86,23 @@ def run_engine_process(config_data: dict[str, Any], address: str, watch_parent: 
         if engine is None:
             raise SystemExit(0)  # still loading: there is nothing to finish or flush, so stop now
 
-    signal.signal(signal.SIGTERM, request_stop)
-    signal.signal(signal.SIGINT, request_stop)
+    if stop is None:
+        signal.signal(signal.SIGTERM, request_stop)
+        signal.signal(signal.SIGINT, request_stop)
 
     config = msgspec.convert(config_data, EngineConfig)
     plugins = resolve_plugins(config, skip=FRONT_END_SLOTS)  # the router runs in the front end
     transport = plugins.create(Slot.TRANSPORT, config.transport.backend)
     check_supported(transport, config.transport)
-    security = engine_security(config.transport)
+    if security is None:
+        security = engine_security(config.transport)
     # Bound before loading: front ends' Hello waits there.
     endpoint: EngineEndpoint = transport.bind(address, **security_kwargs(transport, security))
     try:
         engine = EngineCore(config, plugins)
         server = _EngineServer(engine, endpoint, security.max_message_size)
         logger.info("serving %s on %s (transport %r)", engine.loaded.path, address, config.transport.backend)
-        while not stopping:
+        while not stopping and not (stop is not None and stop.is_set()):
             if watch_parent and os.getppid() != parent:
                 logger.warning("parent process died; exiting")
                 break
@@ -259,6 +271,20 @@ class LocalEngineProcess:
     def exitcode(self) -> int | None:
         """The exit status once it has exited (``-N``: killed by signal N), else None."""
         return self._popen.returncode if self._popen is not None else None
+
+    @property
+    def exit_reason(self) -> str:
+        """How it ended, as the end of a sentence (``was killed by SIGKILL``)."""
+        return describe_exit(self.exitcode)
+
+    async def locate(self, timeout: float) -> tuple[str, TransportSecurity | None]:
+        """Where the engine serves (its fixed ipc:// address), and no keys of its own."""
+        return self.address, None
+
+    async def restart(self) -> None:
+        """Start it again once it died: reap it and whatever it started, then start a fresh one."""
+        await self.stop(timeout=0)
+        self.start()
 
     def start(self) -> None:
         """Start the engine: the first time, or again once the previous one was stopped."""
