@@ -93,6 +93,11 @@ def test_only_the_allowed_front_end_gets_in_and_the_refusals_are_counted(
             frames = await asyncio.to_thread(_drain, endpoint, _WAIT_S)
             assert frames == [b"allowed"]
             assert endpoint.num_refused_connections() >= 3  # each refused peer at least once (they retry)
+            # Each front end can tell whether, and why, the engine refused it.
+            assert allowed.handshake_failure() is None
+            assert "does not allow this front end's key" in (stranger.handshake_failure() or "")
+            assert "one side has CURVE keys and the other has none" in (plain.handshake_failure() or "")
+            assert impostor.handshake_failure() is not None
             # The allowed peer hears back, encrypted both ways.
             allowed.send(b"who")
             [(peer, frame)] = await asyncio.to_thread(_drain_pairs, endpoint, 0.5)
@@ -118,6 +123,7 @@ def test_a_front_end_that_expects_another_engine_key_gets_nothing_through(
             misled.send(b"hello")
             assert await asyncio.to_thread(_drain, endpoint, _WAIT_S) == []
             assert endpoint.num_refused_connections() >= 1
+            assert "curve_engine_public_key_file" in (misled.handshake_failure() or "")
 
     asyncio.run(run())
 

@@ -217,3 +217,25 @@ def test_fuzzed_frames_never_crash_the_engine(secured: tuple[Server, Any, str, d
     assert dropped["malformed"] > len(fuzzed) // 2
     # And the engine still serves, the same greedy text as before.
     assert _complete(server) == text_before
+
+
+def test_a_front_end_the_engine_refuses_says_so_at_once(
+    secured: tuple[Server, Any, str, dict[str, Path]], tmp_path: Path, tiny_model_dir: Path, smollm2_gguf: Path
+) -> None:
+    """A front end started with a key the engine does not list exits within seconds naming the refusal, instead
+    of waiting out the engine start timeout (600 s) as if no engine were there."""
+    _, engine, address, paths = secured
+    (tmp_path / "stranger").mkdir()
+    _, stranger_secret = zmq.auth.create_certificates(tmp_path / "stranger", "stranger")
+    command = [sys.executable, "-m", "tokenmill.cli", "serve", str(tiny_model_dir), "--tokenizer", str(smollm2_gguf),
+               "--port", "0", "--engine", address, "--curve-secret-key-file", stranger_secret,
+               "--curve-engine-public-key-file", str(paths["engine"])]  # fmt: skip
+    started = time.monotonic()
+    finished = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert finished.returncode != 0
+    assert f"engine at {address} refused the connection: the engine does not allow this front end's key" in (
+        finished.stderr
+    ), finished.stderr
+    assert time.monotonic() - started < 60
+    assert "Traceback" not in finished.stderr
+    assert engine.poll() is None

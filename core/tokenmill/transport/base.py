@@ -94,6 +94,12 @@ class FrontendConnection(ABC):
     def close(self) -> None:
         """Drop the connection; pending frames are discarded."""
 
+    def handshake_failure(self) -> str | None:
+        """Why the engine refused this connection's handshake (its key is not allowed, the engine's key is not
+        the one expected, one side has no keys), when the transport can tell and the last attempt failed; else
+        None. The front end polls it while it waits for ``Ready``, to fail in a moment instead of a timeout."""
+        return None
+
 
 class Transport(ABC):
     """Makes engine endpoints and front-end connections. Built once per process with no arguments

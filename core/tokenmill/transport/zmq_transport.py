@@ -16,7 +16,8 @@ The engine's socket refuses frames over twice ``max_message_size``
 (``MAXMSGSIZE``: ZeroMQ closes that connection before buffering the frame;
 the engine drops and counts those over ``max_message_size`` it reads);
 multipart messages are dropped and counted here. A monitor socket counts handshakes that failed (a peer refused by
-the ZAP handler, one without CURVE, or one speaking garbage).
+the ZAP handler, one without CURVE, or one speaking garbage). A front end monitors its own handshakes too, so that
+one the engine refuses learns why in a moment (``handshake_failure``) instead of timing out.
 """
 
 from __future__ import annotations
@@ -41,6 +42,18 @@ _HANDSHAKE_FAILED: dict[int, str] = {
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "it broke the protocol (no CURVE, or garbage)",
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "the handshake failed",
 }
+#: The same events as the front end sees them, with what each says about this front end's settings.
+_REFUSED_BY_ENGINE: dict[int, str] = {
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "the engine does not allow this front end's key (its public key must be in "
+    "the engine's transport.curve_public_keys_dir)",
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "the handshake failed: one side has CURVE keys and the other has none "
+    "(transport.curve_secret_key_file)",
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "the handshake failed: is transport.curve_engine_public_key_file the "
+    "engine's public key?",
+}
+_ANY_HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
 #: A refused peer reconnects every 100 ms: log a refusal at most this often (each one is counted).
 _REFUSAL_LOG_INTERVAL_S = 10.0
 
@@ -62,9 +75,7 @@ class ZmqEngineEndpoint(EngineEndpoint):
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.MAXMSGSIZE, 2 * security.max_message_size)
-        self._monitor = self._socket.get_monitor_socket(
-            zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-        )
+        self._monitor = self._socket.get_monitor_socket(_ANY_HANDSHAKE_FAILED)
         try:
             if _is_tcp(address) and security.secret_key is not None:
                 self._secure(address, security)
@@ -158,10 +169,14 @@ class ZmqFrontendConnection(FrontendConnection):
             self._socket.curve_secretkey = security.secret_key
             self._socket.curve_publickey = security.public_key
             self._socket.curve_serverkey = security.engine_public_key
+        # A synchronous view of the monitor, so handshake_failure can read it without the event loop.
+        self._monitor_socket = self._socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | _ANY_HANDSHAKE_FAILED)
+        self._monitor = zmq.Socket.shadow(self._monitor_socket.underlying)
+        self._handshake_failure: str | None = None
         try:
             self._socket.connect(address)
         except zmq.ZMQError as exc:
-            self._socket.close()
+            self.close()
             raise TokenmillError(f"cannot connect to {address!r}: {exc}") from None
 
     def send(self, frame: bytes) -> None:
@@ -176,7 +191,17 @@ class ZmqFrontendConnection(FrontendConnection):
     async def poll(self, timeout_s: float) -> bool:
         return bool(await self._socket.poll(timeout_s * 1000))
 
+    def handshake_failure(self) -> str | None:
+        while True:  # the latest attempt decides: ZeroMQ retries a failed handshake by itself
+            try:
+                event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))["event"]
+            except zmq.Again:
+                return self._handshake_failure
+            self._handshake_failure = _REFUSED_BY_ENGINE.get(event)
+
     def close(self) -> None:
+        self._socket.disable_monitor()
+        self._monitor_socket.close()
         self._socket.close()
 
 
