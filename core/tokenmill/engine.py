@@ -50,6 +50,7 @@ from tokenmill.messages import (
 )
 from tokenmill.model_loader import LoadedModel, load_model
 from tokenmill.model_runner import ModelRunner, SequenceChunk
+from tokenmill.parallel.shards import ShardedModelRunner, ShardWorkers
 from tokenmill.plugin_manager import FRONT_END_SLOTS, PluginSystem, Slot, resolve_plugins, slot_selections
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling.logits_processor import LogitsProcessor, SamplingRow
@@ -76,22 +77,18 @@ class EngineCore:
         self.config = config
         self.plugins = plugins if plugins is not None else resolve_plugins(config, skip=FRONT_END_SLOTS)
         tier_classes = [self._kv_tier_class(tier) for tier in config.kv_tiers]  # a bad entry fails before loading
-        self.loaded: LoadedModel = load_model(config, self.plugins)
-        arch = self.loaded.arch
-        self.layout: CacheLayout = plan_kv_cache(
-            config.cache, self.loaded.device, arch.num_layers, arch.num_kv_heads, arch.head_dim,
-            self.loaded.kv_cache_dtype,
-        )  # fmt: skip
-        graph_batch_sizes = cuda_graph_batch_sizes(
-            config.device.cuda_graphs, config.device.cuda_graph_batch_sizes, config.scheduler.max_num_seqs,
-            self.loaded.device, self.loaded.attention,
-        )  # fmt: skip
-        self.runner = ModelRunner(
-            self.loaded, self.layout.num_blocks, self.layout.block_size, cuda_graph_batch_sizes=graph_batch_sizes
-        )
+        #: The worker processes of shards 1..N-1 with tensor parallelism (this process runs shard 0).
+        self.shards = ShardWorkers(config) if config.parallel.tensor_parallel_size > 1 else None
+        try:
+            self.runner = self._load(config)
+        except BaseException:
+            if self.shards is not None:
+                self.shards.stop()
+            raise
         #: Salts every prefix-cache block hash: what the K/V of the same tokens depends on, so a KV tier that
         #: outlives this process (a disk) never serves blocks of other weights, dtypes or block sizes.
         self.kv_cache_hash_salt = kv_fingerprint(config, self.loaded, self.layout)
+        arch = self.loaded.arch
         self.kv_tiers: list[KVTier] = []
         writes = []
         for tier, cls in zip(config.kv_tiers, tier_classes, strict=True):
@@ -131,6 +128,28 @@ class EngineCore:
         #: Disaggregated requests held until their prompt's blocks arrive: id -> (request, deadline, hashes).
         self._awaiting_kv: dict[str, tuple[EngineCoreRequest, float, list[bytes]]] = {}
 
+    def _load(self, config: EngineConfig) -> ModelRunner:
+        """Load the model (this process's shard of it), size the KV cache and build the runner."""
+        shards = self.shards
+        self.loaded: LoadedModel = load_model(config, self.plugins, shards.connect if shards is not None else None)
+        arch = self.loaded.arch
+        # kv_cache_memory is what one device holds: each GPU shard's own, but on the CPU, where the shards share
+        # one memory, the whole replica's (then each shard allocates its share of every block).
+        num_kv_heads = arch.num_kv_heads if self.loaded.device.type == "cpu" else self.loaded.num_kv_heads
+        self.layout: CacheLayout = plan_kv_cache(
+            config.cache, self.loaded.device, arch.num_layers, num_kv_heads, arch.head_dim,
+            self.loaded.kv_cache_dtype,
+        )  # fmt: skip
+        if shards is not None:  # no CUDA graphs across shards yet: every step runs eagerly
+            return ShardedModelRunner(self.loaded, self.layout.num_blocks, self.layout.block_size, shards)
+        graph_batch_sizes = cuda_graph_batch_sizes(
+            config.device.cuda_graphs, config.device.cuda_graph_batch_sizes, config.scheduler.max_num_seqs,
+            self.loaded.device, self.loaded.attention,
+        )  # fmt: skip
+        return ModelRunner(
+            self.loaded, self.layout.num_blocks, self.layout.block_size, cuda_graph_batch_sizes=graph_batch_sizes
+        )
+
     def _kv_tier_class(self, tier: KVTierConfig) -> type[KVTier]:
         cls: type[KVTier] = self.plugins.load(Slot.KV_TIER, tier.name)
         try:
@@ -140,8 +159,11 @@ class EngineCore:
         return cls
 
     def close(self) -> None:
-        """Flush the KV tiers' pending writes and release them; once, when the engine stops."""
+        """Flush the KV tiers' pending writes and release them, and stop the tensor-parallel workers; once,
+        when the engine stops."""
         self.kv_tier_stack.close()
+        if self.shards is not None:
+            self.shards.stop()
 
     def _build_speculator(self) -> Speculator | None:
         spec = self.config.speculative_config

@@ -164,3 +164,51 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
 #: What the front end sends to an engine, and what an engine sends back.
 ToEngine = EngineCoreRequest | AbortRequests | Hello
 FromEngine = EngineCoreOutputs | Ready
+
+
+# Rank 0 of a tensor-parallel replica (the engine) -> each other shard's worker process, over its stdin.
+
+
+class ShardStart(msgspec.Struct, array_like=True, frozen=True, gc=False, tag=True):
+    """The worker's first message: what to load and how to join the shards."""
+
+    config: dict[str, Any]  # the resolved EngineConfig as builtins
+    rank: int
+    store_host: str
+    store_port: int
+
+
+class ShardSetup(msgspec.Struct, array_like=True, frozen=True, gc=False, tag=True):
+    """Once the model is loaded: the KV cache's size, as rank 0 planned it (every shard holds the same block ids)."""
+
+    num_blocks: int
+    block_size: int
+
+
+class ShardChunk(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """One request's share of a step (``tokenmill.step_batch.SequenceChunk``)."""
+
+    token_ids: list[int]
+    num_computed_tokens: int
+    block_ids: list[int]
+
+
+class ShardStep(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True, gc=False, tag=True):
+    """Run the forward of one step, as rank 0 does (``ModelRunner.execute``); once per step."""
+
+    chunks: list[ShardChunk]
+    logits_indices: list[int] | None = None
+    all_logits: bool = False
+
+
+class ShardCopyBlocks(msgspec.Struct, array_like=True, frozen=True, gc=False, tag=True):
+    """Copy-on-write of KV blocks (src, dst), before the next step's forward."""
+
+    copies: list[tuple[int, int]]
+
+
+class ShardStop(msgspec.Struct, array_like=True, frozen=True, gc=False, tag=True):
+    """The engine is closing: exit."""
+
+
+ToShard = ShardStart | ShardSetup | ShardStep | ShardCopyBlocks | ShardStop

@@ -8,8 +8,8 @@ so peak memory stays near the model's own size.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,8 @@ from tokenmill.layers.quantizer import Quantizer
 from tokenmill.model_files import resolve_model
 from tokenmill.models.architecture import ArchitectureConfig
 from tokenmill.models.base import CausalLM
+from tokenmill.parallel.group import TensorParallelGroup, single_process_group
+from tokenmill.parallel.sharding import check_shardable, shard_num_threads
 from tokenmill.plugin_manager import PluginError, PluginSystem, Registry, Slot, resolve_plugins
 from tokenmill.weights.cache import load_model_weights
 from tokenmill.weights.format import WeightFormat, WeightsError
@@ -40,6 +42,13 @@ class LoadedModel:
     path: Path
     max_model_len: int
     kv_cache_dtype: torch.dtype  # what the KV cache stores; attention computes in ``dtype``
+    #: The tensor-parallel shards this model is one of (size 1: the whole model).
+    tp: TensorParallelGroup = field(default_factory=single_process_group)
+
+    @property
+    def num_kv_heads(self) -> int:
+        """KV heads this shard computes and caches."""
+        return self.arch.num_kv_heads // self.tp.size
 
 
 def resolve_device(device: str) -> torch.device:
@@ -219,8 +228,16 @@ def _select_checkpoint_quantizer(
     return quantizer
 
 
-def load_model(config: EngineConfig, plugins: PluginSystem | None = None) -> LoadedModel:
-    """Build the configured model on its device and load its weights."""
+def load_model(
+    config: EngineConfig,
+    plugins: PluginSystem | None = None,
+    connect: Callable[[torch.device], TensorParallelGroup] | None = None,
+) -> LoadedModel:
+    """Build the configured model on its device and load its weights.
+
+    With ``parallel.tensor_parallel_size`` > 1, ``connect`` joins this process to the replica's shards once the
+    model is known to split (``check_shardable``: a one-line ``TensorParallelError`` otherwise, before any
+    weight is read or worker started); only this shard's part of the model is built and loaded."""
     plugins = plugins if plugins is not None else resolve_plugins(config)
     path = resolve_model(config.model.model)
     weight_format = select_weight_format(path, plugins, config.model.weight_format)
@@ -232,14 +249,25 @@ def load_model(config: EngineConfig, plugins: PluginSystem | None = None) -> Loa
     quantizer = select_quantizer(
         config.model.quantization, arch, device, plugins, _quantization_config(hf_config, path)
     )
+    tp = single_process_group()
+    tp_size = config.parallel.tensor_parallel_size
+    if tp_size > 1:
+        assert connect is not None, "a sharded model is loaded by the tensor-parallel launcher or a worker"
+        check_shardable(arch, tp_size, model_class, quantizer, device)
+        tp = connect(device)
+        if device.type == "cuda":
+            device = torch.device("cuda", tp.rank)
     if config.device.num_threads is not None:
         torch.set_num_threads(config.device.num_threads)
+    elif tp_size > 1 and device.type == "cpu":
+        torch.set_num_threads(shard_num_threads(tp_size))
     dtype = resolve_dtype(config.model.dtype, arch, device)
     kv_cache_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, dtype, attention, quantizer)  # before loading
     max_model_len = config.model.max_model_len or arch.max_position_embeddings
     logger.info(
-        "loading %s (%s, %s) from %s on %s as %s, KV cache %s",
+        "loading %s%s (%s, %s) from %s on %s as %s, KV cache %s",
         arch.architecture,
+        f" shard {tp.rank} of {tp.size}" if tp.size > 1 else "",
         weight_format.name,
         quantizer.name,
         path,
@@ -247,9 +275,12 @@ def load_model(config: EngineConfig, plugins: PluginSystem | None = None) -> Loa
         dtype,
         kv_cache_dtype,
     )
+    max_position = max(max_model_len, arch.max_position_embeddings)
     with torch.device("meta"):
-        model = model_class(arch, attention, quantizer, dtype, max(max_model_len, arch.max_position_embeddings))
+        # Only a sharded model's constructor gets ``tp``: an architecture plugin without it is refused above.
+        model = model_class(arch, attention, quantizer, dtype, max_position, **({"tp": tp} if tp.size > 1 else {}))
     model = model.to_empty(device=device)
-    load_model_weights(model, path, weight_format, dtype, device)  # a warm start reads the repacked weights
+    # A warm start reads the repacked weights.
+    load_model_weights(model, path, weight_format, dtype, device, (tp.rank, tp.size))
     model.eval()
-    return LoadedModel(model, arch, attention, device, dtype, path, max_model_len, kv_cache_dtype)
+    return LoadedModel(model, arch, attention, device, dtype, path, max_model_len, kv_cache_dtype, tp)

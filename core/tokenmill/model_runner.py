@@ -71,8 +71,8 @@ class ModelRunner:
         arch = loaded.arch
         num_cache_blocks = num_blocks + 1 if cuda_graph_batch_sizes else num_blocks
         shape = loaded.attention.kv_cache_shape(
-            num_cache_blocks, block_size, arch.num_kv_heads, arch.head_dim, loaded.kv_cache_dtype
-        )
+            num_cache_blocks, block_size, loaded.num_kv_heads, arch.head_dim, loaded.kv_cache_dtype
+        )  # a tensor-parallel shard caches its own KV heads only
         started = time.perf_counter()
         self.kv_caches = [
             _zeros(shape, loaded.kv_cache_dtype, loaded.device) for _ in range(arch.num_layers)

@@ -5,6 +5,7 @@ from tokenmill.config.cache import CacheConfig
 from tokenmill.config.device import DeviceConfig
 from tokenmill.config.engine import ConfigError, EngineConfig, load_config
 from tokenmill.config.model import ModelConfig
+from tokenmill.config.parallel import ParallelConfig
 from tokenmill.config.sampler import SamplerConfig
 from tokenmill.config.scheduler import SchedulerConfig
 from tokenmill.config.server import ServerConfig
@@ -18,6 +19,7 @@ __all__ = [
     "DeviceConfig",
     "EngineConfig",
     "ModelConfig",
+    "ParallelConfig",
     "SamplerConfig",
     "SchedulerConfig",
     "ServerConfig",

@@ -14,6 +14,7 @@ from tokenmill.config.base import ConfigSection, describe
 from tokenmill.config.cache import CacheConfig, KVTierConfig, kv_tier_entry
 from tokenmill.config.device import DeviceConfig
 from tokenmill.config.model import ModelConfig
+from tokenmill.config.parallel import ParallelConfig
 from tokenmill.config.sampler import SamplerConfig
 from tokenmill.config.scheduler import SchedulerConfig
 from tokenmill.config.server import ServerConfig
@@ -31,6 +32,7 @@ class EngineConfig(ConfigSection, frozen=True):
 
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     device: DeviceConfig = msgspec.field(default_factory=DeviceConfig)
+    parallel: ParallelConfig = msgspec.field(default_factory=ParallelConfig)
     cache: CacheConfig = msgspec.field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
@@ -62,6 +64,21 @@ class EngineConfig(ConfigSection, frozen=True):
             "declares and handed to the classes it registers; `tokenmill plugins` lists them."
         ),
     ] = msgspec.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        tp = self.parallel.tensor_parallel_size
+        if tp > 1:
+            # What a sharded model cannot do yet: refused here, before anything loads.
+            unsupported = [
+                (self.speculative_config.method is not None, "speculative decoding (speculative_config.method)"),
+                (bool(self.kv_tiers), "KV tiers (kv_tiers)"),
+            ]
+            for is_set, what in unsupported:
+                if is_set:
+                    raise ValueError(
+                        f"parallel.tensor_parallel_size={tp} does not support {what} yet; "
+                        "turn it off or set tensor_parallel_size = 1"
+                    )
 
     def to_dict(self) -> dict[str, Any]:
         """Every setting, defaults included: what `tokenmill config show` prints."""
@@ -100,6 +117,8 @@ def _describe_error(exc: msgspec.ValidationError, data: dict[str, Any], source: 
         setting = ".".join([*path, key])
         valid = _valid_keys(path)
         return f"{source}: unknown setting {setting!r}; valid settings here: {', '.join(valid)}"
+    if not path:  # a check across sections (EngineConfig.__post_init__): its message names the settings
+        return f"{source}: {text}"
     setting = ".".join(path)
     value = _lookup(data, path)
     given = f" (got {value!r})" if value is not None and not isinstance(value, dict) else ""

@@ -2,12 +2,36 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from tokenmill.layers.quantizer import Quantizer
+
+
+@dataclass(frozen=True)
+class LinearShard:
+    """The slice of a checkpoint linear one tensor-parallel rank holds (``tokenmill.parallel``).
+
+    ``dim`` 0 splits the output rows (column-parallel: q/k/v, gate/up, the output projection); ``dim`` 1
+    splits the input columns (row-parallel: o_proj, down_proj), whose partial outputs the model sums over
+    the shards, so only rank 0 keeps the bias.
+    """
+
+    dim: int
+    rank: int
+    size: int
+
+    def take(self, tensor: torch.Tensor, dim: int, local_size: int) -> torch.Tensor:
+        """This rank's ``local_size`` slice of ``tensor`` along ``dim``; raises ``ValueError`` when the
+        checkpoint tensor is not ``size`` times that long there."""
+        if tensor.shape[dim] != local_size * self.size:
+            full = list(tensor.shape)
+            full[dim] = local_size * self.size
+            raise ValueError(f"has shape {list(tensor.shape)}, expected {full}")
+        return tensor.narrow(dim, self.rank * local_size, local_size)
 
 
 class Linear(nn.Module):
@@ -17,15 +41,26 @@ class Linear(nn.Module):
     checkpoint stores them: the weight's tensors (the quantizer's ``checkpoint_tensor_names``: a float
     ``weight``, or a quantized format's ``qweight``, ``scales``, ...) are kept until all are here, then read
     by the quantizer into one weight.
+
+    With a ``shard`` (tensor parallelism), ``in_features`` and ``out_features`` are this rank's, and each
+    checkpoint tensor is cut to this rank's slice as it arrives, before the quantizer reads it (a float
+    ``weight`` only: the loader refuses to split pre-quantized checkpoints).
     """
 
     def __init__(
-        self, in_features: int, out_features: int, bias: bool, quantizer: Quantizer, dtype: torch.dtype
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        quantizer: Quantizer,
+        dtype: torch.dtype,
+        shard: LinearShard | None = None,
     ) -> None:
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
         self.has_bias = bias
+        self.shard = shard
         self.quantizer = quantizer
         quantizer.create_weights(self, in_features, out_features, bias, dtype)
         self._pending: dict[tuple[str, int], dict[str, torch.Tensor]] = {}  # (what, part) -> tensors so far
@@ -47,6 +82,15 @@ class Linear(nn.Module):
         from the tensor's name, which the caller puts first ("has shape [3], expected [4]").
         """
         size = self.part_sizes[part]
+        shard = self.shard
+        if shard is not None:
+            if param_name == "bias" and shard.dim == 1:  # summed over the shards: added once, by rank 0
+                tensor = tensor if shard.rank == 0 else torch.zeros_like(tensor)
+            elif param_name == "bias":
+                tensor = shard.take(tensor, 0, size)
+            else:
+                assert param_name == "weight", "only float checkpoints are split (checked at load)"
+                tensor = shard.take(tensor, shard.dim, size if shard.dim == 0 else self.in_features)
         if param_name == "bias":
             if tuple(tensor.shape) != (size,):
                 raise ValueError(f"has shape {list(tensor.shape)}, expected {[size]}")
@@ -90,9 +134,15 @@ class MergedLinear(Linear):
     """
 
     def __init__(
-        self, in_features: int, shard_sizes: tuple[int, ...], bias: bool, quantizer: Quantizer, dtype: torch.dtype
+        self,
+        in_features: int,
+        shard_sizes: tuple[int, ...],
+        bias: bool,
+        quantizer: Quantizer,
+        dtype: torch.dtype,
+        shard: LinearShard | None = None,
     ) -> None:
-        super().__init__(in_features, sum(shard_sizes), bias, quantizer, dtype)
+        super().__init__(in_features, sum(shard_sizes), bias, quantizer, dtype, shard)
         self.shard_sizes = shard_sizes
 
     @property

@@ -37,6 +37,9 @@ class Quantizer(ABC):
     #: The tensors one linear layer stores in the checkpoint, besides ``bias`` (``("qweight", "qzeros",
     #: "scales", "g_idx")`` for GPTQ); :meth:`configure` may set them from the checkpoint's config.
     checkpoint_tensor_names: tuple[str, ...] = ("weight",)
+    #: Input columns stored together (a block with one scale): a tensor-parallel split of a linear's input
+    #: (o_proj, down_proj) must give every shard whole groups.
+    input_group_size: ClassVar[int] = 1
 
     @classmethod
     def is_available(cls) -> bool:

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from tokenmill.attention.backend import AttentionLayerSpec, AttentionMetadata
+from tokenmill.layers.embedding import VocabParallelEmbedding
 from tokenmill.layers.linear import Linear, MergedLinear
 from tokenmill.weights.format import LoadedTensor, WeightsError
 
@@ -26,7 +27,15 @@ class CausalLM(nn.Module):
     Built by the model loader as ``cls(arch_config, attention_backend,
     quantizer, dtype)`` on the meta device, then materialised and filled by
     ``load_weights``. ``forward`` runs once per step in the engine process.
+
+    An architecture that can be split over tensor-parallel shards sets ``supports_tensor_parallel`` and takes
+    a ``tp`` keyword (a ``tokenmill.parallel.TensorParallelGroup``): each shard builds only its part, and
+    ``compute_logits`` returns the whole vocabulary's logits on rank 0.
     """
+
+    #: Whether the constructor takes ``tp=`` and builds one shard of the model (the loader refuses
+    #: ``parallel.tensor_parallel_size`` > 1 for architectures without it).
+    supports_tensor_parallel: ClassVar[bool] = False
 
     def forward(
         self,
@@ -66,6 +75,12 @@ class CausalLM(nn.Module):
             if isinstance(module, Linear) and not isinstance(module, MergedLinear)
         }
         linears.update(self._checkpoint_shards())
+        # Parameters of which this tensor-parallel shard holds some rows only.
+        embeddings = {
+            f"{name}.weight": module
+            for name, module in self.named_modules()
+            if isinstance(module, VocabParallelEmbedding)
+        }
         loaded: set[str] = set()
         files: set[Path] = set()
         for item in tensors:
@@ -79,6 +94,11 @@ class CausalLM(nn.Module):
                 if linear is not None and linear.accepts(param_name):
                     try:
                         linear.load_checkpoint_tensor(param_name, item.tensor, part)
+                    except ValueError as exc:
+                        raise WeightsError(f"{item.file}: tensor {name!r} {exc}") from exc
+                elif target in embeddings:
+                    try:
+                        params[target].data.copy_(embeddings[target].take(item.tensor))
                     except ValueError as exc:
                         raise WeightsError(f"{item.file}: tensor {name!r} {exc}") from exc
                 elif target in params:

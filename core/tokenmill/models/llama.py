@@ -14,12 +14,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.attention.backend import AttentionBackend, AttentionLayerSpec, AttentionMetadata
-from tokenmill.layers.linear import Linear, MergedLinear
+from tokenmill.layers.embedding import VocabParallelEmbedding
+from tokenmill.layers.linear import Linear, LinearShard, MergedLinear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.quantizer import Quantizer
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.models.architecture import ArchitectureConfig
 from tokenmill.models.base import CausalLM
+from tokenmill.parallel.group import TensorParallelGroup, single_process_group
+
+
+def _shard(tp: TensorParallelGroup, dim: int) -> LinearShard | None:
+    """How a linear is split over the shards: along its output (``dim`` 0) or input (1); None unsharded."""
+    return LinearShard(dim, tp.rank, tp.size) if tp.size > 1 else None
 
 
 class LlamaAttention(nn.Module):
@@ -31,13 +38,16 @@ class LlamaAttention(nn.Module):
         backend: AttentionBackend,
         quantizer: Quantizer,
         dtype: torch.dtype,
+        tp: TensorParallelGroup,
     ) -> None:
         super().__init__()
-        heads, kv_heads, head_dim = config.num_attention_heads, config.num_kv_heads, config.head_dim
-        hidden = config.hidden_size
+        # This shard's heads: q/k/v are split by head (column-parallel), o_proj by its input (row-parallel).
+        heads, kv_heads = config.num_attention_heads // tp.size, config.num_kv_heads // tp.size
+        head_dim, hidden = config.head_dim, config.hidden_size
         qkv_sizes = (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
-        self.qkv_proj = MergedLinear(hidden, qkv_sizes, config.qkv_bias, quantizer, dtype)
-        self.o_proj = Linear(heads * head_dim, hidden, config.o_proj_bias, quantizer, dtype)
+        self.qkv_proj = MergedLinear(hidden, qkv_sizes, config.qkv_bias, quantizer, dtype, _shard(tp, 0))
+        self.o_proj = Linear(heads * head_dim, hidden, config.o_proj_bias, quantizer, dtype, _shard(tp, 1))
+        self.tp = tp
         self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
         self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
         self.spec = AttentionLayerSpec(
@@ -71,19 +81,22 @@ class LlamaAttention(nn.Module):
         # Queries and keys are adjacent in the merged projection: rope rotates them in one pass.
         query, key = self.rotary[0].rotate(query_and_key).split((spec.num_heads, spec.num_kv_heads), dim=1)
         out = self.backend.forward(spec, query, key, value, kv_cache, metadata)
-        return self.o_proj(out.reshape(num_tokens, spec.num_heads * spec.head_dim))
+        return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, spec.num_heads * spec.head_dim)))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ArchitectureConfig, quantizer: Quantizer, dtype: torch.dtype) -> None:
+    def __init__(
+        self, config: ArchitectureConfig, quantizer: Quantizer, dtype: torch.dtype, tp: TensorParallelGroup
+    ) -> None:
         super().__init__()
-        hidden, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_up_proj = MergedLinear(hidden, (inner, inner), bias, quantizer, dtype)
-        self.down_proj = Linear(inner, hidden, bias, quantizer, dtype)
+        hidden, inner, bias = config.hidden_size, config.intermediate_size // tp.size, config.mlp_bias
+        self.gate_up_proj = MergedLinear(hidden, (inner, inner), bias, quantizer, dtype, _shard(tp, 0))
+        self.down_proj = Linear(inner, hidden, bias, quantizer, dtype, _shard(tp, 1))
+        self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -95,10 +108,11 @@ class LlamaDecoderLayer(nn.Module):
         backend: AttentionBackend,
         quantizer: Quantizer,
         dtype: torch.dtype,
+        tp: TensorParallelGroup,
     ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_index, rotary, backend, quantizer, dtype)
-        self.mlp = LlamaMLP(config, quantizer, dtype)
+        self.self_attn = LlamaAttention(config, layer_index, rotary, backend, quantizer, dtype, tp)
+        self.mlp = LlamaMLP(config, quantizer, dtype, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
@@ -122,18 +136,19 @@ class LlamaModel(nn.Module):
         quantizer: Quantizer,
         dtype: torch.dtype,
         max_position: int,
+        tp: TensorParallelGroup,
     ) -> None:
         super().__init__()
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, max_position)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
-        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, tp)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, self.rotary, backend, quantizer, dtype) for i in range(config.num_layers)
+            LlamaDecoderLayer(config, i, self.rotary, backend, quantizer, dtype, tp) for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
 
 class LlamaForCausalLM(CausalLM):
+    supports_tensor_parallel: ClassVar[bool] = True
     packed_modules: ClassVar[dict[str, tuple[str, ...]]] = {
         "qkv_proj": ("q_proj", "k_proj", "v_proj"),
         "gate_up_proj": ("gate_proj", "up_proj"),
@@ -146,11 +161,14 @@ class LlamaForCausalLM(CausalLM):
         quantizer: Quantizer,
         dtype: torch.dtype,
         max_position: int | None = None,
+        tp: TensorParallelGroup | None = None,
     ) -> None:
         super().__init__()
         self.config = config
         self.backend = backend
-        self.model = LlamaModel(config, backend, quantizer, dtype, max_position or config.max_position_embeddings)
+        self.tp = tp = tp if tp is not None else single_process_group()
+        max_position = max_position or config.max_position_embeddings
+        self.model = LlamaModel(config, backend, quantizer, dtype, max_position, tp)
         # A tied, dense output projection reads the embedding itself; otherwise it is a Linear of its
         # own (a quantized copy of a tied embedding costs its quantized size and saves reading the
         # float embedding every step: a fifth of SmolLM2-135M's weights).
@@ -158,8 +176,8 @@ class LlamaForCausalLM(CausalLM):
         self.lm_head = (
             None
             if config.tie_word_embeddings and head_quantizer.is_dense
-            else Linear(config.hidden_size, config.vocab_size, False, head_quantizer, dtype)
-        )
+            else Linear(config.hidden_size, config.vocab_size // tp.size, False, head_quantizer, dtype, _shard(tp, 0))
+        )  # each shard computes the logits of its part of the vocabulary (the embedding's rows, when tied)
 
     def forward(
         self,
@@ -176,8 +194,10 @@ class LlamaForCausalLM(CausalLM):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:
-            return F.linear(hidden_states, self.model.embed_tokens.weight).float()
-        return self.lm_head(hidden_states).float()
+            logits = F.linear(hidden_states, self.model.embed_tokens.weight).float()
+        else:
+            logits = self.lm_head(hidden_states).float()
+        return self.tp.gather_last_dim(logits)  # [num_selected, vocab] on rank 0
 
     def skip_checkpoint_tensor(self, name: str) -> bool:
         return name == "lm_head.weight" and self.config.tie_word_embeddings

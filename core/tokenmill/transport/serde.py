@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import msgspec
 
-from tokenmill.messages import FromEngine, ToEngine
+from tokenmill.messages import FromEngine, ToEngine, ToShard
 
 _encoder = msgspec.msgpack.Encoder()
 _to_engine = msgspec.msgpack.Decoder(ToEngine)
 _from_engine = msgspec.msgpack.Decoder(FromEngine)
+_to_shard = msgspec.msgpack.Decoder(ToShard)
 
 
 def encode(message: msgspec.Struct) -> bytes:
@@ -22,3 +23,8 @@ def decode_to_engine(frame: bytes) -> ToEngine:
 
 def decode_from_engine(frame: bytes) -> FromEngine:
     return _from_engine.decode(frame)
+
+
+def decode_to_shard(frame: bytes) -> ToShard:
+    """A tensor-parallel worker's message from rank 0 (``tokenmill.parallel``)."""
+    return _to_shard.decode(frame)

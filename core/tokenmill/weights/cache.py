@@ -31,6 +31,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import torch
 from torch import nn
@@ -59,21 +60,29 @@ def weight_cache_directory() -> Path | None:
 
 
 def load_model_weights(
-    model: CausalLM, path: Path, weight_format: WeightFormat, dtype: torch.dtype, device: torch.device
+    model: CausalLM,
+    path: Path,
+    weight_format: WeightFormat,
+    dtype: torch.dtype,
+    device: torch.device,
+    shard: tuple[int, int] = (0, 1),
 ) -> None:
     """Fill ``model`` (materialised, empty) with the weights of ``path``: from the cache when it holds
-    them, else from the checkpoint, then caching them. Called once per model load, by the loader."""
+    them, else from the checkpoint, then caching them. Called once per model load, by the loader.
+
+    :param shard: (rank, size) of a tensor-parallel shard: each shard's weights are an entry of their own.
+    """
     directory = weight_cache_directory()
     if directory is None or not _is_repacked(model):
         model.load_weights(weight_format.iter_tensors(path))
         return
     sources = model_file_stats(path)
-    key = cache_key(sources, weight_format, model, dtype, device)
+    key = cache_key(sources, weight_format, model, dtype, device, shard)
     entry = directory / f"{path.stem}-{key[:16]}.safetensors"
     if entry.exists() and _load_entry(model, entry, key, device):
         return
     model.load_weights(weight_format.iter_tensors(path))
-    _save_entry(model, entry, key, sources)
+    _save_entry(model, entry, key, sources, shard)
 
 
 def cache_key(
@@ -82,11 +91,13 @@ def cache_key(
     model: CausalLM,
     dtype: torch.dtype,
     device: torch.device,
+    shard: tuple[int, int] = (0, 1),
 ) -> str:
-    """The hash naming the entry for ``model`` loaded from ``sources`` (path -> size and modification time)."""
+    """The hash naming the entry for ``model`` loaded from ``sources`` (path -> size and modification time),
+    or for tensor-parallel shard ``(rank, size)`` of it."""
     quantizers = {type(module.quantizer) for module in model.modules() if isinstance(module, Linear)}
     classes: list[type] = [type(model), type(weight_format), *sorted(quantizers, key=_name)]
-    parts = {
+    parts: dict[str, Any] = {
         "entry": _ENTRY_VERSION,
         "sources": sorted(sources.items()),
         "weight_format": weight_format.name,
@@ -97,6 +108,8 @@ def cache_key(
         "torch": torch.__version__,
         "code": _code_fingerprint(classes),
     }
+    if shard[1] > 1:  # an unsharded model's key is what it was before tensor parallelism
+        parts["shard"] = list(shard)
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 
@@ -188,7 +201,9 @@ def _misfit(model: nn.Module, tensors: dict[str, torch.Tensor]) -> str | None:
     return None
 
 
-def _save_entry(model: nn.Module, entry: Path, key: str, sources: dict[str, tuple[int, int]]) -> None:
+def _save_entry(
+    model: nn.Module, entry: Path, key: str, sources: dict[str, tuple[int, int]], shard: tuple[int, int]
+) -> None:
     """Write ``model``'s state as ``entry``, atomically; a failure costs the next start a repack, nothing more."""
     from safetensors.torch import save_file
 
@@ -201,7 +216,8 @@ def _save_entry(model: nn.Module, entry: Path, key: str, sources: dict[str, tupl
     started = time.monotonic()
     try:
         entry.parent.mkdir(parents=True, exist_ok=True)
-        save_file(state, partial, metadata={"key": key, "sources": json.dumps(sources)})
+        metadata = {"key": key, "sources": json.dumps(sources), "shard": json.dumps(list(shard))}
+        save_file(state, partial, metadata=metadata)
         partial.replace(entry)
     except (OSError, RuntimeError) as exc:
         partial.unlink(missing_ok=True)
@@ -213,14 +229,16 @@ def _save_entry(model: nn.Module, entry: Path, key: str, sources: dict[str, tupl
 
 def _prune(directory: Path, keep: Path) -> None:
     """Remove entries whose model files are gone or changed, and all but the most recently used
-    ``_MAX_ENTRIES_PER_MODEL`` of each model."""
+    ``_MAX_ENTRIES_PER_MODEL`` of each model (each tensor-parallel shard of a model counting as a model)."""
     from safetensors import safe_open
 
     by_model: dict[str, list[tuple[float, Path]]] = {}
     for entry in directory.glob("*.safetensors"):
         try:
             with safe_open(entry, framework="pt") as f:
-                sources = json.loads((f.metadata() or {})["sources"])
+                metadata = f.metadata() or {}
+            sources = json.loads(metadata["sources"])
+            shard = metadata.get("shard", "[0, 1]")
             is_stale = sources != _current(sources)
             used = entry.stat().st_mtime
         except Exception:  # unreadable, or not ours: leave it alone
@@ -228,7 +246,7 @@ def _prune(directory: Path, keep: Path) -> None:
         if is_stale and entry != keep:
             entry.unlink(missing_ok=True)
         else:
-            by_model.setdefault(json.dumps(sorted(sources)), []).append((used, entry))
+            by_model.setdefault(json.dumps([sorted(sources), shard]), []).append((used, entry))
     for entries in by_model.values():
         for _, entry in sorted(entries, reverse=True)[_MAX_ENTRIES_PER_MODEL:]:
             if entry != keep:
