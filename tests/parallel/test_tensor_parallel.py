@@ -73,10 +73,13 @@ def _requests(tag: str) -> list[EngineCoreRequest]:
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     shared = _prompt(4, 16)
     prompts = [_prompt(1, 3), _prompt(2, 11), _prompt(3, 26), shared + _prompt(5, 6), shared + _prompt(6, 9)]
-    return [
+    requests = [
         EngineCoreRequest(f"{tag}{i}", prompt, params, eos_token_ids=[], arrival_time=float(i))
         for i, prompt in enumerate(prompts)
     ]
+    # Two completions of one prompt share its blocks, and copy the last one on write.
+    forked = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, n=2)
+    return [*requests, EngineCoreRequest(f"{tag}n", _prompt(8, 7), forked, eos_token_ids=[], arrival_time=9.0)]
 
 
 @dataclass
@@ -128,10 +131,18 @@ def test_logits_match(pair: Pair) -> None:
 
 def test_greedy_batch_matches(pair: Pair) -> None:
     """Mixed lengths batched, chunked prefill, a shared prefix and preemption: the same tokens at TP=2."""
+    sent: list[type] = []
+    workers = pair.tp2.runner.workers  # type: ignore[attr-defined]  # a ShardedModelRunner
+    send = workers.send
+    workers.send = lambda message: (sent.append(type(message)), send(message))[1]
     expected = run_to_completion(pair.tp1, _requests("b"))
-    got = run_to_completion(pair.tp2, _requests("b"))
+    try:
+        got = run_to_completion(pair.tp2, _requests("b"))
+    finally:
+        del workers.send
     assert got == expected
-    assert all(len(tokens) == 10 for tokens in got.values())
+    assert len(got) == 7 and all(len(tokens) == 10 for tokens in got.values())
+    assert ShardCopyBlocks in sent and ShardStep in sent
     # What the batch exercised, on both engines alike (the same schedule: the same block counts).
     stats1, stats2 = pair.tp1.stats(), pair.tp2.stats()
     assert stats2.num_preemptions == stats1.num_preemptions > 0
