@@ -79,6 +79,12 @@ TOKENMILL_DISABLE_PLUGIN_AUTOLOAD: EnvVar[bool] = EnvVar(
 TOKENMILL_LOG_LEVEL: EnvVar[str] = EnvVar(
     "TOKENMILL_LOG_LEVEL", str.upper, "INFO", "Log level of the `tokenmill` command."
 )
+RAY_ADDRESS: EnvVar[str | None] = EnvVar(
+    "RAY_ADDRESS",
+    str,
+    None,
+    "Ray's own variable: with `--backend ray` and no `--ray-address`, the Ray cluster to place engines on.",
+)
 
 ALL_ENV_VARS: tuple[EnvVar, ...] = (
     TOKENMILL_CACHE_DIR,
@@ -87,4 +93,5 @@ ALL_ENV_VARS: tuple[EnvVar, ...] = (
     TOKENMILL_PLUGINS,
     TOKENMILL_DISABLE_PLUGIN_AUTOLOAD,
     TOKENMILL_LOG_LEVEL,
+    RAY_ADDRESS,
 )

@@ -48,7 +48,7 @@ def config_from_kwargs(config_file: str | Path | None, model: str | None, **sett
 
 def keyword_paths() -> dict[str, tuple[str, ...]]:
     """``LLM(...)`` keyword -> config path: each flag's name, and each field's name unless two fields share it
-    (``backend`` is both ``attention.backend`` and ``transport.backend``)."""
+    (``model`` is both ``model.model`` and ``speculative_config.model``)."""
     specs = flag_specs()
     # A section given as one JSON flag is one keyword taking a dict (speculative_config={...}).
     paths = {spec.flag.removeprefix("--").replace("-", "_"): spec.path[:-1] if spec.json_key else spec.path

@@ -94,6 +94,9 @@ def test_llm_keywords_select_every_slot_by_flag_name() -> None:
     assert (config.sampler.logits_processors, config.server.router, config.transport.backend) == (
         ["banned-words"], "least-loaded", "zmq",
     )  # fmt: skip
-    # "backend" names two settings (attention.backend, transport.backend): refused, not guessed.
-    with pytest.raises(ConfigError, match="unknown setting 'backend'; valid settings: .*attention_backend"):
+    with pytest.raises(ConfigError, match="unknown setting 'speed'; valid settings: .*attention_backend"):
+        config_from_kwargs(None, None, speed="fast")
+    # "backend" names three fields (attention, transport, server): as a keyword it is --backend, server.backend's
+    # flag, never a guess between the fields.
+    with pytest.raises(ConfigError, match="server.backend: Invalid enum value 'torch'"):
         config_from_kwargs(None, None, backend="torch")

@@ -48,8 +48,43 @@ class ServerConfig(ConfigSection, frozen=True):
         describe("Requests allowed to wait beyond those running; more get 429."),
     ] = 256
     data_parallel_size: Annotated[
-        PositiveInt, describe("Engine processes to start on this host, each a full model replica.")
+        PositiveInt,
+        describe("Engines to start, each a full model replica: processes on this host, or Ray actors (backend)."),
     ] = 1
+    backend: Annotated[
+        Literal["local", "ray"],
+        describe(
+            "Where the data_parallel_size engines run: 'local' starts them as processes on this host; 'ray' "
+            "places them as actors on a Ray cluster (ray_address), each serving ZeroMQ tcp:// with CURVE keys, "
+            "and Ray restarts one that dies (`pip install tokenmill[ray]`; docs/deployment.md)."
+        ),
+    ] = "local"
+    ray_address: Annotated[
+        str | None,
+        describe(
+            "With backend 'ray': the Ray cluster to place the engines on, as `ray.init` takes it ('auto', "
+            "'10.0.0.1:6379'); unset: the RAY_ADDRESS environment variable, else a Ray cluster on this host "
+            "that the server starts and stops."
+        ),
+    ] = None
+    ray_num_cpus_per_replica: Annotated[
+        Annotated[float, msgspec.Meta(gt=0)],
+        describe("With backend 'ray': CPUs each engine replica reserves on its Ray node."),
+    ] = 1.0
+    ray_num_gpus_per_replica: Annotated[
+        Annotated[float, msgspec.Meta(ge=0)] | None,
+        describe(
+            "With backend 'ray': GPUs each engine replica reserves; unset: parallel.tensor_parallel_size when "
+            "device is 'cuda' (or 'auto' and the cluster has GPUs), else 0."
+        ),
+    ] = None
+    ray_placement_strategy: Annotated[
+        Literal["SPREAD", "PACK", "STRICT_SPREAD", "STRICT_PACK"],
+        describe(
+            "With backend 'ray': how the replicas' placement group lays them out over nodes: SPREAD puts them "
+            "on different nodes where it can, STRICT_SPREAD only so, PACK and STRICT_PACK as few as possible."
+        ),
+    ] = "SPREAD"
     engines: Annotated[
         list[str],
         describe(
@@ -96,3 +131,11 @@ class ServerConfig(ConfigSection, frozen=True):
             "takes seconds on a small CPU); an engine process that exits is noticed at once regardless."
         ),
     ] = 60.0
+
+    def __post_init__(self) -> None:
+        if self.backend == "ray" and (self.engines or self.disaggregated_prefill):
+            setting = "server.engines (--engine)" if self.engines else "server.disaggregated_prefill"
+            raise ValueError(
+                f"server.backend = 'ray' starts its own engines on the Ray cluster: it cannot be combined with "
+                f"{setting}; unset one of them"
+            )

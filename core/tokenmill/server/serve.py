@@ -31,6 +31,7 @@ import signal
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 import uvicorn
@@ -47,6 +48,9 @@ from tokenmill.server.tenants import Tenants
 from tokenmill.tokenizer import Tokenizer
 from tokenmill.transport.base import Transport
 from tokenmill.transport.security import check_supported, frontend_security
+
+if TYPE_CHECKING:
+    from tokenmill.ray_replicas import RayCluster
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +133,8 @@ async def _serve(config: EngineConfig) -> int:
     router = plugins.create(Slot.ROUTER, config.server.router)
     router_plugin = plugins.registry.get(Slot.ROUTER, config.server.router).plugin
     tenants = Tenants.from_config(config.server)  # a bad keys file fails here, before any engine starts
+    # Before the signal handlers: ray.init installs a SIGTERM handler of its own.
+    cluster = _connect_ray(config) if config.server.backend == "ray" else None
     shutdown = _Shutdown()
     loop = asyncio.get_running_loop()
     signals = (signal.SIGINT, signal.SIGTERM)
@@ -136,7 +142,11 @@ async def _serve(config: EngineConfig) -> int:
         loop.add_signal_handler(signum, shutdown.on_signal, signum)
     socket_dir = tempfile.mkdtemp(prefix="tokenmill-")  # the engines' sockets; removed on the way out
     try:
-        group = _engine_group(config, transport, router, router_plugin, socket_dir)
+        if cluster is not None:
+            clients = await cluster.start_engines(transport, ENGINE_START_TIMEOUT_S)
+            group = EngineGroup(clients, router, config.server.router, router_plugin)
+        else:
+            group = _engine_group(config, transport, router, router_plugin, socket_dir)
         shutdown.group = group
         try:
             state = await _start(config, group, shutdown, tenants)
@@ -149,6 +159,21 @@ async def _serve(config: EngineConfig) -> int:
         for signum in signals:
             loop.remove_signal_handler(signum)
         shutil.rmtree(socket_dir, ignore_errors=True)
+        if cluster is not None:
+            cluster.close()
+
+
+def _connect_ray(config: EngineConfig) -> RayCluster:
+    """Join (or start) the Ray cluster that ``server.backend = 'ray'`` places the engines on."""
+    try:
+        from tokenmill.ray_replicas import RayCluster
+    except ModuleNotFoundError as exc:
+        if exc.name != "ray":
+            raise
+        raise ConfigError(
+            "server.backend 'ray' (--backend ray) needs Ray, which is not installed: pip install 'tokenmill[ray]'"
+        ) from None
+    return RayCluster.connect(config)
 
 
 def _engine_group(config: EngineConfig, transport: Transport, router: Router, router_plugin: str,
