@@ -171,7 +171,7 @@ class ZmqFrontendConnection(FrontendConnection):
             self._socket.curve_serverkey = security.engine_public_key
         # A synchronous view of the monitor, so handshake_failure can read it without the event loop.
         self._monitor_socket = self._socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | _ANY_HANDSHAKE_FAILED)
-        self._monitor = zmq.Socket.shadow(self._monitor_socket.underlying)
+        self._monitor: zmq.Socket[bytes] = zmq.Socket.shadow(self._monitor_socket.underlying)
         self._handshake_failure: str | None = None
         try:
             self._socket.connect(address)
@@ -200,6 +200,8 @@ class ZmqFrontendConnection(FrontendConnection):
             self._handshake_failure = _REFUSED_BY_ENGINE.get(event)
 
     def close(self) -> None:
+        if self._socket.closed:
+            return  # closing twice is harmless
         self._socket.disable_monitor()
         self._monitor_socket.close()
         self._socket.close()
