@@ -23,6 +23,7 @@ import sys
 import time
 import weakref
 from collections.abc import Iterator
+from typing import IO
 
 import msgspec
 import torch
@@ -31,7 +32,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.messages import ShardChunk, ShardCopyBlocks, ShardSetup, ShardStart, ShardStep, ShardStop
 from tokenmill.model_loader import LoadedModel
 from tokenmill.model_runner import ModelRunner
-from tokenmill.parallel.group import TensorParallelGroup, connect, tcp_store
+from tokenmill.parallel.group import COLLECTIVE_TIMEOUT, TensorParallelGroup, connect, tcp_store
 from tokenmill.parallel.sharding import TensorParallelError
 from tokenmill.step_batch import SequenceChunk
 from tokenmill.transport.serde import encode
@@ -47,11 +48,12 @@ _BOOTSTRAP = (
 _STOP_TIMEOUT_S = 5.0
 
 
-def write_frame(stream: object, message: msgspec.Struct) -> None:
+def write_frame(stream: IO[bytes] | None, message: msgspec.Struct) -> None:
     """One message on a worker's stdin: its length (4 bytes, little-endian), then its msgpack bytes."""
+    assert stream is not None, "workers are started with a pipe on stdin"
     frame = encode(message)
-    stream.write(struct.pack("<I", len(frame)) + frame)  # type: ignore[attr-defined]
-    stream.flush()  # type: ignore[attr-defined]
+    stream.write(struct.pack("<I", len(frame)) + frame)
+    stream.flush()
 
 
 class ShardWorkers:
@@ -80,8 +82,13 @@ class ShardWorkers:
                 pass
         # A worker that dies before it joins would leave the group's constructor waiting: watch them meanwhile.
         keys = [f"tokenmill/joined/{rank}" for rank in range(1, self.size)]
+        deadline = time.monotonic() + COLLECTIVE_TIMEOUT.total_seconds()
         while not store.check(keys):
             self.check_alive()
+            if time.monotonic() > deadline:
+                raise TensorParallelError(
+                    f"tensor-parallel workers did not join within {COLLECTIVE_TIMEOUT.total_seconds():.0f} s"
+                )
             time.sleep(0.01)
         group = connect(0, self.size, store, device)
         logger.info("tensor parallelism: %d shards, workers %s", self.size, [p.pid for p in self._popens])
