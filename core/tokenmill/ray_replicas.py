@@ -56,6 +56,8 @@ logger = logging.getLogger(__name__)
 ACTOR_NAME_PREFIX = "tokenmill-engine-"
 _PLACEMENT_LOG_INTERVAL_S = 10.0
 _LEFTOVER_ENGINE_STOP_S = 30.0
+_CONNECT_CHECK_TIMEOUT_S = 5.0
+_UNAVAILABLE_RETRY_S = 0.2
 
 
 class ReplicaInfo(msgspec.Struct, frozen=True):
@@ -175,18 +177,24 @@ class RayEngineReplica:
         """Wait for the actor (Ray may still be placing or restarting it), have it pick an address and keys,
         start its engine there; returns them. A Ray actor that is gone for good is replaced by a new one."""
         deadline = time.monotonic() + timeout
-        for attempt in range(2):
+        is_replaced = False
+        while True:
             try:
                 reference = self._actor.prepare.remote()
                 info = await asyncio.wait_for(asyncio.wrap_future(reference.future()), deadline - time.monotonic())
                 break
             except TimeoutError:
                 raise EngineDeadError(f"Ray actor {self.name} did not start within {timeout:.0f} s") from None
+            except ray.exceptions.ActorUnavailableError as exc:  # restarting while the call was on its way: again
+                if time.monotonic() >= deadline:
+                    raise EngineDeadError(f"Ray actor {self.name} stayed unavailable: {_first_line(exc)}") from None
+                await asyncio.sleep(_UNAVAILABLE_RETRY_S)
             except ray.exceptions.ActorDiedError as exc:
-                if attempt:
+                if is_replaced:
                     raise EngineDeadError(f"Ray actor {self.name} died while starting: {_first_line(exc)}") from None
                 logger.warning("Ray actor %s is gone for good (%s); starting a new one", self.name, _first_line(exc))
                 self._actor = self._create()
+                is_replaced = True
             except ray.exceptions.RayError as exc:
                 raise EngineDeadError(f"Ray actor {self.name} did not answer: {_first_line(exc)}") from None
         self.info = info
@@ -215,6 +223,25 @@ class RayEngineReplica:
         ray.kill(self._actor, no_restart=True)
 
 
+def _check_reachable(address: str) -> None:
+    """Fail in seconds, with one line, where ``ray.init`` would retry an address nobody answers at for minutes."""
+    if address.startswith("ray://"):
+        raise ConfigError(
+            f"server.ray_address {address!r}: Ray Client addresses are not supported; run the front end on a node "
+            "of the cluster and give its GCS address (HOST:6379)"
+        )
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():  # 'auto', 'local': Ray resolves those itself
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=_CONNECT_CHECK_TIMEOUT_S).close()
+    except OSError as exc:
+        raise ConfigError(
+            f"server.ray_address: no Ray cluster answers at {address!r} ({exc}); start one there with "
+            "`ray start --head`, or fix the address"
+        ) from None
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0][:300] if text else type(exc).__name__
@@ -237,8 +264,12 @@ class RayCluster:
         server = config.server
         address = server.ray_address or envs.RAY_ADDRESS.get()
         if address:
+            _check_reachable(address)
             logger.info("joining the Ray cluster at %s", address)
-            ray.init(address=address, log_to_driver=True)
+            try:
+                ray.init(address=address, log_to_driver=True)
+            except ConnectionError as exc:
+                raise ConfigError(f"server.ray_address: cannot join the Ray cluster at {address!r}: {exc}") from None
             return cls(config, is_local=False)
         num_cpus = max(os.cpu_count() or 1, math.ceil(server.data_parallel_size * server.ray_num_cpus_per_replica))
         logger.info("starting a Ray cluster on this host (%d CPUs)", num_cpus)

@@ -22,7 +22,7 @@ import pytest
 import zmq
 
 from tests.cli_errors import serve_error
-from tests.server.conftest import Server, start_server, start_tiny_server
+from tests.server.conftest import Server, free_port, start_server, start_tiny_server
 from tokenmill.messages import PROTOCOL_VERSION, Hello
 from tokenmill.transport.serde import encode
 
@@ -48,7 +48,7 @@ def ray_server(tmp_path_factory: pytest.TempPathFactory, ray_address: str, tiny_
                smollm2_gguf: Path) -> Iterator[Server]:  # fmt: skip
     server = start_tiny_server(
         tmp_path_factory.mktemp("ray"), tiny_model_dir, smollm2_gguf, "--backend", "ray",
-        "--data-parallel-size", str(NUM_REPLICAS), "--ray-address", ray_address,
+        "--data-parallel-size", str(NUM_REPLICAS), "--ray-address", ray_address, "--engine-timeout", "4",
     )  # fmt: skip
     yield server
     assert server.stop() == 0
@@ -212,6 +212,35 @@ def test_a_killed_replica_is_routed_around_and_restarted_by_ray(ray_server: Serv
     assert "engine 0 at tcp://" in server.log.read_text() and "is up again" in server.log.read_text()
 
 
+def test_a_replica_that_stops_answering_is_killed_through_ray_and_restarted(ray_server: Server) -> None:
+    server = ray_server
+    _wait_healthy(server, 60)
+    hung = _info(_replicas()[1])
+    restarts_before = _per_engine(server, "tokenmill:engine_restarts_total")
+    os.kill(hung.pid, signal.SIGSTOP)  # alive to Ray, silent to the front end
+    try:
+        deadline = time.monotonic() + 30
+        while (health := httpx.get(f"{server.url}/health", timeout=5).json())["status"] == "ok":
+            assert time.monotonic() < deadline, "the silent replica was never marked down"
+            time.sleep(0.2)
+        engines = health["engines"]
+        assert [engine["status"] for engine in engines] == ["up", "down"], health
+        assert "no heartbeat" in engines[1]["reason"] or "tokenmill-engine-1" in engines[1]["reason"], engines
+        for _ in range(3):  # the other replica serves meanwhile
+            completion = server.client.completions.create(model="tiny", prompt="Hi", max_tokens=2, temperature=0)
+            assert completion.usage is not None and completion.usage.completion_tokens == 2
+        _wait_healthy(server, 60)
+    finally:
+        try:
+            os.kill(hung.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass  # killed through Ray, as it should be
+    assert _info(_replicas()[1]).pid != hung.pid
+    restarts = _per_engine(server, "tokenmill:engine_restarts_total")
+    assert restarts["1"] == restarts_before.get("1", 0) + 1
+    assert "restart attempt" not in server.log.read_text()  # the first attempt waited out Ray's restart
+
+
 def test_a_server_without_an_address_starts_and_stops_its_own_ray_cluster(
     tmp_path: Path, tiny_model_dir: Path, smollm2_gguf: Path
 ) -> None:
@@ -252,6 +281,13 @@ def test_backend_ray_without_ray_installed_is_one_line(tmp_path: Path) -> None:
 def test_backend_ray_refuses_remote_engines() -> None:
     error = serve_error("--backend", "ray", "--engine", "tcp://127.0.0.1:5555")
     assert "server.backend = 'ray'" in error and "server.engines" in error
+
+
+def test_a_ray_address_nobody_answers_at_is_one_line() -> None:
+    error = serve_error("--backend", "ray", "--ray-address", f"127.0.0.1:{free_port()}")
+    assert "server.ray_address: no Ray cluster answers at" in error
+    error = serve_error("--backend", "ray", "--ray-address", "ray://127.0.0.1:10001")
+    assert "Ray Client addresses are not supported" in error
 
 
 def test_the_front_end_imports_ray_only_for_backend_ray() -> None:
