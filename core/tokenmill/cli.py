@@ -15,7 +15,7 @@ import click
 
 from tokenmill import __version__, envs
 from tokenmill.bench.cli import bench
-from tokenmill.config import EngineConfig
+from tokenmill.config import ConfigError, EngineConfig
 from tokenmill.config.options import config_options
 from tokenmill.errors import TokenmillError
 from tokenmill.eval.cli import eval_group
@@ -157,14 +157,35 @@ def generate(config: EngineConfig, input_path: Path, output_path: Path, no_progr
     )
 
 
+#: vLLM's ``--data-parallel-backend`` values, as ``server.backend`` names them.
+_DATA_PARALLEL_BACKENDS = {"mp": "local", "ray": "ray"}
+
+
 @main.command()
 @click.argument("model_argument", metavar="[MODEL]", required=False)
+@click.option(
+    "--data-parallel-backend",
+    type=click.Choice(sorted(_DATA_PARALLEL_BACKENDS)),
+    help="vLLM's spelling of --backend: 'mp' is 'local' (engine processes on this host), 'ray' is 'ray'.",
+)
 @config_options
-def serve(config: EngineConfig) -> None:
+def serve(config: EngineConfig, data_parallel_backend: str | None) -> None:
     """Serve MODEL (or the config's model) over an OpenAI-compatible HTTP API."""
+    import msgspec
+
     from tokenmill.plugin_manager import resolve_plugins
     from tokenmill.server.serve import run_server
 
+    if data_parallel_backend is not None:
+        backend = _DATA_PARALLEL_BACKENDS[data_parallel_backend]
+        given = click.get_current_context().params.get("cfg__server__backend")
+        if given is not None and given != backend:
+            raise click.UsageError(f"--backend {given} and --data-parallel-backend {data_parallel_backend} disagree")
+        try:  # converted again, so that the server section's checks see the new backend
+            server = msgspec.convert({**msgspec.to_builtins(config.server), "backend": backend}, type(config.server))
+        except (msgspec.ValidationError, ValueError) as exc:
+            raise ConfigError(str(exc)) from None
+        config = msgspec.structs.replace(config, server=server)
     resolve_plugins(config)  # a misspelled plugin name fails here, in well under a second
 
     raise SystemExit(run_server(config))

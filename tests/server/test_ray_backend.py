@@ -241,12 +241,12 @@ def test_a_replica_that_stops_answering_is_killed_through_ray_and_restarted(ray_
     assert "restart attempt" not in server.log.read_text()  # the first attempt waited out Ray's restart
 
 
-def test_a_server_without_an_address_starts_and_stops_its_own_ray_cluster(
+def test_a_server_without_an_address_starts_and_stops_its_own_ray_cluster(  # given vLLM's flag for --backend
     tmp_path: Path, tiny_model_dir: Path, smollm2_gguf: Path
 ) -> None:
     server = start_server(
         tmp_path, str(tiny_model_dir), "--tokenizer", str(smollm2_gguf), "--served-model-name", "tiny",
-        "--num-kv-blocks", "512", "--backend", "ray", model_name="tiny", env={"RAY_ADDRESS": ""},
+        "--num-kv-blocks", "512", "--data-parallel-backend", "ray", model_name="tiny", env={"RAY_ADDRESS": ""},
     )  # fmt: skip
     try:
         completion = server.client.completions.create(model="tiny", prompt="Hello", max_tokens=3, temperature=0)
@@ -281,6 +281,9 @@ def test_backend_ray_without_ray_installed_is_one_line(tmp_path: Path) -> None:
 def test_backend_ray_refuses_remote_engines() -> None:
     error = serve_error("--backend", "ray", "--engine", "tcp://127.0.0.1:5555")
     assert "server.backend = 'ray'" in error and "server.engines" in error
+    error = serve_error("--data-parallel-backend", "ray", "--engine", "tcp://127.0.0.1:5555")
+    assert "server.backend = 'ray'" in error and "server.engines" in error
+    assert "disagree" in serve_error("--data-parallel-backend", "ray", "--backend", "local")
 
 
 def test_a_ray_address_nobody_answers_at_is_one_line() -> None:
