@@ -1,6 +1,7 @@
-"""Replicas on Ray, end to end: a real local Ray cluster, `tokenmill serve --backend ray --data-parallel-size 2`
-placing two real engine actors that serve ZeroMQ tcp:// with CURVE keys, requests through the official `openai`
-client, and a replica whose process is killed mid-load while the other keeps serving and Ray restarts it.
+"""Replicas on Ray, end to end: a real local Ray cluster of two nodes (two raylets on this host),
+`tokenmill serve --backend ray --data-parallel-size 2 --ray-placement-strategy STRICT_SPREAD` placing one real
+engine actor on each, serving ZeroMQ tcp:// with CURVE keys, requests through the official `openai` client, and a
+replica whose process is killed mid-load while the other keeps serving and Ray restarts it.
 
 Skipped when Ray is not installed (`pip install tokenmill[ray]`); the dev extra installs it.
 """
@@ -35,12 +36,20 @@ NUM_REPLICAS = 2
 
 @pytest.fixture(scope="module")
 def ray_address() -> Iterator[str]:
-    """A local Ray cluster started by this test process; the server joins it by address."""
-    context = ray.init(num_cpus=NUM_REPLICAS, include_dashboard=False, log_to_driver=False)
+    """A local Ray cluster of one node per replica (one CPU each), started by this test process; the server joins
+    it by address."""
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     try:
-        yield context.address_info["gcs_address"]
+        for _ in range(NUM_REPLICAS - 1):
+            cluster.add_node(num_cpus=1)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, log_to_driver=False)
+        yield cluster.address
     finally:
         ray.shutdown()
+        cluster.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +58,7 @@ def ray_server(tmp_path_factory: pytest.TempPathFactory, ray_address: str, tiny_
     server = start_tiny_server(
         tmp_path_factory.mktemp("ray"), tiny_model_dir, smollm2_gguf, "--backend", "ray",
         "--data-parallel-size", str(NUM_REPLICAS), "--ray-address", ray_address, "--engine-timeout", "4",
+        "--ray-placement-strategy", "STRICT_SPREAD",
     )  # fmt: skip
     yield server
     assert server.stop() == 0
@@ -93,6 +103,7 @@ def test_two_replicas_serve_over_authenticated_tcp(ray_server: Server) -> None:
     infos = [_info(replicas[index]) for index in range(NUM_REPLICAS)]
     assert all(info.address.startswith("tcp://") and info.public_key for info in infos)
     assert len({info.pid for info in infos}) == NUM_REPLICAS and server.process.pid not in {i.pid for i in infos}
+    assert len({info.node_id for info in infos}) == NUM_REPLICAS  # one replica per node
     before = _per_engine(server, "tokenmill:request_success_total")
     for index in range(4):
         completion = server.client.completions.create(model="tiny", prompt=f"Hello {index}", max_tokens=4,
@@ -200,7 +211,7 @@ def test_a_killed_replica_is_routed_around_and_restarted_by_ray(ray_server: Serv
 
     # Ray restarted the actor (a new process); the front end reconnected to it and routes to it again.
     restarted = _info(_replicas()[0])
-    assert restarted.pid != victim.pid
+    assert restarted.pid != victim.pid and restarted.node_id == victim.node_id  # in its placement group bundle
     assert _info(_replicas()[1]).pid == survivor.pid
     restarts = _per_engine(server, "tokenmill:engine_restarts_total")
     assert restarts["0"] == restarts_before.get("0", 0) + 1 and restarts["1"] == restarts_before.get("1", 0)
