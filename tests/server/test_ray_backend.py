@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 import zmq
 
@@ -252,28 +253,37 @@ def test_a_replica_that_stops_answering_is_killed_through_ray_and_restarted(ray_
     assert "restart attempt" not in server.log.read_text()  # the first attempt waited out Ray's restart
 
 
-def test_a_server_without_an_address_starts_and_stops_its_own_ray_cluster(  # given vLLM's flag for --backend
+def test_a_server_without_an_address_starts_and_stops_its_own_ray_cluster(
     tmp_path: Path, tiny_model_dir: Path, smollm2_gguf: Path
 ) -> None:
+    # Given vLLM's flag for --backend, and a replica split over two shard processes (tensor parallelism).
     server = start_server(
         tmp_path, str(tiny_model_dir), "--tokenizer", str(smollm2_gguf), "--served-model-name", "tiny",
-        "--num-kv-blocks", "512", "--data-parallel-backend", "ray", model_name="tiny", env={"RAY_ADDRESS": ""},
+        "--num-kv-blocks", "512", "--data-parallel-backend", "ray", "--tensor-parallel-size", "2",
+        model_name="tiny", env={"RAY_ADDRESS": ""},
     )  # fmt: skip
     try:
         completion = server.client.completions.create(model="tiny", prompt="Hello", max_tokens=3, temperature=0)
         assert completion.usage is not None and completion.usage.completion_tokens == 3
-        ray_processes = [line for line in _children(server.process.pid) if "raylet" in line or "gcs_server" in line]
-        assert ray_processes, "the server did not start a Ray cluster of its own"
+        descendants = psutil.Process(server.process.pid).children(recursive=True)
+        names = " ".join(" ".join(process.cmdline()) for process in descendants)
+        assert "raylet" in names and "gcs_server" in names, "the server did not start a Ray cluster of its own"
+        assert "tokenmill.parallel" in names, "the replica's second shard does not run under the cluster"
     finally:
         assert server.stop() == 0
-    assert "starting a Ray cluster on this host" in server.log.read_text()
-    assert not [line for line in _children(server.process.pid) if line], "Ray processes outlived the server"
+    log = server.log.read_text()
+    assert "starting a Ray cluster on this host" in log and "tensor parallelism: 2 shards" in log
+    deadline = time.monotonic() + 10
+    while alive := [process for process in descendants if _is_running(process)]:
+        assert time.monotonic() < deadline, f"processes outlived the server: {alive}"
+        time.sleep(0.2)
 
 
-def _children(pid: int) -> list[str]:
-    """``ps`` lines of the processes whose parent is ``pid``."""
-    result = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(pid)], capture_output=True, text=True)
-    return [line for line in result.stdout.splitlines() if line.strip()]
+def _is_running(process: psutil.Process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def test_backend_ray_without_ray_installed_is_one_line(tmp_path: Path) -> None:
