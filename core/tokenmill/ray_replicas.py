@@ -58,6 +58,9 @@ _PLACEMENT_LOG_INTERVAL_S = 10.0
 _LEFTOVER_ENGINE_STOP_S = 30.0
 _CONNECT_CHECK_TIMEOUT_S = 5.0
 _UNAVAILABLE_RETRY_S = 0.2
+# Replicas pass Ray only small objects (addresses, keys): a local cluster's object store need not take Ray's
+# default of 30% of memory (in /dev/shm, which containers keep small).
+_LOCAL_OBJECT_STORE_BYTES = 128 * 2**20
 
 
 class ReplicaInfo(msgspec.Struct, frozen=True):
@@ -273,7 +276,8 @@ class RayCluster:
             return cls(config, is_local=False)
         num_cpus = max(os.cpu_count() or 1, math.ceil(server.data_parallel_size * server.ray_num_cpus_per_replica))
         logger.info("starting a Ray cluster on this host (%d CPUs)", num_cpus)
-        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
+        ray.init(address="local", num_cpus=num_cpus, object_store_memory=_LOCAL_OBJECT_STORE_BYTES,
+                 include_dashboard=False, log_to_driver=True)  # fmt: skip
         return cls(config, is_local=True)
 
     def num_gpus_per_replica(self) -> float:

@@ -41,10 +41,11 @@ def ray_address() -> Iterator[str]:
     it by address."""
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    node_args = {"num_cpus": 1, "object_store_memory": 128 * 2**20}
+    cluster = Cluster(initialize_head=True, head_node_args={**node_args, "include_dashboard": False})
     try:
         for _ in range(NUM_REPLICAS - 1):
-            cluster.add_node(num_cpus=1)
+            cluster.add_node(**node_args)
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, log_to_driver=False)
         yield cluster.address
