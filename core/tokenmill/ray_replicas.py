@@ -154,6 +154,10 @@ class RayEngineReplica:
         #: What the actor reported for its current engine.
         self.info: ReplicaInfo | None = None
 
+    def _is_placed(self) -> bool:
+        strategy = self._options.get("scheduling_strategy")
+        return strategy is None or bool(strategy.placement_group.wait(timeout_seconds=0))
+
     def _create(self) -> Any:
         return EngineActor.options(name=self.name, **self._options).remote(*self._args)  # type: ignore[attr-defined]
 
@@ -187,7 +191,10 @@ class RayEngineReplica:
                 info = await asyncio.wait_for(asyncio.wrap_future(reference.future()), deadline - time.monotonic())
                 break
             except TimeoutError:
-                raise EngineDeadError(f"Ray actor {self.name} did not start within {timeout:.0f} s") from None
+                raise EngineDeadError(
+                    f"Ray actor {self.name} did not start within {timeout:.0f} s (placed: "
+                    f"{self._is_placed()}; free in the cluster: {ray.available_resources()})"
+                ) from None
             except ray.exceptions.ActorUnavailableError as exc:  # restarting while the call was on its way: again
                 if time.monotonic() >= deadline:
                     raise EngineDeadError(f"Ray actor {self.name} stayed unavailable: {_first_line(exc)}") from None
@@ -261,6 +268,7 @@ class RayCluster:
         self.config = config
         self.is_local = is_local
         self.placement_group: PlacementGroup | None = None
+        self._placing: asyncio.Task[None] | None = None
 
     @classmethod
     def connect(cls, config: EngineConfig) -> RayCluster:
@@ -288,9 +296,10 @@ class RayCluster:
         has_gpus = device == "cuda" or (device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
         return float(self.config.parallel.tensor_parallel_size) if has_gpus else 0.0
 
-    async def start_engines(self, transport: Transport, timeout: float) -> list[EngineClient]:
-        """Reserve the replicas' bundles, start one actor in each; returns their (unstarted) engine clients.
-        Waits for the placement group up to ``timeout`` s, logging what is missing every 10 s."""
+    def start_engines(self, transport: Transport) -> list[EngineClient]:
+        """Ask for the replicas' bundles and one actor in each; returns their (unstarted) engine clients, whose
+        ``start`` waits for Ray to place them. Until the bundles are placed, what the cluster has free is logged
+        every 10 s."""
         config, server = self.config, self.config.server
         count = server.data_parallel_size
         bundle = {"CPU": server.ray_num_cpus_per_replica}
@@ -299,7 +308,7 @@ class RayCluster:
             bundle["GPU"] = num_gpus
         group = placement_group([bundle] * count, strategy=server.ray_placement_strategy, name="tokenmill-engines")
         self.placement_group = group
-        await self._wait_placed(group, bundle, count, timeout)
+        self._placing = asyncio.create_task(self._log_until_placed(group, bundle, count))
         security = self._frontend_security(transport)
         frontend_key = security.public_key if security is not None else None
         args = (config.to_dict(), frontend_key, config.transport.max_message_bytes)
@@ -314,24 +323,17 @@ class RayCluster:
                                         server.max_engine_restarts, security))  # fmt: skip
         return clients
 
-    async def _wait_placed(self, group: PlacementGroup, bundle: dict[str, float], count: int, timeout: float) -> None:
+    async def _log_until_placed(self, group: PlacementGroup, bundle: dict[str, float], count: int) -> None:
         ready = asyncio.wrap_future(group.ready().future())
-        deadline = time.monotonic() + timeout
-        while True:
-            done, _ = await asyncio.wait({ready}, timeout=_PLACEMENT_LOG_INTERVAL_S)
-            if done:
-                ready.result()
-                return
-            available = ray.available_resources()
-            if time.monotonic() > deadline:
-                ready.cancel()
-                raise ConfigError(
-                    f"the Ray cluster could not place {count} engine replica(s) of {bundle} each "
-                    f"({self.config.server.ray_placement_strategy}) within {timeout:.0f} s; "
-                    f"it has {available} free: lower data_parallel_size or ray_num_cpus_per_replica, or add nodes"
-                )
-            logger.warning("waiting for the Ray cluster to place %d replica(s) of %s each; free now: %s", count,
-                           bundle, available)  # fmt: skip
+        try:
+            while not (await asyncio.wait({ready}, timeout=_PLACEMENT_LOG_INTERVAL_S))[0]:
+                logger.warning(
+                    "waiting for the Ray cluster to place %d replica(s) of %s each (%s); free now: %s; lower "
+                    "data_parallel_size or ray_num_cpus_per_replica, or add nodes", count, bundle,
+                    self.config.server.ray_placement_strategy, ray.available_resources(),
+                )  # fmt: skip
+        finally:
+            ready.cancel()  # stopped while waiting: the group's removal must not log an unretrieved error
 
     def _frontend_security(self, transport: Transport) -> TransportSecurity | None:
         """The front end's keys: its certificate when configured, else a key pair made now."""
@@ -346,4 +348,6 @@ class RayCluster:
     def close(self) -> None:
         """Leave the cluster, stopping it when this server started it. Ray removes the replicas' placement
         group when its job (this front end) ends; the engine clients stopped their actors before."""
+        if self._placing is not None:
+            self._placing.cancel()
         ray.shutdown()

@@ -319,3 +319,29 @@ def test_the_front_end_imports_ray_only_for_backend_ray() -> None:
     code = "import sys, tokenmill.cli, tokenmill.server.serve, tokenmill.engine_client; print('ray' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert result.stdout.strip() == "False"
+
+
+def test_replicas_the_cluster_cannot_place_are_waited_for_until_a_signal(
+    tmp_path: Path, ray_server: Server, ray_address: str, tiny_model_dir: Path
+) -> None:
+    # ray_server's replicas hold every CPU of the cluster, so one more replica cannot be placed. (Last in this
+    # module: its actor waits under the same name as ray_server's first one, in its own namespace.)
+    log = tmp_path / "unplaced.log"
+    command = [sys.executable, "-m", "tokenmill.cli", "serve", str(tiny_model_dir), "--device", "cpu", "--port",
+               str(free_port()), "--backend", "ray", "--ray-address", ray_address]  # fmt: skip
+    with log.open("w") as output:
+        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while "waiting for the Ray cluster to place 1 replica(s) of {'CPU': 1.0} each" not in log.read_text():
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        assert "free now:" in log.read_text()
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    text = log.read_text()
+    assert "stopped while starting" in text and "Traceback" not in text and "never retrieved" not in text, text

@@ -143,8 +143,8 @@ async def _serve(config: EngineConfig) -> int:
     socket_dir = tempfile.mkdtemp(prefix="tokenmill-")  # the engines' sockets; removed on the way out
     try:
         if cluster is not None:
-            clients = await cluster.start_engines(transport, ENGINE_START_TIMEOUT_S)
-            group = EngineGroup(clients, router, config.server.router, router_plugin)
+            # Placing the replicas is part of starting them (_start), where a signal can stop the wait.
+            group = EngineGroup(cluster.start_engines(transport), router, config.server.router, router_plugin)
         else:
             group = _engine_group(config, transport, router, router_plugin, socket_dir)
         shutdown.group = group
