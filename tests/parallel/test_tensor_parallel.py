@@ -280,3 +280,29 @@ def test_serve_with_two_shards(llama_dir: Path, tokenmill_server: Any) -> None:
     assert [c.choices[0].text for c in got] == [c.choices[0].text for c in expected]
     assert all(c.usage is not None and c.usage.completion_tokens == 8 for c in got)
     assert chat.choices[0].message.content == expected_chat.choices[0].message.content
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_KERNELS, reason="the int4 and cpu attention kernels need AVX2, FMA and a compiler")
+def test_default_model_splits_in_three_not_two(smollm2_gguf: Path) -> None:
+    """SmolLM2-135M (Q4_1 GGUF: 9 heads, 3 KV heads) is refused at TP=2 and gives TP=1's tokens at TP=3, three
+    shard processes, through the int4 kernel and the cpu attention backend."""
+    settings: dict[str, Any] = {
+        "model": {"model": str(smollm2_gguf)},
+        "attention": {"backend": "cpu"},
+        "cache": {"block_size": 16, "num_kv_blocks": 32},
+    }
+    with pytest.raises(TensorParallelError, match="the model's 9 attention heads do not split into 2"):
+        make_engine(smollm2_gguf, **settings, parallel={"tensor_parallel_size": 2})
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    requests = [
+        EngineCoreRequest(f"s{i}", [100 + (7 * i + t) % 5000 for t in range(length)], params, [], float(i))
+        for i, length in enumerate((5, 40))
+    ]
+    expected = run_to_completion(make_engine(smollm2_gguf, **settings), requests)
+    tp3 = make_engine(smollm2_gguf, **settings, parallel={"tensor_parallel_size": 3})
+    try:
+        assert tp3.shards is not None and len(tp3.shards.pids) == 2
+        assert run_to_completion(tp3, requests) == expected
+    finally:
+        tp3.close()
