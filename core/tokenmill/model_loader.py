@@ -22,7 +22,7 @@ from tokenmill.model_files import resolve_model
 from tokenmill.models.architecture import ArchitectureConfig
 from tokenmill.models.base import CausalLM
 from tokenmill.parallel.group import TensorParallelGroup, single_process_group
-from tokenmill.parallel.sharding import check_shardable, shard_num_threads
+from tokenmill.parallel.sharding import TensorParallelError, check_shardable, shard_num_threads
 from tokenmill.plugin_manager import PluginError, PluginSystem, Registry, Slot, resolve_plugins
 from tokenmill.weights.cache import load_model_weights
 from tokenmill.weights.format import WeightFormat, WeightsError
@@ -252,7 +252,11 @@ def load_model(
     tp = single_process_group()
     tp_size = config.parallel.tensor_parallel_size
     if tp_size > 1:
-        assert connect is not None, "a sharded model is loaded by the tensor-parallel launcher or a worker"
+        if connect is None:  # a tool that loads the model into this process alone (eval, quantize, bench linears)
+            raise TensorParallelError(
+                f"parallel.tensor_parallel_size={tp_size}: this command loads the whole model in one process; "
+                "run it with tensor_parallel_size = 1"
+            )
         check_shardable(arch, tp_size, model_class, quantizer, device)
         tp = connect(device)
         if device.type == "cuda":

@@ -23,7 +23,7 @@ from gguf import GGMLQuantizationType
 from tokenmill_plugins.quant.weight_only import Int4Quantizer
 
 from tests.weights.gguf_util import write_llama_gguf
-from tokenmill.config import ConfigError
+from tokenmill.config import ConfigError, load_config
 from tokenmill.engine import EngineCore
 from tokenmill.messages import (
     EngineCoreRequest,
@@ -34,6 +34,7 @@ from tokenmill.messages import (
     ShardStep,
     ShardStop,
 )
+from tokenmill.model_loader import load_model
 from tokenmill.model_runner import SequenceChunk
 from tokenmill.parallel import TensorParallelError
 from tokenmill.sampling_params import SamplingParams
@@ -217,6 +218,10 @@ def test_unsupported_features_are_refused_at_config_time(llama_dir: Path) -> Non
         make_engine(llama_dir, parallel={"tensor_parallel_size": 2}, speculative_config={"method": "ngram"})
     with pytest.raises(ConfigError, match="tensor_parallel_size=2 does not support KV tiers"):
         make_engine(llama_dir, parallel={"tensor_parallel_size": 2}, kv_tiers=["cpu:1MiB"])
+    # Tools that load the model into their own process alone (eval, quantize, bench linears) refuse it too.
+    config = load_config(overrides={"model": {"model": str(llama_dir)}, "parallel": {"tensor_parallel_size": 2}})
+    with pytest.raises(TensorParallelError, match="this command loads the whole model in one process"):
+        load_model(config)
 
 
 def test_dead_worker_fails_the_engine_naming_it(llama_dir: Path) -> None:

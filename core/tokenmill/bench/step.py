@@ -43,6 +43,11 @@ def run_step(engine: EngineCore, *, batch_size: int, context_len: int, num_steps
     """Fill ``batch_size`` requests to ``context_len`` tokens, then time decode steps and their parts."""
     import torch
 
+    from tokenmill.parallel import TensorParallelError
+
+    if engine.shards is not None:  # the parts run one process's layers alone, which a sharded model cannot
+        raise TensorParallelError("bench step times the layers of one process; run it with tensor_parallel_size = 1")
+
     from tokenmill.engine import now
     from tokenmill.layers.linear import Linear
     from tokenmill.messages import EngineCoreRequest
