@@ -125,8 +125,8 @@ def tokenmill_register_attention_backends(register: Register) -> None:
     :return: nothing; every implementation is called.
 
     Called once per process at start-up. Selected by ``attention.backend``
-    (``--attention-backend``); ``auto`` picks the available one with the
-    highest ``auto_priority``.
+    (``--attention-backend``); ``auto`` picks, among those whose ``auto_selectable(device, head_dim)`` holds,
+    the one with the highest ``auto_priority``.
     Since: 0.1. Stability: provisional.
     """
 

@@ -141,13 +141,14 @@ def _load_for_device(registry: Registry, slot: Slot, name: str, device: torch.de
     return implementation
 
 
-def select_attention_backend(name: str, device: torch.device, plugins: PluginSystem) -> AttentionBackend:
-    """The named backend, or for ``"auto"`` the available one with the highest priority on ``device``."""
+def select_attention_backend(name: str, device: torch.device, plugins: PluginSystem, head_dim: int) -> AttentionBackend:
+    """The named backend, or for ``"auto"`` the one with the highest priority among those that may be picked for
+    a model of ``head_dim`` on ``device`` (``AttentionBackend.auto_selectable``)."""
     if name == "auto":
         candidates = [
             (backend_name, backend_class)
             for backend_name, backend_class in _loadable(plugins.registry, Slot.ATTENTION_BACKEND)
-            if device.type in backend_class.supported_devices and backend_class.is_available()
+            if backend_class.auto_selectable(device, head_dim)
         ]
         # The built-in torch backend runs everywhere, so there is always a candidate.
         best_name, best_class = max(candidates, key=lambda c: c[1].auto_priority)
@@ -245,7 +246,7 @@ def load_model(
     arch = ArchitectureConfig.from_hf_config(hf_config)
     model_class = plugins.load(Slot.ARCHITECTURE, arch.architecture)
     device = resolve_device(config.device.device)
-    attention = select_attention_backend(config.attention.backend, device, plugins)
+    attention = select_attention_backend(config.attention.backend, device, plugins, arch.head_dim)
     quantizer = select_quantizer(
         config.model.quantization, arch, device, plugins, _quantization_config(hf_config, path)
     )

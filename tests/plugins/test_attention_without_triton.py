@@ -26,7 +26,7 @@ def _run(code: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_auto_selection_without_triton_warns_about_nothing() -> None:
-    result = _run('print(select_attention_backend("auto", torch.device("cpu"), plugins).name)')
+    result = _run('print(select_attention_backend("auto", torch.device("cpu"), plugins, 64).name)')
     assert result.stdout.strip() == "cpu"
     assert not [line for line in result.stderr.splitlines() if line.startswith(("WARNING", "ERROR"))], result.stderr
     assert "triton" not in result.stderr.lower().replace("tokenmill_plugins.attention.triton_backend", "")

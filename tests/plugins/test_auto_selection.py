@@ -33,6 +33,12 @@ class UnavailableBackend(TorchAttentionBackend):
         return False
 
 
+class NarrowHeadsBackend(TorchAttentionBackend):
+    name: ClassVar[str] = "narrow-heads"
+    auto_priority: ClassVar[int] = 1000
+    head_dims: ClassVar[tuple[int, ...] | None] = (64, 128)
+
+
 class GpuOnlyBackend(TorchAttentionBackend):
     name: ClassVar[str] = "gpu-only"
     supported_devices: ClassVar[tuple[str, ...]] = ("cuda",)
@@ -55,9 +61,9 @@ def _plugins(**backends: str):  # type: ignore[no-untyped-def]
 
 @pytest.mark.skipif(not CpuAttentionBackend.is_available(), reason="the CPU kernels need AVX2, FMA and a compiler")
 def test_auto_prefers_the_cpu_kernels_on_cpu() -> None:
-    assert select_attention_backend("auto", CPU, load_plugins()).name == "cpu"
+    assert select_attention_backend("auto", CPU, load_plugins(), 64).name == "cpu"
     without = load_plugins(disabled=["attention"])  # the entry point that ships "cpu"
-    assert select_attention_backend("auto", CPU, without).name == "torch"
+    assert select_attention_backend("auto", CPU, without, 64).name == "torch"
 
 
 def test_auto_skips_unavailable_foreign_device_and_broken_backends(caplog: pytest.LogCaptureFixture) -> None:
@@ -68,8 +74,26 @@ def test_auto_skips_unavailable_foreign_device_and_broken_backends(caplog: pytes
         **{"gpu-only": f"{module}:GpuOnlyBackend", "broken": "no_such_module:Backend"},
     )
     with caplog.at_level(logging.WARNING, logger="tokenmill.model_loader"):
-        assert select_attention_backend("auto", CPU, plugins).name == "preferred"
+        assert select_attention_backend("auto", CPU, plugins, 64).name == "preferred"
     assert "skipping attention_backend 'broken'" in caplog.text
+
+
+def test_auto_skips_a_backend_that_does_not_take_the_models_head_dim() -> None:
+    plugins = _plugins(narrow=f"{__name__}:NarrowHeadsBackend", preferred=f"{__name__}:PreferredBackend")
+    assert select_attention_backend("auto", CPU, plugins, 64).name == "narrow-heads"
+    assert select_attention_backend("auto", CPU, plugins, 16).name == "preferred"
+
+
+def test_auto_picks_triton_on_cuda_only_for_the_head_dims_its_kernels_take(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With CUDA visible (faked here), "auto" picks triton for a CUDA model whose head_dim the kernels take, never
+    for a CPU model (there it would need the interpreter), and falls back for another head_dim."""
+    pytest.importorskip("triton")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    plugins = load_plugins()
+    cuda = torch.device("cuda")
+    assert select_attention_backend("auto", cuda, plugins, 64).name == "triton"
+    assert select_attention_backend("auto", cuda, plugins, 16).name == "torch"
+    assert select_attention_backend("auto", CPU, plugins, 64).name != "triton"
 
 
 def test_auto_quantization_follows_the_stored_weight_type() -> None:

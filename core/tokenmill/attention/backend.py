@@ -89,11 +89,26 @@ class AttentionBackend(ABC):
     #: ``tokenmill.attention.kv_quant`` (codes plus a float32 scale per token and KV head).
     kv_cache_dtypes: ClassVar[tuple[torch.dtype, ...]] = ()
 
+    #: Head sizes ``forward`` takes; None: any. ``attention.backend = "auto"`` passes over a backend
+    #: that does not take the model's ``head_dim``.
+    head_dims: ClassVar[tuple[int, ...] | None] = None
+
     @classmethod
     def is_available(cls) -> bool:
         """Whether this machine can run it (CPU features, compiler, GPU libraries). Called at
         start-up by ``attention.backend = "auto"``; must be cheap and must not raise."""
         return True
+
+    @classmethod
+    def auto_selectable(cls, device: torch.device, head_dim: int) -> bool:
+        """Whether ``attention.backend = "auto"`` may pick it for a model of ``head_dim`` on ``device``.
+        The default: ``device`` is one of ``supported_devices``, ``head_dim`` one of ``head_dims`` and
+        ``is_available()``. A backend that runs somewhere only when asked by name narrows it."""
+        return (
+            device.type in cls.supported_devices
+            and (cls.head_dims is None or head_dim in cls.head_dims)
+            and cls.is_available()
+        )
 
     def kv_cache_shape(
         self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype | None = None

@@ -57,9 +57,9 @@ class TritonAttentionBackend(AttentionBackend):
     name: ClassVar[str] = "triton"
     #: "cpu" only under TRITON_INTERPRET=1 (checked at construction and in ``prepare``).
     supported_devices: ClassVar[tuple[str, ...]] = ("cuda", "cpu")
-    #: For ``attention.backend = "auto"``: a tie, which the built-in ``torch`` backend (registered
-    #: first) wins. Raise it once the kernels have been run and timed on a GPU.
-    auto_priority: ClassVar[int] = 0
+    #: For ``attention.backend = "auto"``: above ``torch`` (0) and ``cpu`` (10). ``is_available`` is false
+    #: without CUDA, so this only matters on a GPU, where the kernels were run and timed (docs/benchmarks.md).
+    auto_priority: ClassVar[int] = 20
     #: Decode graphs: ``prepare`` does no device work when ``max_query_len == 1``, ``forward`` reads no
     #: device value on the host, its buffers come from torch's allocator, and the split count depends only
     #: on the batch size and ``max_seq_len`` (the context window at capture; a slice past a request's
@@ -70,11 +70,19 @@ class TritonAttentionBackend(AttentionBackend):
     #: Otherwise the cache is in the model's dtype.
     kv_cache_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float8_e4m3fn, torch.int8)
 
+    #: The kernels' ``SUPPORTED_HEAD_DIMS`` (not imported here: importing them imports Triton).
+    head_dims: ClassVar[tuple[int, ...] | None] = (32, 64, 128, 256)
+
     @classmethod
     def is_available(cls) -> bool:
         """Whether "auto" may pick it: a CUDA device is visible and Triton is installed (the CPU
         interpreter is opt-in, by name)."""
         return torch.cuda.is_available() and importlib.util.find_spec("triton") is not None
+
+    @classmethod
+    def auto_selectable(cls, device: torch.device, head_dim: int) -> bool:
+        """On CUDA only: on the CPU it runs under the interpreter, and only when asked for by name."""
+        return device.type == "cuda" and super().auto_selectable(device, head_dim)
 
     def __init__(self) -> None:
         self._kernels = _import_kernels()

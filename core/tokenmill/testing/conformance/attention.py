@@ -61,12 +61,14 @@ def check_attention_backend(
     or ``int8``, the same bytes: codes and scales as ``tokenmill.attention.kv_quant`` defines them).
 
     :param backend: the class (built with no arguments, as the engine builds it) or an instance.
-    :param device: where to run; default ``cpu`` when the backend supports it, else ``cuda``.
+    :param device: where to run; default ``cuda`` when the backend supports it and a GPU is visible, else ``cpu``
+        when it supports that, else ``cuda``.
     :raises AssertionError: naming the case and what differs.
     """
     candidate = instantiate(backend)
     if device is None:
-        device = "cpu" if "cpu" in candidate.supported_devices else "cuda"
+        on_gpu = "cuda" in candidate.supported_devices and torch.cuda.is_available()
+        device = "cuda" if on_gpu or "cpu" not in candidate.supported_devices else "cpu"
     reference = TorchAttentionBackend()
     cache_dtypes = [dtype] + [d for d in candidate.kv_cache_dtypes if d != dtype and d in reference.kv_cache_dtypes]
     atol, rtol = tolerances or ATTENTION_TOLERANCES[dtype]
