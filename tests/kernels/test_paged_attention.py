@@ -48,6 +48,8 @@ WINDOWS: list[int | None] = [None, 6]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 HEAD_DIMS = [32, 64, 128]
 BLOCK_SIZES = [8, 16, 32]
+#: Where the kernels run: the GPU when there is one, else the CPU under the interpreter.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 _UNUSED_BLOCK_ID = 1 << 30  # a block-table entry past a request's blocks: reading it would fault or give NaN
 
 
@@ -85,7 +87,7 @@ def make_batch(
     block_size: int,
     dtype: torch.dtype,
     seed: int = 0,
-    device: str = "cpu",
+    device: str = DEVICE,
 ) -> Batch:
     """Random queries and K/V; cached prefixes already in a NaN-filled cache, blocks shuffled across requests."""
     rng = random.Random(seed)
@@ -244,7 +246,7 @@ def test_each_kernel_leaves_the_other_kernels_rows_alone() -> None:
     """Decode writes only decode tokens' rows and prefill only prefill tokens' rows (one output, two launches)."""
     batch = make_batch([(1, 10), (9, 4), (1, 2)], 4, 2, 32, 8, torch.float32)
     _write_both_ways(batch)
-    is_decode = torch.tensor([True] + [False] * 9 + [True])
+    is_decode = torch.tensor([True] + [False] * 9 + [True], device=DEVICE)
     out = torch.full_like(batch.query, 7.0)
     kernels.paged_attention_decode(*batch.attention_args(), out, scale=0.2)
     assert (out[~is_decode] == 7.0).all()
@@ -293,13 +295,13 @@ def test_quantized_write_rounds_ties_to_even_as_torch() -> None:
     fp8_row = torch.tensor([448.0, 1.0625, 1.1875, -1.0625, 2.0**-10, 3 * 2.0**-10, 0.01513671875, -5 * 2.0**-10])
     int8_row = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, 126.5, -3.5])
     for row, cache_dtype in ((fp8_row, torch.float8_e4m3fn), (int8_row, torch.int8)):
-        key = torch.cat([row, torch.zeros(24)]).view(1, 1, 32)
-        cache = torch.zeros(1, 8, 1, 36, dtype=cache_dtype)
-        kernels.write_kv_cache(key, key, cache, cache.clone(), torch.tensor([3]))
+        key = torch.cat([row, torch.zeros(24)]).view(1, 1, 32).to(DEVICE)
+        cache = torch.zeros(1, 8, 1, 36, dtype=cache_dtype, device=DEVICE)
+        kernels.write_kv_cache(key, key, cache, cache.clone(), torch.tensor([3], device=DEVICE))
         assert torch.equal(cache[0, 3].view(torch.uint8), quantize_kv(key[0], cache_dtype).view(torch.uint8))
         codes = cache[0, 3, 0, :8]
         expected_codes = row.to(cache_dtype) if cache_dtype == torch.float8_e4m3fn else row.round().to(torch.int8)
-        assert torch.equal(codes.view(torch.uint8), expected_codes.view(torch.uint8))
+        assert torch.equal(codes.view(torch.uint8), expected_codes.to(DEVICE).view(torch.uint8))
 
 
 def test_prefill_tile_table() -> None:
@@ -352,7 +354,7 @@ def test_launchers_check_their_arguments() -> None:
         decode((2, batch.value_cache[:-1]))
     with pytest.raises(ValueError, match="key must be"):
         kernels.write_kv_cache(batch.key[:, :1], batch.value, batch.key_cache, batch.value_cache, batch.slot_mapping)
-    quantized = torch.zeros(*batch.key_cache.shape, dtype=torch.int8)  # rows of 64: head_dim 60
+    quantized = torch.zeros(*batch.key_cache.shape, dtype=torch.int8, device=DEVICE)  # rows of 64: head_dim 60
     with pytest.raises(ValueError, match=r"head_dim 60 is not supported.*rows are head_dim \+ 4 long"):
         decode((1, quantized), (2, quantized))
 

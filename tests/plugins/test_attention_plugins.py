@@ -27,6 +27,8 @@ from tokenmill.sampling_params import SamplingParams
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are decorated, at their import
+#: The GPU when there is one; else the CPU, where the Triton kernels run under the interpreter.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def test_registered_through_its_entry_point() -> None:
@@ -61,11 +63,11 @@ def test_triton_backend_matches_the_torch_backend() -> None:
     torch.manual_seed(0)
     spec = AttentionLayerSpec(num_heads=4, num_kv_heads=2, head_dim=32, scale=32**-0.5, sliding_window=5)
     chunks = [SequenceChunk([1] * 6, 3, [2, 0, 5]), SequenceChunk([1], 9, [1, 3, 4]), SequenceChunk([1], 0, [6])]
-    _, metadata = build_batch(chunks, block_size=4)
-    q, k, v = torch.randn(8, 4, 32), torch.randn(8, 2, 32), torch.randn(8, 2, 32)
+    _, metadata = build_batch(chunks, block_size=4, device=torch.device(DEVICE))
+    q, k, v = (torch.randn(8, heads, 32).to(DEVICE) for heads in (4, 2, 2))
     outputs, caches = [], []
     for backend in (TritonAttentionBackend(), TorchAttentionBackend()):
-        cache = torch.randn(2, 7, 4, 2, 32, generator=torch.Generator().manual_seed(1))
+        cache = torch.randn(2, 7, 4, 2, 32, generator=torch.Generator().manual_seed(1)).to(DEVICE)
         backend.prepare(metadata, 4)
         outputs.append(backend.forward(spec, q, k, v, cache, metadata))
         caches.append(cache)
@@ -94,7 +96,7 @@ def test_triton_backend_serves_the_same_greedy_tokens(
     for backend in ("torch", "triton"):
         engine = make_engine(
             tmp_path, attention={"backend": backend}, scheduler={"max_num_batched_tokens": 16},
-            cache={"kv_cache_dtype": kv_cache_dtype},
+            cache={"kv_cache_dtype": kv_cache_dtype}, device={"device": DEVICE}, model={"dtype": "float32"},
         )  # fmt: skip
         assert engine.config.attention.backend == backend
         requests = [EngineCoreRequest(str(i), prompt, params, [], now()) for i, prompt in enumerate(prompts)]

@@ -62,7 +62,10 @@ def quantize_kv(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     head_dim = rows.shape[-1]
     assert head_dim % SCALE_BYTES == 0, head_dim
     values = rows.float()
-    scale = values.abs().amax(dim=-1, keepdim=True) / _QMAX[dtype]  # [..., 1] float32
+    # Divided by a tensor, not a Python number: CUDA divides by a host scalar as a multiplication by its
+    # reciprocal, which rounds differently; this way every device, and the kernels (div_rn), agree to the bit.
+    amax = values.abs().amax(dim=-1, keepdim=True)
+    scale = amax / amax.new_tensor(_QMAX[dtype])  # [..., 1] float32
     scaled = values / torch.where(scale > 0, scale, 1.0)  # an all-zero row stays zero
     if dtype == torch.int8:
         codes = scaled.round().clamp(-127, 127).to(torch.int8).view(torch.uint8)

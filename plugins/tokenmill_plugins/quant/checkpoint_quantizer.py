@@ -302,7 +302,10 @@ def quantize_activations(x: Tensor, scheme: ActivationScheme, input_scale: Tenso
         x = x.reshape(x.shape[0], -1, scheme.group_size)
     if scheme.is_dynamic:
         dims: tuple[int, ...] = tuple(range(x.dim())) if scheme.strategy == "tensor" else (-1,)
-        scale = x.abs().amax(dim=dims, keepdim=True) / ((high - low) / 2)
+        amax = x.abs().amax(dim=dims, keepdim=True)
+        # A tensor divisor: CUDA divides by a host scalar as a multiplication by its reciprocal, which rounds
+        # differently from the CPU (and from the tool that made the checkpoint) and moves codes at midpoints.
+        scale = amax / amax.new_tensor((high - low) / 2)
         scale = torch.where(scale == 0, torch.finfo(torch.float32).eps, scale)
     else:
         scale = input_scale
