@@ -12,10 +12,11 @@ from tokenmill.bench.roofline import (
     RooflineError,
     count_parameters,
     decode_roofline,
+    decode_step_roofline,
     known_peak_bandwidth_gbs,
     kv_bytes_read,
     resolve_peak_bandwidth_gbs,
-    single_stream_roofline,
+    weight_bytes_per_step,
 )
 from tokenmill.models.architecture import ArchitectureConfig
 
@@ -70,13 +71,29 @@ def test_sliding_window_layers_read_at_most_their_window() -> None:
 
 def test_single_stream_uses_the_mean_kv_length_over_its_steps() -> None:
     arch = ArchitectureConfig.from_hf_config(_TINY)
-    roofline = single_stream_roofline(
+    roofline = decode_step_roofline(
         arch, dtype="float32", input_len=100, output_len=20, step_time_s=0.01, peak_bandwidth_gbs=50.0
     )
-    # Weights 139584 x 4 bytes; KV at 100 + 20 // 2 = 110 tokens: 110 x 2 layers x 256 bytes.
-    assert (roofline.weight_bytes, roofline.kv_bytes) == (558336, 56320)
-    assert roofline.achieved_gbs == pytest.approx((558336 + 56320) / 0.01 / 1e9)
+    # Weights (139584 - the untied input table's 512 x 64) x 4 bytes; KV at 100 + 20 // 2 = 110 tokens:
+    # 110 x 2 layers x 256 bytes.
+    assert (roofline.weight_bytes, roofline.kv_bytes) == (427264, 56320)
+    assert roofline.achieved_gbs == pytest.approx((427264 + 56320) / 0.01 / 1e9)
     assert roofline.fraction == pytest.approx(roofline.achieved_gbs / 50.0)
+
+
+def test_a_batch_reads_the_weights_once_and_each_streams_kv() -> None:
+    arch = ArchitectureConfig.from_hf_config(_TINY)
+    batch = decode_step_roofline(
+        arch, dtype="bfloat16", input_len=100, output_len=20, step_time_s=0.01, peak_bandwidth_gbs=50.0, batch_size=4
+    )
+    assert (batch.weight_bytes, batch.kv_bytes) == (427264 // 2, 4 * 56320 // 2)
+
+
+def test_a_tied_table_is_the_output_projection_and_counts_whole() -> None:
+    tied = ArchitectureConfig.from_hf_config({**_TINY, "tie_word_embeddings": True})
+    assert weight_bytes_per_step(tied, 4) == count_parameters(tied) * 4
+    untied = ArchitectureConfig.from_hf_config(_TINY)
+    assert weight_bytes_per_step(untied, 4) == (count_parameters(untied) - 512 * 64) * 4
 
 
 def test_peak_bandwidth_table_and_flag(monkeypatch: pytest.MonkeyPatch) -> None:

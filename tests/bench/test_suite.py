@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from tests.factories import save_hf_model
 from tokenmill.bench.cli import bench
 from tokenmill.bench.local_server import ServerStartError, start_local_server
-from tokenmill.bench.roofline import count_parameters, kv_bytes_read
+from tokenmill.bench.roofline import kv_bytes_read, weight_bytes_per_step
 from tokenmill.bench.suite import format_comparison
 from tokenmill.bench.workload import shared_prefix_prompts
 from tokenmill.config import load_config
@@ -73,7 +73,7 @@ def test_decode_measures_both_and_prints_their_ratio(
     # The roofline at the ITL p50: float32 weights and the KV of 24 + 6 // 2 tokens.
     arch = tiny_model[1]
     roofline = results["roofline"]
-    assert roofline["weight_bytes"] == count_parameters(arch) * 4
+    assert roofline["weight_bytes"] == weight_bytes_per_step(arch, 4)
     assert roofline["kv_bytes"] == kv_bytes_read(arch, [27], dtype_bytes=4)
     assert roofline["step_time_s"] == pytest.approx(tm["itl_ms"]["p50"] / 1000)
     assert roofline["fraction"] == pytest.approx(roofline["achieved_gbs"] / 10)

@@ -339,18 +339,22 @@ def _suite_options(command: Callable[..., Any]) -> Callable[..., Any]:
     return decorated
 
 
+_peak_bandwidth = click.option(
+    "--peak-bandwidth-gbs",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="Memory bandwidth (GB/s) for the decode-step roofline, such as a measured device-to-device copy's; "
+    "known GPUs (H100, H200) default to their datasheet peak.",
+)
+
+
 @bench.command()
 @click.option("--input-len", type=click.IntRange(min=1), default=128, show_default=True, help="Prompt tokens.")
 @click.option("--output-len", type=click.IntRange(min=2), default=128, show_default=True, help="Generated tokens.")
 @click.option(
     "--num-requests", type=click.IntRange(min=1), default=5, show_default=True, help="Requests, one at a time."
 )
-@click.option(
-    "--peak-bandwidth-gbs",
-    type=click.FloatRange(min=0, min_open=True),
-    default=None,
-    help="Peak memory bandwidth (GB/s) for the decode-step roofline; known GPUs (H100, H200) need none.",
-)
+@_peak_bandwidth
 @_output_json
 @_suite_options
 def decode(
@@ -397,6 +401,7 @@ def decode(
     default=None,
     help="Skip the transformers baseline at levels above this batch size (it is slow on CPU).",
 )
+@_peak_bandwidth
 @_output_json
 @_suite_options
 def sweep(
@@ -407,6 +412,7 @@ def sweep(
     num_requests: int | None,
     mixed: bool,
     hf_max_batch: int | None,
+    peak_bandwidth_gbs: float | None,
     output_json: Path | None,
 ) -> None:
     """Output throughput at each concurrency level vs transformers batched generate at that batch size."""
@@ -420,6 +426,7 @@ def sweep(
         num_requests=num_requests,
         mixed=mixed,
         hf_max_batch=hf_max_batch,
+        peak_bandwidth_gbs=peak_bandwidth_gbs,
     )
     _report(report, output_json, format_comparison)
 

@@ -8,8 +8,8 @@ weight once and each request's KV cache. So its floor is
 at the device's peak bandwidth, and the fraction of the roofline a run reaches
 is ``bytes per step / step time / peak bandwidth``. Weight bytes are the
 model's parameter count times the bytes of its dtype (a dense model; a
-quantizer's smaller weights are not counted, and the untied embedding table
-counts in full although a step reads only a few of its rows). ``bench decode``
+quantizer's smaller weights are not counted), less an untied input embedding
+table, of which a step reads only its tokens' rows. ``bench decode``
 reports it with ``--peak-bandwidth-gbs``, or on a GPU listed in
 ``KNOWN_PEAK_BANDWIDTH_GBS``. Pure arithmetic: no torch at import.
 """
@@ -100,7 +100,14 @@ def decode_roofline(*, weight_bytes: int, kv_bytes: int, step_time_s: float, pea
     return Roofline(weight_bytes, kv_bytes, step_time_s, achieved, peak_bandwidth_gbs, achieved / peak_bandwidth_gbs)
 
 
-def single_stream_roofline(
+def weight_bytes_per_step(arch: ArchitectureConfig, dtype_bytes: int) -> int:
+    """Bytes of weights one decode step reads: every parameter, except that an untied input embedding table
+    is read only at the step's few token rows (counted as none); a tied one is the output projection, read whole."""
+    untied_input_table = 0 if arch.tie_word_embeddings else arch.vocab_size * arch.hidden_size
+    return (count_parameters(arch) - untied_input_table) * dtype_bytes
+
+
+def decode_step_roofline(
     arch: ArchitectureConfig,
     *,
     dtype: str,
@@ -108,14 +115,15 @@ def single_stream_roofline(
     output_len: int,
     step_time_s: float,
     peak_bandwidth_gbs: float,
+    batch_size: int = 1,
 ) -> Roofline:
-    """The roofline of one stream's decode steps: its KV length is the mean over the steps
-    (``input_len + 1`` to ``input_len + output_len - 1`` tokens already cached)."""
+    """The roofline of a decode step of ``batch_size`` streams: the weights once, and each stream's KV at its
+    mean length over the steps (``input_len + 1`` to ``input_len + output_len - 1`` tokens already cached)."""
     dtype_bytes = DTYPE_BYTES[dtype]
     mean_seq_len = input_len + output_len // 2
     return decode_roofline(
-        weight_bytes=count_parameters(arch) * dtype_bytes,
-        kv_bytes=kv_bytes_read(arch, [mean_seq_len], dtype_bytes),
+        weight_bytes=weight_bytes_per_step(arch, dtype_bytes),
+        kv_bytes=kv_bytes_read(arch, [mean_seq_len] * batch_size, dtype_bytes),
         step_time_s=step_time_s,
         peak_bandwidth_gbs=peak_bandwidth_gbs,
     )

@@ -117,13 +117,20 @@ def run_sweep(
     num_requests: int | None = None,
     mixed: bool = False,
     hf_max_batch: int | None = None,
+    peak_bandwidth_gbs: float | None = None,
 ) -> dict[str, Any]:
     """A concurrency sweep against one server: at each level ``num_requests`` (default
     ``max(2 * concurrency, 8)``) requests with at most ``concurrency`` in flight, each level with
     its own seed (``seed + index``) so no level reuses another's cached prompts. transformers runs
     the level's first ``concurrency`` requests as one static batch (levels above ``hf_max_batch``
-    are skipped). ``mixed`` draws log-normal lengths (``workload.sample_lengths``)."""
+    are skipped). ``mixed`` draws log-normal lengths (``workload.sample_lengths``).
+
+    With ``peak_bandwidth_gbs`` (or on a known GPU) each level also has the roofline of a decode step of
+    ``concurrency`` streams at its ITL p50 (``roofline``, else None)."""
+    from tokenmill.bench.roofline import resolve_peak_bandwidth_gbs
+
     device = _device(options.config)
+    peak = resolve_peak_bandwidth_gbs(peak_bandwidth_gbs, device)
     _check_inputs(options)
     levels: list[dict[str, Any]] = [
         {"concurrency": c, "num_requests": num_requests or max(2 * c, 8), "seed": options.seed + i}
@@ -163,6 +170,11 @@ def run_sweep(
         level["speedup"] = {
             "output_throughput": _ratio(level["tokenmill"]["output_throughput"], hf.get("output_throughput"))
         }
+        level["roofline"] = None
+        if peak is not None and not mixed and (itl_p50 := _p50(level["tokenmill"], "itl_ms")):
+            level["roofline"] = _roofline(
+                options.config, device, input_len, output_len, itl_p50 / 1000, peak, batch_size=level["concurrency"]
+            )
     parameters = _parameters(
         options,
         device,
@@ -173,6 +185,7 @@ def run_sweep(
         num_requests=num_requests if num_requests is not None else "max(2 x concurrency, 8)",
         mixed=mixed,
         hf_max_batch=hf_max_batch,
+        peak_bandwidth_gbs=peak,
     )
     return build_report("sweep", parameters, {"levels": levels})
 
@@ -400,9 +413,16 @@ def _dtype(config: EngineConfig, device: str) -> str:
 
 
 def _roofline(
-    config: EngineConfig, device: str, input_len: int, output_len: int, step_time_s: float, peak_gbs: float
+    config: EngineConfig,
+    device: str,
+    input_len: int,
+    output_len: int,
+    step_time_s: float,
+    peak_gbs: float,
+    *,
+    batch_size: int = 1,
 ) -> dict[str, Any]:
-    from tokenmill.bench.roofline import read_architecture, single_stream_roofline
+    from tokenmill.bench.roofline import decode_step_roofline, read_architecture
 
     arch = read_architecture(config)
     dtype = _dtype(config, device)
@@ -414,13 +434,14 @@ def _roofline(
             dtype,
             quantization,
         )
-    roofline = single_stream_roofline(
+    roofline = decode_step_roofline(
         arch,
         dtype=dtype,
         input_len=input_len,
         output_len=output_len,
         step_time_s=step_time_s,
         peak_bandwidth_gbs=peak_gbs,
+        batch_size=batch_size,
     )
     return asdict(roofline)
 
@@ -518,8 +539,8 @@ def _decode_body(results: dict[str, Any]) -> list[str]:
 
 
 def _sweep_body(results: dict[str, Any]) -> list[str]:
-    widths = (5, 8, 9, 10, 9, 10, 13)  # sums to TABLE_WIDTH; "128/128" fits its column
-    header = ("conc", "reqs", "tok/s", "TTFT p50", "ITL p50", "HF tok/s", "vs HF")
+    widths = (5, 8, 9, 10, 9, 10, 7, 6)  # sums to TABLE_WIDTH; "128/128" fits its column
+    header = ("conc", "reqs", "tok/s", "TTFT p50", "ITL p50", "HF tok/s", "vs HF", "roof")
     lines = ["".join(f"{name:>{w}}" for name, w in zip(header, widths, strict=True))]
     for level in results["levels"]:
         tm, hf = level["tokenmill"], level["transformers"] or {}
@@ -531,12 +552,14 @@ def _sweep_body(results: dict[str, Any]) -> list[str]:
             _p50(tm, "itl_ms"),
             hf.get("output_throughput"),
             _times(level["speedup"]["output_throughput"]) if hf else "-",
+            f"{level['roofline']['fraction']:.0%}" if level.get("roofline") else "-",
         )
         lines.append("".join(f"{format_value(cell):>{w}}" for cell, w in zip(cells, widths, strict=True)))
     lines += [
         "-" * TABLE_WIDTH,
         "tok/s: output tokens per second; TTFT, ITL: p50 in ms;",
         "HF: transformers, one static batch of `conc` rows.",
+        "roof: the decode step's fraction of the memory roofline (at the ITL p50).",
     ]
     return lines
 
