@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The GPU checks of issue 19 on a lent GPU machine, from the repository root: scripts/gpu/run.sh STAGE...
+#   info     the GPU, the versions of torch, Triton, transformers and CuPy, and the GPU's measured ceilings
+#   tests    the kernel, CUDA-graph, backend and engine tests on the GPU (pytest -n 8; log in $OUT)
+#   llama8b  the Llama-3-8B-shaped random bf16 model (scripts/gpu/make_llama3_8b.py) in $LLAMA8B
+#   bench    bench sweep at c=1 and 64 against transformers, with and without CUDA graphs, the roofline
+#            against the measured copy bandwidth, and a profile of decode steps (scripts/gpu/profile_decode.py)
+#   greedy   greedy output against transformers on $TOKENMILL_GPU_MODELS (tests/gpu)
+# The machine has torch, triton, cupy and transformers but none of tokenmill's pure-Python dependencies: they
+# travel as wheels in .whl/ (with the tokenmill wheels, for their entry points) and are installed first. The
+# tree itself is imported from core/, plugins/ and kernels/. Logs and JSON go to $OUT.
+set -u
+OUT=${OUT:-/tmp/gpu-out}
+LLAMA8B=${LLAMA8B:-/tmp/llama3-8b}
+mkdir -p "$OUT"
+python3 -c "import msgspec, tokenmill" 2>/dev/null ||
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade .whl/*.whl || exit 1
+export PYTHONPATH=$PWD/core:$PWD/plugins:$PWD/kernels:$PWD
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+TM="python3 -m tokenmill.cli"
+for stage in "$@"; do
+    echo "=== $stage $(date -u +%T)"
+    case $stage in
+    info)
+        nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+        python3 -c "import torch, triton, transformers, cupy; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'transformers', transformers.__version__, 'cupy', cupy.__version__)"
+        timeout 120 python3 scripts/gpu/ceilings.py | tee "$OUT/ceilings.json"
+        ;;
+    tests)
+        timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest -p no:cacheprovider -q -n 8 --timeout 300 -rfEs \
+            ${TESTS:-tests/kernels/test_paged_attention.py tests/kernels/test_quant_matmul_triton.py tests/core/test_cuda_graphs.py tests/plugins/test_attention_plugins.py tests/plugins/test_auto_selection.py tests/testing/test_conformance.py tests/gpu} \
+            >"$OUT/pytest-gpu.log" 2>&1
+        echo "pytest exit $?"; tail -40 "$OUT/pytest-gpu.log"
+        ;;
+    llama8b)
+        [ -f "$LLAMA8B/config.json" ] || timeout 300 python3 scripts/gpu/make_llama3_8b.py "$LLAMA8B"
+        ;;
+    bench)
+        [ -f "$OUT/ceilings.json" ] || timeout 120 python3 scripts/gpu/ceilings.py | tee "$OUT/ceilings.json"
+        copy=$(python3 -c "import json; print(round(json.load(open('$OUT/ceilings.json'))['copy_gbs']))")
+        common="--model $LLAMA8B --concurrency 1,64 --input-len 128 --output-len 128 --peak-bandwidth-gbs $copy --no-progress"
+        timeout 300 $TM bench sweep $common --output-json "$OUT/sweep-graphs.json" 2>&1 | grep -v "^INFO\|it/s\]" | tail -22
+        timeout 150 $TM bench sweep $common --no-cuda-graphs --no-hf-baseline --output-json "$OUT/sweep-eager.json" 2>&1 | grep -v "^INFO\|it/s\]" | tail -12
+        timeout 120 python3 scripts/gpu/profile_decode.py "$LLAMA8B" >"$OUT/profile.txt" 2>&1
+        grep -A16 "^=== batch" "$OUT/profile.txt" | cut -c1-150
+        ;;
+    greedy)
+        timeout "${GREEDY_TIMEOUT:-400}" python3 -m pytest -p no:cacheprovider -q -s --timeout 380 tests/gpu 2>&1 | tee "$OUT/greedy.log" | grep -v "it/s\]" | tail -15
+        ;;
+    *) echo "unknown stage $stage"; exit 2 ;;
+    esac
+done
+echo "=== done $(date -u +%T)"
