@@ -6,6 +6,8 @@
 #   bench    bench sweep at c=1 and 64 against transformers, with and without CUDA graphs, the roofline
 #            against the measured copy bandwidth, and a profile of decode steps (scripts/gpu/profile_decode.py)
 #   greedy   greedy output against transformers on $TOKENMILL_GPU_MODELS (tests/gpu)
+#   default  the default model's GGUF, joined from two halves carried by two calls (.gguf1/part1, kept in
+#            /tmp/keep, then .gguf2/part2): greedy against transformers, and bench decode against transformers
 # The machine has torch, triton, cupy and transformers but none of tokenmill's pure-Python dependencies: they
 # travel as wheels in .whl/ (with the tokenmill wheels, for their entry points) and are installed first. The
 # tree itself is imported from core/, plugins/ and kernels/. Logs and JSON go to $OUT.
@@ -15,6 +17,7 @@ LLAMA8B=${LLAMA8B:-/tmp/llama3-8b}
 mkdir -p "$OUT"
 python3 -c "import msgspec, tokenmill" 2>/dev/null ||
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade .whl/*.whl || exit 1
+[ -f .gguf1/part1 ] && mkdir -p /tmp/keep && cp .gguf1/part1 /tmp/keep/  # the default model's first half
 export PYTHONPATH=$PWD/core:$PWD/plugins:$PWD/kernels:$PWD
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 TM="python3 -m tokenmill.cli"
@@ -46,6 +49,14 @@ for stage in "$@"; do
         ;;
     greedy)
         timeout "${GREEDY_TIMEOUT:-400}" python3 -m pytest -p no:cacheprovider -q -s --timeout 380 tests/gpu 2>&1 | tee "$OUT/greedy.log" | grep -v "it/s\]" | tail -15
+        ;;
+    default)
+        gguf=${DEFAULT_GGUF:-/tmp/SmolLM2-135M-Instruct.Q4_1.gguf}
+        [ -f "$gguf" ] || cat /tmp/keep/part1 .gguf2/part2 >"$gguf" || exit 1
+        TOKENMILL_GPU_MODELS=$gguf timeout 150 python3 -m pytest -p no:cacheprovider -q -s --timeout 140 \
+            tests/gpu -k "greedy and gguf" 2>&1 | grep -v "it/s\]" | tail -6
+        timeout 180 $TM bench decode --model "$gguf" --num-requests 3 --no-progress \
+            --output-json "$OUT/decode-default.json" 2>&1 | grep -v "^INFO\|it/s\]" | tail -22
         ;;
     *) echo "unknown stage $stage"; exit 2 ;;
     esac

@@ -49,6 +49,23 @@ def test_eos_cannot_end_a_row_early_and_mixed_rows_count_their_own_lengths(model
     assert mixed["output_throughput"] == pytest.approx(9 / mixed["duration_s"])
 
 
+@pytest.mark.parametrize(("device", "calls"), [("cpu", 1), ("cuda", 2)])
+def test_on_a_gpu_each_timed_generate_follows_an_untimed_one(
+    device: str, calls: int, model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The static cache compiles the forward per shape on a GPU: the timed call must not be the first."""
+    model = HFModel(object(), model_dir, device, "bfloat16", None)
+    seen: list[tuple[int, int]] = []
+
+    def generate(prompts: list[list[int]], max_new_tokens: int) -> tuple[float, int]:
+        seen.append((len(prompts), max_new_tokens))
+        return 1.0, max_new_tokens
+
+    monkeypatch.setattr(model, "_generate", generate)
+    model.generate([[1, 2], [3]], [4, 4])
+    assert seen == [(2, 4)] * calls
+
+
 def test_prefill_times_one_forward(model_dir: Path) -> None:
     result = run_hf_prefill(model_dir, input_len=40, num_threads=1, num_iters=2)
     assert (result["input_len"], result["num_iters"], len(result["iteration_s"])) == (40, 2, 2)

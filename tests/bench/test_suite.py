@@ -88,6 +88,27 @@ def test_decode_measures_both_and_prints_their_ratio(
     assert _ratio_line(format_comparison(report), "vs transformers: output tok/s") == "not measured"
 
 
+def test_sweep_reports_each_levels_roofline(
+    engine_flags: list[str], tiny_model: tuple[Path, ArchitectureConfig], tmp_path: Path
+) -> None:
+    """With --peak-bandwidth-gbs, a level of c streams counts the weights once and c streams' KV at their mean
+    length, at that level's ITL p50."""
+    table, report = _bench(
+        tmp_path, "sweep", *engine_flags, "--concurrency", "1,2", "--input-len", "8", "--output-len", "4",
+        "--num-requests", "2", "--no-hf-baseline", "--peak-bandwidth-gbs", "10",
+    )  # fmt: skip
+    arch = tiny_model[1]
+    for level in report["results"]["levels"]:
+        roofline, concurrency = level["roofline"], level["concurrency"]
+        assert roofline["weight_bytes"] == weight_bytes_per_step(arch, 4)
+        assert roofline["kv_bytes"] == kv_bytes_read(arch, [8 + 4 // 2] * concurrency, dtype_bytes=4)
+        assert roofline["step_time_s"] == pytest.approx(level["tokenmill"]["itl_ms"]["p50"] / 1000)
+        assert roofline["fraction"] == pytest.approx(roofline["achieved_gbs"] / 10)
+    assert report["parameters"]["peak_bandwidth_gbs"] == 10
+    (header,) = [line for line in table.splitlines() if line.split()[:2] == ["conc", "reqs"]]
+    assert header.split()[-1] == "roof"
+
+
 def test_prefix_caching_on_and_off(engine_flags: list[str], tmp_path: Path) -> None:
     table, report = _bench(
         tmp_path, "prefix", *engine_flags,
