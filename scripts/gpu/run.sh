@@ -7,7 +7,7 @@
 #            against the measured copy bandwidth, and a profile of decode steps (scripts/gpu/profile_decode.py)
 #   greedy   greedy output against transformers on $TOKENMILL_GPU_MODELS (tests/gpu)
 #   default  the default model's GGUF, joined from two halves carried by two calls (.gguf1/part1, kept in
-#            /tmp/keep, then .gguf2/part2): greedy against transformers, and bench decode against transformers
+#            /tmp/keep, then .gguf2/part2): greedy and bench decode against transformers, bench speculative (ngram)
 # The machine has torch, triton, cupy and transformers but none of tokenmill's pure-Python dependencies: they
 # travel as wheels in .whl/ (with the tokenmill wheels, for their entry points) and are installed first. The
 # tree itself is imported from core/, plugins/ and kernels/. Logs and JSON go to $OUT.
@@ -57,6 +57,9 @@ for stage in "$@"; do
             tests/gpu -k "greedy and gguf" 2>&1 | grep -v "it/s\]" | tail -6
         timeout 180 $TM bench decode --model "$gguf" --num-requests 3 --no-progress \
             --output-json "$OUT/decode-default.json" 2>&1 | grep -v "^INFO\|it/s\]" | tail -22
+        timeout 180 $TM bench speculative --model "$gguf" --speculative-config '{"method": "ngram"}' --workload copy \
+            --concurrency 1,32 --num-prompts 8 --rounds 2 --output-json "$OUT/speculative-default.json" 2>&1 |
+            grep -v "^INFO\|it/s\]" | tail -16
         ;;
     *) echo "unknown stage $stage"; exit 2 ;;
     esac
