@@ -46,6 +46,8 @@ for stage in "$@"; do
         timeout 150 $TM bench sweep $common --no-cuda-graphs --no-hf-baseline --output-json "$OUT/sweep-eager.json" 2>&1 | grep -v "^INFO\|it/s\]" | tail -12
         timeout 120 python3 scripts/gpu/profile_decode.py "$LLAMA8B" >"$OUT/profile.txt" 2>&1
         grep -A16 "^=== batch" "$OUT/profile.txt" | cut -c1-150
+        timeout 150 $TM bench step --model "$LLAMA8B" --batch-size 1,64 --context-len 256 --kv-cache-memory 16GiB \
+            --output-json "$OUT/step.json" 2>&1 | grep -v "^INFO" | tail -14
         ;;
     greedy)
         timeout "${GREEDY_TIMEOUT:-400}" python3 -m pytest -p no:cacheprovider -q -s --timeout 380 tests/gpu 2>&1 | tee "$OUT/greedy.log" | grep -v "it/s\]" | tail -15

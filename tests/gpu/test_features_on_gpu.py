@@ -91,3 +91,15 @@ def test_kv_tiers_change_no_token_through_eviction_and_reload(model_dir: Path) -
     (cpu,) = tiered_engine.kv_tiers
     assert cpu.stats.hits > 0  # prefixes came back from the cpu tier
     tiered_engine.close()
+
+
+def test_bench_step_times_a_gpu_decode_step_and_its_parts(model_dir: Path) -> None:
+    """``bench step`` on the GPU: inputs in the model's device and dtype (bf16), every timed call synchronized."""
+    from tokenmill.bench.step import run_step
+
+    engine = make_engine(model_dir, device={"device": DEVICE})
+    report = run_step(engine, batch_size=4, context_len=32, num_steps=5, seed=0)
+    results = report["results"]
+    assert min(results["step_ms"], results["linear_ms"], results["attention_ms"]) > 0
+    assert report["parameters"]["attention_backend"] == ("triton" if DEVICE == "cuda" else "cpu")
+    assert not engine.has_unfinished_requests()

@@ -63,7 +63,10 @@ def run_step(engine: EngineCore, *, batch_size: int, context_len: int, num_steps
         prefilling -= {output.request_id for output in engine.step() if output.new_token_ids}
     for _ in range(2):
         engine.step()  # warm-up decode steps
-    step_ms = _median_ms(engine.step, num_steps)
+    device, dtype = engine.runner.loaded.device, engine.runner.loaded.dtype
+    # On a GPU the host returns before the kernels finish: every timed call ends in a synchronize.
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    step_ms = _median_ms(engine.step, num_steps, sync)
     # The parts below write K/V wherever their batch says: free the requests' blocks first.
     engine.abort_requests(request_ids)
 
@@ -71,9 +74,9 @@ def run_step(engine: EngineCore, *, batch_size: int, context_len: int, num_steps
     runner = engine.runner
     model = runner.loaded.model
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    inputs = {id(m): torch.randn(batch_size, m.in_features) for m in linears}
+    inputs = {id(m): torch.randn(batch_size, m.in_features, device=device, dtype=dtype) for m in linears}
 
-    hidden = torch.randn(batch_size, runner.loaded.arch.hidden_size)  # [batch, hidden]
+    hidden = torch.randn(batch_size, runner.loaded.arch.hidden_size, device=device, dtype=dtype)  # [batch, hidden]
     tied_dense_head = getattr(model, "lm_head", None) is None
 
     def all_linears() -> None:
@@ -88,17 +91,17 @@ def run_step(engine: EngineCore, *, batch_size: int, context_len: int, num_steps
     specs = model.attention_specs()
     spec = specs[0]
     num_tokens = metadata.num_tokens
-    query = torch.randn(num_tokens, spec.num_heads, spec.head_dim)  # [num_tokens, heads, head_dim]
-    key = torch.randn(num_tokens, spec.num_kv_heads, spec.head_dim)  # [num_tokens, kv_heads, head_dim]
-    value = torch.randn(num_tokens, spec.num_kv_heads, spec.head_dim)
+    query = torch.randn(num_tokens, spec.num_heads, spec.head_dim, device=device, dtype=dtype)  # [tokens, heads, dim]
+    key = torch.randn(num_tokens, spec.num_kv_heads, spec.head_dim, device=device, dtype=dtype)  # [tokens, kv, dim]
+    value = torch.randn(num_tokens, spec.num_kv_heads, spec.head_dim, device=device, dtype=dtype)
 
     def all_attention() -> None:
         for layer_spec, kv_cache in zip(specs, runner.kv_caches, strict=True):
             backend.forward(layer_spec, query, key, value, kv_cache, metadata)
 
     with torch.inference_mode():
-        linear_ms = _median_ms(all_linears, num_steps)
-        attention_ms = _median_ms(all_attention, num_steps)
+        linear_ms = _median_ms(all_linears, num_steps, sync)
+        attention_ms = _median_ms(all_attention, num_steps, sync)
     summary = StepBreakdown(
         batch_size=batch_size,
         context_len=context_len,
@@ -137,11 +140,13 @@ def _decode_chunks(batch_size: int, num_computed_tokens: int, runner: ModelRunne
     ]
 
 
-def _median_ms(function: Callable[[], Any], repeats: int) -> float:
+def _median_ms(function: Callable[[], Any], repeats: int, sync: Callable[[], Any]) -> float:
     times = []
     for _ in range(repeats):
+        sync()
         started = time.perf_counter()
         function()
+        sync()
         times.append((time.perf_counter() - started) * 1000)
     times.sort()
     return times[len(times) // 2]
