@@ -5,6 +5,8 @@
 #   llama8b  the Llama-3-8B-shaped random bf16 model (scripts/gpu/make_llama3_8b.py) in $LLAMA8B
 #   bench    bench sweep at c=1 and 64 against transformers, with and without CUDA graphs, the roofline
 #            against the measured copy bandwidth, and a profile of decode steps (scripts/gpu/profile_decode.py)
+#   step     bench step on the 8B model at batch 1 and 64
+#   all      info, tests (in the background) with llama8b and greedy on it, then bench
 #   greedy   greedy output against transformers on $TOKENMILL_GPU_MODELS (tests/gpu)
 #   default  the default model's GGUF, joined from two halves carried by two calls (.gguf1/part1, kept in
 #            /tmp/keep, then .gguf2/part2): greedy and bench decode against transformers, bench speculative (ngram)
@@ -14,6 +16,7 @@
 set -u
 OUT=${OUT:-/tmp/gpu-out}
 LLAMA8B=${LLAMA8B:-/tmp/llama3-8b}
+export OUT LLAMA8B
 mkdir -p "$OUT"
 python3 -c "import msgspec, tokenmill" 2>/dev/null ||
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade .whl/*.whl || exit 1
@@ -46,8 +49,21 @@ for stage in "$@"; do
         timeout 150 $TM bench sweep $common --no-cuda-graphs --no-hf-baseline --output-json "$OUT/sweep-eager.json" 2>&1 | grep -v "^INFO\|it/s\]" | tail -12
         timeout 120 python3 scripts/gpu/profile_decode.py "$LLAMA8B" >"$OUT/profile.txt" 2>&1
         grep -A16 "^=== batch" "$OUT/profile.txt" | cut -c1-150
+        ;;
+    step)
         timeout 150 $TM bench step --model "$LLAMA8B" --batch-size 1,64 --context-len 256 --kv-cache-memory 16GiB \
             --output-json "$OUT/step.json" 2>&1 | grep -v "^INFO" | tail -14
+        ;;
+    all)
+        # What one call of a 15-minute lease fits (about 9 minutes): the tests in the background while the 8B
+        # model is written and checked against transformers, then the benchmarks on a quiet GPU.
+        "$0" info
+        "$0" tests >/tmp/tests.out 2>&1 &
+        tests=$!
+        "$0" llama8b && TOKENMILL_GPU_MODELS=$LLAMA8B GREEDY_TIMEOUT=300 "$0" greedy
+        wait $tests
+        cat /tmp/tests.out
+        "$0" bench
         ;;
     greedy)
         timeout "${GREEDY_TIMEOUT:-400}" python3 -m pytest -p no:cacheprovider -q -s --timeout 380 tests/gpu 2>&1 | tee "$OUT/greedy.log" | grep -v "it/s\]" | tail -15
