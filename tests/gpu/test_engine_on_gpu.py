@@ -23,7 +23,6 @@ import pytest
 import torch
 
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.testing.factories import save_tiny_model
 
 pytestmark = [
     pytest.mark.gpu,
@@ -36,12 +35,6 @@ PROMPT_LENS = (7, 31, 64, 130)
 
 def near_tie(top_logit: float) -> float:
     return max(abs(top_logit), 1.0) * 2**-5
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    # One head of 64: a head size the Triton kernels take, so "auto" picks them.
-    return save_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", num_attention_heads=1, num_key_value_heads=1)
 
 
 def _models() -> list[str]:

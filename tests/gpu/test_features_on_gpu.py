@@ -7,17 +7,16 @@ CPU by hand (set it to ``"cpu"``); the CPU suite covers the same features in tes
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from tests.kv_tiers.test_engine_tiers import _prompt, _rounds
+from tests.speculators.test_verification import _requests
 from tokenmill.engine import EngineCore
-from tokenmill.messages import EngineCoreRequest
-from tokenmill.sampling_params import SamplingParams
-from tokenmill.testing.factories import make_engine, run_to_completion, save_tiny_model
+from tokenmill.testing.factories import make_engine, run_to_completion
 
 pytestmark = [
     pytest.mark.gpu,
@@ -27,39 +26,21 @@ pytestmark = [
 DEVICE = "cuda"
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    # One head of 64: a head size the Triton kernels take, so "auto" picks them.
-    return save_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", num_attention_heads=1, num_key_value_heads=1)
-
-
 def _engine(model_dir: Path, **sections: dict[str, Any]) -> EngineCore:
     return make_engine(model_dir, device={"device": DEVICE}, model={"dtype": "float32"}, **sections)
 
 
-def _requests(count: int, max_tokens: int = 24) -> list[EngineCoreRequest]:
-    """Prompts that repeat a motif, so prompt lookup finds matches."""
-    rng = random.Random(0)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    requests = []
-    for i in range(count):
-        motif = [rng.randrange(3, 500) for _ in range(rng.randrange(3, 7))]
-        prompt = (motif * 8)[: rng.randrange(8, 30)]
-        requests.append(EngineCoreRequest(f"r{i}", prompt, params, [], float(i)))
-    return requests
-
-
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
-def test_speculative_greedy_output_equals_plain_decoding(method: str, model_dir: Path) -> None:
+def test_speculative_greedy_output_equals_plain_decoding(method: str, tiny_model: Path) -> None:
     """Verification steps (several rows per request, run eagerly) give exactly the tokens of plain decode steps
     (one row per request, replayed from CUDA graphs)."""
-    plain_engine = _engine(model_dir)
+    plain_engine = _engine(tiny_model)
     assert plain_engine.runner.cuda_graphs is not None or DEVICE == "cpu"
     plain = run_to_completion(plain_engine, _requests(6))
     spec: dict[str, Any] = {"method": method, "num_speculative_tokens": 3, "draft_policy": "constant"}
     if method == "draft_model":
-        spec["model"] = str(model_dir)  # the target drafting for itself: every draft is accepted
-    engine = _engine(model_dir, speculative_config=spec)
+        spec["model"] = str(tiny_model)  # the target drafting for itself: every draft is accepted
+    engine = _engine(tiny_model, speculative_config=spec)
     assert run_to_completion(engine, _requests(6)) == plain
     stats = engine.stats()
     assert stats.spec_decode_num_accepted_tokens > 0
@@ -67,37 +48,26 @@ def test_speculative_greedy_output_equals_plain_decoding(method: str, model_dir:
         assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
 
 
-def test_kv_tiers_change_no_token_through_eviction_and_reload(model_dir: Path) -> None:
+def test_kv_tiers_change_no_token_through_eviction_and_reload(tiny_model: Path) -> None:
     """A device cache too small for the rounds: prefixes are evicted to the cpu tier and loaded back into the
     GPU's cache, and every token equals the run without tiers."""
     # Rounds of 4 requests of 40 + 8 tokens (48 blocks of 4 at once; the device has 30, so some are preempted);
     # the third round repeats the first, whose prefixes the second evicted from the device.
-    prompts = [[(7 * i + 13 * seed) % 500 + 3 for i in range(40)] for seed in (0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3)]
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-
-    def rounds(engine: EngineCore) -> list[list[int]]:
-        tokens: list[list[int]] = []
-        for start in range(0, len(prompts), 4):
-            batch = [EngineCoreRequest(f"r{start + i}", p, params, [], float(start + i))
-                     for i, p in enumerate(prompts[start : start + 4])]  # fmt: skip
-            done = run_to_completion(engine, batch)
-            tokens += [done[request.request_id] for request in batch]
-        return tokens
-
+    prompts = [_prompt(seed) for seed in (0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3)]
     cache = {"num_kv_blocks": 30}
-    plain = rounds(_engine(model_dir, cache=cache))
-    tiered_engine = _engine(model_dir, cache=cache, kv_tiers=[{"name": "cpu", "capacity": "64MiB"}])
-    assert rounds(tiered_engine) == plain
+    plain = _rounds(_engine(tiny_model, cache=cache), prompts, concurrent=4)
+    tiered_engine = _engine(tiny_model, cache=cache, kv_tiers=[{"name": "cpu", "capacity": "64MiB"}])
+    assert _rounds(tiered_engine, prompts, concurrent=4) == plain
     (cpu,) = tiered_engine.kv_tiers
     assert cpu.stats.hits > 0  # prefixes came back from the cpu tier
     tiered_engine.close()
 
 
-def test_bench_step_times_a_gpu_decode_step_and_its_parts(model_dir: Path) -> None:
+def test_bench_step_times_a_gpu_decode_step_and_its_parts(tiny_model: Path) -> None:
     """``bench step`` on the GPU: inputs in the model's device and dtype (bf16), every timed call synchronized."""
     from tokenmill.bench.step import run_step
 
-    engine = make_engine(model_dir, device={"device": DEVICE})
+    engine = make_engine(tiny_model, device={"device": DEVICE})
     report = run_step(engine, batch_size=4, context_len=32, num_steps=5, seed=0)
     results = report["results"]
     assert min(results["step_ms"], results["linear_ms"], results["attention_ms"]) > 0

@@ -81,6 +81,7 @@ class HFModel:
         self.model = model
         self.path = path
         self.device = device
+        self.on_gpu = device.startswith("cuda")
         self.dtype = dtype
         self.num_threads = num_threads
         self.pad_token_id = 0  # left padding is masked out, so any id works
@@ -134,7 +135,7 @@ class HFModel:
         assert prompts and len(prompts) == len(output_lens)
         max_new_tokens = max(output_lens)
         with torch_threads(self.num_threads):
-            if self.device.startswith("cuda"):
+            if self.on_gpu:
                 # The static cache makes transformers compile the forward for these shapes on first use: an
                 # untimed run of the same call keeps the compilation out of the figures.
                 self._generate(prompts, max_new_tokens)
@@ -202,7 +203,7 @@ class HFModel:
             pad_token_id=self.pad_token_id,
             eos_token_id=eos,
             # On a GPU, the static cache: preallocated, so no step reallocates it (transformers' fast path).
-            cache_implementation="static" if self.device.startswith("cuda") else None,
+            cache_implementation="static" if self.on_gpu else None,
         )
         with torch.inference_mode():
             self._synchronize()
@@ -224,7 +225,7 @@ class HFModel:
         return input_ids.to(self.device), attention_mask.to(self.device)
 
     def _synchronize(self) -> None:
-        if self.device.startswith("cuda"):
+        if self.on_gpu:
             import torch
 
             torch.cuda.synchronize()
