@@ -60,10 +60,12 @@ def gemm_above_32_rows(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("gemm_above_32_rows")
-def test_default_model_runs_from_its_4bit_weights(smollm2_gguf: Path) -> None:
+def test_default_model_runs_from_its_4bit_weights(smollm2_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     base = {"model": str(smollm2_gguf)}
     # A float32 cache as in the dense run (auto would pick float16 for a quantized model): only weights differ.
     exact_cache = {"cache": {"kv_cache_dtype": "float32"}}
+    # Both sides multiply with F.linear (the GEMM path's), so that equal weights give equal bits.
+    monkeypatch.setenv("TOKENMILL_DENSE_CPU_MATMUL", "torch")
     quantized = load_model(load_config(overrides={"model": {**base, "quantization": "auto"}, **exact_cache}))
     dense = load_model(load_config(overrides={"model": {**base, "quantization": "none"}}))
     layer = quantized.model.model.layers[0].mlp.down_proj

@@ -1,4 +1,15 @@
-"""The built-in quantizer ``none``: dense weights in the model's dtype."""
+"""The built-in quantizer ``none``: dense weights in the model's dtype.
+
+On the CPU in float32 the matmul runs through oneDNN (torch's ``mkldnn`` ops) on a copy of the weight
+packed into oneDNN's blocked layout, rather than through ``F.linear``, which calls MKL's ``sgemm``. MKL
+takes a generic code path on AMD CPUs: on a 2-core AMD EPYC (Zen 4) ``F.linear`` reads a model's weights
+at 17 GB/s one token at a time where oneDNN reads them at 40-47 GB/s, and prefills at about 200 against
+370-490 GFLOP/s (docs/benchmarks.md, "Dense float32 linears on the CPU"). The packed copy is made on a
+layer's first forward without gradients and made again if the weight changes in place (the AWQ pipeline
+scales weights between calibration passes); the plain ``weight`` stays, for the tied embedding and for
+tools that read it, so a dense float32 model on the CPU holds its linear weights twice.
+``TOKENMILL_DENSE_CPU_MATMUL=torch`` turns the oneDNN path off (the ``F.linear`` reference).
+"""
 
 from __future__ import annotations
 
@@ -8,12 +19,44 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill import envs
 from tokenmill.layers.quantizer import Quantizer, layer_bias, layer_tensor
+
+#: Rows per matmul oneDNN packs the weight for: decode's 1 to 16 rows run at the same speed as one row with
+#: this hint, and a long prefill within a few percent of its best (a measurement, in the module docstring).
+_PACK_FOR_ROWS = 16
+
+
+def _onednn_linear_available() -> bool:
+    """Whether this torch has oneDNN's packed linear (a private op that torch's own compiler uses on CPU)."""
+    ops = torch.ops.mkldnn
+    return (
+        torch.backends.mkldnn.is_available()
+        and hasattr(ops, "_linear_pointwise")
+        and hasattr(ops, "_reorder_linear_weight")
+    )
+
+
+def pack_for_onednn(weight: torch.Tensor) -> torch.Tensor | None:
+    """``weight`` [out, in] (float32, CPU) packed for :func:`onednn_linear`; None where this torch lacks oneDNN's
+    packed linear or ``TOKENMILL_DENSE_CPU_MATMUL`` is ``torch``."""
+    if envs.TOKENMILL_DENSE_CPU_MATMUL.get() != "onednn" or not _onednn_linear_available():
+        return None
+    with torch.no_grad():
+        return torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_FOR_ROWS)
+
+
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T + bias`` for ``packed`` from :func:`pack_for_onednn` (no gradient)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 class DenseQuantizer(Quantizer):
     name: ClassVar[str] = "none"
     is_dense: ClassVar[bool] = True
+
+    def __init__(self) -> None:
+        self._use_onednn = envs.TOKENMILL_DENSE_CPU_MATMUL.get() == "onednn" and _onednn_linear_available()
 
     def create_weights(
         self, layer: nn.Module, in_features: int, out_features: int, bias: bool, dtype: torch.dtype
@@ -27,4 +70,25 @@ class DenseQuantizer(Quantizer):
         layer_tensor(layer, param_name).data.copy_(tensor)
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, layer_tensor(layer, "weight"), layer_bias(layer))
+        weight = layer_tensor(layer, "weight")
+        if (
+            self._use_onednn
+            and weight.dtype == torch.float32
+            and x.dtype == torch.float32
+            and weight.device.type == "cpu"
+            and not (x.requires_grad or weight.requires_grad)
+        ):
+            return onednn_linear(x, _packed(layer, weight), layer_bias(layer))
+        return F.linear(x, weight, layer_bias(layer))
+
+
+def _packed(layer: nn.Module, weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` in oneDNN's layout, cached on ``layer`` and packed again when the weight's storage or its
+    in-place version counter has changed since."""
+    key = (weight.data_ptr(), weight._version)
+    cached = layer.__dict__.get("_onednn_weight")
+    if cached is None or cached[0] != key:
+        with torch.no_grad():
+            cached = (key, torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_FOR_ROWS))
+        layer.__dict__["_onednn_weight"] = cached  # a plain attribute: not in state_dict, not moved by .to()
+    return cached[1]

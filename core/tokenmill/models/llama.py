@@ -173,6 +173,7 @@ class LlamaForCausalLM(CausalLM):
         # own (a quantized copy of a tied embedding costs its quantized size and saves reading the
         # float embedding every step: a fifth of SmolLM2-135M's weights).
         head_quantizer = quantizer.output_quantizer()
+        self.head_quantizer = head_quantizer
         self.lm_head = (
             None
             if config.tie_word_embeddings and head_quantizer.is_dense
@@ -193,8 +194,8 @@ class LlamaForCausalLM(CausalLM):
         return self.model.norm(hidden_states)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if self.lm_head is None:
-            logits = F.linear(hidden_states, self.model.embed_tokens.weight).float()
+        if self.lm_head is None:  # a dense quantizer multiplies by the embedding module's ``weight`` (no bias)
+            logits = self.head_quantizer.apply(self.model.embed_tokens, hidden_states).float()
         else:
             logits = self.lm_head(hidden_states).float()
         return self.tp.gather_last_dim(logits)  # [num_selected, vocab] on rank 0
