@@ -157,6 +157,8 @@ def test_flag_defaults_are_the_options_defaults() -> None:
         "num_layers",
         "max_new_tokens",
         "temperature",
+        "num_sampled_answers",
+        "sample_temperature",
         "epochs",
         "batch_size",
         "lr",
@@ -165,3 +167,28 @@ def test_flag_defaults_are_the_options_defaults() -> None:
     )
     for name in names:
         assert defaults[name] == getattr(MedusaTrainingOptions(), name), name
+
+
+def test_labels_are_the_models_greedy_choices(tiny_model_dir: Path, one_thread: None) -> None:
+    """Head i at position p learns transformers' argmax at p + 1 + i over the same (here random, as if sampled)
+    answer: an offset off by one, or the answer's own tokens, would differ on almost every position."""
+    from transformers import AutoModelForCausalLM
+
+    from tokenmill.train.medusa import _IGNORE, _hidden_states
+
+    config = load_config(overrides={"model": {"model": str(tiny_model_dir)}, "device": {"device": "cpu"}})
+    loaded = load_model(config)
+    generator = torch.Generator().manual_seed(0)
+    token_ids = torch.randint(0, 512, (30,), generator=generator).tolist()
+    num_prompt = 10
+    _, targets, _ = _hidden_states(loaded, [(token_ids, num_prompt)], num_heads=2, progress=False)
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32)
+    with torch.no_grad():
+        choices = reference(torch.tensor([token_ids])).logits[0].argmax(-1)  # [seq_len]: choice for position q + 1
+    positions = range(num_prompt - 1, len(token_ids) - 2)
+    assert targets.shape == (len(positions), 2)
+    for row, p in enumerate(positions):
+        for head in range(2):
+            expected = int(choices[p + 1 + head]) if p + 2 + head < len(token_ids) else _IGNORE
+            assert int(targets[row, head]) == expected, (p, head)
+    assert sum(int(targets[row, 0]) == token_ids[p + 2] for row, p in enumerate(positions)) < len(positions) / 2

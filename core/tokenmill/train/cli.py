@@ -44,7 +44,22 @@ def train() -> None:
     type=click.FloatRange(min=0),
     default=0.0,
     show_default=True,
-    help="Temperature of the answers; 0 (greedy) trains the heads for greedy decoding.",
+    help="Temperature of each prompt's first answer; 0 (greedy) trains the heads for greedy decoding.",
+)
+@click.option(
+    "--num-sampled-answers",
+    type=click.IntRange(min=0),
+    default=3,
+    show_default=True,
+    help="More answers per prompt, sampled at --sample-temperature: more varied text to train on. Every head "
+    "learns the model's greedy choice at each position of every answer.",
+)
+@click.option(
+    "--sample-temperature",
+    type=click.FloatRange(min=0, min_open=True),
+    default=0.8,
+    show_default=True,
+    help="Temperature of the sampled answers.",
 )
 @click.option(
     "--epochs", type=click.IntRange(min=1), default=3, show_default=True, help="Passes over the training positions."
@@ -77,6 +92,8 @@ def medusa(
     prompts: Path | None,
     max_new_tokens: int,
     temperature: float,
+    num_sampled_answers: int,
+    sample_temperature: float,
     epochs: int,
     batch_size: int,
     lr: float,
@@ -98,6 +115,8 @@ def medusa(
         prompts=prompts,
         max_new_tokens=max_new_tokens,
         temperature=temperature,
+        num_sampled_answers=num_sampled_answers,
+        sample_temperature=sample_temperature,
         epochs=epochs,
         batch_size=batch_size,
         lr=lr,

@@ -1,16 +1,20 @@
 """``tokenmill train medusa``: Medusa heads for a model, trained by self-distillation on its own answers.
 
 ``train_medusa`` follows Medusa's self-distillation recipe (Cai et al. 2024): the model answers
-the bundled prompts (``prompts.txt``, written for tokenmill) through its chat template, greedily by default;
-one prefill pass over each prompt and answer gives the hidden states; head ``i`` at position ``p`` learns, by
-cross-entropy, the answer's token at ``p + 2 + i``, for every ``p`` from the prompt's last token on (the
-hidden state the engine hands a speculator is the one whose logits gave the request's last token, ``p + 1``).
+the bundled prompts (``prompts.txt``, written for tokenmill) through its chat template, greedily by default,
+and ``num_sampled_answers`` more times each at ``sample_temperature`` for more varied text; one prefill pass
+over each prompt and answer gives the hidden states and the model's own logits; head ``i`` at position ``p``
+learns, by cross-entropy, the model's greedy choice for position ``p + 2 + i`` given the answer before it
+(the argmax of its logits there, which is what greedy verification accepts; on a greedy answer, the answer's
+own token), for every ``p`` from the prompt's last token on (the hidden state the engine hands a speculator is
+the one whose logits gave the request's last token, ``p + 1``).
 
 Only the heads' ResBlocks learn, in float32 on the CPU with torch autograd (the hidden states are computed
 once, without gradients). Their linears start at zero, so an untrained head is the model's own lm_head; the
 vocabulary projection is the model's output projection, frozen, and not stored (``tokenmill.train.medusa_heads``):
 a projection of its own per head would cost the speculator a hidden x vocab matmul per head per step, more
-than a quantized small model's whole step. Accuracy is measured on answers held out of training.
+than a quantized small model's whole step. Accuracy is measured on the first answers of prompts held out of
+training (their sampled answers are not trained on either).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from tqdm import tqdm
 
 from tokenmill.config import EngineConfig
 from tokenmill.errors import TokenmillError
+from tokenmill.layers.dense import onednn_linear, pack_for_onednn
 from tokenmill.llm import LLM
 from tokenmill.model_loader import LoadedModel
 from tokenmill.model_runner import ModelRunner, SequenceChunk
@@ -57,7 +62,9 @@ class MedusaTrainingOptions:
     num_layers: int = 1  # ResBlocks per head
     prompts: Path | None = None  # one prompt per line; None: the bundled prompts.txt
     max_new_tokens: int = 128  # longest answer generated per prompt
-    temperature: float = 0.0  # of the answers; 0 is greedy, which greedy verification then accepts
+    temperature: float = 0.0  # of each prompt's first answer; 0 is greedy, which greedy verification accepts
+    num_sampled_answers: int = 3  # more answers per prompt, sampled at sample_temperature (0: none)
+    sample_temperature: float = 0.8
     epochs: int = 3
     batch_size: int = 128  # positions per optimizer step (each trains every head)
     lr: float = 3e-3
@@ -72,6 +79,7 @@ class MedusaTrainingOptions:
             ("num_heads", self.num_heads, 1),
             ("num_layers", self.num_layers, 1),
             ("max_new_tokens", self.max_new_tokens, 1),
+            ("num_sampled_answers", self.num_sampled_answers, 0),
             ("epochs", self.epochs, 1),
             ("batch_size", self.batch_size, 1),
         ):
@@ -79,8 +87,11 @@ class MedusaTrainingOptions:
                 raise TrainingError(f"{name} must be at least {low}, got {value}")
         if not 0 < self.held_out < 1:
             raise TrainingError(f"held_out must be between 0 and 1 (a share of the answers), got {self.held_out}")
-        if self.lr <= 0 or self.temperature < 0:
-            raise TrainingError(f"lr must be positive and temperature not negative, got {self.lr}, {self.temperature}")
+        if self.lr <= 0 or self.temperature < 0 or self.sample_temperature <= 0:
+            raise TrainingError(
+                f"lr and sample_temperature must be positive and temperature not negative, got {self.lr}, "
+                f"{self.sample_temperature}, {self.temperature}"
+            )
 
 
 @dataclass(frozen=True)
@@ -88,7 +99,7 @@ class MedusaTrainingResult:
     """What ``train_medusa`` did; ``summary()`` is the command's last line."""
 
     output: Path
-    num_answers: int  # prompts answered (training and held out)
+    num_answers: int  # answers generated (training and held out; num_sampled_answers + 1 per prompt)
     num_train_positions: int
     num_held_out_positions: int
     accuracies: list[float]  # per head: top-1 accuracy on the held-out answers after training
@@ -135,8 +146,8 @@ def train_medusa(config: EngineConfig, output: Path, options: MedusaTrainingOpti
     loaded = llm.engine.loaded
     sequences = _answer(llm, prompts, options)
     hidden, targets, answer_of_row = _hidden_states(loaded, sequences, options.num_heads, options.progress)
-    projection = output_projection(loaded, llm.engine.plugins, config.model.weight_format).float().cpu()
-    train_rows, held_out_rows = _split(answer_of_row, len(sequences), options)
+    projection = _Projection(output_projection(loaded, llm.engine.plugins, config.model.weight_format).float().cpu())
+    train_rows, held_out_rows = _split(answer_of_row, len(prompts), options)
     torch.manual_seed(options.seed)
     heads = _Heads(options.num_heads, options.num_layers, loaded.arch.hidden_size)
     untrained = _evaluate(heads, projection, hidden[held_out_rows], targets[held_out_rows])[0]
@@ -147,6 +158,8 @@ def train_medusa(config: EngineConfig, output: Path, options: MedusaTrainingOpti
         "num_answers": len(sequences),
         "max_new_tokens": options.max_new_tokens,
         "temperature": options.temperature,
+        "num_sampled_answers": options.num_sampled_answers,
+        "sample_temperature": options.sample_temperature,
         "epochs": options.epochs,
         "batch_size": options.batch_size,
         "lr": options.lr,
@@ -163,7 +176,7 @@ def train_medusa(config: EngineConfig, output: Path, options: MedusaTrainingOpti
             "vocab_size": loaded.arch.vocab_size,
             "tokenmill_training": settings,
         },
-        projection if options.save_projection else None,
+        projection.weight if options.save_projection else None,
     )
     return MedusaTrainingResult(
         output=output,
@@ -179,18 +192,29 @@ def train_medusa(config: EngineConfig, output: Path, options: MedusaTrainingOpti
 
 
 def _answer(llm: LLM, prompts: list[str], options: MedusaTrainingOptions) -> list[tuple[list[int], int]]:
-    """Each prompt, through the chat template, and the model's answer: (token ids, number of prompt tokens)."""
-    params = SamplingParams(
+    """Each prompt, through the chat template, and the model's answers: (token ids, number of prompt tokens).
+    The first ``len(prompts)`` are the answers at ``temperature``; then ``num_sampled_answers`` rounds of one
+    sampled answer per prompt, so answer ``j`` answers prompt ``j % len(prompts)``."""
+    first = SamplingParams(
         temperature=options.temperature,
         max_tokens=options.max_new_tokens,
         seed=options.seed if options.temperature > 0 else None,
     )
+    # Sampled with n > 1: one prefill per prompt, each sample a sequence of its own.
+    sampled = SamplingParams(
+        n=options.num_sampled_answers or 1,
+        temperature=options.sample_temperature,
+        max_tokens=options.max_new_tokens,
+        seed=options.seed + 1,
+    )
     conversations = [[{"role": "user", "content": prompt}] for prompt in prompts]
-    outputs = llm.chat(conversations, params, use_tqdm=options.progress)
-    return [
-        (list(output.prompt_token_ids) + list(output.outputs[0].token_ids), len(output.prompt_token_ids))
-        for output in outputs
-    ]
+    outputs = llm.chat(conversations, first, use_tqdm=options.progress)
+    answers = [(list(o.prompt_token_ids), list(o.outputs[0].token_ids)) for o in outputs]
+    if options.num_sampled_answers:
+        samples = llm.chat(conversations, sampled, use_tqdm=options.progress)
+        for round_ in range(options.num_sampled_answers):
+            answers += [(list(o.prompt_token_ids), list(o.outputs[round_].token_ids)) for o in samples]
+    return [(prompt + answer, len(prompt)) for prompt, answer in answers]
 
 
 @torch.inference_mode()
@@ -200,8 +224,8 @@ def _hidden_states(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """One prefill pass per batch of sequences on a KV cache of its own. Returns, for every position from
     each prompt's last token to the third-last token: its hidden state [num_rows, hidden] float32, the
-    tokens the heads should predict there [num_rows, num_heads] (``_IGNORE`` past the end), and the index
-    of its sequence [num_rows]."""
+    tokens the heads should predict there [num_rows, num_heads] (the model's greedy choices, from its logits in
+    the same pass; ``_IGNORE`` past the end), and the index of its sequence [num_rows]."""
     batches: list[list[int]] = [[]]
     batch_tokens = 0
     for index, (token_ids, _) in enumerate(sequences):
@@ -228,7 +252,10 @@ def _hidden_states(
             positions = range(num_prompt_tokens - 1, len(token_ids) - 2)  # head 0 has a token to predict
             if len(positions) > 0:
                 hidden_rows.append(hidden[start + positions.start : start + positions.stop].float().cpu())
-                padded = torch.tensor(token_ids + [_IGNORE] * num_heads)  # [seq_len + num_heads]
+                # The model's choice for each answer position, given the answer before it.
+                logits = loaded.model.compute_logits(hidden[start + num_prompt_tokens - 1 : start + len(token_ids) - 1])
+                greedy = token_ids[:num_prompt_tokens] + logits.argmax(dim=-1).tolist()  # [seq_len]
+                padded = torch.tensor(greedy + [_IGNORE] * num_heads)  # [seq_len + num_heads]
                 offsets = torch.arange(positions.start, positions.stop).unsqueeze(1) + 2 + torch.arange(num_heads)
                 target_rows.append(padded[offsets])  # [len(positions), num_heads]
                 sequence_rows.append(torch.full((len(positions),), index))
@@ -241,19 +268,49 @@ def _hidden_states(
 
 
 def _split(
-    sequence_of_row: torch.Tensor, num_sequences: int, options: MedusaTrainingOptions
+    sequence_of_row: torch.Tensor, num_prompts: int, options: MedusaTrainingOptions
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows of the training answers and of the held-out ones (whole answers, chosen with the seed)."""
-    order = list(range(num_sequences))
+    """Rows to train on (every answer to a training prompt) and rows to measure on (the first answer to each
+    held-out prompt: how the model answers at ``temperature``); the held-out prompts are chosen with the seed."""
+    order = list(range(num_prompts))
     random.Random(options.seed).shuffle(order)
-    num_held_out = min(max(1, round(options.held_out * num_sequences)), num_sequences - 1)
-    held_out = torch.zeros(num_sequences, dtype=torch.bool)
+    num_held_out = min(max(1, round(options.held_out * num_prompts)), num_prompts - 1)
+    held_out = torch.zeros(num_prompts, dtype=torch.bool)
     held_out[order[:num_held_out]] = True
-    is_held_out = held_out[sequence_of_row]  # [num_rows]
-    train_rows, held_out_rows = torch.nonzero(~is_held_out).squeeze(1), torch.nonzero(is_held_out).squeeze(1)
+    is_held_out = held_out[sequence_of_row % num_prompts]  # [num_rows]: answer j answers prompt j % num_prompts
+    is_first = sequence_of_row < num_prompts
+    train_rows = torch.nonzero(~is_held_out).squeeze(1)
+    held_out_rows = torch.nonzero(is_held_out & is_first).squeeze(1)
     if len(train_rows) == 0 or len(held_out_rows) == 0:
         raise TrainingError("too few answers to hold some out for measuring accuracy; give more prompts")
     return train_rows, held_out_rows
+
+
+class _Projection:
+    """``x @ weight.T`` for the frozen vocabulary projection ``weight`` [vocab, hidden], with the gradient for ``x``:
+    through oneDNN on weights packed for it where available (both matmuls of a step, forward and backward, are
+    about 2x faster than ``F.linear`` on the development machine's AMD CPU), else with torch's ``@``."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight
+        self._packed = pack_for_onednn(weight)  # for the forward: x [.., hidden] -> [.., vocab]
+        self._packed_transpose = None if self._packed is None else pack_for_onednn(weight.T.contiguous())
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._packed is None or self._packed_transpose is None:
+            return x @ self.weight.T
+        return _ProjectionMatmul.apply(x, self._packed, self._packed_transpose)
+
+
+class _ProjectionMatmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, packed: torch.Tensor, packed_transpose: torch.Tensor) -> torch.Tensor:
+        ctx.packed_transpose = packed_transpose
+        return onednn_linear(x, packed)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return onednn_linear(grad.contiguous(), ctx.packed_transpose), None, None
 
 
 class _Heads(nn.Module):
@@ -270,7 +327,7 @@ class _Heads(nn.Module):
 
 
 def _fit(
-    heads: _Heads, projection: torch.Tensor, hidden: torch.Tensor, targets: torch.Tensor,
+    heads: _Heads, projection: _Projection, hidden: torch.Tensor, targets: torch.Tensor,
     options: MedusaTrainingOptions,
 ) -> None:  # fmt: skip
     """AdamW on the summed per-head cross-entropy (Medusa's loss), cosine-decayed learning rate."""
@@ -281,7 +338,7 @@ def _fit(
     with tqdm(total=num_steps, desc="training heads", unit="step", disable=not options.progress) as bar:
         for _ in range(options.epochs):
             for rows in torch.randperm(len(hidden), generator=generator).split(options.batch_size):
-                logits = heads(hidden[rows]) @ projection.T  # [num_heads, batch, vocab]
+                logits = projection(heads(hidden[rows]))  # [num_heads, batch, vocab]
                 losses = [
                     F.cross_entropy(logits[head], targets[rows, head], ignore_index=_IGNORE)
                     for head in range(logits.shape[0])
@@ -298,14 +355,14 @@ def _fit(
 
 @torch.no_grad()
 def _evaluate(
-    heads: _Heads, projection: torch.Tensor, hidden: torch.Tensor, targets: torch.Tensor, batch_size: int = 512
+    heads: _Heads, projection: _Projection, hidden: torch.Tensor, targets: torch.Tensor, batch_size: int = 512
 ) -> tuple[list[float], float]:
     """Per-head top-1 accuracy over the rows where the head has a target, and the mean length of the
     correct prefix of the heads' chain (the drafts greedy verification keeps) over the rows where all
     heads have one."""
     correct = torch.cat(
         [
-            (heads(hidden[rows]) @ projection.T).argmax(-1).T == targets[rows]  # [batch, num_heads]
+            projection(heads(hidden[rows])).argmax(-1).T == targets[rows]  # [batch, num_heads]
             for rows in torch.arange(len(hidden)).split(batch_size)
         ]
     )
