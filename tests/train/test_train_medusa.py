@@ -192,3 +192,16 @@ def test_labels_are_the_models_greedy_choices(tiny_model_dir: Path, one_thread: 
             expected = int(choices[p + 1 + head]) if p + 2 + head < len(token_ids) else _IGNORE
             assert int(targets[row, head]) == expected, (p, head)
     assert sum(int(targets[row, 0]) == token_ids[p + 2] for row, p in enumerate(positions)) < len(positions) / 2
+
+
+def test_held_out_prompts_are_out_of_training_with_all_their_answers() -> None:
+    """Answer j answers prompt j % 4 (a greedy answer, then 2 sampled rounds); 3 rows per answer."""
+    from tokenmill.train.medusa import _split
+
+    sequence_of_row = torch.arange(12).repeat_interleave(3)  # 12 answers = 4 prompts x 3
+    train_rows, held_out_rows = _split(sequence_of_row, 4, MedusaTrainingOptions(held_out=0.25))
+    held_out_answers = set(sequence_of_row[held_out_rows].tolist())
+    assert len(held_out_answers) == 1 and next(iter(held_out_answers)) < 4  # the held-out prompt's first answer
+    prompt = next(iter(held_out_answers))
+    assert {int(a) % 4 for a in sequence_of_row[train_rows]} == {0, 1, 2, 3} - {prompt}
+    assert len(train_rows) == 3 * 3 * 3  # every answer of the 3 other prompts
