@@ -3,7 +3,7 @@
 On the CPU in float32 the matmul runs through oneDNN (torch's ``mkldnn`` ops) on a copy of the weight
 packed into oneDNN's blocked layout, rather than through ``F.linear``, which calls MKL's ``sgemm``. MKL
 takes a generic code path on AMD CPUs: on a 2-core AMD EPYC (Zen 5) ``F.linear`` reads a model's weights
-at 17 GB/s one token at a time where oneDNN reads them at 40-47 GB/s, and prefills at about 200 against
+at 17 GB/s one token at a time where oneDNN reads them at 38-47 GB/s, and prefills at about 200 against
 370-490 GFLOP/s (docs/benchmarks.md, "Dense float32 linears on the CPU"). The packed copy is made on a
 layer's first forward without gradients and made again if the weight changes in place (the AWQ pipeline
 scales weights between calibration passes); the plain ``weight`` stays, for the tied embedding and for
