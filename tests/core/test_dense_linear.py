@@ -76,3 +76,26 @@ def test_tied_output_projection_multiplies_by_the_embedding(tmp_path: Path) -> N
         logits = model.compute_logits(hidden)
     assert "_onednn_weight" in model.model.embed_tokens.__dict__
     torch.testing.assert_close(logits, F.linear(hidden, model.model.embed_tokens.weight), rtol=1e-5, atol=1e-5)
+
+
+def test_no_packed_copy_without_room_for_it(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A model too large for two copies of its weights keeps running, through F.linear, rather than running out
+    of memory at its first forward."""
+    import tokenmill.layers.dense as dense
+
+    layer = _linear(True, monkeypatch)
+    monkeypatch.setattr(dense, "available_memory", lambda device: dense._KEEP_FREE + 80 * 96 * 4 - 1)
+    monkeypatch.setattr(dense, "_warned_unpacked", False)
+    x = torch.randn(4, 96)
+    with torch.inference_mode(), caplog.at_level("WARNING", logger="tokenmill.layers.dense"):
+        out = layer(x)
+        layer(x)
+    assert layer.__dict__["_onednn_weight"][1] is None  # decided once, cached
+    assert torch.equal(out, F.linear(x, layer.weight, layer.bias))
+    assert sum("too little memory" in record.message for record in caplog.records) == 1
+
+    monkeypatch.setattr(dense, "available_memory", lambda device: dense._KEEP_FREE + 80 * 96 * 4)
+    layer = _linear(True, monkeypatch)
+    with torch.inference_mode():
+        layer(x)
+    assert layer.__dict__["_onednn_weight"][1] is not None  # exactly enough room: packed

@@ -7,12 +7,15 @@ at 17 GB/s one token at a time where oneDNN reads them at 38-47 GB/s, and prefil
 370-490 GFLOP/s (docs/benchmarks.md, "Dense float32 linears on the CPU"). The packed copy is made on a
 layer's first forward without gradients and made again if the weight changes in place (the AWQ pipeline
 scales weights between calibration passes); the plain ``weight`` stays, for the tied embedding and for
-tools that read it, so a dense float32 model on the CPU holds its linear weights twice.
+tools that read it, so a dense float32 model on the CPU holds its linear weights twice. A layer is packed only
+while at least ``_KEEP_FREE`` bytes of memory would stay available after it: a model too large for two copies
+runs the layers left over through ``F.linear`` (logged once) rather than running out of memory.
 ``TOKENMILL_DENSE_CPU_MATMUL=torch`` turns the oneDNN path off (the ``F.linear`` reference).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import ClassVar
 
 import torch
@@ -21,10 +24,16 @@ from torch import nn
 
 from tokenmill import envs
 from tokenmill.layers.quantizer import Quantizer, layer_bias, layer_tensor
+from tokenmill.memory import available_memory
 
 #: Rows per matmul oneDNN packs the weight for: decode's 1 to 16 rows run at the same speed as one row with
 #: this hint, and a long prefill within a few percent of its best (a measurement, in the module docstring).
 _PACK_FOR_ROWS = 16
+#: Memory a packed copy must leave available (requests' activations and the rest of the process grow later).
+_KEEP_FREE = 2 * 2**30
+
+logger = logging.getLogger(__name__)
+_warned_unpacked = False
 
 
 def _onednn_linear_available() -> bool:
@@ -78,17 +87,35 @@ class DenseQuantizer(Quantizer):
             and weight.device.type == "cpu"
             and not (x.requires_grad or weight.requires_grad)
         ):
-            return onednn_linear(x, _packed(layer, weight), layer_bias(layer))
+            packed = _packed(layer, weight)
+            if packed is not None:
+                return onednn_linear(x, packed, layer_bias(layer))
         return F.linear(x, weight, layer_bias(layer))
 
 
-def _packed(layer: nn.Module, weight: torch.Tensor) -> torch.Tensor:
+def _packed(layer: nn.Module, weight: torch.Tensor) -> torch.Tensor | None:
     """``weight`` in oneDNN's layout, cached on ``layer`` and packed again when the weight's storage or its
-    in-place version counter has changed since."""
+    in-place version counter has changed since; None (also cached) when a copy would leave too little memory."""
     key = (weight.data_ptr(), weight._version)
     cached = layer.__dict__.get("_onednn_weight")
     if cached is None or cached[0] != key:
-        with torch.no_grad():
-            cached = (key, torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_FOR_ROWS))
+        packed = None
+        if available_memory(weight.device) - weight.numel() * weight.element_size() >= _KEEP_FREE:
+            with torch.no_grad():
+                packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_FOR_ROWS)
+        else:
+            _warn_unpacked()
+        cached = (key, packed)
         layer.__dict__["_onednn_weight"] = cached  # a plain attribute: not in state_dict, not moved by .to()
     return cached[1]
+
+
+def _warn_unpacked() -> None:
+    global _warned_unpacked
+    if not _warned_unpacked:
+        _warned_unpacked = True
+        logger.warning(
+            "dense float32 layers: too little memory for oneDNN's packed copies of all of them (%.1f GiB must "
+            "stay free); the rest run through F.linear, about half as fast on AMD CPUs",
+            _KEEP_FREE / 2**30,
+        )
