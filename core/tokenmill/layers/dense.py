@@ -27,7 +27,7 @@ from tokenmill.layers.quantizer import Quantizer, layer_bias, layer_tensor
 from tokenmill.memory import available_memory
 
 #: Rows per matmul oneDNN packs the weight for. Measured on the development machine (60 MLP-shaped weights):
-#: with 16, 2 to 8 rows cost 1.05-1.15x one row, and 2,048 rows 281 ms; with 1, 2 rows cost 1.4x and 2,048 304 ms.
+#: with 16, 2 to 8 rows cost 1.04-1.16x one row, and 2,048 rows 281 ms; with 1, 2 rows cost 1.4x and 2,048 304 ms.
 _PACK_FOR_ROWS = 16
 #: Memory a packed copy must leave available (requests' activations and the rest of the process grow later).
 _KEEP_FREE = 2 * 2**30
