@@ -85,7 +85,7 @@ def test_no_packed_copy_without_room_for_it(monkeypatch: pytest.MonkeyPatch, cap
 
     layer = _linear(True, monkeypatch)
     monkeypatch.setattr(dense, "available_memory", lambda device: dense._KEEP_FREE + 80 * 96 * 4 - 1)
-    monkeypatch.setattr(dense, "_warned_unpacked", False)
+    dense._warn_unpacked.cache_clear()
     x = torch.randn(4, 96)
     with torch.inference_mode(), caplog.at_level("WARNING", logger="tokenmill.layers.dense"):
         out = layer(x)

@@ -15,6 +15,7 @@ runs the layers left over through ``F.linear`` (logged once) rather than running
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import ClassVar
 
@@ -33,7 +34,6 @@ _PACK_FOR_ROWS = 16
 _KEEP_FREE = 2 * 2**30
 
 logger = logging.getLogger(__name__)
-_warned_unpacked = False
 
 
 def _onednn_linear_available() -> bool:
@@ -46,11 +46,14 @@ def _onednn_linear_available() -> bool:
     )
 
 
-def pack_for_onednn(weight: torch.Tensor) -> torch.Tensor | None:
-    """``weight`` [out, in] (float32, CPU) packed for :func:`onednn_linear`; None where this torch lacks oneDNN's
-    packed linear or ``TOKENMILL_DENSE_CPU_MATMUL`` is ``torch``."""
-    if envs.TOKENMILL_DENSE_CPU_MATMUL.get() != "onednn" or not _onednn_linear_available():
-        return None
+def onednn_enabled() -> bool:
+    """Whether float32 CPU matmuls should use :func:`onednn_linear`: ``TOKENMILL_DENSE_CPU_MATMUL`` asks for
+    oneDNN and this torch has its packed linear."""
+    return envs.TOKENMILL_DENSE_CPU_MATMUL.get() == "onednn" and _onednn_linear_available()
+
+
+def pack_for_onednn(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [out, in] (float32, CPU) packed for :func:`onednn_linear` (when :func:`onednn_enabled`)."""
     with torch.no_grad():
         return torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_FOR_ROWS)
 
@@ -65,7 +68,7 @@ class DenseQuantizer(Quantizer):
     is_dense: ClassVar[bool] = True
 
     def __init__(self) -> None:
-        self._use_onednn = envs.TOKENMILL_DENSE_CPU_MATMUL.get() == "onednn" and _onednn_linear_available()
+        self._use_onednn = onednn_enabled()
 
     def create_weights(
         self, layer: nn.Module, in_features: int, out_features: int, bias: bool, dtype: torch.dtype
@@ -101,8 +104,7 @@ def _packed(layer: nn.Module, weight: torch.Tensor) -> torch.Tensor | None:
     if cached is None or cached[0] != key:
         packed = None
         if available_memory(weight.device) - weight.numel() * weight.element_size() >= _KEEP_FREE:
-            with torch.no_grad():
-                packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_FOR_ROWS)
+            packed = pack_for_onednn(weight)
         else:
             _warn_unpacked()
         cached = (key, packed)
@@ -110,12 +112,10 @@ def _packed(layer: nn.Module, weight: torch.Tensor) -> torch.Tensor | None:
     return cached[1]
 
 
+@functools.cache  # once per process
 def _warn_unpacked() -> None:
-    global _warned_unpacked
-    if not _warned_unpacked:
-        _warned_unpacked = True
-        logger.warning(
-            "dense float32 layers: too little memory for oneDNN's packed copies of all of them (%.1f GiB must "
-            "stay free); the rest run through F.linear, about half as fast on AMD CPUs",
-            _KEEP_FREE / 2**30,
-        )
+    logger.warning(
+        "dense float32 layers: too little memory for oneDNN's packed copies of all of them (%.1f GiB must "
+        "stay free); the rest run through F.linear, about half as fast on AMD CPUs",
+        _KEEP_FREE / 2**30,
+    )

@@ -36,7 +36,7 @@ from tqdm import tqdm
 
 from tokenmill.config import EngineConfig
 from tokenmill.errors import TokenmillError
-from tokenmill.layers.dense import onednn_linear, pack_for_onednn
+from tokenmill.layers.dense import onednn_enabled, onednn_linear, pack_for_onednn
 from tokenmill.llm import LLM
 from tokenmill.model_loader import LoadedModel
 from tokenmill.model_runner import ModelRunner, SequenceChunk
@@ -200,17 +200,17 @@ def _answer(llm: LLM, prompts: list[str], options: MedusaTrainingOptions) -> lis
         max_tokens=options.max_new_tokens,
         seed=options.seed if options.temperature > 0 else None,
     )
-    # Sampled with n > 1: one prefill per prompt, each sample a sequence of its own.
-    sampled = SamplingParams(
-        n=options.num_sampled_answers or 1,
-        temperature=options.sample_temperature,
-        max_tokens=options.max_new_tokens,
-        seed=options.seed + 1,
-    )
     conversations = [[{"role": "user", "content": prompt}] for prompt in prompts]
     outputs = llm.chat(conversations, first, use_tqdm=options.progress)
     answers = [(list(o.prompt_token_ids), list(o.outputs[0].token_ids)) for o in outputs]
     if options.num_sampled_answers:
+        # n > 1: one prefill per prompt, each sample a sequence of its own (with its own seeded stream).
+        sampled = SamplingParams(
+            n=options.num_sampled_answers,
+            temperature=options.sample_temperature,
+            max_tokens=options.max_new_tokens,
+            seed=options.seed + 1,
+        )
         samples = llm.chat(conversations, sampled, use_tqdm=options.progress)
         for round_ in range(options.num_sampled_answers):
             answers += [(list(o.prompt_token_ids), list(o.outputs[round_].token_ids)) for o in samples]
@@ -288,18 +288,18 @@ def _split(
 
 class _Projection:
     """``x @ weight.T`` for the frozen vocabulary projection ``weight`` [vocab, hidden], with the gradient for ``x``:
-    through oneDNN on weights packed for it where available (both matmuls of a step, forward and backward, are
-    about 2x faster than ``F.linear`` on the development machine's AMD CPU), else with torch's ``@``."""
+    through oneDNN on ``weight`` and its transpose packed for it where available (as ``tokenmill.layers.dense``
+    does for inference, since ``@`` takes MKL's slow generic path on AMD CPUs), else with torch's ``@``."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         self.weight = weight
-        self._packed = pack_for_onednn(weight)  # for the forward: x [.., hidden] -> [.., vocab]
-        self._packed_transpose = None if self._packed is None else pack_for_onednn(weight.T.contiguous())
+        #: For x [.., hidden] -> [.., vocab], and the transpose for the gradient.
+        self._packed = (pack_for_onednn(weight), pack_for_onednn(weight.T.contiguous())) if onednn_enabled() else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self._packed is None or self._packed_transpose is None:
+        if self._packed is None:
             return x @ self.weight.T
-        return _ProjectionMatmul.apply(x, self._packed, self._packed_transpose)
+        return _ProjectionMatmul.apply(x, *self._packed)
 
 
 class _ProjectionMatmul(torch.autograd.Function):
