@@ -131,6 +131,21 @@ def tokenmill_register_attention_backends(register: Register) -> None:
     """
 
 
+@hookspec
+def tokenmill_register_layer_kernels(register: Register) -> None:
+    """Register layer kernels (slot ``layer_kernel``): RMSNorm with the residual add, rope, SiLU times up.
+
+    :param register: ``register(name, import_path)``; the import path names a
+        ``tokenmill.interfaces.LayerKernels`` subclass, built with no arguments.
+    :return: nothing; every implementation is called.
+
+    Called once per process at start-up. Selected by ``model.layer_kernels``
+    (``--layer-kernels``); ``auto`` picks, among those whose ``auto_selectable(device)`` holds,
+    the one with the highest ``auto_priority``.
+    Since: 0.1. Stability: provisional.
+    """
+
+
 # ---------------------------------------------------------------- registration: the engine step
 
 

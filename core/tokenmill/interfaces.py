@@ -11,6 +11,7 @@ slot                      interface                       built in
 ``weight_format``         ``WeightFormat``                ``safetensors``, ``gguf``
 ``quantizer``             ``Quantizer``                   ``none``, ``int8``, ``int4``
 ``attention_backend``     ``AttentionBackend``            ``torch``, ``cpu``, ``triton``, ``cuda``
+``layer_kernel``          ``LayerKernels``                ``torch``, ``triton``
 ``scheduler``             ``Scheduler``                   ``fcfs``, ``priority``
 ``kv_cache_manager``      ``KVCacheManager``              ``paged``
 ``sampler``               ``Sampler``                     ``torch``
@@ -48,6 +49,7 @@ _EXPORTS: dict[str, str] = {
     "KVTier": "tokenmill.kv_cache.tier",
     "KVTierStats": "tokenmill.kv_cache.tier",
     "MemoryKVTier": "tokenmill.kv_cache.memory_tier",
+    "LayerKernels": "tokenmill.layers.kernels",
     "LoadedTensor": "tokenmill.weights.format",
     "LogitsProcessor": "tokenmill.sampling.logits_processor",
     "ModelRunnerOutput": "tokenmill.scheduler",

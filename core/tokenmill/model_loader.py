@@ -17,6 +17,7 @@ import torch
 
 from tokenmill.attention.backend import AttentionBackend
 from tokenmill.config import EngineConfig
+from tokenmill.layers.kernels import LayerKernels, install_layer_kernels
 from tokenmill.layers.quantizer import Quantizer
 from tokenmill.model_files import resolve_model
 from tokenmill.models.architecture import ArchitectureConfig
@@ -157,6 +158,21 @@ def select_attention_backend(name: str, device: torch.device, plugins: PluginSys
     return plugins.instantiate(Slot.ATTENTION_BACKEND, name, implementation)
 
 
+def select_layer_kernels(name: str, device: torch.device, plugins: PluginSystem) -> LayerKernels:
+    """The named layer kernels, or for ``"auto"`` those with the highest priority among the ones that may be
+    picked on ``device`` (``LayerKernels.auto_selectable``; the built-in ``torch`` always may)."""
+    if name == "auto":
+        candidates = [
+            (kernels_name, kernels_class)
+            for kernels_name, kernels_class in _loadable(plugins.registry, Slot.LAYER_KERNEL)
+            if kernels_class.auto_selectable(device)
+        ]
+        best_name, best_class = max(candidates, key=lambda c: c[1].auto_priority)
+        return plugins.instantiate(Slot.LAYER_KERNEL, best_name, best_class)
+    implementation = _load_for_device(plugins.registry, Slot.LAYER_KERNEL, name, device, "model.layer_kernels")
+    return plugins.instantiate(Slot.LAYER_KERNEL, name, implementation)
+
+
 def select_quantizer(
     name: str,
     arch: ArchitectureConfig,
@@ -247,6 +263,7 @@ def load_model(
     model_class = plugins.load(Slot.ARCHITECTURE, arch.architecture)
     device = resolve_device(config.device.device)
     attention = select_attention_backend(config.attention.backend, device, plugins, arch.head_dim)
+    layer_kernels = select_layer_kernels(config.model.layer_kernels, device, plugins)
     quantizer = select_quantizer(
         config.model.quantization, arch, device, plugins, _quantization_config(hf_config, path)
     )
@@ -285,6 +302,7 @@ def load_model(
         # Only a sharded model's constructor gets ``tp``: an architecture plugin without it is refused above.
         model = model_class(arch, attention, quantizer, dtype, max_position, **({"tp": tp} if tp.size > 1 else {}))
     model = model.to_empty(device=device)
+    install_layer_kernels(model, layer_kernels)
     # A warm start reads the repacked weights.
     load_model_weights(model, path, weight_format, dtype, device, (tp.rank, tp.size))
     model.eval()

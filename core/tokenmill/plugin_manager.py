@@ -60,6 +60,7 @@ class Slot(enum.StrEnum):
     WEIGHT_FORMAT = "weight_format"
     QUANTIZER = "quantizer"
     ATTENTION_BACKEND = "attention_backend"
+    LAYER_KERNEL = "layer_kernel"
     SCHEDULER = "scheduler"
     KV_CACHE_MANAGER = "kv_cache_manager"
     SAMPLER = "sampler"
@@ -268,6 +269,7 @@ def slot_selections(config: EngineConfig) -> dict[Slot, tuple[str, list[str]]]:
         Slot.WEIGHT_FORMAT: ("model.weight_format", [weight_format] if weight_format is not None else []),
         Slot.QUANTIZER: ("model.quantization", [config.model.quantization]),
         Slot.ATTENTION_BACKEND: ("attention.backend", [config.attention.backend]),
+        Slot.LAYER_KERNEL: ("model.layer_kernels", [config.model.layer_kernels]),
         Slot.SCHEDULER: ("scheduler.policy", [config.scheduler.policy]),
         Slot.KV_CACHE_MANAGER: ("cache.kv_cache_manager", [config.cache.kv_cache_manager]),
         Slot.SAMPLER: ("sampler.sampler", [config.sampler.sampler]),

@@ -4,10 +4,14 @@
 
 For each batch size: requests of ``--context`` random prompt tokens are prefilled, then 20 decode steps are timed
 (wall clock, synchronized) and 10 more run under the profiler. Prints the step time and the kernels by total GPU
-time (the CUDA graph's kernels included), and the share of the step the GPU was busy.
+time (the CUDA graph's kernels included), and the share of the step the GPU was busy. Then 20 steps under
+cProfile: where the host's time goes, the wait for the GPU included (in ``tolist``, which synchronizes).
 """
 
 import argparse
+import cProfile
+import io
+import pstats
 import random
 import time
 
@@ -56,6 +60,16 @@ def main() -> None:
             f"{gpu_ms:.2f} ms of GPU kernels per step ({gpu_ms / step_ms:.0%} busy)"
         )
         print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=60))
+        host = cProfile.Profile()
+        host.enable()
+        for _ in range(20):
+            engine.step()
+        sync()
+        host.disable()
+        report = io.StringIO()
+        pstats.Stats(host, stream=report).sort_stats("tottime").print_stats(18)
+        print(f"--- host, 20 steps, by own time (batch {batch_size})")
+        print("\n".join(line[:150] for line in report.getvalue().splitlines() if line.strip()))
         engine.abort_requests(ids)
         while engine.has_unfinished_requests():
             engine.step()

@@ -3,10 +3,12 @@
 #   info     the GPU, the versions of torch, Triton, transformers and CuPy, and the GPU's measured ceilings
 #   tests    the kernel, CUDA-graph, backend and engine tests on the GPU (pytest -n 8; log in $OUT)
 #   llama8b  the Llama-3-8B-shaped random bf16 model (scripts/gpu/make_llama3_8b.py) in $LLAMA8B
-#   bench    bench sweep at c=1 and 64 against transformers, with and without CUDA graphs, the roofline
+#   bench    bench sweep at c=1 and 64 against transformers, and again with the torch layer kernels, the roofline
 #            against the measured copy bandwidth, and a profile of decode steps (scripts/gpu/profile_decode.py)
+#   eager    bench sweep at c=1 and 64 without CUDA graphs
 #   step     bench step on the 8B model at batch 1 and 64
-#   all      info, tests (in the background) with llama8b and greedy on it, then bench
+#   checks   info, tests (in the background) with llama8b and greedy on it
+#   all      checks, then bench
 #   greedy   greedy output against transformers on $TOKENMILL_GPU_MODELS (tests/gpu)
 #   default  the default model's GGUF, joined from two halves carried by two calls (.gguf1/part1, kept in
 #            /tmp/keep, then .gguf2/part2): greedy and bench decode against transformers, bench speculative (ngram)
@@ -34,7 +36,7 @@ for stage in "$@"; do
         ;;
     tests)
         timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest -p no:cacheprovider -q -n 8 --timeout 300 -rfEs \
-            ${TESTS:-tests/kernels/test_paged_attention.py tests/kernels/test_quant_matmul_triton.py tests/core/test_cuda_graphs.py tests/plugins/test_attention_plugins.py tests/plugins/test_auto_selection.py tests/testing/test_conformance.py tests/gpu} \
+            ${TESTS:-tests/kernels/test_paged_attention.py tests/kernels/test_quant_matmul_triton.py tests/kernels/test_layer_kernels_triton.py tests/plugins/test_layer_kernels_plugin.py tests/core/test_cuda_graphs.py tests/plugins/test_attention_plugins.py tests/plugins/test_auto_selection.py tests/testing/test_conformance.py tests/gpu} \
             >"$OUT/pytest-gpu.log" 2>&1
         echo "pytest exit $?"; tail -40 "$OUT/pytest-gpu.log"
         ;;
@@ -42,28 +44,39 @@ for stage in "$@"; do
         [ -f "$LLAMA8B/config.json" ] || timeout 300 python3 scripts/gpu/make_llama3_8b.py "$LLAMA8B"
         ;;
     bench)
+        # Defaults (CUDA graphs, the triton layer kernels) against transformers, then the torch layer kernels.
         [ -f "$OUT/ceilings.json" ] || timeout 120 python3 scripts/gpu/ceilings.py | tee "$OUT/ceilings.json"
         copy=$(python3 -c "import json; print(round(json.load(open('$OUT/ceilings.json'))['copy_gbs']))")
         common="--model $LLAMA8B --concurrency 1,64 --input-len 128 --output-len 128 --peak-bandwidth-gbs $copy --no-progress"
         timeout 300 $TM bench sweep $common --output-json "$OUT/sweep-graphs.json" 2>&1 | grep -v "^INFO\|it/s\]" | tail -22
-        timeout 150 $TM bench sweep $common --no-cuda-graphs --no-hf-baseline --output-json "$OUT/sweep-eager.json" 2>&1 | grep -v "^INFO\|it/s\]" | tail -12
-        timeout 120 python3 scripts/gpu/profile_decode.py "$LLAMA8B" >"$OUT/profile.txt" 2>&1
+        timeout 150 $TM bench sweep $common --layer-kernels torch --no-hf-baseline --output-json "$OUT/sweep-torch-kernels.json" 2>&1 | grep -v "^INFO\|it/s\]" | tail -12
+        timeout 150 python3 scripts/gpu/profile_decode.py "$LLAMA8B" >"$OUT/profile.txt" 2>&1
         grep -A16 "^=== batch" "$OUT/profile.txt" | cut -c1-150
+        grep -A20 "^--- host" "$OUT/profile.txt"
+        ;;
+    eager)
+        # The defaults without CUDA graphs (graphs on: the bench stage).
+        copy=$(python3 -c "import json; print(round(json.load(open('$OUT/ceilings.json'))['copy_gbs']))")
+        timeout 150 $TM bench sweep --model "$LLAMA8B" --concurrency 1,64 --input-len 128 --output-len 128 \
+            --peak-bandwidth-gbs "$copy" --no-progress --no-cuda-graphs --no-hf-baseline \
+            --output-json "$OUT/sweep-eager.json" 2>&1 | grep -v "^INFO\|it/s\]" | tail -12
         ;;
     step)
         timeout 150 $TM bench step --model "$LLAMA8B" --batch-size 1,64 --context-len 256 --kv-cache-memory 16GiB \
             --output-json "$OUT/step.json" 2>&1 | grep -v "^INFO" | tail -14
         ;;
-    all)
-        # What one call of a 15-minute lease fits (about 9 minutes): the tests in the background while the 8B
-        # model is written and checked against transformers, then the benchmarks on a quiet GPU.
+    checks)
+        # info, then the tests in the background while the 8B model is written and checked against transformers.
         "$0" info
         "$0" tests >/tmp/tests.out 2>&1 &
         tests=$!
         "$0" llama8b && TOKENMILL_GPU_MODELS=$LLAMA8B GREEDY_TIMEOUT=300 "$0" greedy
         wait $tests
         cat /tmp/tests.out
-        "$0" bench
+        ;;
+    all)
+        # What one call fits (about 9 minutes): checks, then the benchmarks on a quiet GPU.
+        "$0" checks bench
         ;;
     greedy)
         timeout "${GREEDY_TIMEOUT:-400}" python3 -m pytest -p no:cacheprovider -q -s --timeout 380 tests/gpu 2>&1 | tee "$OUT/greedy.log" | grep -v "it/s\]" | tail -15

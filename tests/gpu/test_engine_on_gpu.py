@@ -43,13 +43,15 @@ def _models() -> list[str]:
 
 
 def test_defaults_pick_the_gpu_paths(tiny_model: Path) -> None:
-    """``LLM(model)`` with nothing else set runs on CUDA in bf16 with the Triton kernels and decode graphs."""
+    """``LLM(model)`` with nothing else set runs on CUDA in bf16 with the Triton kernels (attention and layer
+    kernels) and decode graphs."""
     from tokenmill.llm import LLM
 
     llm = LLM(str(tiny_model), kv_cache_memory="1GiB")
     runner = llm.engine.runner
     assert (runner.loaded.device.type, runner.loaded.dtype) == ("cuda", torch.bfloat16)
     assert runner.loaded.attention.name == "triton"
+    assert runner.loaded.model.model.norm.layer_kernels.name == "triton"
     assert runner.cuda_graphs is not None
 
 

@@ -1,5 +1,5 @@
-"""A CPU install has no Triton or CuPy (they are the ``gpu`` extra): the GPU attention backends are
-passed over quietly, and naming one says what to install."""
+"""A CPU install has no Triton or CuPy (they are the ``gpu`` extra): the GPU attention backends and layer
+kernels are passed over quietly, and naming one says what to install."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ sys.modules["triton"] = None
 sys.modules["cupy"] = None
 logging.basicConfig(level=logging.DEBUG, format="%(levelname)s %(name)s: %(message)s")
 import torch
-from tokenmill.model_loader import select_attention_backend
+from tokenmill.model_loader import select_attention_backend, select_layer_kernels
 from tokenmill.plugin_manager import PluginError, Slot, load_plugins
-plugins = load_plugins(allowlist=["attention"])
+plugins = load_plugins(allowlist=["attention", "layer_kernels"])
 """
 
 
@@ -44,3 +44,22 @@ except PluginError as exc:
 """
     result = _run(code)
     assert "needs Triton, which is not installed: pip install 'tokenmill[gpu]'" in result.stdout
+
+
+def test_layer_kernels_without_triton_fall_back_quietly_and_say_what_to_install_when_named() -> None:
+    code = """
+print(select_layer_kernels("auto", torch.device("cpu"), plugins).name)
+assert not plugins.load(Slot.LAYER_KERNEL, "triton").is_available()  # the module imports without Triton
+try:
+    plugins.load(Slot.LAYER_KERNEL, "triton")()
+except PluginError as exc:
+    print(exc)
+"""
+    result = _run(code)
+    lines = result.stdout.strip().splitlines()
+    assert lines[0] == "torch"
+    assert lines[1] == (
+        "the layer_kernel 'triton' needs Triton, which is not installed: pip install 'tokenmill[gpu]', "
+        "or select --layer-kernels torch"
+    )
+    assert not [line for line in result.stderr.splitlines() if line.startswith(("WARNING", "ERROR"))], result.stderr

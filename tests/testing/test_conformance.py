@@ -34,6 +34,7 @@ from tokenmill.testing import (
     check_attention_backend,
     check_kv_cache_manager,
     check_kv_tier,
+    check_layer_kernels,
     check_logits_processor,
     check_quantizer,
     check_router,
@@ -45,6 +46,8 @@ from tokenmill.testing import (
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # the triton backend runs under Triton's interpreter
+#: Where the layer kernels' check runs: the GPU when there is one (the triton kernels take CUDA tensors there).
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 #: Sampling parameters under which each first-party logits processor applies.
 ACTIVATING_PARAMS = {
@@ -68,7 +71,7 @@ def _first_party() -> list[tuple[Slot, str]]:
 
 def _runnable(cls: Any, slot: Slot, name: str) -> None:
     """Skip what this machine cannot run (a GPU backend, kernels that need AVX2), saying why."""
-    if slot is Slot.ATTENTION_BACKEND and name == "triton":
+    if slot in (Slot.ATTENTION_BACKEND, Slot.LAYER_KERNEL) and name == "triton":
         pytest.importorskip("triton")
         return  # runs under the interpreter without a GPU
     devices = getattr(cls, "supported_devices", ("cpu",))
@@ -90,6 +93,8 @@ def test_first_party_implementation_passes_its_check(slot: Slot, name: str, tmp_
         # The interpreter runs each kernel instance in Python: one block size and head size there.
         grid = {"head_dims": (32,), "block_sizes": (16,)} if interpreted else {}
         check_attention_backend(cls, **grid)
+    elif slot is Slot.LAYER_KERNEL:
+        check_layer_kernels(cls, device=DEVICE, dtypes=(torch.float32, torch.float16, torch.bfloat16))
     elif slot is Slot.QUANTIZER:
         check_quantizer(cls)
     elif slot is Slot.SAMPLER:
@@ -191,6 +196,32 @@ def test_attention_backend_that_stores_quantized_scales_its_own_way_fails() -> N
             return out
 
     _fails(check_attention_backend, NudgedScales, match=r"kv_cache_dtype=torch.int8.*KV cache bytes differ")
+
+
+def test_layer_kernels_that_skip_the_residual_add_fail() -> None:
+    from tokenmill.layers.kernels import TorchLayerKernels
+
+    class NoResidual(TorchLayerKernels):
+        def add_rms_norm(
+            self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            return self.rms_norm(x, weight, eps), x
+
+    _fails(check_layer_kernels, NoResidual, match=r"add_rms_norm\(dtype=torch.float32, tokens=1\) \(the sum\)")
+
+
+def test_layer_kernels_that_rotate_the_wrong_halves_fail() -> None:
+    from tokenmill.layers.kernels import TorchLayerKernels
+
+    class Interleaved(TorchLayerKernels):
+        """GPT-J's layout (pairs of neighbours) instead of Hugging Face's rotate-half."""
+
+        def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+            pairs = x.float().unflatten(-1, (-1, 2))
+            x1, x2 = pairs[..., 0], pairs[..., 1]
+            return torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2).to(x.dtype)
+
+    _fails(check_layer_kernels, Interleaved, match=r"rotary\(dtype=torch.float32, tokens=1\) \(head_dim=64\)")
 
 
 def test_quantizer_that_drops_the_bias_fails() -> None:

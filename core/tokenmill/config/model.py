@@ -35,6 +35,15 @@ class ModelConfig(ConfigSection, frozen=True):
             "named by its quantization_config.quant_method ('gptq', 'awq', 'compressed-tensors')."
         ),
     ] = "auto"
+    layer_kernels: Annotated[
+        str,
+        describe(
+            "Layer kernels plugin for the small operations between the matmuls (RMSNorm with the residual "
+            "add, rope, SiLU times up): 'torch' is the built-in reference; 'auto' picks the fastest installed "
+            "one that runs on the device ('triton' on a CUDA GPU).",
+            flag="--layer-kernels",
+        ),
+    ] = "auto"
     dtype: Annotated[
         DType,
         describe(

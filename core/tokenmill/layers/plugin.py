@@ -1,4 +1,5 @@
-"""Registers the built-in quantizer ``none`` (registration only: no torch import here)."""
+"""Registers the built-in quantizer ``none`` and layer kernels ``torch`` (registration only: no torch import
+here)."""
 
 from __future__ import annotations
 
@@ -8,3 +9,8 @@ from tokenmill.hookspecs import Register, hookimpl
 @hookimpl
 def tokenmill_register_quantizers(register: Register) -> None:
     register("none", "tokenmill.layers.dense:DenseQuantizer")
+
+
+@hookimpl
+def tokenmill_register_layer_kernels(register: Register) -> None:
+    register("torch", "tokenmill.layers.kernels:TorchLayerKernels")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import nn
 
+from tokenmill.layers.kernels import UsesLayerKernels
 from tokenmill.models.architecture import RopeConfig
 
 
@@ -31,7 +31,7 @@ def inverse_frequencies(rope: RopeConfig, rotary_dim: int) -> torch.Tensor:
     return inv_freq.float()
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(UsesLayerKernels):
     """Applies rope at arbitrary positions, from a cos/sin table built on first use: the model calls
     ``set_positions`` once per forward, then each layer ``rotate``s its queries and keys."""
 
@@ -60,10 +60,5 @@ class RotaryEmbedding(nn.Module):
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         """Rope at the positions of the last ``set_positions``, applied to ``x`` [num_tokens, any heads,
-        head_dim]: queries and keys may come as one tensor."""
-        return _rotate(x, self._step_cos, self._step_sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+        head_dim]: queries and keys may come as one tensor. The layer kernels may rotate ``x`` in place."""
+        return self.layer_kernels.rotary(x, self._step_cos, self._step_sin)

@@ -10,11 +10,11 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.attention.backend import AttentionBackend, AttentionLayerSpec, AttentionMetadata
 from tokenmill.layers.embedding import VocabParallelEmbedding
+from tokenmill.layers.kernels import UsesLayerKernels
 from tokenmill.layers.linear import Linear, LinearShard, MergedLinear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.quantizer import Quantizer
@@ -84,7 +84,7 @@ class LlamaAttention(nn.Module):
         return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, spec.num_heads * spec.head_dim)))
 
 
-class LlamaMLP(nn.Module):
+class LlamaMLP(UsesLayerKernels):
     def __init__(
         self, config: ArchitectureConfig, quantizer: Quantizer, dtype: torch.dtype, tp: TensorParallelGroup
     ) -> None:
@@ -95,8 +95,7 @@ class LlamaMLP(nn.Module):
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.tp.all_reduce(self.down_proj(F.silu(gate) * up))
+        return self.tp.all_reduce(self.down_proj(self.layer_kernels.silu_and_mul(self.gate_up_proj(x))))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -120,12 +119,20 @@ class LlamaDecoderLayer(nn.Module):
         self,
         positions: torch.Tensor,
         hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        attn_out = self.self_attn(positions, self.input_layernorm(hidden_states), kv_cache, metadata)
-        hidden_states = hidden_states + attn_out
-        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's output and the residual stream before it, whose sum is the next layer's input: each
+        residual add happens in the norm after it, one kernel where the layer kernels fuse them. ``residual``
+        is None in the first layer, whose ``hidden_states`` are the embeddings."""
+        if residual is None:
+            residual, hidden_states = hidden_states, self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states, kv_cache, metadata)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
 
 
 class LlamaModel(nn.Module):
@@ -189,9 +196,11 @@ class LlamaForCausalLM(CausalLM):
     ) -> torch.Tensor:
         hidden_states = self.model.embed_tokens(input_ids)  # [num_tokens, hidden]
         self.model.rotary.set_positions(positions)
+        residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            hidden_states = layer(positions, hidden_states, kv_cache, metadata)
-        return self.model.norm(hidden_states)
+            hidden_states, residual = layer(positions, hidden_states, residual, kv_cache, metadata)
+        assert residual is not None, "a model has at least one layer"
+        return self.model.norm(hidden_states, residual)[0]
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:  # a dense quantizer multiplies by the embedding module's ``weight`` (no bias)

@@ -110,7 +110,8 @@ class _Calibration:
         outputs = []
         for (metadata, _, _), states in zip(self.batches, hidden, strict=True):
             model.model.rotary.set_positions(metadata.positions)
-            outputs.append(layer(metadata.positions, states, self.kv_cache, metadata))
+            output, residual = layer(metadata.positions, states, None, self.kv_cache, metadata)
+            outputs.append(output + residual)  # the layer's whole output: the next one's input
         return outputs
 
 

@@ -22,12 +22,12 @@ from __future__ import annotations
 import importlib.util
 import logging
 from dataclasses import dataclass
-from types import ModuleType
 from typing import ClassVar
 
 import torch
 
 from tokenmill import AttentionBackend, AttentionLayerSpec, AttentionMetadata, PluginError
+from tokenmill_plugins.triton_import import import_triton_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +85,11 @@ class TritonAttentionBackend(AttentionBackend):
         return device.type == "cuda" and super().auto_selectable(device, head_dim)
 
     def __init__(self) -> None:
-        self._kernels = _import_kernels()
+        self._kernels = import_triton_kernels(
+            "tokenmill_kernels.paged_attention.triton",
+            "the 'triton' attention backend",
+            "select another backend with --attention-backend",
+        )
         self._is_interpreted = self._kernels.is_interpreted()
         if not torch.cuda.is_available() and not self._is_interpreted:
             raise PluginError(f"no CUDA device found: {_CPU_NEEDS_INTERPRETER}")
@@ -152,17 +156,3 @@ class TritonAttentionBackend(AttentionBackend):
         return self._kernels.choose_num_splits(
             metadata.num_reqs, num_kv_heads, metadata.max_seq_len, self._num_sms[index]
         )
-
-
-def _import_kernels() -> ModuleType:
-    """The Triton kernels; a ``PluginError`` saying what to install where Triton is missing."""
-    try:
-        from tokenmill_kernels.paged_attention import triton as kernels
-    except ModuleNotFoundError as exc:
-        if exc.name != "triton":
-            raise
-        raise PluginError(
-            "the 'triton' attention backend needs Triton, which is not installed: pip install 'tokenmill[gpu]', "
-            "or select another backend with --attention-backend"
-        ) from exc
-    return kernels

@@ -15,6 +15,10 @@ if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and
     from tokenmill.testing.conformance._util import ConformanceError  # noqa: F401
     from tokenmill.testing.conformance.attention import ATTENTION_TOLERANCES, check_attention_backend  # noqa: F401
     from tokenmill.testing.conformance.kv_cache import check_kv_cache_manager, check_kv_tier  # noqa: F401
+    from tokenmill.testing.conformance.layer_kernels import (  # noqa: F401
+        LAYER_KERNEL_TOLERANCES,
+        check_layer_kernels,
+    )
     from tokenmill.testing.conformance.quantizer import check_quantizer  # noqa: F401
     from tokenmill.testing.conformance.sampling import check_logits_processor, check_sampler  # noqa: F401
     from tokenmill.testing.conformance.scheduler import check_scheduler  # noqa: F401
@@ -27,6 +31,8 @@ _EXPORTS: dict[str, str] = {
     "check_attention_backend": "tokenmill.testing.conformance.attention",
     "check_kv_cache_manager": "tokenmill.testing.conformance.kv_cache",
     "check_kv_tier": "tokenmill.testing.conformance.kv_cache",
+    "check_layer_kernels": "tokenmill.testing.conformance.layer_kernels",
+    "LAYER_KERNEL_TOLERANCES": "tokenmill.testing.conformance.layer_kernels",
     "check_logits_processor": "tokenmill.testing.conformance.sampling",
     "check_quantizer": "tokenmill.testing.conformance.quantizer",
     "check_router": "tokenmill.testing.conformance.serving",

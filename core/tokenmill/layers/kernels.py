@@ -1,0 +1,110 @@
+"""Layer kernels (slot ``layer_kernel``): the small operations between a layer's matmuls.
+
+A decoder layer runs, besides its matmuls and attention, an RMSNorm with the residual add before it (twice),
+rope over its queries and keys, and SiLU times the up projection. In torch each is several kernels: about 21
+launches per Llama layer. On a GPU at batch 1 those launches, not the bytes they move, cost a step about 1 ms
+of 6.4 on an H200 (docs/benchmarks.md). A ``LayerKernels`` plugin does each in one kernel.
+
+``TorchLayerKernels`` (``torch``) is the reference, built in; it runs everywhere and is what ``auto`` picks on
+a CPU. The model loader selects one per process (``model.layer_kernels``) and hands it to every module that
+calls them (``install_layer_kernels``); an architecture plugin whose modules subclass ``UsesLayerKernels``
+gets the selected kernels without building them itself.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class LayerKernels(ABC):
+    """The elementwise and normalisation kernels of a transformer layer, on tensors of the model's dtype.
+
+    Built once per engine process (with no arguments, plus ``options=`` when its plugin declares options).
+    Every method is called inside the forward, also while a CUDA graph is captured: it must not wait on the
+    device or read a device value on the host. Results must match ``TorchLayerKernels`` up to float rounding
+    (``tests/core/test_layer_kernels.py`` runs a plugin's against it); rounding to the model's dtype happens
+    where the reference rounds.
+    """
+
+    #: Registered name.
+    name: ClassVar[str]
+    #: Device types it runs on.
+    supported_devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
+    #: For ``model.layer_kernels = "auto"``: the highest priority among those ``auto_selectable`` wins.
+    auto_priority: ClassVar[int] = 0
+
+    @classmethod
+    def is_available(cls) -> bool:
+        """Whether its dependencies are installed and a device it runs on is visible."""
+        return True
+
+    @classmethod
+    def auto_selectable(cls, device: torch.device) -> bool:
+        """Whether ``auto`` may pick it for a model on ``device``."""
+        return device.type in cls.supported_devices and cls.is_available()
+
+    @abstractmethod
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm of ``x`` [..., hidden] over its last dimension, scaled by ``weight`` [hidden]."""
+
+    @abstractmethod
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(rms_norm(x + residual), x + residual)`` for ``x`` and ``residual`` [num_tokens, hidden], the sum
+        rounded to their dtype first (as a layer's residual stream is)."""
+
+    @abstractmethod
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` for ``gate_up`` [num_tokens, 2 * inner] holding gate then up; [num_tokens, inner]."""
+
+    @abstractmethod
+    def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rope ("rotate half") on ``x`` [num_tokens, heads, head_dim], whose last dimension is contiguous, with
+        float32 ``cos`` and ``sin`` [num_tokens, 1, head_dim // 2]. May rotate ``x`` in place; returns the
+        rotated tensor."""
+
+
+class TorchLayerKernels(LayerKernels):
+    """The reference: torch operations, in float32 where the Hugging Face models compute in float32."""
+
+    name: ClassVar[str] = "torch"
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if x.dtype == torch.float32:  # torch's fused kernel: one op instead of seven, same result
+            return F.rms_norm(x, weight.shape, weight, eps)
+        # bf16/fp16 (GPUs): normalised in float32, rounded to x's dtype, then scaled, as the reference models do.
+        return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        total = x + residual
+        return self.rms_norm(total, weight, eps), total
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+class UsesLayerKernels(nn.Module):
+    """A module that calls layer kernels: it reads them from ``self.layer_kernels``, the torch reference until
+    the model loader installs the selected ones (``install_layer_kernels``)."""
+
+    layer_kernels: LayerKernels = TorchLayerKernels()
+
+
+def install_layer_kernels(model: nn.Module, kernels: LayerKernels) -> None:
+    """Make every ``UsesLayerKernels`` module of ``model`` call ``kernels``."""
+    for module in model.modules():
+        if isinstance(module, UsesLayerKernels):
+            module.layer_kernels = kernels

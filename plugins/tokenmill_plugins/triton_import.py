@@ -1,0 +1,21 @@
+"""Importing Triton kernel modules, which a CPU install may lack, with the one-line error the plugins share."""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+from tokenmill import PluginError
+
+
+def import_triton_kernels(module: str, plugin: str, instead: str) -> ModuleType:
+    """The Triton kernel ``module``; where Triton is missing, a ``PluginError`` saying that ``plugin`` needs it,
+    how to install it, and ``instead``: the setting that selects something else."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name != "triton":
+            raise
+        raise PluginError(
+            f"{plugin} needs Triton, which is not installed: pip install 'tokenmill[gpu]', or {instead}"
+        ) from exc
