@@ -359,6 +359,9 @@ def test_w8a8_and_fp8_on_cuda_match_the_cpu(num_tokens: int) -> None:
     torch.testing.assert_close(out.cpu(), expected, atol=1e-5 * expected.abs().max().item(), rtol=0)
     fp8 = _fp8_weight(None)
     fp8_scheme = ActivationScheme("float", 8, "token", is_dynamic=True)
+    # The GPU side's input is rounded to bfloat16 before its FP8 rounding: the CPU side rounds the same values (from
+    # float32 inputs, an input near an FP8 midpoint could round the other way: a whole FP8 step).
+    x = x.bfloat16().float()
     expected = fp8_matmul(x, fp8.values, fp8.scales, fp8_scheme, torch.empty(0), None, use_scaled_mm=False)
     out = fp8_matmul(
         x.cuda().bfloat16(), fp8.values.cuda(), fp8.scales.cuda(), fp8_scheme, torch.empty(0, device="cuda"), None,
@@ -395,14 +398,23 @@ def _checkpoint_names() -> list[str]:
 @pytest.mark.parametrize("name", _checkpoint_names())
 def test_checkpoints_on_cuda_match_the_producing_tool(name: str) -> None:
     """Every carried checkpoint loaded on the GPU in float32 (twice: the second start reads the weight cache's
-    GPU layout) matches the tool's logits within the CPU path's tolerance."""
+    GPU layout) matches the tool's logits within the CPU path's tolerance; FP8 through ``torch._scaled_mm`` within
+    0.3.
+
+    FP8 tensor cores (sm_89+) accumulate products with about 14 bits of mantissa before promoting partial sums to
+    float32 (the DeepSeek-V3 report, section 3.3.2), where the CPU and the tool accumulate in float32: on an H200
+    the FP8 checkpoints' logits were 0.188 (dynamic) and 0.227 (static) from the tool's, against 0.1. On the CPU,
+    relative noise of 2^-14 on every FP8 matmul's output moves them by up to 0.196 and 0.234 (2^-12: 0.234 and
+    0.252; measured 2026-11-26 with a patched ``_fp8_matmul``): 0.3 bounds that accumulation error."""
     from tests.models.quantized.test_reference_match import _tolerance
 
+    fp8_tensor_cores = name.startswith("ct-fp8-") and supports_fp8_matmul(torch.device("cuda"))
+    tolerance = 0.3 if fp8_tensor_cores else _tolerance(name)
     logits, prompts, reference = _logits_on_cuda(name, "float32")
     again, _, _ = _logits_on_cuda(name, "float32")
     torch.testing.assert_close(again, logits, atol=0, rtol=0)
     start = 0
     for index, prompt in enumerate(prompts):
         expected = reference[f"logits.{index}"]
-        torch.testing.assert_close(logits[start : start + len(prompt)], expected, atol=_tolerance(name), rtol=0)
+        torch.testing.assert_close(logits[start : start + len(prompt)], expected, atol=tolerance, rtol=0)
         start += len(prompt)
