@@ -118,7 +118,9 @@ class EngineCore:
         self.speculator = self._build_speculator()
         self.draft_policy: DraftPolicy | None = None
         if self.speculator is not None and config.speculative_config.draft_policy == "goodput":
-            self.draft_policy = DraftPolicy(self.speculator.num_speculative_tokens)
+            self.draft_policy = DraftPolicy(
+                self.speculator.num_speculative_tokens, graphed_plain_steps=self.runner.cuda_graphs is not None
+            )
         #: This step's final hidden state of each request that got a token, for a speculator that reads them.
         self._hidden_states: dict[str, torch.Tensor] = {}
         #: The requests of the last ``propose`` call (a new one's first call also reads its prompt).
@@ -306,7 +308,9 @@ class EngineCore:
         runner_output = self.execute(scheduler_output)
         if self.draft_policy is not None and all(s.samples_token for s in scheduler_output.scheduled):
             # Decode and verification steps only: a prompt chunk's cost per token says nothing about drafts'.
-            self.draft_policy.observe_step(scheduler_output.num_scheduled_tokens, time.perf_counter() - started)
+            num_tokens = scheduler_output.num_scheduled_tokens
+            drafted = num_tokens > len(scheduler_output.scheduled)  # a verifying request has its drafts' tokens too
+            self.draft_policy.observe_step(num_tokens, time.perf_counter() - started, drafted)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         self._store_completed()
         if self.speculator is not None:

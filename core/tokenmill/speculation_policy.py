@@ -7,7 +7,12 @@ costs its full share), on the hardware, and on how predictable each request is.
 So the engine measures instead of guessing (after SmartSpec, Liu et al. 2024):
 
 - the target step's time as a line in its number of tokens, ``a + b * tokens``,
-  fitted online over recent steps (exponentially weighted least squares);
+  fitted online over recent steps (exponentially weighted least squares). Where
+  plain decode steps replay a CUDA graph and steps that verify drafts run eagerly
+  (a GPU), the two cost differently, not along one line: a one-token step took
+  1.3 ms and a verification step several times that on an H200. There the plain
+  step gets a line of its own, fitted on steps without drafts, and the first line
+  is fitted on verification steps only;
 - the speculator's time per draft position (one ``propose`` divided by its
   longest draft list, over calls whose requests all drafted the step before:
   a request's first call also reads its prompt into a draft model);
@@ -85,16 +90,28 @@ class StepCostModel:
 class DraftPolicy:
     """Decides each step how many drafts each request may verify; see the module docstring."""
 
-    def __init__(self, num_speculative_tokens: int) -> None:
+    def __init__(self, num_speculative_tokens: int, graphed_plain_steps: bool = False) -> None:
+        """``graphed_plain_steps``: steps without drafts run differently (a captured CUDA graph) from steps with
+        drafts, so each kind gets its own cost line."""
         self.max_drafts = num_speculative_tokens
-        self.step_cost = StepCostModel()
+        self.step_cost = StepCostModel()  # every step, or with ``graphed_plain_steps`` steps with drafts
+        self.plain_step_cost = StepCostModel() if graphed_plain_steps else None
         self.seconds_per_draft_position = 0.0  # the speculator's, measured
         self._acceptance: dict[str, _Acceptance] = {}
         self._num_decisions = 0
 
-    def observe_step(self, num_tokens: int, seconds: float) -> None:
-        """One target step of ``num_tokens`` tokens took ``seconds``."""
-        self.step_cost.observe(num_tokens, seconds)
+    def observe_step(self, num_tokens: int, seconds: float, drafted: bool = True) -> None:
+        """One target step of ``num_tokens`` tokens took ``seconds``; ``drafted``: it verified drafts."""
+        if self.plain_step_cost is not None and not drafted:
+            self.plain_step_cost.observe(num_tokens, seconds)
+        else:
+            self.step_cost.observe(num_tokens, seconds)
+
+    def _plain_seconds(self, num_tokens: int) -> float:
+        """Predicted time of a step without drafts."""
+        if self.plain_step_cost is not None and self.plain_step_cost.seconds(num_tokens) > 1e-9:
+            return self.plain_step_cost.seconds(num_tokens)
+        return self.step_cost.seconds(num_tokens)
 
     def observe_propose(self, longest: int, seconds: float) -> None:
         """One ``propose`` call whose longest draft list had ``longest`` tokens took ``seconds``; the engine
@@ -128,7 +145,7 @@ class DraftPolicy:
         alphas = [self._acceptance.get(r, _Acceptance()).alpha for r in request_ids]
         tokens = float(len(request_ids))  # expected tokens of the step's drafting requests: one each without drafts
         num_tokens, longest = num_step_tokens, 0
-        seconds = self.step_cost.seconds(num_tokens)
+        seconds = self._plain_seconds(num_tokens)
         # Max-heap of each request's next draft position, by the chance it is accepted (alpha^(k+1)).
         heap = [(-alpha, i) for i, alpha in enumerate(alphas) if limits[i] > 0]
         heapq.heapify(heap)

@@ -62,3 +62,26 @@ def test_a_request_without_drafts_is_tried_again_later() -> None:
     assert policy.num_drafts(["r"], [8], 1) == [0]
     later = [policy.num_drafts(["r"], [8], 1) for _ in range(60)]
     assert later[-1] != [0]
+
+
+def test_graphed_plain_steps_get_their_own_cost_line() -> None:
+    """As on the H200: a plain step replays a CUDA graph (1.3 ms), a verification step runs eagerly (6 ms plus
+    0.1 ms a token). With its own line for plain steps, a predictable request alone drafts nothing; one line
+    through both kinds (the planted model) underestimates a short verification and drafts."""
+
+    def observed(graphed: bool) -> DraftPolicy:
+        policy = DraftPolicy(8, graphed_plain_steps=graphed)
+        for tokens in (1, 2, 5, 9) * 20:
+            drafted = tokens > 1
+            policy.observe_step(tokens, (6.0 + 0.1 * tokens if drafted else 1.3) / 1000, drafted)
+        _trained(policy, "copying", accepted=7, drafted=8)  # alpha about 0.88
+        return policy
+
+    assert observed(graphed=True).num_drafts(["copying"], [8], 1) == [0]
+    assert sum(observed(graphed=False).num_drafts(["copying"], [8], 1)) > 0
+    # Where verification is cheap after all (a graph or a CPU), the same policy drafts.
+    cheap = DraftPolicy(8, graphed_plain_steps=True)
+    for tokens in (1, 2, 5, 9) * 20:
+        cheap.observe_step(tokens, (1.3 + 0.1 * tokens) / 1000, tokens > 1)
+    _trained(cheap, "copying", accepted=7, drafted=8)
+    assert sum(cheap.num_drafts(["copying"], [8], 1)) >= 4
