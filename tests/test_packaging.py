@@ -66,6 +66,7 @@ def test_wheel_maps_source_folders_to_import_names(tmp_path: Path) -> None:
         "tokenmill_plugins/__init__.py",
         "tokenmill_kernels/__init__.py",
         "tokenmill_kernels/quant_matmul/cpu/quant_matmul.cpp",
+        "tokenmill_kernels/layer_kernels/cpu/layer_kernels.cpp",
         "tokenmill/models/llama.py",
         "tokenmill/py.typed",
     ):

@@ -11,7 +11,7 @@ slot                      interface                       built in
 ``weight_format``         ``WeightFormat``                ``safetensors``, ``gguf``
 ``quantizer``             ``Quantizer``                   ``none``, ``int8``, ``int4``
 ``attention_backend``     ``AttentionBackend``            ``torch``, ``cpu``, ``triton``, ``cuda``
-``layer_kernel``          ``LayerKernels``                ``torch``, ``triton``
+``layer_kernel``          ``LayerKernels``                ``torch``; plugin ``layer_kernels``: ``cpu``, ``triton``
 ``scheduler``             ``Scheduler``                   ``fcfs``, ``priority``
 ``kv_cache_manager``      ``KVCacheManager``              ``paged``
 ``sampler``               ``Sampler``                     ``torch``

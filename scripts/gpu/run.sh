@@ -11,7 +11,8 @@
 #   all      checks, then bench
 #   greedy   greedy output against transformers on $TOKENMILL_GPU_MODELS (tests/gpu)
 #   default  the default model's GGUF, joined from two halves carried by two calls (.gguf1/part1, kept in
-#            /tmp/keep, then .gguf2/part2): greedy and bench decode against transformers, bench speculative (ngram)
+#            /tmp/keep, then .gguf2/part2): greedy and bench decode against transformers, bench speculative (ngram),
+#            bench kv-tiers (multi-turn, cpu tier)
 # The machine has torch, triton, cupy and transformers but none of tokenmill's pure-Python dependencies: they
 # travel as wheels in .whl/ (with the tokenmill wheels, for their entry points) and are installed first. The
 # tree itself is imported from core/, plugins/ and kernels/. Logs and JSON go to $OUT.
@@ -91,6 +92,8 @@ for stage in "$@"; do
         timeout 180 $TM bench speculative --model "$gguf" --speculative-config '{"method": "ngram"}' --workload copy \
             --concurrency 1,32 --num-prompts 8 --rounds 2 --output-json "$OUT/speculative-default.json" 2>&1 |
             grep -v "^INFO\|it/s\]" | tail -16
+        timeout 180 $TM bench kv-tiers --model "$gguf" --workload multi-turn --output-json "$OUT/kv-tiers-default.json" \
+            2>&1 | grep -v "^INFO\|it/s\]" | tail -12
         ;;
     *) echo "unknown stage $stage"; exit 2 ;;
     esac

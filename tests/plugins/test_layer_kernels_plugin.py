@@ -1,5 +1,5 @@
-"""The layer kernels plugin (``layer_kernels``): found through its entry point, picked by ``auto`` only on a GPU,
-and serving the same greedy tokens as the torch reference.
+"""The layer kernels plugin (``layer_kernels``): found through its entry point, ``cpu`` picked by ``auto`` on a
+CPU that builds it and ``triton`` only on a GPU, both serving the same greedy tokens as the torch reference.
 
 Without a GPU the ``triton`` kernels run under the Triton interpreter: this module sets ``TRITON_INTERPRET=1``
 when it is imported, before anything imports the kernel module.
@@ -33,13 +33,14 @@ def test_registered_through_its_entry_point() -> None:
     system = load_plugins(allowlist=["layer_kernels"])
     info = next(info for info in system.infos if info.name == "layer_kernels")
     assert (info.source, info.error) == ("entry point", None)
-    assert system.registry.names(Slot.LAYER_KERNEL) == ["torch", "triton"]
+    assert system.registry.names(Slot.LAYER_KERNEL) == ["cpu", "torch", "triton"]
     assert system.registry.load(Slot.LAYER_KERNEL, "triton").__name__ == "TritonLayerKernels"
 
 
-def test_auto_picks_triton_only_on_a_gpu() -> None:
+def test_auto_picks_cpu_on_a_cpu_and_triton_only_on_a_gpu() -> None:
     system = load_plugins(allowlist=["layer_kernels"])
-    assert select_layer_kernels("auto", torch.device("cpu"), system).name == "torch"
+    expected_on_cpu = "cpu" if _cpu_kernels_available() else "torch"
+    assert select_layer_kernels("auto", torch.device("cpu"), system).name == expected_on_cpu
     if torch.cuda.is_available():
         assert select_layer_kernels("auto", torch.device("cuda"), system).name == "triton"
 
@@ -55,30 +56,39 @@ def test_triton_on_cpu_without_the_interpreter_says_what_to_do() -> None:
 
 def test_an_unknown_name_is_a_one_line_error(tmp_path: Path) -> None:
     save_hf_model("llama-tiny", tmp_path)
-    with pytest.raises(PluginError, match="unknown layer_kernel 'fused'; installed: torch, triton"):
+    with pytest.raises(PluginError, match="unknown layer_kernel 'fused'; installed: cpu, torch, triton"):
         make_engine(tmp_path, model={"layer_kernels": "fused"})
 
 
+@pytest.mark.parametrize("kernels", ["triton", "cpu"])
 @pytest.mark.parametrize("model", ["llama-tiny", "qwen3-tiny"])  # qwen3: q/k norms over strided heads
-def test_triton_layer_kernels_serve_the_same_greedy_tokens(model: str, tmp_path: Path) -> None:
+def test_layer_kernels_serve_the_same_greedy_tokens(kernels: str, model: str, tmp_path: Path) -> None:
     """End to end through the engine (chunked prefill mixed with decode): the same tokens as ``torch``, and every
     module that calls layer kernels got the selected ones."""
+    if kernels == "cpu" and (DEVICE != "cpu" or not _cpu_kernels_available()):
+        pytest.skip("the cpu layer kernels run CPU models, on an AVX2 CPU with a C++ toolchain")
     save_hf_model(model, tmp_path)
     rng = random.Random(0)
     prompts = [[rng.randrange(512) for _ in range(n)] for n in (5, 27, 12)]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     tokens = {}
-    for kernels in ("torch", "triton"):
+    for name in ("torch", kernels):
         engine = make_engine(
-            tmp_path, model={"layer_kernels": kernels, "dtype": "float32"}, attention={"backend": "torch"},
+            tmp_path, model={"layer_kernels": name, "dtype": "float32"}, attention={"backend": "torch"},
             scheduler={"max_num_batched_tokens": 16}, device={"device": DEVICE},
         )  # fmt: skip
         users = [m for m in engine.runner.loaded.model.modules() if isinstance(m, UsesLayerKernels)]
-        assert len(users) > 4 and {m.layer_kernels.name for m in users} == {kernels}
+        assert len(users) > 4 and {m.layer_kernels.name for m in users} == {name}
         requests = [EngineCoreRequest(str(i), prompt, params, [], now()) for i, prompt in enumerate(prompts)]
-        tokens[kernels] = run_to_completion(engine, requests)
-    assert tokens["triton"] == tokens["torch"]
-    assert all(len(generated) == 8 for generated in tokens["triton"].values())
+        tokens[name] = run_to_completion(engine, requests)
+    assert tokens[kernels] == tokens["torch"]
+    assert all(len(generated) == 8 for generated in tokens[kernels].values())
+
+
+def _cpu_kernels_available() -> bool:
+    from tokenmill_kernels.layer_kernels import cpu
+
+    return cpu.is_available()
 
 
 def test_a_module_calls_the_reference_until_kernels_are_installed() -> None:

@@ -40,7 +40,7 @@ class ModelConfig(ConfigSection, frozen=True):
         describe(
             "Layer kernels plugin for the small operations between the matmuls (RMSNorm with the residual "
             "add, rope, SiLU times up): 'torch' is the built-in reference; 'auto' picks the fastest installed "
-            "one that runs on the device ('triton' on a CUDA GPU).",
+            "one that runs on the device ('cpu', C++ with AVX2, on a CPU; 'triton' on a CUDA GPU).",
             flag="--layer-kernels",
         ),
     ] = "auto"

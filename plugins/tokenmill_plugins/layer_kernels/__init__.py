@@ -1,1 +1,2 @@
-"""Layer kernels plugin: ``triton`` (RMSNorm with the residual add, rope and SiLU times up, one kernel each)."""
+"""Layer kernels plugin: ``cpu`` (C++, AVX2) and ``triton`` (GPU): RMSNorm with the residual add, rope and
+(triton) SiLU times up, one kernel each."""
