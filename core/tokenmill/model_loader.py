@@ -287,7 +287,7 @@ def load_model(
     kv_cache_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, dtype, attention, quantizer)  # before loading
     max_model_len = config.model.max_model_len or arch.max_position_embeddings
     logger.info(
-        "loading %s%s (%s, %s) from %s on %s as %s, KV cache %s",
+        "loading %s%s (%s, %s) from %s on %s as %s, KV cache %s, attention %s, layer kernels %s",
         arch.architecture,
         f" shard {tp.rank} of {tp.size}" if tp.size > 1 else "",
         weight_format.name,
@@ -296,6 +296,8 @@ def load_model(
         device,
         dtype,
         kv_cache_dtype,
+        attention.name,
+        layer_kernels.name,
     )
     max_position = max(max_model_len, arch.max_position_embeddings)
     with torch.device("meta"):
