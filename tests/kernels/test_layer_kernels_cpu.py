@@ -65,3 +65,12 @@ def test_bad_inputs_are_value_errors() -> None:
         kernels.rms_norm(torch.zeros(2, 8), torch.zeros(9), 1e-5)
     with pytest.raises(ValueError, match="cos and sin must be float32"):
         kernels.rotary(torch.zeros(2, 3, 8), torch.zeros(2, 1, 3), torch.zeros(2, 1, 4))
+
+
+def test_inputs_that_need_gradients_go_to_the_reference() -> None:
+    """The C++ has no backward: a norm over an input that needs gradients still differentiates."""
+    from tokenmill_plugins.layer_kernels.cpu_kernels import CpuLayerKernels
+
+    x = _randn(3, 64, seed=8).requires_grad_()
+    CpuLayerKernels().rms_norm(x, torch.ones(64), 1e-5).sum().backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0

@@ -3,7 +3,8 @@
 At one token a Llama layer's norms and rope take about 27 us in torch operators on a 2-vCPU Zen 5, 0.8 ms of a
 7 ms step of the default model (docs/benchmarks.md). ``auto`` picks these on a CPU that can build and run them
 (AVX2, FMA, a C++ compiler and ninja, as the ``cpu`` attention backend). SiLU times up stays torch's: two
-vectorised operators, about 4 us. Other dtypes than float32 go to the torch reference.
+vectorised operators, about 4 us. Other dtypes than float32, and inputs that need gradients (the C++ has no
+backward), go to the torch reference.
 """
 
 from __future__ import annotations
@@ -30,20 +31,25 @@ class CpuLayerKernels(TorchLayerKernels):
         kernels.load()  # build (first run on a machine) or load the C++ now, not inside the first step
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        if x.dtype != torch.float32 or x.device.type != "cpu":
+        if not _runs(x):
             return super().rms_norm(x, weight, eps)
         return kernels.rms_norm(x, weight, eps)[0]
 
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if x.dtype != torch.float32 or x.device.type != "cpu":
+        if not _runs(x, residual):
             return super().add_rms_norm(x, residual, weight, eps)
         normed, total = kernels.rms_norm(x, weight, eps, residual)
         assert total is not None
         return normed, total
 
     def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32 or x.device.type != "cpu":
+        if not _runs(x):
             return super().rotary(x, cos, sin)
         return kernels.rotary(x, cos, sin)
+
+
+def _runs(*inputs: torch.Tensor) -> bool:
+    """Whether the C++ takes these inputs: float32 on the CPU, without gradients."""
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" and not t.requires_grad for t in inputs)
