@@ -142,35 +142,35 @@ def _load_for_device(registry: Registry, slot: Slot, name: str, device: torch.de
     return implementation
 
 
+def _select_by_priority(
+    plugins: PluginSystem, slot: Slot, name: str, device: torch.device, setting: str, selectable: Callable[[Any], bool]
+) -> Any:
+    """The implementation named in ``slot``, built, or for ``"auto"`` the one with the highest ``auto_priority``
+    among those ``selectable`` says ``auto`` may pick (the built-in ``torch`` ones always may, so there is always
+    a candidate)."""
+    if name == "auto":
+        candidates = [(n, cls) for n, cls in _loadable(plugins.registry, slot) if selectable(cls)]
+        best_name, best_class = max(candidates, key=lambda c: c[1].auto_priority)
+        return plugins.instantiate(slot, best_name, best_class)
+    implementation = _load_for_device(plugins.registry, slot, name, device, setting)
+    return plugins.instantiate(slot, name, implementation)
+
+
 def select_attention_backend(name: str, device: torch.device, plugins: PluginSystem, head_dim: int) -> AttentionBackend:
     """The named backend, or for ``"auto"`` the one with the highest priority among those that may be picked for
     a model of ``head_dim`` on ``device`` (``AttentionBackend.auto_selectable``)."""
-    if name == "auto":
-        candidates = [
-            (backend_name, backend_class)
-            for backend_name, backend_class in _loadable(plugins.registry, Slot.ATTENTION_BACKEND)
-            if backend_class.auto_selectable(device, head_dim)
-        ]
-        # The built-in torch backend runs everywhere, so there is always a candidate.
-        best_name, best_class = max(candidates, key=lambda c: c[1].auto_priority)
-        return plugins.instantiate(Slot.ATTENTION_BACKEND, best_name, best_class)
-    implementation = _load_for_device(plugins.registry, Slot.ATTENTION_BACKEND, name, device, "attention.backend")
-    return plugins.instantiate(Slot.ATTENTION_BACKEND, name, implementation)
+    return _select_by_priority(
+        plugins, Slot.ATTENTION_BACKEND, name, device, "attention.backend",
+        lambda cls: cls.auto_selectable(device, head_dim),
+    )  # fmt: skip
 
 
 def select_layer_kernels(name: str, device: torch.device, plugins: PluginSystem) -> LayerKernels:
     """The named layer kernels, or for ``"auto"`` those with the highest priority among the ones that may be
-    picked on ``device`` (``LayerKernels.auto_selectable``; the built-in ``torch`` always may)."""
-    if name == "auto":
-        candidates = [
-            (kernels_name, kernels_class)
-            for kernels_name, kernels_class in _loadable(plugins.registry, Slot.LAYER_KERNEL)
-            if kernels_class.auto_selectable(device)
-        ]
-        best_name, best_class = max(candidates, key=lambda c: c[1].auto_priority)
-        return plugins.instantiate(Slot.LAYER_KERNEL, best_name, best_class)
-    implementation = _load_for_device(plugins.registry, Slot.LAYER_KERNEL, name, device, "model.layer_kernels")
-    return plugins.instantiate(Slot.LAYER_KERNEL, name, implementation)
+    picked on ``device`` (``LayerKernels.auto_selectable``)."""
+    return _select_by_priority(
+        plugins, Slot.LAYER_KERNEL, name, device, "model.layer_kernels", lambda cls: cls.auto_selectable(device)
+    )
 
 
 def select_quantizer(

@@ -109,9 +109,8 @@ class DraftPolicy:
 
     def _plain_seconds(self, num_tokens: int) -> float:
         """Predicted time of a step without drafts."""
-        if self.plain_step_cost is not None and self.plain_step_cost.seconds(num_tokens) > 1e-9:
-            return self.plain_step_cost.seconds(num_tokens)
-        return self.step_cost.seconds(num_tokens)
+        plain = self.plain_step_cost.seconds(num_tokens) if self.plain_step_cost is not None else 0.0
+        return plain if plain > 1e-9 else self.step_cost.seconds(num_tokens)  # 0: no plain step measured yet
 
     def observe_propose(self, longest: int, seconds: float) -> None:
         """One ``propose`` call whose longest draft list had ``longest`` tokens took ``seconds``; the engine
