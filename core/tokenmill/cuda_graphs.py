@@ -32,8 +32,7 @@ Prefill and mixed steps, and batches larger than the largest bucket, run
 eagerly. On CPU none of this exists: ``ModelRunner`` builds a
 ``CudaGraphRunner`` only on a CUDA device.
 
-Not yet run on a GPU in this repository: the capture and replay path is
-untested on hardware and untimed.
+Run and timed on an H200 and an H100 (docs/benchmarks.md, "GPU").
 """
 
 from __future__ import annotations
@@ -44,6 +43,7 @@ import time
 from collections.abc import Iterable, Sequence
 from operator import attrgetter
 
+import numpy
 import torch
 
 from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
@@ -147,9 +147,14 @@ class DecodeGraphBuffers:
         """
         batch_size, width = padded.block_tables.shape
         assert batch_size <= self.max_batch_size and width <= self.max_blocks_per_seq
-        self.token_data[:, :batch_size].copy_(torch.from_numpy(padded.token_data))
-        self.seq_lens[:batch_size].copy_(torch.from_numpy(padded.seq_lens))
-        self.block_tables[:batch_size, :width].copy_(torch.from_numpy(padded.block_tables))
+        pinned = self.token_data.is_cuda  # from pinned memory, queued without waiting (see step_batch.to_device)
+
+        def host(array: numpy.ndarray) -> torch.Tensor:
+            return torch.from_numpy(array).pin_memory() if pinned else torch.from_numpy(array)
+
+        self.token_data[:, :batch_size].copy_(host(padded.token_data), non_blocking=True)
+        self.seq_lens[:batch_size].copy_(host(padded.seq_lens), non_blocking=True)
+        self.block_tables[:batch_size, :width].copy_(host(padded.block_tables), non_blocking=True)
 
     def input_ids(self, batch_size: int) -> torch.Tensor:
         """The first ``batch_size`` input ids [batch_size], a view."""
@@ -252,9 +257,10 @@ class CudaGraphRunner:
             (free_before - free_after) / 2**20,
         )  # fmt: skip
 
-    def load_step(self, chunks: Sequence[SequenceChunk]) -> int | None:
+    def load_step(self, chunks: Sequence[SequenceChunk], input_ids: torch.Tensor | None = None) -> int | None:
         """If a graph can run this step, copy it into the buffers and return its batch size; else None
         (a prefill chunk, too many requests, a block table or sequence past ``max_model_len``).
+        ``input_ids`` [len(chunks)] on the device replace the chunks' token ids (async scheduling).
 
         Called once per step by ``execute``.
         """
@@ -265,15 +271,18 @@ class CudaGraphRunner:
         if padded.block_tables.shape[1] > self.buffers.max_blocks_per_seq or padded.max_seq_len > self.max_model_len:
             return None
         self.buffers.load(padded)
+        if input_ids is not None:
+            self.buffers.input_ids(len(chunks)).copy_(input_ids)
         return batch_size
 
-    def execute(self, chunks: Sequence[SequenceChunk]) -> torch.Tensor | None:
+    def execute(self, chunks: Sequence[SequenceChunk], input_ids: torch.Tensor | None = None) -> torch.Tensor | None:
         """Replay the step's graph; returns the real rows' final hidden states [len(chunks), hidden], a view
         of the graph's output that the next replay overwrites, or None when the step must run eagerly.
+        ``input_ids``: as ``load_step``'s.
 
         Called once per step by ``ModelRunner.execute`` on a CUDA device, after ``capture``.
         """
-        batch_size = self.load_step(chunks)
+        batch_size = self.load_step(chunks, input_ids)
         if batch_size is None:
             return None
         self._graphs[batch_size].replay()

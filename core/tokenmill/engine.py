@@ -28,6 +28,7 @@ import hashlib
 import json
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
@@ -70,6 +71,26 @@ _GENERATOR = "generator"  # Request.stash key: the request's own torch.Generator
 _DRAFT_PROBS = "draft_probs"  # Request.stash key: the draft distributions of Request.spec_token_ids, if any
 #: ``SamplingParams.extra_args`` key (``vllm_xargs`` over HTTP): true turns speculation off for the request.
 DISABLE_SPECULATION = "disable_speculation"
+
+
+@dataclass
+class _LaunchedSample:
+    """One step's sampling, queued on the device; ``EngineCore._collect`` reads it once the device is done."""
+
+    requests: list[Request]  # the sampling rows, in order
+    metadata: SamplingMetadata
+    token_ids: torch.Tensor  # [R] int64 on the device: a step that runs ahead reads its input ids here
+    host: SamplerOutput  # the sampler's output on the host, valid once ``ready`` has passed
+    ready: torch.cuda.Event | None  # recorded after the copies to the host, on a CUDA device
+
+
+@dataclass
+class _InFlightStep:
+    """A step that ran ahead (async scheduling): launched, marked in flight, its tokens not read yet."""
+
+    scheduler_output: SchedulerOutput
+    sample: _LaunchedSample
+    rows: dict[str, int]  # request id -> its row of ``sample.token_ids``
 
 
 class EngineCore:
@@ -129,6 +150,11 @@ class EngineCore:
         self.num_steps = 0
         #: Disaggregated requests held until their prompt's blocks arrive: id -> (request, deadline, hashes).
         self._awaiting_kv: dict[str, tuple[EngineCoreRequest, float, list[bytes]]] = {}
+        #: Whether a step may be scheduled and launched while the one before still runs (async scheduling).
+        self.async_scheduling = self._async_scheduling()
+        self._in_flight: _InFlightStep | None = None
+        #: Steps launched ahead of the step before them (async scheduling), for tests and benchmarks.
+        self.num_steps_run_ahead = 0
 
     def _load(self, config: EngineConfig) -> ModelRunner:
         """Load the model (this process's shard of it), size the KV cache and build the runner."""
@@ -166,6 +192,27 @@ class EngineCore:
         self.kv_tier_stack.close()
         if self.shards is not None:
             self.shards.stop()
+
+    def _async_scheduling(self) -> bool:
+        """``scheduler.async_scheduling`` resolved: unset means on with a CUDA device (on the CPU the model runs
+        on the scheduler's cores, so there is nothing to overlap); features that need each step's tokens on
+        the host before the next is scheduled turn it off."""
+        setting = self.config.scheduler.async_scheduling
+        if setting is False or (setting is None and self.loaded.device.type != "cuda"):
+            return False
+        blockers = {
+            "speculative decoding": self.speculator is not None,
+            "KV tiers": bool(self.kv_tiers),
+            "tensor parallelism": self.shards is not None,
+            f"the {self.scheduler.name!r} scheduler": not type(self.scheduler).supports_async_scheduling,
+        }
+        blocking = [name for name, blocks in blockers.items() if blocks]
+        if blocking:
+            log = logger.warning if setting else logger.info
+            log("async scheduling off: %s needs each step's tokens before the next is scheduled", blocking[0])
+            return False
+        logger.info("async scheduling on: a decode step is launched while the step before runs")
+        return True
 
     def _build_speculator(self) -> Speculator | None:
         spec = self.config.speculative_config
@@ -267,6 +314,7 @@ class EngineCore:
         return outputs
 
     def has_unfinished_requests(self) -> bool:
+        # A step in flight holds running requests, or only finished ones (aborted): nothing left to do for those.
         return self.scheduler.has_unfinished_requests() or bool(self._awaiting_kv)
 
     @property
@@ -295,15 +343,26 @@ class EngineCore:
     # ------------------------------------------------------------------ the step
 
     def step(self) -> list[EngineCoreOutput]:
-        """Schedule, run the model once, sample, and report what changed."""
+        """Schedule, run the model once, sample, and report what changed.
+
+        With async scheduling (docs/engine.md) a step whose tokens the host need not see at once runs ahead:
+        it is launched and left in flight, and the next call schedules and launches the step after it (its
+        input ids are read on the device) before waiting for it; each call then reports the step before."""
+        in_flight = self._in_flight
+        if in_flight is not None and not (self.scheduler.can_schedule_ahead() and self._may_continue(in_flight)):
+            return self._finish_in_flight()
         if self._awaiting_kv:
             self._admit_arrived()
         scheduler_output = self.scheduler.schedule()
         if not scheduler_output.scheduled:
+            if in_flight is not None:
+                return self._finish_in_flight()
             if self.kv_tiers:  # perhaps a prefix being read in the background: let the readers run, not spin
                 time.sleep(0.0005)
             return []
         self.num_steps += 1
+        if in_flight is not None or self._may_run_ahead(scheduler_output):
+            return self._run_ahead(scheduler_output)
         started = time.perf_counter()
         runner_output = self.execute(scheduler_output)
         if self.draft_policy is not None and all(s.samples_token for s in scheduler_output.scheduled):
@@ -316,6 +375,65 @@ class EngineCore:
         if self.speculator is not None:
             self._propose(self.speculator, scheduler_output, outputs)
         return outputs
+
+    # ------------------------------------------------------------------ async scheduling
+
+    def _may_run_ahead(self, scheduler_output: SchedulerOutput) -> bool:
+        """Whether a step scheduled with nothing in flight may run ahead: every scheduled request samples one
+        token (no drafts, no forks, no prompt logprobs) from logits that no penalty or logits processor reads
+        its token history for."""
+        if not self.async_scheduling or scheduler_output.kv_transfers or scheduler_output.preempted:
+            return False
+        if not all(s.samples_token and not s.forks and not s.draft_token_ids for s in scheduler_output.scheduled):
+            return False
+        return all(self._needs_no_history(s.request) for s in scheduler_output.scheduled)
+
+    def _may_continue(self, in_flight: _InFlightStep) -> bool:
+        """Whether the next step, which ``can_schedule_ahead`` says holds only requests of ``in_flight``, may
+        run ahead of it: its requests' logits still need no token history (a logits processor may turn on)."""
+        scheduled = in_flight.scheduler_output.scheduled
+        return all(self._needs_no_history(s.request) for s in scheduled if not s.request.is_finished)
+
+    def _needs_no_history(self, request: Request) -> bool:
+        """Whether sampling ``request`` reads no token values: a placeholder may stand in its history."""
+        params = request.params
+        if request.needs_prompt_logits or params.repetition_penalty != 1.0:
+            return False
+        if params.presence_penalty != 0.0 or params.frequency_penalty != 0.0:
+            return False
+        if not self.logits_processors:
+            return True
+        row = SamplingRow(request.request_id, params, request.prompt_token_ids, request.output_token_ids,
+                          request.eos_token_ids)  # fmt: skip
+        return not any(processor.is_active(row) for processor in self.logits_processors)
+
+    def _run_ahead(self, scheduler_output: SchedulerOutput) -> list[EngineCoreOutput]:
+        """Launch the step (its input ids from the step in flight, if any), then wait for the step in flight
+        and report it, then leave this one in flight."""
+        in_flight = self._in_flight
+        self.num_steps_run_ahead += in_flight is not None
+        self.runner.copy_blocks(scheduler_output.block_copies)
+        chunks = [self._chunk(s) for s in scheduler_output.scheduled]
+        input_ids = None
+        if in_flight is not None:  # every scheduled request holds a placeholder: its token is on the device
+            index = [in_flight.rows[s.request.request_id] for s in scheduler_output.scheduled]
+            input_ids = in_flight.sample.token_ids
+            if index != list(range(len(input_ids))):
+                input_ids = input_ids[torch.tensor(index).to(input_ids.device, non_blocking=True)]
+        logits = self.runner.execute(chunks, input_ids=input_ids)
+        requests = [request for _, request in scheduler_output.sampling_requests]
+        sample = self._launch_sample(requests, logits)
+        outputs = self._finish_in_flight() if in_flight is not None else []
+        self.scheduler.mark_in_flight(scheduler_output)
+        rows = {request.request_id: row for row, request in enumerate(requests)}
+        self._in_flight = _InFlightStep(scheduler_output, sample, rows)
+        return outputs
+
+    def _finish_in_flight(self) -> list[EngineCoreOutput]:
+        """Wait for the step in flight and apply its tokens (they replace its requests' placeholders)."""
+        in_flight, self._in_flight = self._in_flight, None
+        assert in_flight is not None
+        return self.scheduler.update_from_output(in_flight.scheduler_output, self._collect(in_flight.sample))
 
     def _store_completed(self) -> None:
         """Hand the blocks of requests that just left to the ``completion`` tiers, now: before their outputs
@@ -541,6 +659,10 @@ class EngineCore:
                 request.stash[_DRAFT_PROBS] = probs
 
     def _sample(self, requests: list[Request], logits: torch.Tensor) -> ModelRunnerOutput:
+        return self._collect(self._launch_sample(requests, logits))
+
+    def _launch_sample(self, requests: list[Request], logits: torch.Tensor) -> _LaunchedSample:
+        """Queue the sampling of one token per request and its copy to the host, without waiting for it."""
         rows = [
             SamplingRow(r.request_id, r.params, r.prompt_token_ids, r.output_token_ids, r.eos_token_ids)
             for r in requests
@@ -553,8 +675,16 @@ class EngineCore:
             logits_processors=self.logits_processors,
         )
         sampled = self.sampler(logits, metadata)
-        token_ids = sampled.token_ids.tolist()
-        logprobs = _logprobs_per_row(sampled, token_ids, requests)
+        host, ready = _copy_to_host(sampled)
+        return _LaunchedSample(requests, metadata, sampled.token_ids, host, ready)
+
+    def _collect(self, launched: _LaunchedSample) -> ModelRunnerOutput:
+        """Wait for a launched sampling and read its tokens (and logprobs) into a ``ModelRunnerOutput``."""
+        if launched.ready is not None:
+            launched.ready.synchronize()  # this step's copies only: a step launched after it keeps running
+        requests, metadata = launched.requests, launched.metadata
+        token_ids = launched.host.token_ids.tolist()
+        logprobs = _logprobs_per_row(launched.host, token_ids, requests)
         output = ModelRunnerOutput()
         for row, request in enumerate(requests):
             error = metadata.errors.get(row)
@@ -577,6 +707,27 @@ class EngineCore:
             stream_seed = seed if request.index == 0 else seed * 1_000_003 + request.index
             generator = request.stash[_GENERATOR] = torch.Generator(self.loaded.device).manual_seed(stream_seed)
         return generator
+
+
+def _copy_to_host(sampled: SamplerOutput) -> tuple[SamplerOutput, torch.cuda.Event | None]:
+    """The sampler's output copied into pinned host memory without waiting, and an event recorded after the
+    copies; on the CPU, the output itself and no event. (``tolist`` on a device tensor would wait for
+    everything queued, a step launched after this one included.)"""
+    if sampled.token_ids.device.type != "cuda":
+        return sampled, None
+
+    def copy(tensor: torch.Tensor | None) -> torch.Tensor | None:
+        if tensor is None:
+            return None
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        return host.copy_(tensor, non_blocking=True)
+
+    token_ids = copy(sampled.token_ids)
+    assert token_ids is not None
+    host = SamplerOutput(token_ids, copy(sampled.logprobs), copy(sampled.top_token_ids), copy(sampled.top_logprobs))
+    ready = torch.cuda.Event()
+    ready.record()
+    return host, ready
 
 
 def _logprobs_per_row(

@@ -21,7 +21,7 @@ import torch
 from tokenmill.attention.backend import AttentionMetadata
 from tokenmill.cuda_graphs import CudaGraphRunner
 from tokenmill.model_loader import LoadedModel
-from tokenmill.step_batch import SequenceChunk, build_batch
+from tokenmill.step_batch import SequenceChunk, build_batch, to_device
 
 __all__ = ["ModelRunner", "SequenceChunk", "build_batch"]
 
@@ -112,8 +112,8 @@ class ModelRunner:
         """Copy-on-write: copy whole blocks (src -> dst) in every layer, before the step's forward."""
         if not copies:
             return
-        src = torch.tensor([c[0] for c in copies], device=self.loaded.device)
-        dst = torch.tensor([c[1] for c in copies], device=self.loaded.device)
+        src = to_device([c[0] for c in copies], self.loaded.device)
+        dst = to_device([c[1] for c in copies], self.loaded.device)
         for kv_cache in self.kv_caches:
             kv_cache[:, dst] = kv_cache[:, src]
 
@@ -134,14 +134,19 @@ class ModelRunner:
         chunks: list[SequenceChunk],
         all_logits: bool = False,
         logits_indices: list[int] | None = None,
+        input_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run one step. Returns float32 logits [num_rows, vocab]: by default of the last token of each
         chunk; with ``logits_indices``, of those tokens of the flattened batch (chunk after chunk: a
         prompt chunk that samples nothing needs none, a chunk verifying drafts needs several); with
         ``all_logits``, of every token.
 
-        A decode step that fits a captured CUDA graph replays it; any other step runs eagerly."""
-        return self._logits(self._hidden(chunks, all_logits, logits_indices))
+        ``input_ids`` [len(chunks)] on the device, for a decode step scheduled while the step before still
+        ran (async scheduling): each chunk's one token, in place of its token id (a placeholder).
+
+        A decode step that fits a captured CUDA graph replays it; any other step runs eagerly. Nothing here
+        waits for the device."""
+        return self._logits(self._hidden(chunks, all_logits, logits_indices, input_ids))
 
     @torch.inference_mode()
     def execute_with_hidden(
@@ -152,22 +157,31 @@ class ModelRunner:
         hidden = self._hidden(chunks, False, logits_indices)
         return self._logits(hidden), hidden
 
-    def _hidden(self, chunks: list[SequenceChunk], all_logits: bool, logits_indices: list[int] | None) -> torch.Tensor:
+    def _hidden(
+        self,
+        chunks: list[SequenceChunk],
+        all_logits: bool,
+        logits_indices: list[int] | None,
+        device_input_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """The final hidden states of the rows ``execute`` returns logits for."""
         if self.cuda_graphs is not None:
-            hidden = self.cuda_graphs.execute(chunks)  # [num_reqs, hidden]: one token per request
+            hidden = self.cuda_graphs.execute(chunks, device_input_ids)  # [num_reqs, hidden]: one token per request
             if hidden is not None:
                 if logits_indices is not None and not all_logits and logits_indices != list(range(len(chunks))):
-                    hidden = hidden[torch.tensor(logits_indices, device=hidden.device, dtype=torch.long)]
+                    hidden = hidden[to_device(logits_indices, hidden.device)]
                 return hidden
         input_ids, metadata = self.prepare_batch(chunks)
+        if device_input_ids is not None:
+            assert input_ids.shape == device_input_ids.shape, "device input ids are for decode steps"
+            input_ids = device_input_ids
         hidden = self.loaded.model(input_ids, metadata.positions, self.kv_caches, metadata)
         if all_logits:
             return hidden
         if logits_indices is None:
             rows = metadata.query_start_loc[1:].long() - 1  # [num_reqs]: each chunk's last token
         else:
-            rows = torch.tensor(logits_indices, device=hidden.device, dtype=torch.long)  # [num_rows]
+            rows = to_device(logits_indices, hidden.device)  # [num_rows]
         return hidden[rows]
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:

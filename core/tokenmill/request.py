@@ -16,6 +16,11 @@ from typing import Any
 from tokenmill.messages import TokenLogprobs
 from tokenmill.sampling_params import SamplingParams
 
+#: Stands in the token lists for a token that a step still running on the device is sampling (async
+#: scheduling, docs/engine.md): the next step is scheduled before the value is known, and the model runner
+#: takes that step's input id from the device instead. Never a real token id.
+PLACEHOLDER_TOKEN_ID = -1
+
 
 class RequestStatus(enum.IntEnum):
     WAITING = 0
@@ -107,6 +112,23 @@ class Request:
         self.all_token_ids.append(token_id)
         if logprobs is not None:
             self.output_logprobs.append(logprobs)
+
+    def append_placeholder(self) -> None:
+        """Append ``PLACEHOLDER_TOKEN_ID`` for the token an in-flight step is sampling."""
+        self.append_token(PLACEHOLDER_TOKEN_ID)
+
+    def resolve_placeholder(self, token_id: int, logprobs: TokenLogprobs | None = None) -> None:
+        """Replace the placeholder ``append_placeholder`` added last with the token the step sampled."""
+        assert self.output_token_ids[-1] == PLACEHOLDER_TOKEN_ID, "no placeholder to resolve"
+        self.output_token_ids[-1] = self.all_token_ids[-1] = token_id
+        if logprobs is not None:
+            self.output_logprobs.append(logprobs)
+
+    def drop_placeholder(self) -> None:
+        """Remove the placeholder ``append_placeholder`` added last (its step failed the request)."""
+        assert self.output_token_ids[-1] == PLACEHOLDER_TOKEN_ID, "no placeholder to drop"
+        self.output_token_ids.pop()
+        self.all_token_ids.pop()
 
     def check_stop(self) -> RequestStatus | None:
         """The finished status the last appended token causes, if any (token-level stops only;

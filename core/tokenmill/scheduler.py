@@ -36,6 +36,7 @@ from typing import Any, ClassVar
 from tokenmill.hookspecs import Register, hookimpl
 from tokenmill.kv_cache.manager import KVCacheManager, KVTransfers
 from tokenmill.messages import EngineCoreOutput, EngineStatsMessage, TokenLogprobs, completion_request_id
+from tokenmill.request import PLACEHOLDER_TOKEN_ID as PLACEHOLDER
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import InvalidRequestError
 
@@ -68,6 +69,9 @@ class SchedulerOutput:
     #: KV tier transfers (write-back of evicted blocks, prefix blocks to load) due before the copies.
     kv_transfers: KVTransfers = field(default_factory=KVTransfers)
     preempted: list[Request] = field(default_factory=list)
+    #: Set by ``mark_in_flight``: the step ran ahead, its computed tokens are counted and its requests hold
+    #: placeholders that ``update_from_output`` resolves.
+    in_flight: bool = False
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -157,6 +161,26 @@ class Scheduler(ABC):
     ) -> list[EngineCoreOutput]:
         """Apply a step's results: count computed tokens, append sampled tokens, check stops, finish and
         free. Returns one output per request that gained tokens or finished (token deltas, never text)."""
+
+    #: Whether the engine may schedule a step while the one before still runs on the device (async
+    #: scheduling, ``scheduler.async_scheduling``). A scheduler that says so implements ``can_schedule_ahead``
+    #: and ``mark_in_flight``, and its ``update_from_output`` resolves the placeholders of an output marked
+    #: in flight instead of counting its tokens again.
+    supports_async_scheduling: ClassVar[bool] = False
+
+    def can_schedule_ahead(self) -> bool:
+        """Whether ``schedule``, called now while the step marked in flight runs, would give every running
+        request exactly its placeholder token, admit and preempt nothing, and leave out no request; and no
+        request in flight is known to finish with the token it is getting (``max_tokens``, the context
+        window). Otherwise the engine first waits for the step in flight. Called once per step."""
+        return False
+
+    def mark_in_flight(self, scheduler_output: SchedulerOutput) -> None:
+        """The step is launched and its tokens are not known until it finishes: count its computed tokens now
+        and give each request that samples a placeholder (``Request.append_placeholder``), so the next step can
+        be scheduled while it runs. Requests finished since ``schedule`` (aborted, or stopped by the step
+        before) are left alone. Called at most once per output, after the step before was updated."""
+        raise NotImplementedError(f"scheduler {self.name!r} does not support async scheduling")
 
     @abstractmethod
     def has_unfinished_requests(self) -> bool:
@@ -318,6 +342,35 @@ class FCFSScheduler(Scheduler):
                 scheduled.request.queue_time = started - scheduled.request.enqueued_at
         return output
 
+    supports_async_scheduling: ClassVar[bool] = True
+
+    def can_schedule_ahead(self) -> bool:
+        running = self.running
+        # Each running request needs at most one new block: with that many free, nobody is preempted.
+        if self._waiting or len(running) > self.max_num_batched_tokens or self.kv_cache.num_free_blocks < len(running):
+            return False
+        for request in running:
+            output_token_ids = request.output_token_ids
+            if request.num_uncomputed_tokens != 1 or not output_token_ids or output_token_ids[-1] != PLACEHOLDER:
+                return False
+            max_tokens = request.params.max_tokens
+            if (max_tokens is not None and len(output_token_ids) >= max_tokens) or (
+                request.num_tokens >= request.max_model_len
+            ):
+                return False  # the placeholder is its last token: a step ahead would be wasted
+        return True
+
+    def mark_in_flight(self, scheduler_output: SchedulerOutput) -> None:
+        assert not scheduler_output.in_flight
+        for scheduled in scheduler_output.scheduled:
+            if not scheduled.request.is_finished:
+                assert not scheduled.draft_token_ids and not scheduled.forks, "drafts and forks do not run ahead"
+                scheduled.request.num_computed_tokens += scheduled.num_new_tokens
+        for _, request in scheduler_output.sampling_requests:
+            if not request.is_finished:
+                request.append_placeholder()
+        scheduler_output.in_flight = True
+
     def _admit_waiting(self, output: SchedulerOutput, budget: int) -> None:
         while self._waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self._waiting[0][1]
@@ -376,8 +429,15 @@ class FCFSScheduler(Scheduler):
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
+        in_flight = scheduler_output.in_flight
         for scheduled in scheduler_output.scheduled:
             request = scheduled.request
+            if in_flight:  # counted by mark_in_flight; aborted since, or stopped by the step before
+                if not request.is_finished:
+                    self.kv_cache.cache_full_blocks(
+                        request.request_id, request.all_token_ids, request.num_computed_tokens, request.cache_salt
+                    )
+                continue
             token_ids = request.all_token_ids
             num_computed = scheduled.num_new_tokens
             if scheduled.draft_token_ids:
@@ -400,12 +460,14 @@ class FCFSScheduler(Scheduler):
                 continue
             error = runner_output.errors.get(request.request_id)
             if error is not None:
+                if in_flight:
+                    request.drop_placeholder()
                 self._finish(request, RequestStatus.FINISHED_ABORTED)
                 outputs.append(self._output(request, [], error=error))
                 continue
             token_ids = runner_output.sampled_token_ids.get(request.request_id, [])
             logprobs = runner_output.logprobs.get(request.request_id)
-            accepted = self._append(request, token_ids, logprobs)
+            accepted = self._append(request, token_ids, logprobs, resolve=in_flight)
             outputs.append(self._output(request, token_ids[:accepted], logprobs[:accepted] if logprobs else None))
         return outputs
 
@@ -418,12 +480,20 @@ class FCFSScheduler(Scheduler):
         self.spec_decoding.observe(num_drafts, num_accepted)
         return num_accepted
 
-    def _append(self, request: Request, token_ids: list[int], logprobs: list[TokenLogprobs] | None) -> int:
-        """Append tokens until one stops the request; returns how many were appended."""
-        if token_ids and not request.output_token_ids and request.parent_id is None:
+    def _append(
+        self, request: Request, token_ids: list[int], logprobs: list[TokenLogprobs] | None, resolve: bool = False
+    ) -> int:
+        """Append tokens until one stops the request; returns how many were appended. With ``resolve`` (a step
+        that ran ahead: one token) the token replaces the request's placeholder."""
+        num_before = len(request.output_token_ids) - resolve
+        if token_ids and num_before == 0 and request.parent_id is None:
             self.num_prompt_tokens += request.num_prompt_tokens
         for position, token_id in enumerate(token_ids):
-            request.append_token(token_id, logprobs[position] if logprobs else None)
+            if resolve:
+                assert len(token_ids) == 1
+                request.resolve_placeholder(token_id, logprobs[0] if logprobs else None)
+            else:
+                request.append_token(token_id, logprobs[position] if logprobs else None)
             self.num_generation_tokens += 1
             status = request.check_stop()
             if status is not None:

@@ -26,7 +26,7 @@ import torch
 
 from tokenmill.attention.backend import AttentionMetadata
 
-__all__ = ["PaddedDecodeBatch", "SequenceChunk", "build_batch", "pad_decode_batch"]
+__all__ = ["PaddedDecodeBatch", "SequenceChunk", "build_batch", "pad_decode_batch", "to_device"]
 
 
 @dataclass(frozen=True)
@@ -102,19 +102,26 @@ def build_batch(
     slot_mapping = _slot_mapping(block_tables, token_req, positions, block_size)  # [num_tokens]
     input_ids = numpy.fromiter(chain.from_iterable(map(_token_ids, chunks)), numpy.int64, num_tokens)
 
-    def to_device(array: numpy.ndarray) -> torch.Tensor:
-        return torch.from_numpy(array).to(device)
-
     metadata = AttentionMetadata(
-        positions=to_device(positions),
-        query_start_loc=to_device(query_start_loc.astype(numpy.int32)),
-        seq_lens=to_device(seq_lens.astype(numpy.int32)),
-        block_tables=to_device(block_tables),
-        slot_mapping=to_device(slot_mapping),
+        positions=to_device(positions, device),
+        query_start_loc=to_device(query_start_loc.astype(numpy.int32), device),
+        seq_lens=to_device(seq_lens.astype(numpy.int32), device),
+        block_tables=to_device(block_tables, device),
+        slot_mapping=to_device(slot_mapping, device),
         max_query_len=int(query_lens.max()),
         max_seq_len=int(seq_lens.max()),
     )
-    return to_device(input_ids), metadata
+    return to_device(input_ids, device), metadata
+
+
+def to_device(values: numpy.ndarray | list[int], device: torch.device | str) -> torch.Tensor:
+    """A host array (or list of ints, as int64) on ``device``. To a GPU the copy goes through pinned memory
+    and is queued without waiting: a plain copy would wait for everything the GPU has queued, which defeats
+    scheduling a step while the one before runs (async scheduling)."""
+    tensor = torch.from_numpy(values) if isinstance(values, numpy.ndarray) else torch.tensor(values, dtype=torch.int64)
+    if torch.device(device).type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,8 @@
 #   bench    bench sweep at c=1 and 64 against transformers, and again with the torch layer kernels, the roofline
 #            against the measured copy bandwidth, and a profile of decode steps (scripts/gpu/profile_decode.py)
 #   eager    bench sweep at c=1 and 64 without CUDA graphs
+#   async    async scheduling: its tests on the GPU, then bench sweep at c=1 and 64 with it (the default) and
+#            without it (--no-async-scheduling), and the profile of decode steps (needs llama8b)
 #   step     bench step on the 8B model at batch 1 and 64
 #   checks   info, tests (in the background) with llama8b and greedy on it
 #   all      checks, then bench
@@ -61,6 +63,22 @@ for stage in "$@"; do
         timeout 150 $TM bench sweep --model "$LLAMA8B" --concurrency 1,64 --input-len 128 --output-len 128 \
             --peak-bandwidth-gbs "$copy" --no-progress --no-cuda-graphs --no-hf-baseline \
             --output-json "$OUT/sweep-eager.json" 2>&1 | grep -v "^INFO\|it/s\]" | tail -12
+        ;;
+    async)
+        timeout 200 python3 -m pytest -p no:cacheprovider -q --timeout 180 -rfEs tests/core/test_async_scheduling.py \
+            tests/gpu/test_features_on_gpu.py -k "async" >"$OUT/pytest-async.log" 2>&1 &
+        tests=$!
+        "$0" llama8b
+        wait $tests; echo "pytest exit $?"; tail -5 "$OUT/pytest-async.log"
+        [ -f "$OUT/ceilings.json" ] || timeout 120 python3 scripts/gpu/ceilings.py | tee "$OUT/ceilings.json"
+        copy=$(python3 -c "import json; print(round(json.load(open('$OUT/ceilings.json'))['copy_gbs']))")
+        common="--model $LLAMA8B --concurrency 1,64 --input-len 128 --output-len 128 --peak-bandwidth-gbs $copy --no-progress --no-hf-baseline"
+        timeout 120 $TM bench sweep $common --output-json "$OUT/sweep-async.json" 2>&1 | grep -v "^INFO\|it/s\]" | tail -10
+        timeout 120 $TM bench sweep $common --no-async-scheduling --output-json "$OUT/sweep-sync.json" 2>&1 |
+            grep -v "^INFO\|it/s\]" | tail -10
+        timeout 100 python3 scripts/gpu/profile_decode.py "$LLAMA8B" >"$OUT/profile.txt" 2>&1
+        grep -A12 "^=== batch" "$OUT/profile.txt" | cut -c1-150
+        grep -A12 "^--- host" "$OUT/profile.txt"
         ;;
     step)
         timeout 150 $TM bench step --model "$LLAMA8B" --batch-size 1,64 --context-len 256 --kv-cache-memory 16GiB \

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.core.test_async_scheduling import greedy_token, run_workload, workload
 from tests.kv_tiers.test_engine_tiers import _prompt, _rounds
 from tests.speculators.test_verification import _requests
 from tokenmill.engine import EngineCore
@@ -27,7 +28,8 @@ DEVICE = "cuda"
 
 
 def _engine(model_dir: Path, **sections: dict[str, Any]) -> EngineCore:
-    return make_engine(model_dir, device={"device": DEVICE}, model={"dtype": "float32"}, **sections)
+    sections = {"device": {"device": DEVICE}, "model": {"dtype": "float32"}, **sections}
+    return make_engine(model_dir, **sections)
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
@@ -61,6 +63,21 @@ def test_kv_tiers_change_no_token_through_eviction_and_reload(tiny_model: Path) 
     (cpu,) = tiered_engine.kv_tiers
     assert cpu.stats.hits > 0  # prefixes came back from the cpu tier
     tiered_engine.close()
+
+
+@pytest.mark.parametrize("cuda_graphs", [True, False])
+def test_async_scheduling_gives_the_tokens_of_synchronous_steps(cuda_graphs: bool, tiny_model: Path) -> None:
+    """Steps launched while the step before runs, their input ids read on the GPU (into a graph's buffer, or
+    as an eager step's input), give the tokens, logprobs and stops of synchronous steps."""
+    sections: dict[str, Any] = {"device": {"device": DEVICE, "cuda_graphs": cuda_graphs}}
+    sync = _engine(tiny_model, scheduler={"async_scheduling": False, "max_num_seqs": 4}, **sections)
+    requests = workload(stop_token=greedy_token(sync, 5))
+    expected = run_workload(sync, requests)
+    engine = _engine(tiny_model, scheduler={"max_num_seqs": 4}, **sections)  # unset: on with CUDA
+    assert engine.async_scheduling or DEVICE == "cpu"
+    assert (engine.runner.cuda_graphs is not None) == (cuda_graphs and DEVICE == "cuda")
+    assert run_workload(engine, requests) == expected
+    assert engine.num_steps_run_ahead > 10 or DEVICE == "cpu"
 
 
 def test_bench_step_times_a_gpu_decode_step_and_its_parts(tiny_model: Path) -> None:

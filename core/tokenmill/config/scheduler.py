@@ -28,3 +28,13 @@ class SchedulerConfig(ConfigSection, frozen=True):
             flag="--scheduling-policy",
         ),
     ] = "fcfs"
+    async_scheduling: Annotated[
+        bool | None,
+        describe(
+            "Schedule and launch each decode step while the step before still runs on the device, reading its "
+            "input ids there, so the GPU does not wait for the host between steps (vLLM's --async-scheduling). "
+            "Unset: on with a CUDA device, off on the CPU (where the model runs on the scheduler's cores). Off "
+            "with speculative decoding, KV tiers or tensor parallelism, and for steps with penalties, logits "
+            "processors or prompt logprobs."
+        ),
+    ] = None

@@ -104,6 +104,13 @@ class KVCacheManager(ABC):
     def usage(self) -> float:
         """Fraction of blocks referenced by requests, 0..1 (the KV-cache-usage gauge). Read once per step."""
 
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation could take now, free or evictable. Read by the scheduler before it schedules a
+        step while the last one still runs (async scheduling); a manager that does not say (0) is never
+        scheduled ahead."""
+        return 0
+
     @abstractmethod
     def lookup_prefix(self, token_ids: Sequence[int], cache_salt: str | None = None) -> PrefixMatch:
         """The longest run of leading full blocks of ``token_ids`` that is cached. Once per admission attempt."""

@@ -150,7 +150,15 @@ class ShardedModelRunner(ModelRunner):
         super().__init__(loaded, num_blocks, block_size)
 
     # Both execute and execute_with_hidden run _hidden (the forward) and then _logits (the gather of logits).
-    def _hidden(self, chunks: list[SequenceChunk], all_logits: bool, logits_indices: list[int] | None) -> torch.Tensor:
+    def _hidden(
+        self,
+        chunks: list[SequenceChunk],
+        all_logits: bool,
+        logits_indices: list[int] | None,
+        device_input_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        # The workers get token ids from the chunks: no input ids on the device (async scheduling is off here).
+        assert device_input_ids is None, "tensor parallelism runs without async scheduling"
         self.workers.check_alive()
         shard_chunks = [ShardChunk(c.token_ids, c.num_computed_tokens, c.block_ids) for c in chunks]
         self.workers.send(ShardStep(shard_chunks, logits_indices, all_logits))

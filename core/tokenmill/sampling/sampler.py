@@ -336,7 +336,8 @@ def _pad(token_ids: Sequence[Sequence[int]], pad_id: int, device: torch.device) 
 
 
 def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Copy a host tensor without waiting for the GPU's queue (a blocking copy would sync the stream)."""
-    # A non-blocking copy from pageable memory returns once CUDA has staged the data, so the
-    # host tensor may be freed right away.
+    """Copy a host tensor without waiting for the GPU's queue (a blocking copy would sync the stream, and one
+    from pageable memory may: the copy goes through pinned memory, which torch keeps until it is done)."""
+    if device.type == "cuda":
+        tensor = tensor.pin_memory()
     return tensor.to(device, non_blocking=True)
