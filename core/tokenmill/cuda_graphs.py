@@ -43,10 +43,10 @@ import time
 from collections.abc import Iterable, Sequence
 from operator import attrgetter
 
-import numpy
 import torch
 
 from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
+from tokenmill.device_copy import pinned
 from tokenmill.models.base import CausalLM
 from tokenmill.step_batch import PaddedDecodeBatch, SequenceChunk, pad_decode_batch
 
@@ -147,14 +147,10 @@ class DecodeGraphBuffers:
         """
         batch_size, width = padded.block_tables.shape
         assert batch_size <= self.max_batch_size and width <= self.max_blocks_per_seq
-        pinned = self.token_data.is_cuda  # from pinned memory, queued without waiting (see step_batch.to_device)
-
-        def host(array: numpy.ndarray) -> torch.Tensor:
-            return torch.from_numpy(array).pin_memory() if pinned else torch.from_numpy(array)
-
-        self.token_data[:, :batch_size].copy_(host(padded.token_data), non_blocking=True)
-        self.seq_lens[:batch_size].copy_(host(padded.seq_lens), non_blocking=True)
-        self.block_tables[:batch_size, :width].copy_(host(padded.block_tables), non_blocking=True)
+        device = self.token_data.device  # copies queued without waiting (tokenmill.device_copy)
+        self.token_data[:, :batch_size].copy_(pinned(padded.token_data, device), non_blocking=True)
+        self.seq_lens[:batch_size].copy_(pinned(padded.seq_lens, device), non_blocking=True)
+        self.block_tables[:batch_size, :width].copy_(pinned(padded.block_tables, device), non_blocking=True)
 
     def input_ids(self, batch_size: int) -> torch.Tensor:
         """The first ``batch_size`` input ids [batch_size], a view."""

@@ -37,6 +37,7 @@ import torch
 from tokenmill.config import ConfigError, EngineConfig
 from tokenmill.config.cache import KVTierConfig
 from tokenmill.cuda_graphs import cuda_graph_batch_sizes
+from tokenmill.device_copy import to_device
 from tokenmill.kv_cache.block_hash import block_hashes
 from tokenmill.kv_cache.manager import KVCacheManager
 from tokenmill.kv_cache.tier import KVTier, check_tier_path
@@ -194,11 +195,9 @@ class EngineCore:
             self.shards.stop()
 
     def _async_scheduling(self) -> bool:
-        """``scheduler.async_scheduling`` resolved: unset means on with a CUDA device (on the CPU the model runs
-        on the scheduler's cores, so there is nothing to overlap); features that need each step's tokens on
-        the host before the next is scheduled turn it off."""
-        setting = self.config.scheduler.async_scheduling
-        if setting is False or (setting is None and self.loaded.device.type != "cuda"):
+        """``scheduler.async_scheduling``, unless a feature that needs each step's tokens on the host before the
+        next is scheduled turns it off."""
+        if not self.config.scheduler.async_scheduling:
             return False
         blockers = {
             "speculative decoding": self.speculator is not None,
@@ -208,8 +207,7 @@ class EngineCore:
         }
         blocking = [name for name, blocks in blockers.items() if blocks]
         if blocking:
-            log = logger.warning if setting else logger.info
-            log("async scheduling off: %s needs each step's tokens before the next is scheduled", blocking[0])
+            logger.warning("async scheduling off: %s needs each step's tokens before the next step", blocking[0])
             return False
         logger.info("async scheduling on: a decode step is launched while the step before runs")
         return True
@@ -395,17 +393,19 @@ class EngineCore:
         return all(self._needs_no_history(s.request) for s in scheduled if not s.request.is_finished)
 
     def _needs_no_history(self, request: Request) -> bool:
-        """Whether sampling ``request`` reads no token values: a placeholder may stand in its history."""
+        """Whether sampling ``request`` reads no token values (penalties do, and logits processors that say so):
+        a placeholder may stand in its history."""
         params = request.params
         if request.needs_prompt_logits or params.repetition_penalty != 1.0:
             return False
         if params.presence_penalty != 0.0 or params.frequency_penalty != 0.0:
             return False
-        if not self.logits_processors:
+        readers = [processor for processor in self.logits_processors if processor.reads_output_token_ids]
+        if not readers:
             return True
         row = SamplingRow(request.request_id, params, request.prompt_token_ids, request.output_token_ids,
                           request.eos_token_ids)  # fmt: skip
-        return not any(processor.is_active(row) for processor in self.logits_processors)
+        return not any(processor.is_active(row) for processor in readers)
 
     def _run_ahead(self, scheduler_output: SchedulerOutput) -> list[EngineCoreOutput]:
         """Launch the step (its input ids from the step in flight, if any), then wait for the step in flight
@@ -419,7 +419,7 @@ class EngineCore:
             index = [in_flight.rows[s.request.request_id] for s in scheduler_output.scheduled]
             input_ids = in_flight.sample.token_ids
             if index != list(range(len(input_ids))):
-                input_ids = input_ids[torch.tensor(index).to(input_ids.device, non_blocking=True)]
+                input_ids = input_ids[to_device(index, input_ids.device)]
         logits = self.runner.execute(chunks, input_ids=input_ids)
         requests = [request for _, request in scheduler_output.sampling_requests]
         sample = self._launch_sample(requests, logits)

@@ -20,8 +20,9 @@ import torch
 
 from tokenmill.attention.backend import AttentionMetadata
 from tokenmill.cuda_graphs import CudaGraphRunner
+from tokenmill.device_copy import to_device
 from tokenmill.model_loader import LoadedModel
-from tokenmill.step_batch import SequenceChunk, build_batch, to_device
+from tokenmill.step_batch import SequenceChunk, build_batch
 
 __all__ = ["ModelRunner", "SequenceChunk", "build_batch"]
 

@@ -25,8 +25,9 @@ import numpy
 import torch
 
 from tokenmill.attention.backend import AttentionMetadata
+from tokenmill.device_copy import to_device
 
-__all__ = ["PaddedDecodeBatch", "SequenceChunk", "build_batch", "pad_decode_batch", "to_device"]
+__all__ = ["PaddedDecodeBatch", "SequenceChunk", "build_batch", "pad_decode_batch"]
 
 
 @dataclass(frozen=True)
@@ -112,16 +113,6 @@ def build_batch(
         max_seq_len=int(seq_lens.max()),
     )
     return to_device(input_ids, device), metadata
-
-
-def to_device(values: numpy.ndarray | list[int], device: torch.device | str) -> torch.Tensor:
-    """A host array (or list of ints, as int64) on ``device``. To a GPU the copy goes through pinned memory
-    and is queued without waiting: a plain copy would wait for everything the GPU has queued, which defeats
-    scheduling a step while the one before runs (async scheduling)."""
-    tensor = torch.from_numpy(values) if isinstance(values, numpy.ndarray) else torch.tensor(values, dtype=torch.int64)
-    if torch.device(device).type != "cuda":
-        return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """Async scheduling (``scheduler.async_scheduling``): a step scheduled and launched while the one before still
 runs gives exactly the tokens of synchronous scheduling, whatever arrives, stops or is aborted meanwhile.
 
-It is off on the CPU by default (nothing to overlap there) but runs when asked, so these tests check its
-bookkeeping here; tests/gpu/test_features_on_gpu.py runs ``run_workload`` on CUDA, with CUDA graphs.
+It is off by default, and gains nothing on the CPU (nothing to overlap there) but runs when asked, so these
+tests check its bookkeeping here; tests/gpu/test_features_on_gpu.py runs ``run_workload`` on CUDA, with CUDA graphs.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def workload(stop_token: int | None) -> list[EngineCoreRequest]:
     """Ten requests that exercise what a step ahead must get right: greedy and seeded sampling, logprobs, a
-    penalty (such steps run synchronously), n = 2 (forks), and stops in the middle of a step ahead."""
+    penalty (such steps run in order), n = 2 (forks), logit bias and min_tokens, and stops in the middle of a
+    step ahead."""
     requests = []
     for i in range(10):
         fields: dict[str, Any] = {"max_tokens": 4 + (7 * i) % 17, "temperature": 0.0}
@@ -44,6 +45,8 @@ def workload(stop_token: int | None) -> list[EngineCoreRequest]:
             fields.update(stop_token_ids=[stop_token], max_tokens=40)
         if i == 8:
             fields.update(n=2)
+        if i == 9:  # the built-in logits processors read no token values: they run ahead
+            fields.update(logit_bias={5: 3.0}, min_tokens=3)
         prompt = [(37 * i + 11 * t) % 500 + 3 for t in range(3 + (5 * i) % 23)]
         requests.append(EngineCoreRequest(f"r{i}", prompt, SamplingParams(**fields), [], 0.0))
     return requests
@@ -113,8 +116,8 @@ def test_abort_while_a_step_is_in_flight(tiny_dir: Path) -> None:
     assert engine.kv_cache.usage == 0.0
 
 
-def test_async_scheduling_resolves_per_device_and_feature(tiny_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
-    assert not make_engine(tiny_dir).async_scheduling  # unset: off on the CPU
+def test_async_scheduling_is_opt_in_and_off_with_speculation(tiny_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    assert not make_engine(tiny_dir).async_scheduling
     with caplog.at_level(logging.WARNING, logger="tokenmill.engine"):
         engine = make_engine(tiny_dir, scheduler={"async_scheduling": True}, speculative_config={"method": "ngram"})
     assert not engine.async_scheduling

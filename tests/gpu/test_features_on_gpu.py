@@ -68,16 +68,22 @@ def test_kv_tiers_change_no_token_through_eviction_and_reload(tiny_model: Path) 
 @pytest.mark.parametrize("cuda_graphs", [True, False])
 def test_async_scheduling_gives_the_tokens_of_synchronous_steps(cuda_graphs: bool, tiny_model: Path) -> None:
     """Steps launched while the step before runs, their input ids read on the GPU (into a graph's buffer, or
-    as an eager step's input), give the tokens, logprobs and stops of synchronous steps."""
+    as an eager step's input), give the tokens and stops of synchronous steps. Logprobs agree to float32
+    rounding: the two runs batch differently, and GPU kernels round differently per batch shape."""
     sections: dict[str, Any] = {"device": {"device": DEVICE, "cuda_graphs": cuda_graphs}}
-    sync = _engine(tiny_model, scheduler={"async_scheduling": False, "max_num_seqs": 4}, **sections)
+    scheduler = {"max_num_seqs": 4}
+    sync = _engine(tiny_model, scheduler=scheduler, **sections)
     requests = workload(stop_token=greedy_token(sync, 5))
-    expected = run_workload(sync, requests)
-    engine = _engine(tiny_model, scheduler={"max_num_seqs": 4}, **sections)  # unset: on with CUDA
-    assert engine.async_scheduling or DEVICE == "cpu"
+    tokens, logprobs, finished = run_workload(sync, requests)
+    engine = _engine(tiny_model, scheduler={**scheduler, "async_scheduling": True}, **sections)
+    assert engine.async_scheduling
     assert (engine.runner.cuda_graphs is not None) == (cuda_graphs and DEVICE == "cuda")
-    assert run_workload(engine, requests) == expected
-    assert engine.num_steps_run_ahead > 10 or DEVICE == "cpu"
+    async_tokens, async_logprobs, async_finished = run_workload(engine, requests)
+    assert (async_tokens, async_finished) == (tokens, finished)
+    assert async_logprobs.keys() == logprobs.keys()
+    for request_id, values in logprobs.items():
+        assert async_logprobs[request_id] == pytest.approx(values, abs=1e-3), request_id
+    assert engine.num_steps_run_ahead > 10
 
 
 def test_bench_step_times_a_gpu_decode_step_and_its_parts(tiny_model: Path) -> None:

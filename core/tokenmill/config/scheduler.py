@@ -29,12 +29,13 @@ class SchedulerConfig(ConfigSection, frozen=True):
         ),
     ] = "fcfs"
     async_scheduling: Annotated[
-        bool | None,
+        bool,
         describe(
-            "Schedule and launch each decode step while the step before still runs on the device, reading its "
-            "input ids there, so the GPU does not wait for the host between steps (vLLM's --async-scheduling). "
-            "Unset: on with a CUDA device, off on the CPU (where the model runs on the scheduler's cores). Off "
-            "with speculative decoding, KV tiers or tensor parallelism, and for steps with penalties, logits "
-            "processors or prompt logprobs."
+            "Schedule and launch each decode step while the step before still runs on the GPU, reading its "
+            "input ids there, so the GPU does not wait for the host between steps (as vLLM's "
+            "--async-scheduling). Off by default until its effect on time to first token under load is measured "
+            "(docs/engine.md). Ignored, with a warning, with speculative decoding, KV tiers or tensor "
+            "parallelism; steps with penalties or prompt logprobs run in order. On the CPU it runs but gains "
+            "nothing: the model computes on the scheduler's own cores."
         ),
-    ] = None
+    ] = False

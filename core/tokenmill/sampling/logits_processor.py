@@ -18,6 +18,7 @@ from typing import ClassVar
 
 import torch
 
+from tokenmill.device_copy import to_device
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -44,6 +45,10 @@ class LogitsProcessor(ABC):
 
     #: Registered name.
     name: ClassVar[str]
+    #: Whether ``is_active`` or ``apply`` reads the values of a row's ``output_token_ids`` (their number aside).
+    #: A step in which a processor that does is active is never scheduled ahead of the step before (async
+    #: scheduling): that step's token is still a placeholder there.
+    reads_output_token_ids: ClassVar[bool] = True
 
     @abstractmethod
     def is_active(self, row: SamplingRow) -> bool:
@@ -63,6 +68,7 @@ class LogitBiasLogitsProcessor(LogitsProcessor):
     """OpenAI ``logit_bias``: adds each request's bias (-100..100) to the logits of the tokens it names."""
 
     name: ClassVar[str] = "logit_bias"
+    reads_output_token_ids: ClassVar[bool] = False
 
     def is_active(self, row: SamplingRow) -> bool:
         return bool(row.params.logit_bias)
@@ -77,8 +83,8 @@ class LogitBiasLogitsProcessor(LogitsProcessor):
                 row_index.append(row)
                 token_ids.append(token_id)
                 biases.append(bias)
-        index = (torch.tensor(row_index, device=logits.device), torch.tensor(token_ids, device=logits.device))
-        values = torch.tensor(biases, dtype=logits.dtype, device=logits.device)  # [num_biases]
+        index = (to_device(row_index, logits.device), to_device(token_ids, logits.device))
+        values = to_device(biases, logits.device, logits.dtype)  # [num_biases]
         return logits.index_put_(index, values, accumulate=True)
 
 
@@ -86,6 +92,7 @@ class MinTokensLogitsProcessor(LogitsProcessor):
     """``min_tokens``: EOS and the request's stop token ids cannot be sampled until it has that many tokens."""
 
     name: ClassVar[str] = "min_tokens"
+    reads_output_token_ids: ClassVar[bool] = False  # only how many there are
 
     def is_active(self, row: SamplingRow) -> bool:
         return len(row.output_token_ids) < row.params.min_tokens and bool(
@@ -93,11 +100,11 @@ class MinTokensLogitsProcessor(LogitsProcessor):
         )
 
     def apply(self, logits: torch.Tensor, rows: list[int], states: list[SamplingRow]) -> torch.Tensor:
-        pairs = [
-            (row, token_id)
-            for row, state in zip(rows, states, strict=True)
-            for token_id in {*state.eos_token_ids, *state.params.stop_token_ids}
-        ]
-        index = torch.tensor(pairs, device=logits.device).T  # [2, num_banned]: rows, token ids
-        logits[index[0], index[1]] = float("-inf")
+        banned_rows: list[int] = []
+        banned_ids: list[int] = []
+        for row, state in zip(rows, states, strict=True):
+            token_ids = {*state.eos_token_ids, *state.params.stop_token_ids}
+            banned_rows += [row] * len(token_ids)
+            banned_ids += token_ids
+        logits[to_device(banned_rows, logits.device), to_device(banned_ids, logits.device)] = float("-inf")
         return logits

@@ -21,6 +21,7 @@ from typing import ClassVar
 
 import torch
 
+from tokenmill.device_copy import to_device
 from tokenmill.sampling.logits_processor import LogitsProcessor, SamplingRow
 
 logger = logging.getLogger(__name__)
@@ -116,11 +117,11 @@ class SamplingMetadata:
         no_history: list[Sequence[int]] = [[] for _ in params]
 
         def floats(values: list[float]) -> torch.Tensor:
-            return _to_device(torch.tensor(values, dtype=torch.float32), device)  # [num_reqs]
+            return to_device(values, device, torch.float32)  # [num_reqs]
 
         return cls(
             temperature=floats([p.temperature for p in params]),
-            top_k=_to_device(torch.tensor(top_k, dtype=torch.int64), device),  # [num_reqs]
+            top_k=to_device(top_k, device),  # [num_reqs]
             top_p=floats([p.top_p for p in params]),
             min_p=floats([p.min_p for p in params]),
             repetition_penalty=floats([p.repetition_penalty for p in params]),
@@ -140,7 +141,7 @@ class SamplingMetadata:
             no_top_k=all(k == vocab_size for k in top_k),
             no_top_p=all(p.top_p == 1.0 for p in params),
             no_min_p=all(p.min_p == 0.0 for p in params),
-            unseeded_rows=_to_device(torch.tensor(unseeded, dtype=torch.int64), device),  # [num_unseeded]
+            unseeded_rows=to_device(unseeded, device),  # [num_unseeded]
             logits_processors=active,
             errors=errors,
         )
@@ -332,12 +333,4 @@ def _pad(token_ids: Sequence[Sequence[int]], pad_id: int, device: torch.device) 
     max_len = max((len(ids) for ids in token_ids), default=0)
     padded = [list(ids) + [pad_id] * (max_len - len(ids)) for ids in token_ids]
     padded_ids = torch.tensor(padded, dtype=torch.int64).reshape(len(token_ids), max_len)  # [R, max_len]
-    return _to_device(padded_ids, device)
-
-
-def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Copy a host tensor without waiting for the GPU's queue (a blocking copy would sync the stream, and one
-    from pageable memory may: the copy goes through pinned memory, which torch keeps until it is done)."""
-    if device.type == "cuda":
-        tensor = tensor.pin_memory()
-    return tensor.to(device, non_blocking=True)
+    return to_device(padded_ids, device)
