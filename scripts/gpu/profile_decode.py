@@ -31,8 +31,9 @@ def main() -> None:
     parser.add_argument("model")
     parser.add_argument("--batch-sizes", default="1,64")
     parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--async-scheduling", action="store_true")
     args = parser.parse_args()
-    llm = LLM(args.model, kv_cache_memory="16GiB")
+    llm = LLM(args.model, kv_cache_memory="16GiB", async_scheduling=args.async_scheduling)
     engine = llm.engine
     rng = random.Random(0)
     params = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
@@ -41,7 +42,10 @@ def main() -> None:
         for request_id in ids:
             prompt = [rng.randrange(100, 30000) for _ in range(args.context)]
             engine.add_request(EngineCoreRequest(request_id, prompt, params, [], now()))
-        for _ in range(8):  # prefill, and the first decode steps
+        waiting = set(ids)
+        while waiting:  # prefill (with async scheduling a step's tokens come one call later)
+            waiting -= {output.request_id for output in engine.step() if output.new_token_ids}
+        for _ in range(3):  # the first decode steps
             engine.step()
         sync()
         start = time.perf_counter()

@@ -6,8 +6,9 @@
 #   bench    bench sweep at c=1 and 64 against transformers, and again with the torch layer kernels, the roofline
 #            against the measured copy bandwidth, and a profile of decode steps (scripts/gpu/profile_decode.py)
 #   eager    bench sweep at c=1 and 64 without CUDA graphs
-#   async    async scheduling: its tests on the GPU, then bench sweep at c=1 and 64 with it (the default) and
-#            without it (--no-async-scheduling), and the profile of decode steps (needs llama8b)
+#   async    async scheduling: its tests on the GPU, then bench sweep at c=1 and 64 without and with
+#            --async-scheduling, twice, alternating (a first run can pay one-off costs such as Triton compiles),
+#            then the profile of decode steps with it
 #   step     bench step on the 8B model at batch 1 and 64
 #   checks   info, tests (in the background) with llama8b and greedy on it
 #   all      checks, then bench
@@ -73,10 +74,14 @@ for stage in "$@"; do
         [ -f "$OUT/ceilings.json" ] || timeout 120 python3 scripts/gpu/ceilings.py | tee "$OUT/ceilings.json"
         copy=$(python3 -c "import json; print(round(json.load(open('$OUT/ceilings.json'))['copy_gbs']))")
         common="--model $LLAMA8B --concurrency 1,64 --input-len 128 --output-len 128 --peak-bandwidth-gbs $copy --no-progress --no-hf-baseline"
-        timeout 120 $TM bench sweep $common --output-json "$OUT/sweep-async.json" 2>&1 | grep -v "^INFO\|it/s\]" | tail -10
-        timeout 120 $TM bench sweep $common --no-async-scheduling --output-json "$OUT/sweep-sync.json" 2>&1 |
-            grep -v "^INFO\|it/s\]" | tail -10
-        timeout 100 python3 scripts/gpu/profile_decode.py "$LLAMA8B" >"$OUT/profile.txt" 2>&1
+        for run in 1 2; do
+            for mode in no-async-scheduling async-scheduling; do
+                echo "--- $mode, run $run"
+                timeout 120 $TM bench sweep $common --$mode --output-json "$OUT/sweep-$mode-$run.json" 2>&1 |
+                    grep -v "^INFO\|it/s\]" | grep "^ *[0-9]"
+            done
+        done
+        timeout 100 python3 scripts/gpu/profile_decode.py "$LLAMA8B" --async-scheduling >"$OUT/profile.txt" 2>&1
         grep -A12 "^=== batch" "$OUT/profile.txt" | cut -c1-150
         grep -A12 "^--- host" "$OUT/profile.txt"
         ;;
