@@ -26,10 +26,15 @@ pytestmark = pytest.mark.multiproc
 _GREEDY = {"prompt": [1000 + 7 * i for i in range(40)], "max_tokens": 24, "temperature": 0, "ignore_eos": True}
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path, smollm2_gguf: Path) -> Iterator[Server]:
-    """A tiny model of its own, so that no other test's requests hold blocks while these count them."""
-    server = start_tiny_server(tmp_path_factory.mktemp("aborts"), tiny_model_dir, smollm2_gguf, "--max-num-seqs", "64")
+@pytest.fixture(scope="module", params=[(), ("--async-scheduling",)], ids=["sync", "async"])
+def server(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path, smollm2_gguf: Path
+) -> Iterator[Server]:
+    """A tiny model of its own, so that no other test's requests hold blocks while these count them; with and
+    without async scheduling (aborts then land on requests whose step is still in flight)."""
+    server = start_tiny_server(
+        tmp_path_factory.mktemp("aborts"), tiny_model_dir, smollm2_gguf, "--max-num-seqs", "64", *request.param
+    )
     yield server
     server.stop()
 
