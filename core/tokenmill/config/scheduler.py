@@ -33,8 +33,8 @@ class SchedulerConfig(ConfigSection, frozen=True):
         describe(
             "Schedule and launch each decode step while the step before still runs on the GPU, reading its "
             "input ids there, so the GPU does not wait for the host between steps (as vLLM's "
-            "--async-scheduling). Off by default until its effect on time to first token under load is measured "
-            "(docs/engine.md). Ignored, with a warning, with speculative decoding, KV tiers or tensor "
+            "--async-scheduling). Off by default, as in vLLM: each step's outputs are reported after the next "
+            "step is launched (docs/engine.md). Ignored, with a warning, with speculative decoding, KV tiers or tensor "
             "parallelism; steps with penalties or prompt logprobs run in order. On the CPU it runs but gains "
             "nothing: the model computes on the scheduler's own cores."
         ),
