@@ -155,3 +155,27 @@ def test_missing_model_or_transformers_fails_before_any_server_starts(
     result = CliRunner().invoke(bench, ["sweep", *engine_flags, "--concurrency", "1,2"])
     assert result.exit_code == 1 and result.output.count("\n") == 1
     assert "pip install transformers" in result.output and "--no-hf-baseline" in result.output
+
+
+def test_a_sweep_warms_up_with_as_many_requests_at_once_as_its_largest_level(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU, Triton compiles kernels for each new batch shape on first use; a single warm-up request left
+    that to the first level's measured requests (an H100's first sweep: TTFT p95 715 ms at c=64, 259-278 after)."""
+    import contextlib
+
+    from tokenmill.bench import suite
+
+    loads: list[dict[str, Any]] = []
+
+    def run_load(server: object, options: suite.SuiteOptions, **kwargs: Any) -> dict[str, Any]:
+        loads.append(kwargs)
+        return {"num_completed": kwargs["num_requests"], "errors": {}, "output_throughput": 1.0}
+
+    monkeypatch.setattr(suite, "_server", lambda options, config: contextlib.nullcontext(object()))
+    monkeypatch.setattr(suite, "_run_load", run_load)
+    monkeypatch.setattr(suite, "_check_inputs", lambda options: None)
+    options = suite.SuiteOptions(load_config(overrides={"device": {"device": "cpu"}}), hf_baseline=False)
+    suite.run_sweep(options, concurrency=(1, 8, 3), input_len=16, output_len=32)
+    warm_up, *measured = loads
+    assert warm_up["num_requests"] == warm_up["concurrency"] == 8
+    assert warm_up["output_len"] < 32 and warm_up["seed"] != options.seed
+    assert [load["concurrency"] for load in measured] == [1, 8, 3]
