@@ -84,13 +84,17 @@ def greedy_token(engine: EngineCore, position: int) -> int:
     return tokens["probe"][position]
 
 
-def test_steps_ahead_give_the_tokens_of_synchronous_steps(tiny_dir: Path) -> None:
-    sync = make_engine(tiny_dir, scheduler={"async_scheduling": False, "max_num_seqs": 4})
+@pytest.mark.parametrize("num_kv_blocks", [256, 22], ids=["roomy", "preempting"])
+def test_steps_ahead_give_the_tokens_of_synchronous_steps(tiny_dir: Path, num_kv_blocks: int) -> None:
+    """With a cache of 22 blocks of 4 tokens, requests are preempted and steps cannot always run ahead."""
+    cache = {"num_kv_blocks": num_kv_blocks}
+    sync = make_engine(tiny_dir, scheduler={"async_scheduling": False, "max_num_seqs": 4}, cache=cache)
     requests = workload(stop_token=greedy_token(sync, 5))
     expected = run_workload(sync, requests)
     assert sync.num_steps_run_ahead == 0
+    assert (sync.scheduler.num_preemptions > 0) == (num_kv_blocks == 22)
 
-    engine = make_engine(tiny_dir, scheduler={"async_scheduling": True, "max_num_seqs": 4})
+    engine = make_engine(tiny_dir, scheduler={"async_scheduling": True, "max_num_seqs": 4}, cache=cache)
     assert engine.async_scheduling
     assert run_workload(engine, requests) == expected
     assert engine.num_steps_run_ahead > 10
