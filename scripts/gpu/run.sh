@@ -8,7 +8,7 @@
 #   eager    bench sweep at c=1 and 64 without CUDA graphs
 #   async    async scheduling: its tests on the GPU, then bench sweep at c=1 and 64 without and with
 #            --async-scheduling, twice, alternating (a first run can pay one-off costs such as Triton compiles),
-#            then the profile of decode steps with it
+#            when a first token leaves the engine in each mode (scripts/gpu/first_token.py), and the profile
 #   step     bench step on the 8B model at batch 1 and 64
 #   checks   info, tests (in the background) with llama8b and greedy on it
 #   all      checks, then bench
@@ -81,6 +81,7 @@ for stage in "$@"; do
                     grep -v "^INFO\|it/s\]" | grep "^ *[0-9]"
             done
         done
+        timeout 60 python3 scripts/gpu/first_token.py "$LLAMA8B" 2>&1 | grep "^async_scheduling"
         timeout 100 python3 scripts/gpu/profile_decode.py "$LLAMA8B" --async-scheduling >"$OUT/profile.txt" 2>&1
         grep -A12 "^=== batch" "$OUT/profile.txt" | cut -c1-150
         grep -A12 "^--- host" "$OUT/profile.txt"
