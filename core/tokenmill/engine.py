@@ -135,6 +135,8 @@ class EngineCore:
         self.logits_processors: list[LogitsProcessor] = [
             self.plugins.create(Slot.LOGITS_PROCESSOR, name) for name in processor_names
         ]
+        #: The logits processors that read token values: while one is active, a request's steps run in order.
+        self._history_readers = [p for p in self.logits_processors if p.reads_output_token_ids]
         self.max_model_len = self.loaded.max_model_len
         self.vocab_size = arch.vocab_size
         self.speculator = self._build_speculator()
@@ -400,12 +402,11 @@ class EngineCore:
             return False
         if params.presence_penalty != 0.0 or params.frequency_penalty != 0.0:
             return False
-        readers = [processor for processor in self.logits_processors if processor.reads_output_token_ids]
-        if not readers:
+        if not self._history_readers:
             return True
         row = SamplingRow(request.request_id, params, request.prompt_token_ids, request.output_token_ids,
                           request.eos_token_ids)  # fmt: skip
-        return not any(processor.is_active(row) for processor in readers)
+        return not any(processor.is_active(row) for processor in self._history_readers)
 
     def _run_ahead(self, scheduler_output: SchedulerOutput) -> list[EngineCoreOutput]:
         """Launch the step (its input ids from the step in flight, if any), then wait for the step in flight
