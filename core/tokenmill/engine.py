@@ -38,6 +38,7 @@ from tokenmill.config import ConfigError, EngineConfig
 from tokenmill.config.cache import KVTierConfig
 from tokenmill.cuda_graphs import cuda_graph_batch_sizes
 from tokenmill.device_copy import to_device
+from tokenmill.draft_tree import check_parents, parse_token_tree, path
 from tokenmill.kv_cache.block_hash import block_hashes
 from tokenmill.kv_cache.manager import KVCacheManager
 from tokenmill.kv_cache.tier import KVTier, check_tier_path
@@ -224,8 +225,26 @@ class EngineCore:
             return None
         cls = self.plugins.load(Slot.SPECULATOR, spec.method)
         k = spec.num_speculative_tokens or cls.default_num_speculative_tokens
+        if spec.speculative_token_tree is not None:
+            if not cls.supports_draft_trees:
+                raise ConfigError(f"speculative_config.speculative_token_tree is set, but speculator {spec.method!r} "
+                                  "drafts chains only; unset it")  # fmt: skip
+            k = len(parse_token_tree(spec.speculative_token_tree))
+        # A sliding window counts positions in the text, which a tree's nodes share; kept out rather than
+        # approximated.
+        windowed = any(window is not None for window in self.loaded.arch.sliding_windows)
+        verifies_trees = self.loaded.attention.supports_draft_trees and not windowed
+        if spec.speculative_token_tree is not None and not verifies_trees:
+            reason = "the model has sliding-window layers" if windowed else (
+                f"attention backend {self.loaded.attention.name!r} cannot verify them; use the 'cpu' or 'torch' "
+                "backend, or unset it"
+            )  # fmt: skip
+            raise ConfigError(f"speculative_config.speculative_token_tree is set, but this engine cannot verify draft "
+                              f"trees: {reason}")  # fmt: skip
         layout = self.layout
-        context = SpeculatorContext(self.config, self.loaded, self.plugins, layout.block_size, layout.num_blocks)
+        context = SpeculatorContext(
+            self.config, self.loaded, self.plugins, layout.block_size, layout.num_blocks, verifies_trees
+        )
         speculator: Speculator = self.plugins.instantiate(
             Slot.SPECULATOR, spec.method, cls, num_speculative_tokens=k, context=context
         )
@@ -537,7 +556,7 @@ class EngineCore:
         tokens = request.all_token_ids[start : start + num_known]
         if scheduled.draft_token_ids:
             tokens += scheduled.draft_token_ids
-        return SequenceChunk(tokens, start, self.kv_cache.block_ids(request.request_id))
+        return SequenceChunk(tokens, start, self.kv_cache.block_ids(request.request_id), scheduled.draft_parents)
 
     def _verify(
         self,
@@ -551,17 +570,23 @@ class EngineCore:
         the drafts before it, so penalties and logits processors see exactly what plain decoding would."""
         requests: list[Request] = []
         drafts: list[tuple[int, ...]] = []
+        parents: list[tuple[int, ...] | None] = []
         row_index: list[int] = []  # logits rows, in verification order
         rows: list[SamplingRow] = []
         for index, request in scheduler_output.sampling_requests:
             scheduled = scheduler_output.scheduled[index]
-            own = scheduled.draft_token_ids if request is scheduled.request else ()  # a fork has no drafts
+            is_own = request is scheduled.request  # a fork has no drafts
+            own = scheduled.draft_token_ids if is_own else ()
+            tree = scheduled.draft_parents if is_own else None
             requests.append(request)
             drafts.append(own)
+            parents.append(tree)
             row_index.extend(range(first_row[index], first_row[index] + len(own) + 1))
             history = request.output_token_ids
             for j in range(len(own) + 1):
-                seen = [*history, *own[:j]] if j else history
+                # Row j follows draft j - 1: its history holds the drafts on the way there (of a tree, its path).
+                before = own[:j] if tree is None else [own[node] for node in path(tree, j - 1)]
+                seen = [*history, *before] if j else history
                 rows.append(SamplingRow(request.request_id, request.params, request.prompt_token_ids, seen,
                                         request.eos_token_ids))  # fmt: skip
         index_tensor = torch.tensor(row_index, device=logits.device)
@@ -574,7 +599,7 @@ class EngineCore:
         generators = [self._generator(request) for request in requests]
         draft_probs = [self._draft_probs(request, len(own)) for request, own in zip(requests, drafts, strict=True)]
         greedy = [request.params.is_greedy for request in requests]
-        verified = rejection_sample(probs, drafts, draft_probs, greedy, generators)
+        verified = rejection_sample(probs, drafts, draft_probs, greedy, generators, parents)
 
         wants_logprobs = any(request.params.logprobs is not None for request in requests)
         raw_logprobs = logits.log_softmax(dim=-1) if wants_logprobs else None
@@ -582,20 +607,23 @@ class EngineCore:
         self._hidden_states = {}
         output = ModelRunnerOutput()
         start = 0
-        for request, own, result in zip(requests, drafts, verified, strict=True):
+        for request, own, tree, result in zip(requests, drafts, parents, verified, strict=True):
             failed = [metadata.errors[row] for row in range(start, start + len(own) + 1) if row in metadata.errors]
             if failed:
                 output.errors[request.request_id] = failed[0]
             else:
                 output.sampled_token_ids[request.request_id] = result.token_ids
+                # The rows that gave the tokens: the root's, then each accepted draft's.
+                token_rows = [start, *(start + node + 1 for node in result.nodes)]
                 if raw_logprobs is not None and request.params.logprobs is not None:
                     output.logprobs[request.request_id] = _verified_logprobs(
-                        raw_logprobs[start : start + len(result.token_ids)], result.token_ids, request.params.logprobs
+                        raw_logprobs[token_rows], result.token_ids, request.params.logprobs
                     )
                 if hidden_rows is not None:
-                    self._hidden_states[request.request_id] = hidden_rows[start + result.num_accepted]
+                    self._hidden_states[request.request_id] = hidden_rows[token_rows[-1]]
                 if own and self.draft_policy is not None:
-                    self.draft_policy.observe_verification(request.request_id, len(own), result.num_accepted)
+                    self.draft_policy.observe_verification(request.request_id, len(own), result.num_accepted,
+                                                           result.nodes if tree is not None else None)  # fmt: skip
             start += len(own) + 1
         return output
 
@@ -653,9 +681,27 @@ class EngineCore:
             self.draft_policy.observe_propose(longest, time.perf_counter() - started)
         self._drafted_last_step = drafted
         draft_probs = proposal.draft_probs or [None] * len(requests)
-        for request, item, token_ids, probs in zip(requests, inputs, proposal.token_ids, draft_probs, strict=True):
-            request.spec_token_ids = list(token_ids[: item.max_num_tokens])
+        tree_parents = proposal.parents or [None] * len(requests)
+        for request, item, token_ids, probs, parents in zip(
+            requests, inputs, proposal.token_ids, draft_probs, tree_parents, strict=True
+        ):
             request.stash.pop(_DRAFT_PROBS, None)  # never verify against an earlier step's distributions
+            request.spec_token_ids = list(token_ids[: item.max_num_tokens])
+            request.spec_parents = None
+            if parents is not None and request.spec_token_ids:
+                parents = list(parents[: item.max_num_tokens])
+                try:
+                    if speculator.context is None or not speculator.context.verifies_draft_trees:
+                        raise ValueError("this engine verifies chains of drafts only")
+                    if probs is not None:
+                        raise ValueError("draft trees are deterministic: it gave draft_probs too")
+                    check_parents(parents, request.spec_token_ids)
+                except ValueError as exc:  # the plugin's bug costs this request's drafts, never the engine
+                    logger.error("speculator %r proposed a bad draft tree for %s (%s); drafting nothing for it",
+                                 speculator.name, request.request_id, exc)  # fmt: skip
+                    request.spec_token_ids = []
+                    continue
+                request.spec_parents = parents
             if probs is not None and token_ids:
                 request.stash[_DRAFT_PROBS] = probs
 

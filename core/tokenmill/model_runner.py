@@ -176,7 +176,9 @@ class ModelRunner:
         if device_input_ids is not None:
             assert input_ids.shape == device_input_ids.shape, "device input ids are for decode steps"
             input_ids = device_input_ids
-        hidden = self.loaded.model(input_ids, metadata.positions, self.kv_caches, metadata)
+        tree = metadata.draft_tree
+        positions = metadata.positions if tree is None else tree.rotary_positions
+        hidden = self.loaded.model(input_ids, positions, self.kv_caches, metadata)
         if all_logits:
             return hidden
         if logits_indices is None:

@@ -71,6 +71,8 @@ class Request:
     #: Draft tokens the speculator proposed after the last step, verified in the next one (speculative
     #: decoding); set by the engine, trimmed or cleared by the scheduler.
     spec_token_ids: list[int] = field(default_factory=list)
+    #: When those drafts form a tree (``tokenmill.draft_tree``): each one's parent; None for a chain.
+    spec_parents: list[int] | None = None
     #: Plugins and engine-side helpers keep per-request state here, never as new attributes.
     stash: dict[Any, Any] = field(default_factory=dict)
     #: Prompt then output tokens, extended in place by ``append_token``: the engine reads it every

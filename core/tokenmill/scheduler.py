@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, ClassVar
 
+from tokenmill.draft_tree import accepted_nodes, num_in_place
 from tokenmill.hookspecs import Register, hookimpl
 from tokenmill.kv_cache.manager import KVCacheManager, KVTransfers
 from tokenmill.messages import EngineCoreOutput, EngineStatsMessage, TokenLogprobs, completion_request_id
@@ -57,6 +58,8 @@ class ScheduledRequest:
     #: Draft tokens verified this step (speculative decoding): the last ``len(draft_token_ids)`` of the
     #: ``num_new_tokens``, after the request's last token. The runner returns the accepted ones plus one.
     draft_token_ids: tuple[int, ...] = ()
+    #: When the drafts form a tree (``tokenmill.draft_tree``): each one's parent; None for a chain.
+    draft_parents: tuple[int, ...] | None = None
 
 
 @dataclass
@@ -315,11 +318,14 @@ class FCFSScheduler(Scheduler):
             drafts = request.spec_token_ids
             if drafts:  # verify the drafts that fit the budget, after the request's last token
                 del drafts[max(0, budget - num_new) :]
+                if request.spec_parents is not None:  # a tree's first drafts are a tree
+                    del request.spec_parents[len(drafts) :]
                 num_new += len(drafts)
             allocation = self.kv_cache.allocate_slots(request.request_id, request.num_computed_tokens, num_new)
             if allocation is None and drafts:  # drop the drafts before preempting anyone
                 num_new -= len(drafts)
                 drafts.clear()
+                request.spec_parents = None
                 allocation = self.kv_cache.allocate_slots(request.request_id, request.num_computed_tokens, num_new)
             while allocation is None:
                 victim = candidates.pop()
@@ -395,12 +401,13 @@ class FCFSScheduler(Scheduler):
         """Schedule ``num_new`` tokens of ``request`` (its drafts included); an n > 1 request about to sample
         its first token forks its other completions now, so they sample from the same logits row."""
         drafts = tuple(request.spec_token_ids)
-        request.spec_token_ids = []
+        parents = tuple(request.spec_parents) if request.spec_parents is not None and drafts else None
+        request.spec_token_ids, request.spec_parents = [], None
         samples_token = request.num_computed_tokens + num_new - len(drafts) == request.num_tokens
         forks: tuple[Request, ...] = ()
         if samples_token and request.params.n > 1 and request.parent_id is None and not request.output_token_ids:
             forks = tuple(self._fork(request, index, num_new) for index in range(1, request.params.n))
-        return ScheduledRequest(request, num_new, samples_token, forks, drafts)
+        return ScheduledRequest(request, num_new, samples_token, forks, drafts, parents)
 
     def _fork(self, parent: Request, index: int, num_new: int) -> Request:
         child = Request(
@@ -441,9 +448,12 @@ class FCFSScheduler(Scheduler):
             token_ids = request.all_token_ids
             num_computed = scheduled.num_new_tokens
             if scheduled.draft_token_ids:
-                num_accepted = self._count_accepted(scheduled, runner_output)
-                num_computed -= len(scheduled.draft_token_ids) - num_accepted  # rejected drafts' KV is void
-                token_ids = [*token_ids, *scheduled.draft_token_ids[:num_accepted]]
+                nodes = self._accepted_drafts(scheduled, runner_output)
+                # Rejected drafts' KV is void, and so is that of accepted tree nodes written in another branch's
+                # slot: those tokens are recomputed next step (tokenmill.draft_tree.num_in_place).
+                num_kept = len(nodes) if scheduled.draft_parents is None else num_in_place(nodes)
+                num_computed -= len(scheduled.draft_token_ids) - num_kept
+                token_ids = [*token_ids, *(scheduled.draft_token_ids[node] for node in nodes[:num_kept])]
             request.num_computed_tokens += num_computed
             if num_computed < scheduled.num_new_tokens:
                 self.kv_cache.truncate(request.request_id, request.num_computed_tokens)
@@ -471,14 +481,17 @@ class FCFSScheduler(Scheduler):
             outputs.append(self._output(request, token_ids[:accepted], logprobs[:accepted] if logprobs else None))
         return outputs
 
-    def _count_accepted(self, scheduled: ScheduledRequest, runner_output: ModelRunnerOutput) -> int:
-        """How many of the step's drafts the target accepted (the runner returns them plus one token of its
-        own); counted into the speculative-decoding stats."""
-        num_drafts = len(scheduled.draft_token_ids)
+    def _accepted_drafts(self, scheduled: ScheduledRequest, runner_output: ModelRunnerOutput) -> list[int]:
+        """The indices of the step's drafts the target accepted, in order (the runner returns their tokens plus
+        one of its own; of a tree, the accepted path); counted into the speculative-decoding stats."""
+        drafts = scheduled.draft_token_ids
         sampled = runner_output.sampled_token_ids.get(scheduled.request.request_id)
-        num_accepted = min(num_drafts, len(sampled) - 1) if sampled else 0
-        self.spec_decoding.observe(num_drafts, num_accepted)
-        return num_accepted
+        num_accepted = min(len(drafts), len(sampled) - 1) if sampled else 0
+        self.spec_decoding.observe(len(drafts), num_accepted)
+        if scheduled.draft_parents is None:
+            return list(range(num_accepted))
+        assert sampled is not None or num_accepted == 0
+        return accepted_nodes(scheduled.draft_parents, drafts, sampled[:num_accepted] if sampled else [])
 
     def _append(
         self, request: Request, token_ids: list[int], logprobs: list[TokenLogprobs] | None, resolve: bool = False
@@ -508,7 +521,7 @@ class FCFSScheduler(Scheduler):
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache.free(request.request_id)
-        request.spec_token_ids = []
+        request.spec_token_ids, request.spec_parents = [], None
         self.running.remove(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -522,7 +535,7 @@ class FCFSScheduler(Scheduler):
             return
         was_waiting = request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
         request.status = status
-        request.spec_token_ids = []
+        request.spec_token_ids, request.spec_parents = [], None
         self.kv_cache.free(request.request_id)
         if was_waiting:  # aborts are rare: an O(n) rebuild keeps the queue exact
             self._waiting = [entry for entry in self._waiting if entry[1] is not request]

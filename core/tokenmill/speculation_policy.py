@@ -22,6 +22,12 @@ So the engine measures instead of guessing (after SmartSpec, Liu et al. 2024):
   prior of one success and one failure, and drifting back to it while the
   request gets no drafts, so that it is tried again.
 
+A speculator that drafts trees (``tokenmill.draft_tree``) gets, instead of
+``alpha``, one measured rate per node of its tree: how often that node was on
+the accepted path (exponentially weighted, from a prior of one half). The
+``k``-th position handed to a request is its tree's ``k``-th node, worth that
+node's rate in expected tokens.
+
 One step in 16 drafts nothing, so that the plain step's cost stays measured.
 With ``alpha``, drafting ``k`` tokens yields ``1 + alpha + ... + alpha^k`` tokens
 in expectation. Each step the policy starts every request at 0 drafts and
@@ -98,6 +104,8 @@ class DraftPolicy:
         self.plain_step_cost = StepCostModel() if graphed_plain_steps else None
         self.seconds_per_draft_position = 0.0  # the speculator's, measured
         self._acceptance: dict[str, _Acceptance] = {}
+        #: For a speculator drafting trees: per node, how often it was accepted (all requests together).
+        self._node_rates: list[_Acceptance] = []
         self._num_decisions = 0
 
     def observe_step(self, num_tokens: int, seconds: float, drafted: bool = True) -> None:
@@ -122,11 +130,28 @@ class DraftPolicy:
                 _DECAY * self.seconds_per_draft_position + (1 - _DECAY) * per_position
             )  # fmt: skip
 
-    def observe_verification(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
-        """``num_accepted`` of the request's ``num_drafts`` drafts were accepted."""
+    def observe_verification(
+        self, request_id: str, num_drafts: int, num_accepted: int, tree_nodes: Sequence[int] | None = None
+    ) -> None:
+        """``num_accepted`` of the request's ``num_drafts`` drafts were accepted; for a tree of drafts,
+        ``tree_nodes`` are the accepted ones (a path)."""
         acceptance = self._acceptance.setdefault(request_id, _Acceptance())
         acceptance.successes += num_accepted
         acceptance.failures += num_accepted < num_drafts
+        if tree_nodes is not None:
+            self._node_rates.extend(_Acceptance() for _ in range(num_drafts - len(self._node_rates)))
+            accepted = set(tree_nodes)
+            for node in range(num_drafts):
+                rate = self._node_rates[node]
+                rate.successes = _DECAY * rate.successes + (node in accepted)
+                rate.failures = _DECAY * rate.failures + (node not in accepted)
+
+    def _gain(self, alpha: float, count: int) -> float:
+        """The expected tokens a request's draft position ``count`` (0-based) adds: for a tree, its node's
+        rate; for a chain, ``alpha^(count + 1)``."""
+        if self._node_rates:
+            return self._node_rates[count].alpha if count < len(self._node_rates) else 0.5
+        return alpha ** (count + 1)
 
     def forget(self, request_ids: Sequence[str]) -> None:
         for request_id in request_ids:
@@ -145,8 +170,9 @@ class DraftPolicy:
         tokens = float(len(request_ids))  # expected tokens of the step's drafting requests: one each without drafts
         num_tokens, longest = num_step_tokens, 0
         seconds = self._plain_seconds(num_tokens)
-        # Max-heap of each request's next draft position, by the chance it is accepted (alpha^(k+1)).
-        heap = [(-alpha, i) for i, alpha in enumerate(alphas) if limits[i] > 0]
+        # Max-heap of each request's next draft position, by the chance it is accepted (alpha^(k+1), or the
+        # rate of the tree's next node).
+        heap = [(-self._gain(alpha, 0), i) for i, alpha in enumerate(alphas) if limits[i] > 0]
         heapq.heapify(heap)
         while heap:
             gain, i = heapq.heappop(heap)
@@ -157,11 +183,14 @@ class DraftPolicy:
             tokens, seconds, num_tokens, longest = tokens - gain, new_seconds, num_tokens + 1, new_longest
             counts[i] += 1
             if counts[i] < min(limits[i], self.max_drafts):
-                heapq.heappush(heap, (gain * alphas[i], i))
+                heapq.heappush(heap, (-self._gain(alphas[i], counts[i]), i))
         if not any(counts):
             # Nothing drafted, so the speculator's cost is not measured: let the estimate fade, so that a cost
             # measured once under load (or on a prompt's first catch-up) does not rule drafting out for good.
             self.seconds_per_draft_position *= _FORGET
+        for rate in self._node_rates[max(counts, default=0) :]:  # nodes nobody drafts drift back too
+            rate.successes = _FORGET * rate.successes + (1 - _FORGET)
+            rate.failures = _FORGET * rate.failures + (1 - _FORGET)
         for request_id, count in zip(request_ids, counts, strict=True):
             acceptance = self._acceptance.get(request_id)
             if count == 0 and acceptance is not None:

@@ -22,6 +22,15 @@ The scheduler appends the accepted tokens (stopping at the first stop
 condition), and the KV written for rejected positions is rolled back, so no
 block leaks. Logprobs reported are the target model's.
 
+A speculator with ``supports_draft_trees`` may propose a **tree** of drafts instead of a chain
+(``Proposal.parents``, ``tokenmill.draft_tree``): several candidates per position, each node scored by the
+target in the same pass while seeing only its own ancestors. Verification walks down from the request's
+last token, accepting at each node the first child that passes (for a greedy row: the child that is the
+target's argmax; for a sampled row: child ``c`` with probability ``r(c)``, where ``r`` starts as ``p`` and
+loses each rejected child's token and is renormalised, SpecInfer's rule for deterministic drafts), and ends
+with a token drawn from what is left of ``r``: exactly the target's distribution again. Tree drafts are
+deterministic (no ``draft_probs``).
+
 When drafts are made: after each step, for every running request that will
 decode next step (its prompt computed, not finished), in one ``propose`` call
 per step. The drafts ride on the request (``Request.spec_token_ids``) into the
@@ -66,6 +75,9 @@ class SpeculatorContext:
     plugins: PluginSystem  # to load a draft model through the same loader and plugins
     block_size: int  # tokens per block of the target's paged KV cache
     num_kv_blocks: int  # blocks in the target's KV cache: a draft model's own cache can hold as many tokens
+    #: Whether the engine verifies draft trees (its attention backend applies tree masks); when False a
+    #: speculator must propose chains.
+    verifies_draft_trees: bool = False
 
 
 @dataclass
@@ -76,6 +88,10 @@ class Proposal:
     #: Per request, one [num_drafts, vocab_size] float32 tensor of draft probabilities, or None for
     #: deterministic drafts.
     draft_probs: list[torch.Tensor | None] = field(default_factory=list)
+    #: Per request, the parent of each draft when they form a tree (``tokenmill.draft_tree``), or None for a
+    #: chain; empty: chains only. A tree's first ``m`` drafts must be a tree too (the engine may keep only
+    #: those), which any order with parents before children gives.
+    parents: list[list[int] | None] = field(default_factory=list)
 
 
 class Speculator(ABC):
@@ -97,6 +113,10 @@ class Speculator(ABC):
     needs_hidden_states: ClassVar[bool] = False
     #: ``k`` when ``speculative_config.num_speculative_tokens`` is unset.
     default_num_speculative_tokens: ClassVar[int] = 3
+    #: Whether it may propose draft trees (``Proposal.parents``); it then reads the tree's shape from
+    #: ``speculative_config.speculative_token_tree`` and drafts chains when ``context.verifies_draft_trees``
+    #: is False. ``k`` counts a tree's nodes.
+    supports_draft_trees: ClassVar[bool] = False
 
     def __init__(self, num_speculative_tokens: int, context: SpeculatorContext | None = None) -> None:
         self.num_speculative_tokens = num_speculative_tokens

@@ -24,8 +24,9 @@ from operator import attrgetter
 import numpy
 import torch
 
-from tokenmill.attention.backend import AttentionMetadata
+from tokenmill.attention.backend import AttentionMetadata, DraftTreeMask
 from tokenmill.device_copy import to_device
+from tokenmill.draft_tree import depths, is_chain, path
 
 __all__ = ["PaddedDecodeBatch", "SequenceChunk", "build_batch", "pad_decode_batch"]
 
@@ -37,6 +38,9 @@ class SequenceChunk:
     token_ids: list[int]  # the new tokens to compute this step
     num_computed_tokens: int  # tokens of this request already in the cache
     block_ids: list[int]  # the request's block table; must cover every token after this step
+    #: When the last ``len(draft_parents)`` tokens are drafts forming a tree rather than a chain: each one's
+    #: parent among them (-1: the token before them), as ``tokenmill.draft_tree`` defines it.
+    draft_parents: tuple[int, ...] | None = None
 
 
 _token_ids = attrgetter("token_ids")
@@ -111,8 +115,45 @@ def build_batch(
         slot_mapping=to_device(slot_mapping, device),
         max_query_len=int(query_lens.max()),
         max_seq_len=int(seq_lens.max()),
+        draft_tree=_draft_tree_mask(chunks, query_start_loc, positions, device),
     )
     return to_device(input_ids, device), metadata
+
+
+def _draft_tree_mask(
+    chunks: Sequence[SequenceChunk],
+    query_start_loc: numpy.ndarray,
+    positions: numpy.ndarray,
+    device: torch.device | str,
+) -> DraftTreeMask | None:
+    """The step's draft trees as ``AttentionMetadata.draft_tree``; None when no chunk verifies a tree (a chain
+    of drafts is plain causal attention). A Python loop over the tree chunks only: trees are drafted where a
+    step holds few requests."""
+    trees = [(i, c.draft_parents) for i, c in enumerate(chunks) if c.draft_parents and not is_chain(c.draft_parents)]
+    if not trees:
+        return None
+    width = max(len(parents) for _, parents in trees)
+    rotary_positions = positions.copy()  # [num_tokens]
+    token_index: list[int] = []
+    tree_start: list[int] = []
+    visible: list[numpy.ndarray] = []
+    for i, parents in trees:
+        end = int(query_start_loc[i + 1])
+        first = end - len(parents)  # the flattened index of node 0
+        start = int(positions[first])
+        rotary_positions[first:end] = start - 1 + numpy.asarray(depths(parents))  # the root is at start - 1
+        rows = numpy.zeros((len(parents), width), dtype=bool)  # [num_nodes, width]
+        for node in range(len(parents)):
+            rows[node, path(parents, node)] = True
+        token_index.extend(range(first, end))
+        tree_start.extend([start] * len(parents))
+        visible.append(rows)
+    return DraftTreeMask(
+        token_index=to_device(numpy.asarray(token_index, dtype=numpy.int64), device),
+        tree_start=to_device(numpy.asarray(tree_start, dtype=numpy.int64), device),
+        visible=to_device(numpy.concatenate(visible), device),
+        rotary_positions=to_device(rotary_positions, device),
+    )
 
 
 @dataclass(frozen=True)

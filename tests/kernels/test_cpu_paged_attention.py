@@ -68,6 +68,50 @@ def test_matches_reference_on_mixed_batches(block_size, num_heads, num_kv_heads,
     torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+def test_draft_trees_match_the_reference_backend(block_size, cache_dtype):
+    """Tree tokens skip their tree's other branches (64-bit masks), as the torch reference's masks do: a batch
+    with a plain decode, a tree after recomputed tokens, a 64-node tree (every mask bit) and a prompt chunk."""
+    wide = tuple([-1] * 8 + [j // 8 for j in range(56)])  # 64 nodes: 8 at depth 1, 7 children each
+    chunks_spec = [
+        (1, 23, None),
+        (9, 40, (-1, -1, 0, 0, 1, 2, 5)),  # 2 recomputed tokens and the root, then 7 nodes
+        (65, 12, wide),
+        (6, 0, None),
+    ]
+    rng = random.Random(block_size)
+    free = list(range(256))
+    rng.shuffle(free)
+    chunks = []
+    for q_len, done, parents in chunks_spec:
+        blocks = [free.pop() for _ in range(-(-(q_len + done) // block_size))]
+        chunks.append(SequenceChunk(list(range(1, q_len + 1)), done, blocks, parents))
+    _, metadata = build_batch(chunks, block_size)
+    assert metadata.draft_tree is not None
+    generator = torch.Generator().manual_seed(1)
+    num_heads, num_kv_heads, head_dim = 6, 2, 32
+    query = torch.randn(metadata.num_tokens, num_heads, head_dim, generator=generator)
+    key = torch.randn(metadata.num_tokens, num_kv_heads, head_dim, generator=generator)
+    value = torch.randn(metadata.num_tokens, num_kv_heads, head_dim, generator=generator)
+    cache = torch.randn(2, 256, block_size, num_kv_heads, head_dim, generator=generator).to(cache_dtype)
+    spec = AttentionLayerSpec(num_heads, num_kv_heads, head_dim, head_dim**-0.5)
+
+    reference_cache = cache.clone()
+    reference = TorchAttentionBackend()
+    reference.prepare(metadata, block_size)
+    expected = reference.forward(spec, query, key, value, reference_cache, metadata)
+
+    from tokenmill_plugins.attention.cpu_backend import CpuAttentionBackend
+
+    for max_kernel_query_len in (64, 128):  # the 65-token tree to SDPA under a mask; all through the kernel
+        backend = CpuAttentionBackend()
+        backend.max_kernel_query_len = max_kernel_query_len
+        backend.prepare(metadata, block_size)
+        got = backend.forward(spec, query, key, value, cache.clone(), metadata)
+        torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+
+
 def test_rejects_bad_shapes():
     cache = torch.zeros(4, 16, 2, 64)
     query = torch.zeros(3, 5, 64)  # 5 heads cannot share 2 kv heads

@@ -67,13 +67,12 @@ def _write(directory: Path, tensors: dict[str, torch.Tensor], **config: Any) -> 
     return directory
 
 
-def _config(model_dir: Path, heads_dir: Path, k: int | None = None, **model: Any) -> EngineConfig:
+def _config(
+    model_dir: Path, heads_dir: Path, k: int | None = None, tree: str | None = None, **model: Any
+) -> EngineConfig:
+    spec = {"method": "medusa", "model": str(heads_dir), "num_speculative_tokens": k, "speculative_token_tree": tree}
     return load_config(
-        overrides={
-            "model": {"model": str(model_dir), **model},
-            "device": {"device": "cpu"},
-            "speculative_config": {"method": "medusa", "model": str(heads_dir), "num_speculative_tokens": k},
-        }
+        overrides={"model": {"model": str(model_dir), **model}, "device": {"device": "cpu"}, "speculative_config": spec}
     )
 
 
@@ -93,13 +92,18 @@ Factory = Callable[..., MedusaSpeculator]
 
 @pytest.fixture
 def make(tied_dir: Path, target: LoadedModel) -> Factory:
-    """``make(heads_dir, k=None, cls=MedusaSpeculator)``: the speculator as the engine builds it over ``target``."""
+    """``make(heads_dir, k=None, cls=MedusaSpeculator, tree=None, verifies_trees=True)``: the speculator as the
+    engine builds it over ``target``."""
 
     def build(
-        heads_dir: Path, k: int | None = None, cls: type[MedusaSpeculator] = MedusaSpeculator
+        heads_dir: Path,
+        k: int | None = None,
+        cls: type[MedusaSpeculator] = MedusaSpeculator,
+        tree: str | None = None,
+        verifies_trees: bool = True,
     ) -> MedusaSpeculator:
-        config = _config(tied_dir, heads_dir, k)
-        context = SpeculatorContext(config, target, resolve_plugins(config), BLOCK_SIZE, 64)
+        config = _config(tied_dir, heads_dir, k, tree)
+        context = SpeculatorContext(config, target, resolve_plugins(config), BLOCK_SIZE, 64, verifies_trees)
         return cls(k or cls.default_num_speculative_tokens, context)
 
     return build
@@ -161,6 +165,67 @@ def test_drafts_are_the_argmax_of_fasterdecodings_module(make: Factory, tmp_path
     with torch.no_grad():
         expected = torch.stack([head(hidden).argmax(-1) for head in reference[:2]], dim=1).tolist()  # [16, 2]
     assert speculator.propose(_inputs(hidden)).token_ids == expected
+
+
+TREE = "[(0,), (1,), (0, 0), (2,), (1, 0), (0, 0, 0), (0, 1)]"
+
+
+def test_tree_nodes_are_each_heads_ranked_candidates(make: Factory, tmp_path: Path) -> None:
+    """Node (r_0, ..., r_d) drafts head d's candidate of rank r_d (FasterDecoding's module computes the heads);
+    a request gets the tree's first min(k, max_num_tokens) nodes, with their parents."""
+    reference = _reference_heads(3, 1)
+    speculator = make(_write(tmp_path, reference.state_dict()), tree=TREE)
+    assert speculator.num_speculative_tokens == 7
+    hidden = _hidden(5)
+    with torch.no_grad():
+        ranked = [head(hidden).topk(3, dim=-1).indices.tolist() for head in reference]  # [head][row][rank]
+    proposal = speculator.propose(_inputs(hidden, max_num_tokens=[8, 7, 3, 1, 0]))
+    nodes = [(0,), (1,), (0, 0), (2,), (1, 0), (0, 0, 0), (0, 1)]
+    parents = [-1, -1, 0, -1, 1, 2, 0]
+    for row, count in enumerate([7, 7, 3, 1, 0]):
+        assert proposal.token_ids[row] == [ranked[len(node) - 1][row][node[-1]] for node in nodes[:count]]
+        assert proposal.parents[row] == (parents[:count] if count else None)
+
+
+def test_stored_medusa_choices_are_the_default_tree_and_chains_where_trees_cannot_be_verified(
+    make: Factory, tmp_path: Path
+) -> None:
+    reference = _reference_heads(2, 1)
+    heads_dir = _write(tmp_path, reference.state_dict(), medusa_choices=[[0], [1], [0, 0]])
+    inputs = _inputs(_hidden(3))
+    tree = make(heads_dir).propose(inputs)
+    assert tree.parents == [[-1, -1, 0]] * 3
+    chain = make(heads_dir, verifies_trees=False)
+    assert chain.tree is None and chain.num_speculative_tokens == 2
+    proposal = chain.propose(inputs)
+    assert not any(proposal.parents)
+    assert [drafts[0] for drafts in proposal.token_ids] == [drafts[0] for drafts in tree.token_ids]  # top-1s
+    assert make(heads_dir, k=2).propose(inputs).parents == [[-1, -1]] * 3  # k counts the tree's nodes
+
+
+def test_trees_the_heads_cannot_draft_are_errors(make: Factory, tmp_path: Path) -> None:
+    heads_dir = _write(tmp_path / "two", _reference_heads(2, 1).state_dict())
+    with pytest.raises(ConfigError, match="3 levels deep, but .* holds 2 Medusa heads"):
+        make(heads_dir, tree="[(0,), (0, 0), (0, 0, 0)]")
+    bad = _write(tmp_path / "bad", _reference_heads(2, 1).state_dict(), medusa_choices=[[0, 0]])
+    with pytest.raises(WeightsError, match="medusa_choices: .*before its parent"):
+        make(bad)
+
+
+def test_an_attention_backend_without_trees_refuses_a_configured_tree(
+    tied_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tokenmill_plugins.attention.cpu_backend import CpuAttentionBackend
+
+    monkeypatch.setattr(CpuAttentionBackend, "supports_draft_trees", False)
+    heads_dir = _write(tmp_path, _reference_heads(2, 1).state_dict(), medusa_choices=[[0], [1]])
+    spec = {"method": "medusa", "model": str(heads_dir)}
+    with pytest.raises(ConfigError, match="attention backend 'cpu' cannot verify them"):
+        make_engine(
+            tied_dir, attention={"backend": "cpu"}, speculative_config={**spec, "speculative_token_tree": "[(0,)]"}
+        )
+    engine = make_engine(tied_dir, attention={"backend": "cpu"}, speculative_config=spec)  # the stored tree: chains
+    assert engine.speculator is not None and engine.speculator.tree is None  # type: ignore[attr-defined]
 
 
 def test_legacy_pt_file_loads_like_safetensors(make: Factory, tmp_path: Path) -> None:
@@ -298,6 +363,8 @@ def test_passes_check_speculator(make: Factory, tmp_path: Path) -> None:
     heads_dir = _write(tmp_path, _reference_heads(3, 1).state_dict())
     check_speculator(lambda num_speculative_tokens: make(heads_dir, num_speculative_tokens, _HiddenFromTokens),
                      num_speculative_tokens=3, vocab_size=VOCAB)  # fmt: skip
+    check_speculator(lambda num_speculative_tokens: make(heads_dir, None, _HiddenFromTokens, tree=TREE),
+                     num_speculative_tokens=7, vocab_size=VOCAB)  # fmt: skip
 
 
 def test_greedy_output_is_unchanged_through_the_engine(tied_dir: Path, target: LoadedModel, tmp_path: Path) -> None:
@@ -316,8 +383,13 @@ def test_greedy_output_is_unchanged_through_the_engine(tied_dir: Path, target: L
         return run_to_completion(engine, requests), engine.stats()
 
     plain, _ = run()
-    speculative, stats = run(
-        speculative_config={"method": "medusa", "model": str(heads_dir), "draft_policy": "constant"}
-    )
+    spec = {"method": "medusa", "model": str(heads_dir), "draft_policy": "constant"}
+    speculative, stats = run(speculative_config=spec)
     assert speculative == plain
     assert stats.spec_decode_num_draft_tokens > 0
+    # And with a tree, on both backends that verify trees.
+    for backend in ("cpu", "torch"):
+        speculative, stats = run(speculative_config={**spec, "speculative_token_tree": "[(0,), (1,), (0, 0), (1, 0)]"},
+                                 attention={"backend": backend})  # fmt: skip
+        assert speculative == plain, backend
+        assert stats.spec_decode_num_accepted_tokens > 0, backend

@@ -14,26 +14,13 @@ from typing import Any, ClassVar
 import pytest
 import torch
 
-from tokenmill.engine import DISABLE_SPECULATION, EngineCore
+from tests.speculators.spec_util import chi_square_p, sampled_tokens, speculative_engine
+from tokenmill.engine import DISABLE_SPECULATION
 from tokenmill.messages import EngineCoreRequest
 from tokenmill.sampling.rejection_sampler import Verified, rejection_sample
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.speculator import Proposal, SpeculationInput, Speculator
-from tokenmill.testing import make_engine, run_to_completion, save_hf_model, save_tiny_model
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny_model(tmp_path_factory.mktemp("spec") / "llama", "llama-tiny")
-
-
-@pytest.fixture(scope="module")
-def small_vocab_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    # A flat-ish distribution over few tokens, so a chi-square test has power with 10,000 draws. The engine
-    # core needs no tokenizer.
-    directory = tmp_path_factory.mktemp("spec") / "vocab16"
-    save_hf_model("llama-tiny", directory, seed=3, vocab_size=16)
-    return directory
+from tokenmill.testing import make_engine, run_to_completion
 
 
 class NoisyOracle(Speculator):
@@ -77,15 +64,6 @@ class FixedDrafts(Speculator):
         return Proposal(token_ids, probs)
 
 
-def _engine(model_path: Path, speculator: Speculator | None = None, **sections: dict[str, Any]) -> EngineCore:
-    # The constant policy: every draft verified, so the mechanics are exercised whatever pays.
-    spec: dict[str, Any] = {"method": "ngram", "draft_policy": "constant"} if speculator is not None else {}
-    engine = make_engine(model_path, speculative_config=spec, **sections)
-    if speculator is not None:
-        engine.speculator = speculator
-    return engine
-
-
 def _requests(count: int, seed: int = 0, **params: Any) -> list[EngineCoreRequest]:
     """Prompts of mixed lengths that repeat themselves (so prompt lookup finds matches)."""
     rng = random.Random(seed)
@@ -109,7 +87,7 @@ def test_ngram_greedy_output_is_identical_batched_with_chunked_prefill_and_prefi
                                        eos_token_ids=[], arrival_time=100.0 + i)
                      for i, r in enumerate(requests[-2:])]  # fmt: skip
     limits = {"max_num_batched_tokens": 24}
-    expected = run_to_completion(_engine(model_dir, scheduler=limits), requests)
+    expected = run_to_completion(speculative_engine(model_dir, scheduler=limits), requests)
     spec = {"method": "ngram", "num_speculative_tokens": 3, "draft_policy": "constant"}
     engine = make_engine(model_dir, scheduler=limits, speculative_config=spec)
     assert run_to_completion(engine, requests) == expected
@@ -121,10 +99,10 @@ def test_ngram_greedy_output_is_identical_batched_with_chunked_prefill_and_prefi
 def test_greedy_identity_under_preemption_stops_and_rejections_at_every_position(model_dir: Path) -> None:
     requests = _requests(10, seed=1, stop_token_ids=[7, 11], logprobs=2)
     small = {"cache": {"num_kv_blocks": 24}}  # 96 token slots for 10 requests: preemption
-    plain = _engine(model_dir, **small)
+    plain = speculative_engine(model_dir, **small)
     expected = run_to_completion(plain, requests)
     oracle = NoisyOracle(4, expected)
-    engine = _engine(model_dir, oracle, **small)
+    engine = speculative_engine(model_dir, oracle, **small)
     logprobs: dict[str, list[Any]] = {}
     for request in requests:
         engine.add_request(request)
@@ -150,7 +128,7 @@ def test_greedy_identity_under_preemption_stops_and_rejections_at_every_position
 
 
 def _logprobs(model_dir: Path, requests: list[EngineCoreRequest]) -> dict[str, list[Any]]:
-    engine = _engine(model_dir)
+    engine = speculative_engine(model_dir)
     for request in requests:
         engine.add_request(request)
     logprobs: dict[str, list[Any]] = {}
@@ -162,8 +140,8 @@ def _logprobs(model_dir: Path, requests: list[EngineCoreRequest]) -> dict[str, l
 
 def test_drafts_never_pass_max_tokens_or_the_context_window(model_dir: Path) -> None:
     requests = _requests(6, seed=2)
-    expected = run_to_completion(_engine(model_dir, model={"max_model_len": 40}), requests)
-    engine = _engine(model_dir, NoisyOracle(6, expected, error_rate=0.0), model={"max_model_len": 40})
+    expected = run_to_completion(speculative_engine(model_dir, model={"max_model_len": 40}), requests)
+    engine = speculative_engine(model_dir, NoisyOracle(6, expected, error_rate=0.0), model={"max_model_len": 40})
     got = run_to_completion(engine, requests)
     assert got == expected
     for request in requests:
@@ -173,28 +151,9 @@ def test_drafts_never_pass_max_tokens_or_the_context_window(model_dir: Path) -> 
 # ------------------------------------------------------------------------------------------- distribution
 
 
-def _chi_square_p(a: list[int], b: list[int], vocab_size: int) -> float:
-    """p-value of Pearson's chi-square test that two samples of tokens come from one distribution."""
-    counts = torch.stack([torch.bincount(torch.tensor(x), minlength=vocab_size) for x in (a, b)]).double()
-    counts = counts[:, counts.sum(0) > 0]
-    expected = counts.sum(1, keepdim=True) * counts.sum(0, keepdim=True) / counts.sum()
-    statistic = ((counts - expected) ** 2 / expected).sum()
-    dof = counts.shape[1] - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2.0), statistic / 2))
-
-
-def _sampled_tokens(model: Path, speculator: Speculator | None, count: int, seed: int) -> list[list[int]]:
-    torch.manual_seed(seed)
-    params = SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True)
-    requests = [EngineCoreRequest(request_id=f"s{i}", prompt_token_ids=[3, 5, 7, 9], params=params, eos_token_ids=[],
-                                  arrival_time=float(i)) for i in range(count)]  # fmt: skip
-    engine = _engine(model, speculator, scheduler={"max_num_seqs": 512, "max_num_batched_tokens": 4096},
-                     cache={"num_kv_blocks": 2048})  # fmt: skip
-    tokens = run_to_completion(engine, requests)
-    return [tokens[r.request_id] for r in requests]
-
-
-def _wrong_rejection_sample(probs: torch.Tensor, drafts: Any, draft_probs: Any, greedy: Any, gens: Any) -> list[Any]:
+def _wrong_rejection_sample(
+    probs: torch.Tensor, drafts: Any, draft_probs: Any, greedy: Any, gens: Any, parents: Any = ()
+) -> list[Any]:
     """A planted mistake: on rejection, draw from p instead of the residual max(0, p - q)."""
     results = []
     start = 0
@@ -213,14 +172,14 @@ def test_sampled_tokens_have_the_target_distribution_and_a_wrong_rule_is_caught(
 ) -> None:
     count = 10_000
     drafts = [4, 4]  # a fixed guess: accepted at p(4), so both acceptance and rejection are frequent
-    plain = _sampled_tokens(small_vocab_model, None, count, seed=1)
-    speculative = _sampled_tokens(small_vocab_model, FixedDrafts(drafts), count, seed=2)
+    plain = sampled_tokens(small_vocab_model, None, count, seed=1)
+    speculative = sampled_tokens(small_vocab_model, FixedDrafts(drafts), count, seed=2)
     for position in (1, 2):  # the tokens that went through verification
-        p = _chi_square_p([t[position] for t in plain], [t[position] for t in speculative], 16)
+        p = chi_square_p([t[position] for t in plain], [t[position] for t in speculative], 16)
         assert p > 0.01, f"position {position}: speculative sampling changed the distribution (p={p:.2g})"
     monkeypatch.setattr("tokenmill.engine.rejection_sample", _wrong_rejection_sample)
-    wrong = _sampled_tokens(small_vocab_model, FixedDrafts(drafts), count, seed=2)
-    p = _chi_square_p([t[1] for t in plain], [t[1] for t in wrong], 16)
+    wrong = sampled_tokens(small_vocab_model, FixedDrafts(drafts), count, seed=2)
+    p = chi_square_p([t[1] for t in plain], [t[1] for t in wrong], 16)
     assert p < 0.01, f"the chi-square test cannot tell a wrong acceptance rule apart (p={p:.2g})"
 
 
@@ -267,7 +226,7 @@ def test_no_blocks_leak_after_1000_random_speculative_requests_with_aborts(model
                              for item in requests])  # fmt: skip
 
     rng = random.Random(7)
-    engine = _engine(model_dir, RandomDrafts(5), cache={"num_kv_blocks": 96}, scheduler={"max_num_seqs": 64})
+    engine = speculative_engine(model_dir, RandomDrafts(5), cache={"num_kv_blocks": 96}, scheduler={"max_num_seqs": 64})
     pool = engine.kv_cache._pool  # type: ignore[attr-defined]
     idle = pool.num_free_blocks
     requests = _requests(1000, seed=3)
@@ -291,12 +250,12 @@ def test_no_blocks_leak_after_1000_random_speculative_requests_with_aborts(model
 
 def test_speculation_is_off_at_large_batches_and_for_requests_that_opt_out(model_dir: Path) -> None:
     requests = _requests(4, seed=4, max_tokens=12)  # all four run to the end together
-    answers = run_to_completion(_engine(model_dir), requests)
+    answers = run_to_completion(speculative_engine(model_dir), requests)
     engine = make_engine(model_dir, speculative_config={"method": "ngram", "disable_by_batch_size": 4})
     engine.speculator = NoisyOracle(3, answers, error_rate=0.0)
     assert run_to_completion(engine, requests) == answers
     assert engine.stats().spec_decode_num_drafts == 0  # four running: never drafted
-    engine = _engine(model_dir, NoisyOracle(3, answers, error_rate=0.0))
+    engine = speculative_engine(model_dir, NoisyOracle(3, answers, error_rate=0.0))
     opted_out = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, extra_args={DISABLE_SPECULATION: True})
     first = requests[0]
     request = EngineCoreRequest(request_id=first.request_id, prompt_token_ids=first.prompt_token_ids,
@@ -315,15 +274,15 @@ def test_a_speculator_that_raises_costs_drafts_not_requests(model_dir: Path) -> 
             raise RuntimeError("boom")
 
     requests = _requests(3, seed=5)
-    expected = run_to_completion(_engine(model_dir), requests)
-    assert run_to_completion(_engine(model_dir, Broken(3)), requests) == expected
+    expected = run_to_completion(speculative_engine(model_dir), requests)
+    assert run_to_completion(speculative_engine(model_dir, Broken(3)), requests) == expected
 
 
 def test_draft_model_greedy_output_is_identical_with_rejections_and_preemption(model_dir: Path) -> None:
     """The target's own int4 version drafts: mostly accepted, sometimes rejected, repaired by the target."""
     requests = _requests(8, seed=6, stop_token_ids=[9])
     small = {"cache": {"num_kv_blocks": 28}}
-    expected = run_to_completion(_engine(model_dir, **small), requests)
+    expected = run_to_completion(speculative_engine(model_dir, **small), requests)
     spec = {"method": "draft_model", "model": str(model_dir), "quantization": "int4", "num_speculative_tokens": 3,
             "draft_policy": "constant"}  # fmt: skip
     engine = make_engine(model_dir, speculative_config=spec, **small)

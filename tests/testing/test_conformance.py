@@ -413,6 +413,23 @@ def test_speculator_with_invalid_draft_probabilities_fails() -> None:
     _fails(check_speculator, Unnormalised, match="not probability distributions")
 
 
+def test_speculator_with_a_bad_draft_tree_fails() -> None:
+    class Trees(PromptLookupSpeculator):
+        supports_draft_trees = True
+
+        def propose(self, requests: list[SpeculationInput]) -> Proposal:
+            return Proposal([[1, 1][: min(2, r.max_num_tokens)] for r in requests],
+                            parents=[[-1, -1][: min(2, r.max_num_tokens)] for r in requests])  # fmt: skip
+
+    _fails(check_speculator, Trees, match="repeats token 1 under the same parent")
+
+    class Undeclared(PromptLookupSpeculator):
+        def propose(self, requests: list[SpeculationInput]) -> Proposal:
+            return Proposal([[] for _ in requests], parents=[None for _ in requests])
+
+    _fails(check_speculator, Undeclared, match="does not declare supports_draft_trees")
+
+
 def test_transport_that_reorders_frames_fails() -> None:
     from tokenmill.transport.zmq_transport import ZmqTransport
 

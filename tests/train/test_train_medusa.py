@@ -17,6 +17,7 @@ from tokenmill_plugins.speculators.medusa import MedusaSpeculator
 
 from tokenmill.cli import main
 from tokenmill.config import load_config
+from tokenmill.draft_tree import parse_token_tree
 from tokenmill.llm import LLM
 from tokenmill.model_loader import load_model
 from tokenmill.plugin_manager import resolve_plugins
@@ -43,20 +44,27 @@ def prompts_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def _acceptance_rate(model_dir: Path, heads_dir: Path, prompts: list[str]) -> float:
-    """Accepted drafts / drafts when the engine answers ``prompts`` greedily with these heads."""
+def _acceptance(model_dir: Path, heads_dir: Path, prompts: list[str], tree: str | None = None) -> tuple[float, float]:
+    """Accepted drafts per draft, and per verification, when the engine answers ``prompts`` greedily with
+    these heads (and ``tree`` as speculative_token_tree)."""
     llm = LLM(
         str(model_dir),
         device="cpu",
         num_threads=1,
         # Every step drafts k tokens for every request: the goodput policy would draft by measured timings.
-        speculative_config={"method": "medusa", "model": str(heads_dir), "draft_policy": "constant"},
+        speculative_config={
+            "method": "medusa",
+            "model": str(heads_dir),
+            "draft_policy": "constant",
+            "speculative_token_tree": tree,
+        },  # fmt: skip
     )
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW_TOKENS)
     llm.chat([[{"role": "user", "content": prompt}] for prompt in prompts], params, use_tqdm=False)
     stats = llm.engine.stats()
     assert stats.spec_decode_num_draft_tokens > 0
-    return stats.spec_decode_num_accepted_tokens / stats.spec_decode_num_draft_tokens
+    accepted = stats.spec_decode_num_accepted_tokens
+    return accepted / stats.spec_decode_num_draft_tokens, accepted / stats.spec_decode_num_drafts
 
 
 def test_trained_heads_load_and_their_drafts_are_accepted(
@@ -80,14 +88,23 @@ def test_trained_heads_load_and_their_drafts_are_accepted(
     assert sorted(tensors) == ["0.0.linear.bias", "0.0.linear.weight", "1.0.linear.bias", "1.0.linear.weight"]
     assert tensors["0.0.linear.weight"].abs().sum() > 0  # trained away from the zero start
 
+    # The draft tree the held-out answers would have accepted most of: likeliest nodes first, parents first.
+    tree = [tuple(node) for node in config["medusa_choices"]]
+    assert 0 < len(tree) <= 16 and tree[0] == (0,) and parse_token_tree(str(tree)) == tuple(tree)
+    assert "with a tree of" in result.output.splitlines()[-1]
+
     # On the answers it was trained on, the engine accepts the heads' drafts far more often than the drafts of
     # untrained heads (the model's own lm_head guessing one token further ahead).
     untrained = tmp_path / "untrained"
     write_medusa_heads(untrained, torch.zeros(2, 1, 64, 64), torch.zeros(2, 1, 64), {"vocab_size": 512})
     prompts = read_prompts(prompts_file)
-    trained_rate = _acceptance_rate(tiny_model_dir, output, prompts)
-    untrained_rate = _acceptance_rate(tiny_model_dir, untrained, prompts)
+    chain = "[(0,), (0, 0)]"
+    trained_rate, trained_per_step = _acceptance(tiny_model_dir, output, prompts, chain)
+    untrained_rate, _ = _acceptance(tiny_model_dir, untrained, prompts)
     assert trained_rate > max(0.15, 2 * untrained_rate), (trained_rate, untrained_rate)
+    # The stored tree (used when none is configured) gets more accepted per step than the chain of top-1s.
+    _, tree_per_step = _acceptance(tiny_model_dir, output, prompts)
+    assert tree_per_step > trained_per_step, (tree_per_step, trained_per_step)
 
 
 def test_saved_projection_is_the_lm_head_and_shared(
@@ -164,6 +181,7 @@ def test_flag_defaults_are_the_options_defaults() -> None:
         "lr",
         "held_out",
         "seed",
+        "tree_nodes",
     )
     for name in names:
         assert defaults[name] == getattr(MedusaTrainingOptions(), name), name

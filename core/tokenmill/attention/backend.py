@@ -19,6 +19,35 @@ from tokenmill.attention.kv_quant import kv_row_size
 
 
 @dataclass
+class DraftTreeMask:
+    """The tokens of a step that verify a draft tree (``tokenmill.draft_tree``), for the attention mask.
+
+    A tree's nodes sit in consecutive cache slots after the request's last token, node ``j`` at position
+    ``tree_start + j`` of the request's sequence (``AttentionMetadata.positions`` counts slots, as for any other
+    token), but several nodes are candidates for the same place in the text. So a tree token attends causally
+    as usual, except to the keys of its tree's other branches: of positions ``tree_start ..
+    tree_start + num_nodes - 1`` it sees only those that ``visible`` marks (itself and its ancestors).
+    """
+
+    token_index: torch.Tensor  # [num_tree_tokens] int64: where the tree tokens are among the step's tokens
+    tree_start: torch.Tensor  # [num_tree_tokens] int64: position of the first node of each one's tree
+    visible: torch.Tensor  # [num_tree_tokens, max_num_nodes] bool: [t, j] whether token t sees node j of its tree
+    #: [num_tokens] int64: every token's position in the text, for the rotary embedding: a tree node's is its
+    #: root's plus its depth; other tokens' equal ``positions``.
+    rotary_positions: torch.Tensor
+
+
+def tree_visibility(tree: DraftTreeMask, key_positions: torch.Tensor) -> torch.Tensor:
+    """[num_tree_tokens, len(key_positions)] bool: whether each tree token may see the key at each position as
+    far as the tree goes (keys before its tree: yes; its tree's nodes: ``visible``). The causal mask still
+    applies on top: positions after a token stay hidden."""
+    offset = key_positions[None, :] - tree.tree_start[:, None]  # [num_tree_tokens, num_keys]
+    in_tree = (offset >= 0) & (offset < tree.visible.shape[1])
+    seen = tree.visible.gather(1, offset.clamp(0, tree.visible.shape[1] - 1))
+    return ~in_tree | seen
+
+
+@dataclass
 class AttentionMetadata:
     """One step's batch layout, shared by every layer. Built by the model runner each step."""
 
@@ -31,6 +60,9 @@ class AttentionMetadata:
     #: The longest ``seq_lens`` entry; in a step replayed from a CUDA graph, an upper bound (the context
     #: window), fixed when the graph was captured.
     max_seq_len: int
+    #: Tokens verifying draft trees and what they may not see; None in a step without trees. Only a backend
+    #: with ``supports_draft_trees`` gets a step that has one.
+    draft_tree: DraftTreeMask | None = None
     #: Whatever the backend's ``prepare`` computed for this step (masks, gather indices, ...).
     backend_state: Any = field(default=None, repr=False)
 
@@ -88,6 +120,10 @@ class AttentionBackend(ABC):
     #: ``torch.float8_e4m3fn`` and ``torch.int8`` are the quantized formats of
     #: ``tokenmill.attention.kv_quant`` (codes plus a float32 scale per token and KV head).
     kv_cache_dtypes: ClassVar[tuple[torch.dtype, ...]] = ()
+
+    #: Whether ``prepare`` and ``forward`` apply ``metadata.draft_tree`` (tree tokens see only their own
+    #: branch of the tree). Speculators draft chains with a backend without it.
+    supports_draft_trees: ClassVar[bool] = False
 
     #: Head sizes ``forward`` takes; None: any. ``attention.backend = "auto"`` passes over a backend
     #: that does not take the model's ``head_dim``.

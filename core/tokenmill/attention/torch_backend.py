@@ -15,7 +15,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from tokenmill.attention.backend import AttentionBackend, AttentionLayerSpec, AttentionMetadata
+from tokenmill.attention.backend import AttentionBackend, AttentionLayerSpec, AttentionMetadata, tree_visibility
 from tokenmill.attention.kv_quant import read_kv, write_kv
 
 
@@ -31,6 +31,7 @@ class _StepState:
 
 class TorchAttentionBackend(AttentionBackend):
     name: ClassVar[str] = "torch"
+    supports_draft_trees: ClassVar[bool] = True
     kv_cache_dtypes: ClassVar[tuple[torch.dtype, ...]] = (
         torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.int8,
     )  # fmt: skip
@@ -49,12 +50,17 @@ class TorchAttentionBackend(AttentionBackend):
         # Padding slots may hold garbage block ids; point them at slot 0, the mask hides them.
         key_slots = torch.where(in_sequence, key_slots, 0)
 
-        query_positions = torch.zeros(num_reqs, max_q, dtype=torch.long, device=device)
+        query_positions = torch.zeros(num_reqs, max_q, dtype=torch.long, device=device)  # the causal order
         query_positions[token_req, token_row] = metadata.positions
         is_real_query = torch.zeros(num_reqs, max_q, dtype=torch.bool, device=device)
         is_real_query[token_req, token_row] = True
         causal = key_positions[None, None, :] <= query_positions[:, :, None]  # [num_reqs, max_q, max_s]
         mask = causal & in_sequence[:, None, :] & is_real_query[:, :, None]
+        tree = metadata.draft_tree
+        if tree is not None:  # a tree token sees, of its tree's nodes, only itself and its ancestors
+            rows = (token_req[tree.token_index], token_row[tree.token_index])
+            mask[rows] &= tree_visibility(tree, key_positions)
+            query_positions[rows] = tree.rotary_positions[tree.token_index]  # for the sliding window
         mask[:, :, 0] |= ~is_real_query  # an all-false row would make SDPA return NaN
         metadata.backend_state = _StepState(
             token_req=token_req,

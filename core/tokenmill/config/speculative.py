@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from tokenmill.config.base import ConfigSection, NonNegativeInt, PositiveInt, describe
+from tokenmill.draft_tree import parse_token_tree
 
 #: Built-in methods that load a second set of weights from ``model``.
 _NEEDS_MODEL = ("draft_model", "medusa")
@@ -51,6 +52,16 @@ class SpeculativeConfig(ConfigSection, frozen=True):
         PositiveInt | None,
         describe("'ngram': the longest n-gram to match, tried first (unset: 5)."),
     ] = None
+    speculative_token_tree: Annotated[
+        str | None,
+        describe(
+            "A tree of drafts to verify per step instead of a chain (vLLM's key): each node as the path of candidate "
+            "ranks from the request's last token, e.g. '[(0,), (1,), (0, 0)]' for the top-1 and top-2 candidates "
+            "and the top-1 after the top-1; parents before children, at most 64 nodes. For speculators that draft "
+            "trees ('medusa'); num_speculative_tokens, when set, must equal the number of nodes. Unset: 'medusa' "
+            "uses the tree stored with its heads, if any."
+        ),
+    ] = None
     draft_policy: Annotated[
         Literal["goodput", "constant"],
         describe(
@@ -84,6 +95,12 @@ class SpeculativeConfig(ConfigSection, frozen=True):
         lookup = self.prompt_lookup_min is not None or self.prompt_lookup_max is not None
         if lookup and self.method != "ngram":
             raise ValueError(f"prompt_lookup_min/max are only used by method 'ngram', not {self.method!r}")
+        if self.speculative_token_tree is not None:
+            tree = parse_token_tree(self.speculative_token_tree)
+            k = self.num_speculative_tokens
+            if k is not None and k != len(tree):
+                raise ValueError(f"num_speculative_tokens={k}, but speculative_token_tree has {len(tree)} nodes: "
+                                 "leave num_speculative_tokens unset or set it to the number of nodes")  # fmt: skip
         low, high = self.prompt_lookup_min or 3, self.prompt_lookup_max or max(5, self.prompt_lookup_min or 3)
         if low > high:
             raise ValueError(f"prompt_lookup_min={low} is larger than prompt_lookup_max={high}")

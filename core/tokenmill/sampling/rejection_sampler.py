@@ -14,7 +14,12 @@ Greedy rows have a one-hot ``p`` (the argmax), so the same rule keeps drafts
 while they equal the argmax and then takes the argmax: token for token what
 non-speculative greedy decoding produces. They draw no random numbers.
 
-Everything is vectorised over the step's rows; the host reads the result once.
+Everything is vectorised over the step's rows; the host reads the result once. A request whose drafts form a
+tree (``tokenmill.draft_tree``) is verified on its own, walking down the tree: at each node its children are
+tried in order, child ``c`` accepted with probability ``r(c)`` where ``r`` starts as the node's ``p`` and each
+rejected child's token is removed from it and the rest renormalised (SpecInfer's rule for deterministic
+drafts, Miao et al. 2024); when none is accepted the token is drawn from ``r``. Every step of that walk draws
+from ``p`` exactly, so the tokens do too; a greedy row takes the child that is the argmax, if any.
 """
 
 from __future__ import annotations
@@ -24,16 +29,26 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenmill.draft_tree import is_chain
+
 
 @dataclass(frozen=True)
 class Verified:
     """One request's verified tokens: the accepted drafts, then the target's own token."""
 
     token_ids: list[int]
+    #: Of a tree of drafts, the accepted path (the indices of the accepted drafts); None for a chain.
+    tree_nodes: tuple[int, ...] | None = None
 
     @property
     def num_accepted(self) -> int:
         return len(self.token_ids) - 1
+
+    @property
+    def nodes(self) -> tuple[int, ...]:
+        """The indices of the accepted drafts: ``0 .. num_accepted - 1`` for a chain, the path for a tree. Row
+        0 of the request gave its first token, row ``nodes[j] + 1`` the one after ``nodes[j]``."""
+        return self.tree_nodes if self.tree_nodes is not None else tuple(range(self.num_accepted))
 
 
 def rejection_sample(
@@ -42,18 +57,101 @@ def rejection_sample(
     draft_probs: Sequence[torch.Tensor | None],
     is_greedy: Sequence[bool],
     generators: Sequence[torch.Generator | None],
+    draft_parents: Sequence[Sequence[int] | None] = (),
 ) -> list[Verified]:
     """Verify every request's drafts in one pass.
 
     :param probs: [num_rows, vocab_size] float32, the target's distributions (``Sampler.target_probs``); the
-        rows of request ``i`` are ``len(draft_token_ids[i]) + 1`` consecutive rows, in request order.
+        rows of request ``i`` are ``len(draft_token_ids[i]) + 1`` consecutive rows, in request order (row 0
+        follows the request's last token, row ``j + 1`` draft ``j``).
     :param draft_token_ids: per request, its drafts (possibly none: then its one row is simply sampled).
     :param draft_probs: per request, None (deterministic drafts) or [num_drafts, vocab_size] draft
         distributions.
     :param is_greedy: per request, whether it decodes greedily (its ``probs`` rows are one-hot).
     :param generators: per request, its own generator (seeded requests) or None for torch's default.
+    :param draft_parents: per request, None for a chain of drafts or each draft's parent for a tree (drafts
+        must then be deterministic); empty: all chains.
     :return: per request, the accepted drafts followed by one token drawn by the target.
     """
+    trees = [i for i, parents in enumerate(draft_parents) if parents is not None and not is_chain(parents)]
+    if not trees:
+        return _sample_chains(probs, draft_token_ids, draft_probs, is_greedy, generators)
+    results: list[Verified | None] = [None] * len(draft_token_ids)
+    starts = [0]
+    for drafts in draft_token_ids:
+        starts.append(starts[-1] + len(drafts) + 1)
+    for i in trees:
+        parents = draft_parents[i]
+        assert parents is not None and draft_probs[i] is None, "draft trees are deterministic"
+        rows = probs[starts[i] : starts[i + 1]]
+        results[i] = _sample_tree(rows, draft_token_ids[i], parents, is_greedy[i], generators[i])
+    chains = [i for i in range(len(draft_token_ids)) if i not in set(trees)]
+    if chains:
+        rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in chains]).to(probs.device)
+        sampled = _sample_chains(
+            probs[rows], [draft_token_ids[i] for i in chains], [draft_probs[i] for i in chains],
+            [is_greedy[i] for i in chains], [generators[i] for i in chains],
+        )  # fmt: skip
+        for i, result in zip(chains, sampled, strict=True):
+            results[i] = result
+    assert all(result is not None for result in results)
+    return results  # type: ignore[return-value]
+
+
+def _sample_tree(
+    probs: torch.Tensor,
+    token_ids: Sequence[int],
+    parents: Sequence[int],
+    is_greedy: bool,
+    generator: torch.Generator | None,
+) -> Verified:
+    """Walk one request's draft tree (``probs`` [num_drafts + 1, vocab_size]: row 0 the root's, row j + 1 draft
+    j's) down from the root, as the module docstring describes."""
+    children: dict[int, list[int]] = {}
+    for node, parent in enumerate(parents):
+        children.setdefault(parent, []).append(node)
+    device = probs.device
+    tokens: list[int] = []
+    nodes: list[int] = []
+    current = -1
+    while True:
+        row = probs[current + 1]  # [vocab_size]
+        kids = children.get(current, [])
+        if is_greedy:
+            token = int(row.argmax())
+            chosen = next((kid for kid in kids if token_ids[kid] == token), None)
+        else:
+            residual = row.clone()
+            chosen = None
+            for kid in kids:
+                mass = float(residual.sum())
+                if mass <= 0:
+                    break
+                uniform = float(torch.rand(1, generator=generator, device=device))
+                if uniform * mass < float(residual[token_ids[kid]]):
+                    chosen = kid
+                    break
+                residual[token_ids[kid]] = 0.0
+            if chosen is None:
+                # Nothing left (p <= what was tried, up to rounding): draw from p.
+                weights = residual if float(residual.sum()) > 0 else row
+                token = int(torch.multinomial(weights, 1, generator=generator))
+        if chosen is None:
+            tokens.append(token)
+            return Verified(tokens, tuple(nodes))
+        tokens.append(token_ids[chosen])
+        nodes.append(chosen)
+        current = chosen
+
+
+def _sample_chains(
+    probs: torch.Tensor,
+    draft_token_ids: Sequence[Sequence[int]],
+    draft_probs: Sequence[torch.Tensor | None],
+    is_greedy: Sequence[bool],
+    generators: Sequence[torch.Generator | None],
+) -> list[Verified]:
+    """``rejection_sample`` for chains of drafts, vectorised over the rows."""
     num_rows, vocab_size = probs.shape
     device = probs.device
     counts = [len(drafts) + 1 for drafts in draft_token_ids]

@@ -77,6 +77,14 @@ def train() -> None:
 )
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the split, the batches and sampling.")
 @click.option(
+    "--tree-nodes",
+    type=click.IntRange(min=0, max=64),
+    default=16,
+    show_default=True,
+    help="Store the draft tree of this many nodes that the held-out answers would have accepted most of "
+    "(config.json's medusa_choices; the medusa speculator verifies it where the attention backend can); 0: none.",
+)
+@click.option(
     "--save-projection",
     is_flag=True,
     help="Also store the vocabulary projection in every head (Medusa-1's layout, hidden x vocab each), for "
@@ -99,6 +107,7 @@ def medusa(
     lr: float,
     held_out: float,
     seed: int,
+    tree_nodes: int,
     save_projection: bool,
     no_progress: bool,
 ) -> None:
@@ -122,6 +131,7 @@ def medusa(
         lr=lr,
         held_out=held_out,
         seed=seed,
+        tree_nodes=tree_nodes,
         save_projection=save_projection,
         progress=not no_progress,
     )

@@ -41,13 +41,14 @@ from tokenmill.llm import LLM
 from tokenmill.model_loader import LoadedModel
 from tokenmill.model_runner import ModelRunner, SequenceChunk
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.train.medusa_heads import apply_resblocks, output_projection, write_medusa_heads
+from tokenmill.train.medusa_heads import MEDUSA_CHOICES, apply_resblocks, output_projection, write_medusa_heads
 
 __all__ = ["MedusaTrainingOptions", "MedusaTrainingResult", "TrainingError", "read_prompts", "train_medusa"]
 
 logger = logging.getLogger(__name__)
 
 _IGNORE = -100  # target of a position whose head has no token to predict (past the end of the answer)
+_NO_RANK = 1 << 30  # the rank of such a target
 
 
 class TrainingError(TokenmillError, ValueError):
@@ -70,6 +71,7 @@ class MedusaTrainingOptions:
     lr: float = 3e-3
     held_out: float = 0.1  # share of the answers kept out of training to measure accuracy
     seed: int = 0
+    tree_nodes: int = 16  # nodes of the draft tree stored as medusa_choices (0: none)
     save_projection: bool = False  # also store the (frozen) projection in every head, Medusa-1's layout
     progress: bool = True  # tqdm progress bars on stderr
 
@@ -82,6 +84,7 @@ class MedusaTrainingOptions:
             ("num_sampled_answers", self.num_sampled_answers, 0),
             ("epochs", self.epochs, 1),
             ("batch_size", self.batch_size, 1),
+            ("tree_nodes", self.tree_nodes, 0),
         ):
             if value < low:
                 raise TrainingError(f"{name} must be at least {low}, got {value}")
@@ -105,6 +108,8 @@ class MedusaTrainingResult:
     accuracies: list[float]  # per head: top-1 accuracy on the held-out answers after training
     untrained_accuracies: list[float]  # the same before training (each head is then the model's own lm_head)
     mean_accepted: float  # held out: mean drafts a chain of all heads gets accepted by greedy verification
+    tree: list[tuple[int, ...]]  # the stored draft tree (medusa_choices), likeliest node first; empty: none
+    tree_accepted: float  # held out: mean drafts that tree gets accepted
     seconds: float
     settings: dict[str, Any] = field(default_factory=dict)
 
@@ -116,7 +121,9 @@ class MedusaTrainingResult:
         return (
             f"{len(self.accuracies)} Medusa heads trained on {self.num_train_positions} positions in "
             f"{self.seconds:.0f} s; held-out top-1 accuracy over {self.num_held_out_positions} positions: {heads}; "
-            f"{self.mean_accepted:.2f} drafts accepted per step (greedy chain); wrote {self.output}"
+            f"{self.mean_accepted:.2f} drafts accepted per step (greedy chain)"
+            + (f", {self.tree_accepted:.2f} with a tree of {len(self.tree)} nodes" if self.tree else "")
+            + f"; wrote {self.output}"
         )
 
 
@@ -153,6 +160,11 @@ def train_medusa(config: EngineConfig, output: Path, options: MedusaTrainingOpti
     untrained = _evaluate(heads, projection, hidden[held_out_rows], targets[held_out_rows])[0]
     _fit(heads, projection, hidden[train_rows], targets[train_rows], options)
     accuracies, mean_accepted = _evaluate(heads, projection, hidden[held_out_rows], targets[held_out_rows])
+    tree: list[tuple[int, ...]] = []
+    tree_accepted = 0.0
+    if options.tree_nodes:
+        ranks = _ranks(heads, projection, hidden[held_out_rows], targets[held_out_rows])
+        tree, tree_accepted = _best_tree(ranks, options.tree_nodes)
     settings = {
         "prompts": str(options.prompts) if options.prompts else "bundled prompts.txt",
         "num_answers": len(sequences),
@@ -166,6 +178,7 @@ def train_medusa(config: EngineConfig, output: Path, options: MedusaTrainingOpti
         "seed": options.seed,
         "held_out_top1_accuracy": [round(a, 4) for a in accuracies],
         "held_out_mean_accepted": round(mean_accepted, 4),
+        "held_out_tree_accepted": round(tree_accepted, 4),
     }
     write_medusa_heads(
         output,
@@ -175,6 +188,7 @@ def train_medusa(config: EngineConfig, output: Path, options: MedusaTrainingOpti
             "base_model_name_or_path": config.model.model,
             "vocab_size": loaded.arch.vocab_size,
             "tokenmill_training": settings,
+            **({MEDUSA_CHOICES: [list(node) for node in tree]} if tree else {}),
         },
         projection.weight if options.save_projection else None,
     )
@@ -186,6 +200,8 @@ def train_medusa(config: EngineConfig, output: Path, options: MedusaTrainingOpti
         accuracies=accuracies,
         untrained_accuracies=untrained,
         mean_accepted=mean_accepted,
+        tree=tree,
+        tree_accepted=tree_accepted,
         seconds=time.monotonic() - started,
         settings=settings,
     )
@@ -354,18 +370,47 @@ def _fit(
 
 
 @torch.no_grad()
+def _ranks(
+    heads: _Heads, projection: _Projection, hidden: torch.Tensor, targets: torch.Tensor, batch_size: int = 512
+) -> torch.Tensor:
+    """[num_rows, num_heads]: the rank of each head's target among its logits (0: its top-1); a large number
+    where the head has no target."""
+    ranks = []
+    for rows in torch.arange(len(hidden)).split(batch_size):
+        logits = projection(heads(hidden[rows]))  # [num_heads, batch, vocab]
+        target = targets[rows].T  # [num_heads, batch]
+        chosen = logits.gather(-1, target.clamp(min=0).unsqueeze(-1))  # [num_heads, batch, 1]
+        rank = (logits > chosen).sum(-1)  # [num_heads, batch]
+        ranks.append(torch.where(target == _IGNORE, _NO_RANK, rank).T)
+    return torch.cat(ranks)
+
+
+def _best_tree(ranks: torch.Tensor, num_nodes: int, max_rank: int = 10) -> tuple[list[tuple[int, ...]], float]:
+    """The draft tree of at most ``num_nodes`` nodes that greedy verification would accept most of on these
+    rows (``ranks`` as ``_ranks`` gives them): every rank path a row's targets take, from the root, counted
+    over the rows, and the most frequent kept, likeliest first. A prefix is at least as frequent as its
+    extensions, so parents come first (on ties, the shorter path wins). Also returns the mean drafts such a
+    tree gets accepted per step on these rows."""
+    counts: dict[tuple[int, ...], int] = {}
+    for row in ranks.tolist():
+        node: tuple[int, ...] = ()
+        for rank in row:
+            if rank >= max_rank:
+                break
+            node = (*node, rank)
+            counts[node] = counts.get(node, 0) + 1
+    best = sorted(counts.items(), key=lambda item: (-item[1], len(item[0]), item[0]))[:num_nodes]
+    return [node for node, _ in best], sum(count for _, count in best) / max(1, len(ranks))
+
+
+@torch.no_grad()
 def _evaluate(
     heads: _Heads, projection: _Projection, hidden: torch.Tensor, targets: torch.Tensor, batch_size: int = 512
 ) -> tuple[list[float], float]:
     """Per-head top-1 accuracy over the rows where the head has a target, and the mean length of the
     correct prefix of the heads' chain (the drafts greedy verification keeps) over the rows where all
     heads have one."""
-    correct = torch.cat(
-        [
-            projection(heads(hidden[rows])).argmax(-1).T == targets[rows]  # [batch, num_heads]
-            for rows in torch.arange(len(hidden)).split(batch_size)
-        ]
-    )
+    correct = _ranks(heads, projection, hidden, targets, batch_size) == 0  # [num_rows, num_heads]
     valid = targets != _IGNORE
     accuracies = [
         float(correct[valid[:, head], head].float().mean()) if bool(valid[:, head].any()) else 0.0

@@ -39,10 +39,12 @@ from tokenmill.weights.format import WeightsError
 
 __all__ = [
     "CONFIG_FILE",
+    "MEDUSA_CHOICES",
     "WEIGHTS_FILE",
     "MedusaHeads",
     "apply_resblocks",
     "output_projection",
+    "read_medusa_config",
     "read_medusa_heads",
     "write_medusa_heads",
 ]
@@ -50,6 +52,9 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.json"
+#: config.json key of the draft tree to verify with these heads (our addition; Medusa's own name for a tree's
+#: node list): a list of rank paths, as ``speculative_config.speculative_token_tree``.
+MEDUSA_CHOICES = "medusa_choices"
 WEIGHTS_FILE = "medusa_lm_head.safetensors"
 _LEGACY_WEIGHTS_FILE = "medusa_lm_head.pt"
 _RESBLOCK_KEY = re.compile(r"(\d+)\.(\d+)\.linear\.(weight|bias)")
@@ -91,12 +96,9 @@ def apply_resblocks(hidden: torch.Tensor, weights: torch.Tensor, biases: torch.T
     return x
 
 
-def read_medusa_heads(directory: Path, num_heads: int | None = None) -> MedusaHeads:
-    """Read the Medusa heads in ``directory`` (the first ``num_heads`` of them, or all).
-
-    Raises ``WeightsError`` (one line, naming the file) for a missing file, a tensor name outside the
-    format, a head missing a tensor, or shapes that disagree with each other or with config.json.
-    """
+def read_medusa_config(directory: Path) -> dict[str, Any]:
+    """The heads' ``config.json``. Raises ``WeightsError`` (one line) when ``directory`` is not a directory
+    holding a readable JSON object there."""
     directory = Path(directory)
     if not directory.is_dir():
         raise WeightsError(f"{directory}: not a directory of Medusa heads ({CONFIG_FILE} and {WEIGHTS_FILE})")
@@ -111,6 +113,18 @@ def read_medusa_heads(directory: Path, num_heads: int | None = None) -> MedusaHe
         raise WeightsError(f"{config_path}: cannot read: {' '.join(str(exc).split())}") from None
     if not isinstance(config, dict):
         raise WeightsError(f"{config_path}: expected a JSON object")
+    return config
+
+
+def read_medusa_heads(directory: Path, num_heads: int | None = None) -> MedusaHeads:
+    """Read the Medusa heads in ``directory`` (the first ``num_heads`` of them, or all).
+
+    Raises ``WeightsError`` (one line, naming the file) for a missing file, a tensor name outside the
+    format, a head missing a tensor, or shapes that disagree with each other or with config.json.
+    """
+    directory = Path(directory)
+    config = read_medusa_config(directory)
+    config_path = directory / CONFIG_FILE
     weights_path, tensor_names = _open_weights(directory)
     layers: dict[int, set[int]] = {}
     projection_index: dict[int, int] = {}

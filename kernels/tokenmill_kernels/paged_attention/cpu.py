@@ -58,12 +58,19 @@ def paged_attention(
     positions: Tensor,  # [num_tokens] int64
     scale: float,
     sliding_window: int | None = None,
+    tree_start: Tensor | None = None,  # [num_tokens] int64, -1 for a token outside any draft tree
+    tree_bits: Tensor | None = None,  # [num_tokens] int64
 ) -> Tensor:
     """Attention of each token over its request's keys at positions ``<= positions[t]`` (and within
     ``sliding_window``); returns [num_tokens, heads, head_dim]. The cache must already hold them.
 
+    With ``tree_start`` and ``tree_bits`` (draft trees, ``tokenmill.draft_tree``): a token with
+    ``tree_start[t] >= 0`` sees a key at position ``p >= tree_start[t]`` only when bit
+    ``p - tree_start[t]`` of ``tree_bits[t]`` is set (itself and its ancestors; at most 64 nodes).
+
     Limits: head_dim a multiple of 8 up to 256, block_size up to 256, up to 16 query heads per kv
     head; the compiled op checks them with the shapes and raises ``ValueError``."""
     return _EXTENSION.load().paged_attention(
-        query, key_cache, value_cache, block_tables, token_req, positions, scale, sliding_window or 0
-    )
+        query, key_cache, value_cache, block_tables, token_req, positions, scale, sliding_window or 0, tree_start,
+        tree_bits,
+    )  # fmt: skip

@@ -12,6 +12,10 @@ Prompt chunks longer than ``max_kernel_query_len`` tokens go to torch's
 ``scaled_dot_product_attention`` instead: its blocked kernel computes a long prompt's
 quadratic attention several times faster than a per-token loop. That is one SDPA call per
 such chunk (a step rarely holds more than one), over the chunk's keys gathered once.
+
+Draft trees (``metadata.draft_tree``): the kernel skips the keys of a tree token's other
+branches (each tree token's visible nodes as a 64-bit mask); a long chunk holding tree tokens
+gets the same as an SDPA mask.
 """
 
 from __future__ import annotations
@@ -23,19 +27,26 @@ import torch
 import torch.nn.functional as F
 from tokenmill_kernels.paged_attention import cpu as kernels
 
-from tokenmill.attention.backend import AttentionBackend, AttentionLayerSpec, AttentionMetadata
+from tokenmill.attention.backend import (
+    AttentionBackend,
+    AttentionLayerSpec,
+    AttentionMetadata,
+    DraftTreeMask,
+    tree_visibility,
+)
 from tokenmill.attention.kv_quant import read_kv
 
 
 @dataclass
 class _LongChunk:
-    """A prompt chunk attended with SDPA."""
+    """A request's tokens attended with SDPA: a long prompt chunk, or a draft tree with its parent tokens."""
 
     start: int  # its tokens are [start, end) of the step
     end: int
     key_slots: torch.Tensor  # [seq_len] int64: cache slot of each of its request's positions
     key_positions: torch.Tensor  # [1, seq_len] int64
-    query_positions: torch.Tensor  # [end - start, 1] int64
+    query_positions: torch.Tensor  # [end - start, 1] int64: in the text (a tree node's: its root's plus its depth)
+    tree_mask: torch.Tensor | None = None  # [end - start, seq_len] bool: causal, less other branches of a tree
 
 
 @dataclass
@@ -44,12 +55,15 @@ class _StepState:
     block_tables: torch.Tensor  # [num_reqs, max_blocks] int32, contiguous
     long_chunks: list[_LongChunk] = field(default_factory=list)
     kernel_tokens: torch.Tensor | None = None  # [n] int64: tokens for the kernel, when some go to SDPA
+    tree_start: torch.Tensor | None = None  # [num_tokens] int64: the token's tree's first position, or -1
+    tree_bits: torch.Tensor | None = None  # [num_tokens] int64: the tree nodes it sees, bit j for node j
 
 
 class CpuAttentionBackend(AttentionBackend):
     name: ClassVar[str] = "cpu"
     supported_devices: ClassVar[tuple[str, ...]] = ("cpu",)
     auto_priority: ClassVar[int] = 10
+    supports_draft_trees: ClassVar[bool] = True
     kv_cache_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float16, torch.float8_e4m3fn, torch.int8)
     #: Longer prompt chunks are attended with SDPA rather than the per-token kernel.
     max_kernel_query_len: ClassVar[int] = 64
@@ -67,22 +81,41 @@ class CpuAttentionBackend(AttentionBackend):
             torch.arange(metadata.num_reqs, dtype=torch.int32), query_lens.long(), output_size=metadata.num_tokens
         )  # [num_tokens]
         state = _StepState(token_req=token_req, block_tables=metadata.block_tables.contiguous())
+        tree = metadata.draft_tree
+        positions = metadata.positions
+        if tree is not None:
+            state.tree_start = torch.full((metadata.num_tokens,), -1, dtype=torch.int64)
+            state.tree_start[tree.token_index] = tree.tree_start
+            state.tree_bits = torch.zeros(metadata.num_tokens, dtype=torch.int64)
+            bit = torch.ones(tree.visible.shape[1], dtype=torch.int64) << torch.arange(tree.visible.shape[1])
+            state.tree_bits[tree.token_index] = (tree.visible.long() * bit).sum(dim=1)
+            is_tree_token = state.tree_start >= 0
+            positions = tree.rotary_positions
         if metadata.max_query_len > self.max_kernel_query_len:
             is_kernel_token = torch.ones(metadata.num_tokens, dtype=torch.bool)
             starts, seq_lens = metadata.query_start_loc.tolist(), metadata.seq_lens.tolist()
-            for req in (query_lens > self.max_kernel_query_len).nonzero().flatten().tolist():
+            to_sdpa = query_lens > self.max_kernel_query_len  # [num_reqs]
+            for req in to_sdpa.nonzero().flatten().tolist():
                 start, end, seq_len = starts[req], starts[req + 1], seq_lens[req]
                 key_positions = torch.arange(seq_len)  # [seq_len]
                 blocks = metadata.block_tables[req].long()[key_positions // block_size]
-                state.long_chunks.append(
-                    _LongChunk(
-                        start=start,
-                        end=end,
-                        key_slots=blocks * block_size + key_positions % block_size,
-                        key_positions=key_positions[None, :],
-                        query_positions=metadata.positions[start:end, None],
-                    )
+                chunk = _LongChunk(
+                    start=start,
+                    end=end,
+                    key_slots=blocks * block_size + key_positions % block_size,
+                    key_positions=key_positions[None, :],
+                    query_positions=positions[start:end, None],
                 )
+                if tree is not None and bool(is_tree_token[start:end].any()):
+                    chunk.tree_mask = key_positions[None, :] <= metadata.positions[start:end, None]  # causal
+                    in_chunk = (tree.token_index >= start) & (tree.token_index < end)
+                    rows = tree.token_index[in_chunk] - start
+                    chunk.tree_mask[rows] &= tree_visibility(
+                        DraftTreeMask(tree.token_index[in_chunk], tree.tree_start[in_chunk], tree.visible[in_chunk],
+                                      tree.rotary_positions),
+                        key_positions,
+                    )  # fmt: skip
+                state.long_chunks.append(chunk)
                 is_kernel_token[start:end] = False
             state.kernel_tokens = is_kernel_token.nonzero().flatten()
         metadata.backend_state = state
@@ -115,12 +148,18 @@ class CpuAttentionBackend(AttentionBackend):
         for chunk in state.long_chunks:
             # A whole prompt without a window is plain causal attention, which SDPA computes without
             # a mask and skipping the upper triangle (twice as fast); otherwise the mask says it.
-            is_whole_prompt = chunk.key_slots.shape[0] == chunk.end - chunk.start and layer.sliding_window is None
+            is_whole_prompt = (
+                chunk.key_slots.shape[0] == chunk.end - chunk.start
+                and layer.sliding_window is None
+                and chunk.tree_mask is None
+            )
             mask = None
             if not is_whole_prompt:
                 mask = chunk.key_positions <= chunk.query_positions  # [query_len, seq_len]: causal
-                if layer.sliding_window is not None:
-                    mask &= chunk.key_positions > chunk.query_positions - layer.sliding_window
+                if chunk.tree_mask is not None:
+                    mask = chunk.tree_mask
+                if layer.sliding_window is not None:  # (not in place: a tree mask serves every layer)
+                    mask = mask & (chunk.key_positions > chunk.query_positions - layer.sliding_window)
             attended = F.scaled_dot_product_attention(
                 query[chunk.start : chunk.end].transpose(0, 1)[None],  # [1, heads, query_len, head_dim]
                 read_kv(flat_keys[chunk.key_slots], query.dtype).transpose(0, 1)[None],  # [1, kv_heads, seq_len, dim]
@@ -144,6 +183,10 @@ class CpuAttentionBackend(AttentionBackend):
         tokens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         token_req = state.token_req if tokens is None else state.token_req[tokens]
+        tree_start, tree_bits = state.tree_start, state.tree_bits
+        if tokens is not None and tree_start is not None and tree_bits is not None:
+            tree_start, tree_bits = tree_start[tokens], tree_bits[tokens]
         return kernels.paged_attention(
-            query, key_cache, value_cache, state.block_tables, token_req, positions, layer.scale, layer.sliding_window
-        )
+            query, key_cache, value_cache, state.block_tables, token_req, positions, layer.scale, layer.sliding_window,
+            tree_start, tree_bits,
+        )  # fmt: skip

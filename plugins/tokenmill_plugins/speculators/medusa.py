@@ -2,11 +2,19 @@
 
 Each head ``i`` reads the target's final hidden state at the position whose logits gave the request's
 last token and predicts the token ``i + 1`` positions after it (``tokenmill.train.medusa_heads`` has the
-heads' math and their checkpoint format, FasterDecoding's). The drafts are a **chain**: every head's
-top-1 token, ``[argmax head_0(h), ..., argmax head_{n-1}(h)]`` with ``n = min(k, max_num_tokens)``,
-verified by the core like any other drafts. Medusa's tree attention (several candidates per head,
-verified together) is not implemented. Drafts are deterministic (no ``draft_probs``), which is exact for
-sampled requests too.
+heads' math and their checkpoint format, FasterDecoding's). Drafts are deterministic (no ``draft_probs``),
+which is exact for sampled requests too. They come in one of two shapes:
+
+- a **tree** (Medusa's tree attention, ``tokenmill.draft_tree``): several candidates per head, verified
+  together. Its shape is ``speculative_config.speculative_token_tree`` (vLLM's key: each node the path of
+  candidate ranks, ``(1, 0)`` being head 1's top-1 after head 0's second candidate) or, when unset, the
+  ``medusa_choices`` stored in the heads' ``config.json`` (``tokenmill train medusa`` writes the nodes that
+  were accepted most often on its held-out answers, likeliest first); ``k`` counts nodes, and a request
+  gets the first ``min(k, max_num_tokens)`` of them. Node ``(r_0, ..., r_d)``'s token is head ``d``'s
+  candidate of rank ``r_d``: heads read only the hidden state, so a head's candidates are the same under
+  every parent.
+- a **chain**, without a tree or with an attention backend that cannot verify trees: every head's top-1
+  token, ``[argmax head_0(h), ..., argmax head_{n-1}(h)]`` with ``n = min(k, max_num_tokens)``.
 
 Configured with ``--speculative-config '{"method": "medusa", "model": "DIR"}'``; ``num_speculative_tokens``
 may be at most the number of heads in DIR and is the number of heads when unset. ``tokenmill train medusa``
@@ -40,9 +48,16 @@ from typing import ClassVar
 import torch
 
 from tokenmill.config import ConfigError
+from tokenmill.draft_tree import TokenTree, parse_token_tree, tree_parents
 from tokenmill.model_loader import LoadedModel
 from tokenmill.speculator import Proposal, SpeculationInput, Speculator, SpeculatorContext
-from tokenmill.train.medusa_heads import apply_resblocks, output_projection, read_medusa_heads
+from tokenmill.train.medusa_heads import (
+    MEDUSA_CHOICES,
+    apply_resblocks,
+    output_projection,
+    read_medusa_config,
+    read_medusa_heads,
+)
 from tokenmill.weights.format import WeightsError
 
 __all__ = ["MedusaSpeculator"]
@@ -63,6 +78,7 @@ class MedusaSpeculator(Speculator):
 
     name: ClassVar[str] = "medusa"
     needs_hidden_states: ClassVar[bool] = True
+    supports_draft_trees: ClassVar[bool] = True
     #: Whether heads whose stored projection equals the target's output projection use the target's
     #: ``compute_logits`` (see the module docstring); False keeps every head on its own weights.
     share_output_projection: ClassVar[bool] = True
@@ -80,13 +96,33 @@ class MedusaSpeculator(Speculator):
             raise ConfigError(f"speculative_config.model: {directory} does not exist; give the directory of the "
                               "Medusa heads (config.json and medusa_lm_head.safetensors)")  # fmt: skip
         is_set = spec.num_speculative_tokens is not None
-        heads = read_medusa_heads(directory, num_heads=num_speculative_tokens if is_set else None)
-        if not is_set:
-            self.num_speculative_tokens = heads.num_stored_heads
-        elif num_speculative_tokens > heads.num_stored_heads:
-            raise ConfigError(f"speculative_config.num_speculative_tokens={num_speculative_tokens}, but {directory} "
-                              f"holds {heads.num_stored_heads} Medusa heads: set it to at most "
-                              f"{heads.num_stored_heads}, or leave it unset")  # fmt: skip
+        #: The tree's nodes as rank paths, or None to draft chains.
+        self.tree = self._tree(directory, spec.speculative_token_tree, context.verifies_draft_trees)
+        if self.tree is not None:
+            if is_set and num_speculative_tokens > len(self.tree):
+                raise ConfigError(f"speculative_config.num_speculative_tokens={num_speculative_tokens}, but the draft "
+                                  f"tree of {directory} has {len(self.tree)} nodes: set it to at most "
+                                  f"{len(self.tree)}, or leave it unset")  # fmt: skip
+            self.tree = self.tree[:num_speculative_tokens] if is_set else self.tree
+            self.num_speculative_tokens = len(self.tree)
+            depth = max(map(len, self.tree))
+            heads = read_medusa_heads(directory, num_heads=depth)
+            if depth > heads.num_heads:
+                raise ConfigError(f"the draft tree is {depth} levels deep, but {directory} holds {heads.num_heads} "
+                                  "Medusa heads: one per level")  # fmt: skip
+            self._parents = tree_parents(self.tree)
+            #: Candidates each head needs: one more than the largest rank at its depth.
+            self._num_candidates = [
+                1 + max(node[-1] for node in self.tree if len(node) == depth + 1) for depth in range(heads.num_heads)
+            ]
+        else:
+            heads = read_medusa_heads(directory, num_heads=num_speculative_tokens if is_set else None)
+            if not is_set:
+                self.num_speculative_tokens = heads.num_stored_heads
+            elif num_speculative_tokens > heads.num_stored_heads:
+                raise ConfigError(f"speculative_config.num_speculative_tokens={num_speculative_tokens}, but "
+                                  f"{directory} holds {heads.num_stored_heads} Medusa heads: set it to at most "
+                                  f"{heads.num_stored_heads}, or leave it unset")  # fmt: skip
         target = self._target = context.target
         _check_sizes(directory, heads.hidden_size, heads.config.get("vocab_size"), heads.projections, target)
         self._weights = heads.weights.to(target.device, target.dtype)  # [num_heads, num_layers, hidden, hidden]
@@ -101,9 +137,30 @@ class MedusaSpeculator(Speculator):
         if own:
             self._projections = torch.stack([p.to(target.device, target.dtype) for _, p in own if p is not None])
         logger.info(
-            "medusa: %d heads (%d ResBlocks each) from %s, %d of them on the target's lm_head",
+            "medusa: %d heads (%d ResBlocks each) from %s, %d of them on the target's lm_head; drafting %s",
             heads.num_heads, heads.num_layers, directory, len(shared),
+            f"a tree of {len(self.tree)} nodes" if self.tree is not None else "a chain",
         )  # fmt: skip
+
+    @staticmethod
+    def _tree(directory: Path, configured: str | None, verifies_trees: bool) -> TokenTree | None:
+        """The draft tree: the configured one, else the heads' stored ``medusa_choices`` if the engine verifies
+        trees (the engine refuses a configured tree it cannot verify). Raises ``WeightsError`` for a stored
+        tree that does not parse or that needs more heads than stored."""
+        if configured is not None:
+            return parse_token_tree(configured)
+        stored = read_medusa_config(directory).get(MEDUSA_CHOICES)
+        if stored is None:
+            return None
+        try:
+            tree = parse_token_tree(stored)
+        except ValueError as exc:
+            raise WeightsError(f"{directory}/config.json: {MEDUSA_CHOICES}: {exc}") from None
+        if not verifies_trees:
+            logger.info("medusa: the attention backend cannot verify draft trees; drafting chains, not the heads' "
+                        "tree of %d nodes", len(tree))  # fmt: skip
+            return None
+        return tree
 
     def _shared_heads(self, projections: list[torch.Tensor | None], context: SpeculatorContext) -> list[int]:
         """The heads whose logits come from the target's ``compute_logits``: those with no projection of their
@@ -117,7 +174,10 @@ class MedusaSpeculator(Speculator):
 
     @torch.inference_mode()
     def propose(self, requests: list[SpeculationInput]) -> Proposal:
-        """One pass of the heads needed over every request's hidden state; each head's top-1 token."""
+        """One pass of the heads needed over every request's hidden state: the tree's nodes, or each head's
+        top-1 token."""
+        if self.tree is not None:
+            return self._propose_tree(requests)
         token_ids: list[list[int]] = [[] for _ in requests]
         rows: list[tuple[int, int]] = []  # (request index, number of drafts)
         states: list[torch.Tensor] = []
@@ -134,21 +194,52 @@ class MedusaSpeculator(Speculator):
             token_ids[index] = drafts[row][:num_drafts]
         return Proposal(token_ids)
 
-    def _draft(self, hidden: torch.Tensor, num_heads: int) -> torch.Tensor:
-        """The first ``num_heads`` heads' top-1 tokens for ``hidden`` [num_rows, hidden]: [num_rows, num_heads]."""
+    def _propose_tree(self, requests: list[SpeculationInput]) -> Proposal:
+        """Each request's first ``min(k, max_num_tokens)`` tree nodes, from the heads' candidates."""
+        token_ids: list[list[int]] = [[] for _ in requests]
+        parents: list[list[int] | None] = [None] * len(requests)
+        rows = [i for i, item in enumerate(requests) if item.max_num_tokens > 0 and item.hidden_state is not None]
+        if not rows:
+            return Proposal(token_ids, parents=parents)
+        states = [requests[i].hidden_state for i in rows]
+        hidden = torch.stack(states).to(self._target.device, self._target.dtype)  # type: ignore[arg-type]
+        candidates = self._candidates(hidden)  # per head: [num_rows, num_candidates] as lists
+        for row, index in enumerate(rows):
+            num_nodes = min(self.num_speculative_tokens, requests[index].max_num_tokens)
+            token_ids[index] = [candidates[len(node) - 1][row][node[-1]] for node in self.tree[:num_nodes]]  # type: ignore[index]
+            parents[index] = self._parents[:num_nodes]
+        return Proposal(token_ids, parents=parents)
+
+    def _logits(self, hidden: torch.Tensor, num_heads: int) -> list[torch.Tensor]:
+        """The first ``num_heads`` heads' logits for ``hidden`` [num_rows, hidden], as [num_heads] tensors
+        [num_rows, vocab]: the heads on the target's lm_head in one call, the others by their own projection."""
         num_rows = hidden.shape[0]
         x = apply_resblocks(hidden, self._weights[:num_heads], self._biases[:num_heads])  # [num_heads, rows, hidden]
-        drafts = torch.empty(num_heads, num_rows, dtype=torch.long, device=x.device)  # [num_heads, num_rows]
+        logits: list[torch.Tensor | None] = [None] * num_heads
         shared = self._shared_index[num_heads]
         if len(shared):
-            logits = self._target.model.compute_logits(x[shared].reshape(len(shared) * num_rows, -1))
-            drafts[shared] = logits.argmax(dim=-1).view(len(shared), num_rows)
+            shared_logits = self._target.model.compute_logits(x[shared].reshape(len(shared) * num_rows, -1))
+            for position, head in enumerate(shared.tolist()):
+                logits[head] = shared_logits[position * num_rows : (position + 1) * num_rows]
         own = self._own_index[num_heads]
         if len(own):
             assert self._projections is not None
             projections = self._projections[: len(own)]  # own heads are in order: the first len(own) are < num_heads
-            drafts[own] = torch.bmm(x[own], projections.transpose(1, 2)).argmax(dim=-1)  # from [n, rows, vocab]
-        return drafts.T.cpu()
+            own_logits = torch.bmm(x[own], projections.transpose(1, 2))  # [len(own), num_rows, vocab]
+            for position, head in enumerate(own.tolist()):
+                logits[head] = own_logits[position]
+        return logits  # type: ignore[return-value]
+
+    def _candidates(self, hidden: torch.Tensor) -> list[list[list[int]]]:
+        """Per head the tree needs, each row's top candidates, best first: [num_heads][num_rows][num_candidates]."""
+        logits = self._logits(hidden, len(self._num_candidates))
+        return [
+            head.topk(count, dim=-1).indices.tolist() for head, count in zip(logits, self._num_candidates, strict=True)
+        ]
+
+    def _draft(self, hidden: torch.Tensor, num_heads: int) -> torch.Tensor:
+        """The first ``num_heads`` heads' top-1 tokens for ``hidden`` [num_rows, hidden]: [num_rows, num_heads]."""
+        return torch.stack([head.argmax(dim=-1) for head in self._logits(hidden, num_heads)], dim=1).cpu()
 
 
 def _check_sizes(

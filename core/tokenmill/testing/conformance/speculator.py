@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import torch
 
+from tokenmill.draft_tree import check_parents
 from tokenmill.speculator import Proposal, SpeculationInput, Speculator
 from tokenmill.testing.conformance._util import calling, conformance_check, fail
 
@@ -34,6 +35,9 @@ def check_speculator(
     max_num_tokens)`` long and inside the vocabulary; the same drafts for the same inputs; no input changed.
     ``draft_probs``, when given, has one entry per input: None or a [num_drafts, vocab_size] float32 tensor
     of probabilities (non-negative, rows summing to 1) under which each draft token is possible.
+    ``parents``, when given, has one entry per input: None (a chain) or a draft tree over that input's drafts
+    (``tokenmill.draft_tree``: each parent -1 or an earlier draft, siblings distinct), from a speculator that
+    declares ``supports_draft_trees``, and never together with ``draft_probs`` for the same input.
     ``on_requests_finished`` accepts the ids.
 
     :param speculator: the class or a factory, called as ``speculator(num_speculative_tokens=k)``, or an
@@ -68,6 +72,8 @@ def check_speculator(
             fail(f"{name}: drafts {drafts} for {item.request_id!r} are not token ids in [0, {vocab_size})")
     if proposal.draft_probs:
         _check_draft_probs(name, inputs, proposal, vocab_size)
+    if proposal.parents:
+        _check_parents(name, candidate, inputs, proposal)
     with calling(f"{name}.on_requests_finished"):
         candidate.on_requests_finished([item.request_id for item in inputs])
 
@@ -86,3 +92,20 @@ def _check_draft_probs(name: str, inputs: list[SpeculationInput], proposal: Prop
             fail(f"{where} are not probability distributions (non-negative, each row summing to 1)")
         if drafts and bool((probs[torch.arange(len(drafts)), torch.tensor(drafts)] <= 0).any()):
             fail(f"{where} give a drafted token probability 0")
+
+
+def _check_parents(name: str, candidate: Speculator, inputs: list[SpeculationInput], proposal: Proposal) -> None:
+    if not candidate.supports_draft_trees:
+        fail(f"{name} proposes parents (draft trees) but does not declare supports_draft_trees")
+    if len(proposal.parents) != len(inputs):
+        fail(f"{name}: parents has {len(proposal.parents)} entries for {len(inputs)} inputs")
+    probs = proposal.draft_probs or [None] * len(inputs)
+    for item, drafts, parents, q in zip(inputs, proposal.token_ids, proposal.parents, probs, strict=True):
+        if parents is None:
+            continue
+        try:
+            check_parents(parents, drafts)
+        except ValueError as exc:
+            fail(f"{name}: the draft tree of {item.request_id!r} is not a tree: {exc}")
+        if q is not None:
+            fail(f"{name}: {item.request_id!r} has a draft tree and draft_probs; tree drafts are deterministic")

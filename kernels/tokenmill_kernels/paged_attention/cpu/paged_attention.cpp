@@ -2,7 +2,8 @@
 // AVX2/FMA/F16C, parallel over (token, kv head).
 //
 // Each query token attends to the keys of its own request at positions <= its own position
-// (and within the sliding window), read straight from the paged cache through the request's
+// (within the sliding window, and on its own branch of a draft tree), read straight from the
+// paged cache through the request's
 // block table: no gather into a padded copy, no mask tensor. The query heads that share a kv
 // head (GQA) are processed together, so each key and value row is loaded once per group.
 // Softmax is computed online (running max and sum) one cache block at a time. A float16 cache
@@ -306,7 +307,11 @@ struct Problem {
   const int32_t* tables;  // [num_reqs, max_blocks]
   const int32_t* reqs;    // [num_tokens]
   const int64_t* pos;     // [num_tokens]
-  float* out;             // [num_tokens, heads, head_dim]
+  // Draft trees, or nullptr: a token with tree_start[t] >= 0 sees the keys at positions >= tree_start[t] only
+  // where bit (position - tree_start[t]) of tree_bits[t] is set (its own branch of the tree).
+  const int64_t* tree_start;  // [num_tokens]
+  const int64_t* tree_bits;   // [num_tokens]
+  float* out;                 // [num_tokens, heads, head_dim]
   int num_tokens, num_heads, head_dim, block_size, num_kv_heads;
   int row_len;  // cache elements per (slot, kv head): head_dim, plus the scale's bytes when quantized
   int64_t max_blocks, sliding_window;
@@ -329,6 +334,8 @@ void attend(const Problem<T>& p) {
       const int t = item / p.num_kv_heads, kv_head = item % p.num_kv_heads;
       const int64_t last = p.pos[t];
       const int64_t first = p.sliding_window > 0 ? std::max<int64_t>(0, last - p.sliding_window + 1) : 0;
+      const int64_t tree_start = p.tree_start != nullptr ? p.tree_start[t] : -1;
+      const uint64_t tree_bits = p.tree_bits != nullptr ? uint64_t(p.tree_bits[t]) : 0;
       const int32_t* table = p.tables + int64_t(p.reqs[t]) * p.max_blocks;
       const float* q = p.query + (int64_t(t) * p.num_heads + int64_t(kv_head) * group) * head_dim;
       for (int g = 0; g < group; ++g) {
@@ -407,6 +414,13 @@ void attend(const Problem<T>& p) {
           for (int j = 0; j < n; j += 8) {
             const __m256 v = _mm256_mul_ps(dot8(q + g * head_dim, key_rows + j, head_dim), _mm256_set1_ps(p.scale));
             _mm256_storeu_ps(s + j, v);
+          }
+          if (tree_start >= 0 && hi >= tree_start) {
+            // Another branch's keys weigh nothing. The token's own key (the last) is always seen, so the
+            // running maximum stays finite; a masked key's padding copies past n only raise the maximum.
+            for (int j = std::max<int>(0, int(tree_start - lo)); j < n; ++j) {
+              if (!((tree_bits >> (lo + j - tree_start)) & 1)) s[j] = -std::numeric_limits<float>::infinity();
+            }
           }
           // Scores past n repeat the last key's, so they cannot change the maximum.
           __m256 vmax = _mm256_set1_ps(running_max[g]);
@@ -492,7 +506,10 @@ torch::Tensor paged_attention(const torch::Tensor& query,         // [num_tokens
                               const torch::Tensor& block_tables,  // [num_reqs, max_blocks] int32
                               const torch::Tensor& token_req,     // [num_tokens] int32: request of each token
                               const torch::Tensor& positions,     // [num_tokens] int64: position of each token
-                              double scale, int64_t sliding_window /* <= 0: none */) {
+                              double scale, int64_t sliding_window /* <= 0: none */,
+                              const c10::optional<torch::Tensor>& tree_start,  // [num_tokens] int64, -1: no tree
+                              const c10::optional<torch::Tensor>& tree_bits    // [num_tokens] int64 bit masks
+) {
   check_cache(key_cache, value_cache);
   check_float(query, "query", 3, "[num_tokens, heads, head_dim]");
   check_index(block_tables, "block_tables", at::kInt, 2);
@@ -505,6 +522,13 @@ torch::Tensor paged_attention(const torch::Tensor& query,         // [num_tokens
                     " per kv head)");
   TORCH_CHECK_VALUE(token_req.size(0) == query.size(0) && positions.size(0) == query.size(0),
                     "token_req and positions need one entry per query token");
+  TORCH_CHECK_VALUE(tree_start.has_value() == tree_bits.has_value(), "give both tree_start and tree_bits, or neither");
+  if (tree_start.has_value()) {
+    check_index(*tree_start, "tree_start", at::kLong, 1);
+    check_index(*tree_bits, "tree_bits", at::kLong, 1);
+    TORCH_CHECK_VALUE(tree_start->size(0) == query.size(0) && tree_bits->size(0) == query.size(0),
+                      "tree_start and tree_bits need one entry per query token");
+  }
   auto out = torch::empty_like(query);  // [num_tokens, heads, head_dim]
   auto problem = [&](auto* element) {
     using T = std::remove_pointer_t<decltype(element)>;
@@ -514,6 +538,8 @@ torch::Tensor paged_attention(const torch::Tensor& query,         // [num_tokens
                       block_tables.data_ptr<int32_t>(),
                       token_req.data_ptr<int32_t>(),
                       positions.data_ptr<int64_t>(),
+                      tree_start.has_value() ? tree_start->data_ptr<int64_t>() : nullptr,
+                      tree_bits.has_value() ? tree_bits->data_ptr<int64_t>() : nullptr,
                       out.data_ptr<float>(),
                       int(query.size(0)),
                       int(query.size(1)),
@@ -539,5 +565,8 @@ torch::Tensor paged_attention(const torch::Tensor& query,         // [num_tokens
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv_cache", &write_kv_cache, "Write new keys and values into their cache slots");
-  m.def("paged_attention", &paged_attention, "Causal attention of each token over its request's paged cache");
+  m.def("paged_attention", &paged_attention, "Causal attention of each token over its request's paged cache",
+        py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"), py::arg("token_req"),
+        py::arg("positions"), py::arg("scale"), py::arg("sliding_window"), py::arg("tree_start") = py::none(),
+        py::arg("tree_bits") = py::none());
 }

@@ -1,0 +1,308 @@
+"""Draft trees (``tokenmill.draft_tree``): the tree attention mask, exact verification of trees, and the KV kept
+or recomputed afterwards.
+
+A tree step must score every node exactly as the node's own path would be scored as a plain chain; greedy output
+with trees must be token for token plain greedy output (batched, with preemption, stops and logprobs); sampled
+tokens must keep the target's distribution, which a planted wrong rule fails; and no KV block may leak.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+import torch
+
+from tests.speculators.spec_util import chi_square_p, sampled_tokens, speculative_engine
+from tokenmill.draft_tree import (
+    accepted_nodes,
+    check_parents,
+    depths,
+    num_in_place,
+    parse_token_tree,
+    path,
+    tree_parents,
+)
+from tokenmill.messages import EngineCoreRequest
+from tokenmill.model_runner import ModelRunner
+from tokenmill.sampling.rejection_sampler import Verified, rejection_sample
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.speculation_policy import DraftPolicy
+from tokenmill.speculator import Proposal, SpeculationInput, Speculator
+from tokenmill.step_batch import SequenceChunk
+from tokenmill.testing import make_engine, run_to_completion
+
+BACKENDS = ("torch", "cpu")
+
+
+# ------------------------------------------------------------------------------------------- the tree itself
+
+
+def test_token_tree_parses_vllms_format_and_rejects_bad_trees() -> None:
+    tree = parse_token_tree("[(0,), (1,), (0, 0), (0, 1), (0, 0, 0)]")
+    assert tree_parents(tree) == [-1, -1, 0, 0, 2]
+    assert depths(tree_parents(tree)) == [1, 1, 2, 2, 3]
+    assert path(tree_parents(tree), 4) == [0, 2, 4]
+    for bad, message in [
+        ("[(0, 0), (0,)]", "before its parent"),
+        ("[(0,), (0,)]", "twice"),
+        ("[()]", "non-empty tuple"),
+        ("[(0,), (-1,)]", "non-empty tuple"),
+        ("(0,", "list of tuples"),
+        ("[]", "non-empty list"),
+        (str([(i,) for i in range(65)]), "at most 64"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            parse_token_tree(bad)
+
+
+def test_parents_are_checked_and_accepted_paths_recovered() -> None:
+    parents, tokens = [-1, -1, 0, 0, 2], [5, 6, 7, 8, 9]
+    check_parents(parents, tokens)
+    for bad_parents, bad_tokens, message in [
+        ([-1, 1], [5, 6], "earlier draft"),
+        ([-1, -1], [5, 5], "repeats token"),
+        ([-1], [5, 6], "parents for"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            check_parents(bad_parents, bad_tokens)
+    assert accepted_nodes(parents, tokens, [5, 8]) == [0, 3]
+    assert accepted_nodes(parents, tokens, [6]) == [1]
+    # Node j sits j + 1 slots after the root: a path keeps its KV while it runs along nodes 0, 1, 2, ...
+    assert num_in_place([0, 2, 4]) == 1 and num_in_place([0, 1, 2]) == 3 and num_in_place([1]) == 0
+
+
+# ------------------------------------------------------------------------------------------- the attention mask
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_tree_step_scores_each_node_as_its_own_path_would(model_dir: Path, backend: str) -> None:
+    """One step over a 20-token context plus a root and a 6-node tree, against each node's path run as plain
+    tokens on a fresh cache: the same logits (the mask hides other branches, rotary positions follow depth)."""
+    engine = make_engine(model_dir, attention={"backend": backend})
+    loaded = engine.loaded
+    context = list(range(40, 60))
+    root = 77
+    tree = parse_token_tree("[(0,), (1,), (0, 0), (1, 0), (0, 0, 0), (2,)]")
+    parents = tree_parents(tree)
+    nodes = [101, 102, 103, 104, 105, 106]
+
+    runner = ModelRunner(loaded, 32, 4)
+    runner.execute([SequenceChunk(context, 0, list(range(10)))])
+    chunk = SequenceChunk([root, *nodes], len(context), list(range(10)), tuple(parents))
+    got = runner.execute([chunk], logits_indices=list(range(len(nodes) + 1)))  # [7, vocab]
+
+    for node in range(-1, len(nodes)):
+        chain = [root, *(nodes[j] for j in path(parents, node))]
+        reference = ModelRunner(loaded, 32, 4)
+        expected = reference.execute([SequenceChunk(context + chain, 0, list(range(10)))])[0]
+        assert torch.allclose(got[node + 1], expected, atol=2e-4, rtol=1e-4), f"{backend}: node {node}"
+
+
+# ------------------------------------------------------------------------------------------- through the engine
+
+
+class TreeOracle(Speculator):
+    """Drafts a tree around each request's known greedy continuation: at each level the true token sits at a
+    random rank among wrong candidates, or is missing, so acceptance stops at every depth and in every branch."""
+
+    name: ClassVar[str] = "tree-oracle"
+    supports_draft_trees: ClassVar[bool] = True
+
+    def __init__(self, answers: dict[str, list[int]], tree: str, vocab: int = 512, miss_rate: float = 0.3) -> None:
+        self.tree = parse_token_tree(tree)
+        super().__init__(len(self.tree))
+        self.parents = tree_parents(self.tree)
+        self.answers, self.vocab, self.miss_rate = answers, vocab, miss_rate
+        self.rng = random.Random(0)
+        self.finished: list[str] = []
+
+    def propose(self, requests: list[SpeculationInput]) -> Proposal:
+        token_ids, parents = [], []
+        for item in requests:
+            done = len(item.token_ids) - item.num_prompt_tokens
+            truth = self.answers[item.request_id][done:]
+            # Per depth: candidates by rank, the true token at a random rank (or nowhere).
+            ranks = []
+            for depth in range(max(map(len, self.tree))):
+                candidates = self.rng.sample(range(self.vocab), 4)
+                true = truth[depth] if depth < len(truth) else 0
+                candidates = [c for c in candidates if c != true][:3]
+                if self.rng.random() > self.miss_rate:  # mostly at rank 0, as a good speculator would have it
+                    candidates.insert(self.rng.choices(range(3), weights=(6, 2, 1))[0], true)
+                ranks.append(candidates)
+            count = min(len(self.tree), item.max_num_tokens)
+            token_ids.append([ranks[len(node) - 1][node[-1]] for node in self.tree[:count]])
+            parents.append(self.parents[:count])
+        return Proposal(token_ids, parents=parents)  # type: ignore[arg-type]
+
+    def on_requests_finished(self, request_ids: list[str]) -> None:
+        self.finished += request_ids
+
+
+def _requests(count: int, seed: int = 0, **params: Any) -> list[EngineCoreRequest]:
+    rng = random.Random(seed)
+    requests = []
+    for i in range(count):
+        prompt = [rng.randrange(3, 500) for _ in range(rng.randrange(3, 30))]
+        fields = {"temperature": 0.0, "max_tokens": rng.randrange(4, 24), "ignore_eos": True, **params}
+        requests.append(EngineCoreRequest(request_id=f"r{i}", prompt_token_ids=prompt, params=SamplingParams(**fields),
+                                          eos_token_ids=[], arrival_time=float(i)))  # fmt: skip
+    return requests
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_greedy_output_is_identical_with_trees_batched_preempted_and_stopped(model_dir: Path, backend: str) -> None:
+    requests = _requests(10, seed=1, stop_token_ids=[7, 11], logprobs=2)
+    sections: dict[str, Any] = {"cache": {"num_kv_blocks": 28}, "attention": {"backend": backend}}
+    plain = speculative_engine(model_dir, **sections)
+    expected: dict[str, list[int]] = {}
+    plain_logprobs: dict[str, list[Any]] = {}
+    for request in requests:
+        plain.add_request(request)
+    while plain.has_unfinished_requests():
+        for output in plain.step():
+            expected.setdefault(output.request_id, []).extend(output.new_token_ids)
+            plain_logprobs.setdefault(output.request_id, []).extend(output.new_logprobs or [])
+
+    oracle = TreeOracle(expected, "[(0,), (1,), (2,), (0, 0), (1, 0), (0, 1), (0, 0, 0), (2, 0), (1, 0, 0)]")
+    engine = speculative_engine(model_dir, oracle, **sections)
+    for request in requests:
+        engine.add_request(request)
+    got: dict[str, list[int]] = {}
+    logprobs: dict[str, list[Any]] = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            got.setdefault(output.request_id, []).extend(output.new_token_ids)
+            logprobs.setdefault(output.request_id, []).extend(output.new_logprobs or [])
+    assert got == expected
+    stats = engine.stats()
+    assert stats.num_preemptions > 0, "the small cache must force preemption"
+    per_pos = stats.spec_decode_num_accepted_tokens_per_pos
+    assert all(per_pos[:3]), per_pos  # accepted at every depth
+    assert stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+    assert set(oracle.finished) >= {r.request_id for r in requests}
+    for request_id, entries in logprobs.items():  # the target's logprobs, token by token
+        assert [e.token_id for e in entries] == expected[request_id]
+        for mine, theirs in zip(entries, plain_logprobs[request_id], strict=True):
+            assert mine.top_token_ids == theirs.top_token_ids
+            assert mine.logprob == pytest.approx(theirs.logprob, abs=1e-4)
+    assert engine.kv_cache.usage == 0.0
+
+
+def test_a_chain_speculator_refuses_a_configured_tree(model_dir: Path) -> None:
+    from tokenmill.config import ConfigError
+
+    spec = {"method": "ngram", "speculative_token_tree": "[(0,), (1,)]"}
+    with pytest.raises(ConfigError, match="drafts chains only"):
+        make_engine(model_dir, speculative_config=spec)
+
+
+@pytest.mark.slow
+def test_no_blocks_leak_after_random_tree_requests_with_aborts(model_dir: Path) -> None:
+    requests = _requests(300, seed=5)
+    answers = run_to_completion(speculative_engine(model_dir), requests)
+    oracle = TreeOracle(answers, "[(0,), (1,), (0, 0), (1, 0), (0, 0, 0)]", miss_rate=0.2)
+    engine = speculative_engine(model_dir, oracle, cache={"num_kv_blocks": 64}, scheduler={"max_num_seqs": 32})
+    pool = engine.kv_cache._pool
+    idle = pool.num_free_blocks
+    rng = random.Random(9)
+    for request in requests[:60]:
+        engine.add_request(request)
+    pending, live = requests[60:], [r.request_id for r in requests[:60]]
+    while engine.has_unfinished_requests() or pending:
+        engine.step()
+        if pending:
+            engine.add_request(pending.pop())
+        if live and rng.random() < 0.3:
+            engine.abort_requests([live.pop(rng.randrange(len(live)))])
+        if rng.random() < 0.05:
+            engine.kv_cache.check_invariants()
+    engine.kv_cache.check_invariants()
+    assert engine.kv_cache.usage == 0.0 and pool.num_free_blocks == idle
+    assert engine.stats().spec_decode_num_accepted_tokens > 0
+
+
+# ------------------------------------------------------------------------------------------- distribution
+
+
+class FixedTree(Speculator):
+    """Always drafts the same tree: two candidates for the next token and one after the first."""
+
+    name: ClassVar[str] = "fixed-tree"
+    supports_draft_trees: ClassVar[bool] = True
+
+    def __init__(self, tokens: list[int], parents: list[int]) -> None:
+        super().__init__(len(tokens))
+        self.tokens, self.parents = tokens, parents
+
+    def propose(self, requests: list[SpeculationInput]) -> Proposal:
+        counts = [min(len(self.tokens), item.max_num_tokens) for item in requests]
+        return Proposal([self.tokens[:n] for n in counts], parents=[self.parents[:n] for n in counts])
+
+
+def _wrong_tree_rule(probs: torch.Tensor, drafts: Any, draft_probs: Any, greedy: Any, gens: Any, parents: Any) -> Any:
+    """A planted mistake: every child is tried against the node's full p (rejected children are not taken out
+    of it), so the second candidate is accepted too often."""
+    results, start = [], 0
+    for own, tree in zip(drafts, parents, strict=True):
+        tree = tree if tree is not None else list(range(-1, len(own) - 1))  # a chain
+        current, tokens, nodes = -1, [], []
+        while True:
+            row = probs[start + current + 1]
+            kids = [j for j, parent in enumerate(tree) if parent == current]
+            chosen = next((kid for kid in kids if float(torch.rand(())) < float(row[own[kid]])), None)
+            if chosen is None:
+                tokens.append(int(torch.multinomial(row, 1)))
+                break
+            tokens.append(own[chosen])
+            nodes.append(chosen)
+            current = chosen
+        results.append(Verified(tokens, tuple(nodes)))
+        start += len(own) + 1
+    return results
+
+
+@pytest.mark.slow
+def test_sampled_tokens_through_trees_have_the_target_distribution_and_a_wrong_rule_is_caught(
+    small_vocab_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    count = 10_000
+    tree = ([4, 5, 4], [-1, -1, 0])  # 4 or 5 next, then 4 after 4
+    plain = sampled_tokens(small_vocab_model, None, count, seed=1)
+    speculative = sampled_tokens(small_vocab_model, FixedTree(*tree), count, seed=2)
+    for position in (1, 2):
+        p = chi_square_p([t[position] for t in plain], [t[position] for t in speculative], 16)
+        assert p > 0.01, f"position {position}: tree verification changed the distribution (p={p:.2g})"
+    monkeypatch.setattr("tokenmill.engine.rejection_sample", _wrong_tree_rule)
+    wrong = sampled_tokens(small_vocab_model, FixedTree(*tree), count, seed=2)
+    p = chi_square_p([t[1] for t in plain], [t[1] for t in wrong], 16)
+    assert p < 0.01, f"the chi-square test cannot tell a wrong tree rule apart (p={p:.2g})"
+
+
+def test_tree_sampler_unit_matches_p_and_greedy_takes_the_argmax_child() -> None:
+    generator = torch.Generator().manual_seed(0)
+    vocab, rows = 6, 20_000
+    p = torch.softmax(torch.randn(vocab, generator=generator) * 1.5, -1)
+    probs = p.repeat(3 * rows, 1)  # root, then the two children's rows
+    drafts, parents = [[0, 1]] * rows, [[-1, -1]] * rows
+    torch.manual_seed(0)
+    results = rejection_sample(probs, drafts, [None] * rows, [False] * rows, [None] * rows, parents)
+    counts = torch.bincount(torch.tensor([r.token_ids[0] for r in results]), minlength=vocab).double()
+    statistic = ((counts - rows * p.double()) ** 2 / (rows * p.double())).sum()
+    assert float(torch.special.gammaincc(torch.tensor((vocab - 1) / 2.0), statistic / 2)) > 0.01
+    assert all(r.nodes == ((r.token_ids[0],) if r.token_ids[0] in (0, 1) else ()) for r in results)
+
+    one_hot = torch.zeros(4, 5)
+    one_hot[0, 3] = one_hot[2, 2] = one_hot[1, 0] = one_hot[3, 4] = 1.0  # root -> 3, node 1 (token 3) -> 2
+    (result,) = rejection_sample(one_hot, [[1, 3, 2]], [None], [True], [None], [[-1, -1, 1]])
+    assert result.token_ids == [3, 2, 4] and result.nodes == (1, 2)
+
+
+def test_goodput_policy_learns_each_tree_nodes_rate() -> None:
+    policy = DraftPolicy(4)
+    for _ in range(200):
+        policy.observe_verification("r", 4, 1, tree_nodes=[1])  # node 1 always accepted, the others never
+    assert policy._gain(0.5, 1) > 0.9 and policy._gain(0.5, 0) < 0.1 and policy._gain(0.5, 3) < 0.1
