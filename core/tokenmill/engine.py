@@ -143,9 +143,7 @@ class EngineCore:
         self.speculator = self._build_speculator()
         self.draft_policy: DraftPolicy | None = None
         if self.speculator is not None and config.speculative_config.draft_policy == "goodput":
-            self.draft_policy = DraftPolicy(
-                self.speculator.num_speculative_tokens, graphed_plain_steps=self.runner.cuda_graphs is not None
-            )
+            self.draft_policy = DraftPolicy(self.speculator.num_speculative_tokens)
         #: This step's final hidden state of each request that got a token, for a speculator that reads them.
         self._hidden_states: dict[str, torch.Tensor] = {}
         #: The requests of the last ``propose`` call (a new one's first call also reads its prompt).

@@ -7,15 +7,19 @@ costs its full share), on the hardware, and on how predictable each request is.
 So the engine measures instead of guessing (after SmartSpec, Liu et al. 2024):
 
 - the target step's time as a line in its number of tokens, ``a + b * tokens``,
-  fitted online over recent steps (exponentially weighted least squares). Where
-  plain decode steps replay a CUDA graph and steps that verify drafts run eagerly
-  (a GPU), the two cost differently, not along one line: a one-token step took
-  1.3 ms and a verification step several times that on an H200. There the plain
-  step gets a line of its own, fitted on steps without drafts, and the first line
-  is fitted on verification steps only;
+  fitted online over recent steps (exponentially weighted least squares), one
+  line for steps that verify drafts and one for plain steps. The two cost
+  differently, not along one line: verifying has a fixed cost of its own (the
+  target's distributions at every position, the acceptance walk; on a CPU with
+  the float32 default model about 2 ms whether 1 or 15 drafts are verified, on
+  a 17 ms step), and where plain decode steps replay a CUDA graph while
+  verification runs eagerly (a GPU) a one-token step took 1.3 ms and a
+  verification step several times that on an H200. One line through both
+  kinds read the fixed cost as a cost per token;
 - the speculator's time per draft position (one ``propose`` divided by its
   longest draft list, over calls whose requests all drafted the step before:
-  a request's first call also reads its prompt into a draft model);
+  a request's first call also reads its prompt into a draft model; for a tree,
+  the whole call, which scores every candidate at once);
 - each request's acceptance rate ``alpha``: the chance that a draft is accepted
   given the ones before it were, estimated from its own verifications
   (accepted drafts are successes, a rejection is a failure), starting from a
@@ -26,7 +30,15 @@ A speculator that drafts trees (``tokenmill.draft_tree``) gets, instead of
 ``alpha``, one measured rate per node of its tree: how often that node was on
 the accepted path (exponentially weighted, from a prior of one half). The
 ``k``-th position handed to a request is its tree's ``k``-th node, worth that
-node's rate in expected tokens.
+node's rate in expected tokens. Unlike a request's ``alpha``, a node's rate
+does not drift back while it is not drafted: it is the speculator's, not the
+text's, and a drifting rate had every unprofitable node tried again every few
+steps (five nodes a step on average where four paid, 1.07x against 1.17-1.33x).
+Instead, one step in 16 (offset from the plain one) gives one request the whole
+tree, which keeps every node's rate measured and shows the cost line large
+steps: fitted on 1- to 3-token steps, its slope stayed at the prior's (15% of
+a step per token, an int4 step's), five times a float32 step's, and the policy
+verified one or two nodes where four paid.
 
 One step in 16 drafts nothing, so that the plain step's cost stays measured.
 With ``alpha``, drafting ``k`` tokens yields ``1 + alpha + ... + alpha^k`` tokens
@@ -52,6 +64,14 @@ _FORGET = 0.9
 #: A draft position must raise expected tokens per second by this fraction: the cost model is a line through
 #: noisy timings, and a position that barely pays on paper loses as often as it wins.
 _MIN_GAIN = 0.03
+#: For a tree, each further node need only pay this much, as long as the nodes together pay ``_MIN_GAIN``: a
+#: tree's later nodes each add little (a few hundredths of a token) and their rates are measured over every
+#: request's verifications, not one request's. With 3% per node the policy verified two nodes of the default
+#: model's Medusa tree, where four paid 4% more.
+_MIN_TREE_NODE_GAIN = 0.005
+#: The whole-tree exploration step happens only in batches of at most this many requests: trees pay where a
+#: step holds few tokens, and at 32 requests it cost more than it measured (0.93x of plain decoding).
+_MAX_TREE_EXPLORE_BATCH = 4
 #: One step in this many drafts nothing, so the fit keeps measuring what a step costs without drafts (a
 #: policy that always drafts would only ever see steps with drafts, and guess the alternative).
 _EXPLORE_EVERY = 16
@@ -96,12 +116,12 @@ class StepCostModel:
 class DraftPolicy:
     """Decides each step how many drafts each request may verify; see the module docstring."""
 
-    def __init__(self, num_speculative_tokens: int, graphed_plain_steps: bool = False) -> None:
-        """``graphed_plain_steps``: steps without drafts run differently (a captured CUDA graph) from steps with
-        drafts, so each kind gets its own cost line."""
+    def __init__(self, num_speculative_tokens: int, separate_plain_steps: bool = True) -> None:
+        """``separate_plain_steps``: steps without drafts get a cost line of their own (see the module
+        docstring); False fits one line through every step."""
         self.max_drafts = num_speculative_tokens
-        self.step_cost = StepCostModel()  # every step, or with ``graphed_plain_steps`` steps with drafts
-        self.plain_step_cost = StepCostModel() if graphed_plain_steps else None
+        self.step_cost = StepCostModel()  # steps with drafts (every step without ``separate_plain_steps``)
+        self.plain_step_cost = StepCostModel() if separate_plain_steps else None
         self.seconds_per_draft_position = 0.0  # the speculator's, measured
         self._acceptance: dict[str, _Acceptance] = {}
         #: For a speculator drafting trees: per node, how often it was accepted (all requests together).
@@ -124,7 +144,9 @@ class DraftPolicy:
         """One ``propose`` call whose longest draft list had ``longest`` tokens took ``seconds``; the engine
         reports only calls for requests that all drafted the step before."""
         if longest:
-            per_position = seconds / longest
+            # A tree's nodes come from one pass of the speculator (Medusa's heads score every candidate at once):
+            # its cost is the call's, whatever the tree's size.
+            per_position = seconds / (1 if self._node_rates else longest)
             self.seconds_per_draft_position = (
                 per_position if self.seconds_per_draft_position == 0 else
                 _DECAY * self.seconds_per_draft_position + (1 - _DECAY) * per_position
@@ -166,10 +188,19 @@ class DraftPolicy:
             return counts
         if self.step_cost.seconds(num_step_tokens) <= 1e-9:  # nothing measured yet: explore with the maximum
             return [min(limit, self.max_drafts) for limit in limits]
+        explore_tree = self._node_rates and self._num_decisions % _EXPLORE_EVERY == _EXPLORE_EVERY // 2
+        if explore_tree and 0 < len(request_ids) <= _MAX_TREE_EXPLORE_BATCH:
+            # Trees: one request verifies the whole tree, so the cost line sees large steps too and every node's
+            # rate stays measured (otherwise the line's prior slope, a chain speculator's, rules nodes out).
+            explored = self._num_decisions // _EXPLORE_EVERY % len(request_ids)
+            counts[explored] = min(limits[explored], self.max_drafts)
+            return counts
         alphas = [self._acceptance.get(r, _Acceptance()).alpha for r in request_ids]
         tokens = float(len(request_ids))  # expected tokens of the step's drafting requests: one each without drafts
         num_tokens, longest = num_step_tokens, 0
         seconds = self._plain_seconds(num_tokens)
+        plain_rate = tokens / seconds
+        min_gain = _MIN_TREE_NODE_GAIN if self._node_rates else _MIN_GAIN
         # Max-heap of each request's next draft position, by the chance it is accepted (alpha^(k+1), or the
         # rate of the tree's next node).
         heap = [(-self._gain(alpha, 0), i) for i, alpha in enumerate(alphas) if limits[i] > 0]
@@ -177,20 +208,20 @@ class DraftPolicy:
         while heap:
             gain, i = heapq.heappop(heap)
             new_longest = max(longest, counts[i] + 1)
-            new_seconds = self.step_cost.seconds(num_tokens + 1) + new_longest * self.seconds_per_draft_position
-            if (tokens - gain) / new_seconds <= (1 + _MIN_GAIN) * tokens / seconds:
+            positions = min(new_longest, 1) if self._node_rates else new_longest  # a tree's cost: one call
+            new_seconds = self.step_cost.seconds(num_tokens + 1) + positions * self.seconds_per_draft_position
+            if (tokens - gain) / new_seconds <= (1 + min_gain) * tokens / seconds:
                 break  # the likeliest remaining position does not pay, so none does
             tokens, seconds, num_tokens, longest = tokens - gain, new_seconds, num_tokens + 1, new_longest
             counts[i] += 1
             if counts[i] < min(limits[i], self.max_drafts):
                 heapq.heappush(heap, (-self._gain(alphas[i], counts[i]), i))
+        if self._node_rates and tokens / seconds < (1 + _MIN_GAIN) * plain_rate:
+            counts = [0] * len(request_ids)  # the tree's nodes together must pay as a chain's first position must
         if not any(counts):
             # Nothing drafted, so the speculator's cost is not measured: let the estimate fade, so that a cost
             # measured once under load (or on a prompt's first catch-up) does not rule drafting out for good.
             self.seconds_per_draft_position *= _FORGET
-        for rate in self._node_rates[max(counts, default=0) :]:  # nodes nobody drafts drift back too
-            rate.successes = _FORGET * rate.successes + (1 - _FORGET)
-            rate.failures = _FORGET * rate.failures + (1 - _FORGET)
         for request_id, count in zip(request_ids, counts, strict=True):
             acceptance = self._acceptance.get(request_id)
             if count == 0 and acceptance is not None:

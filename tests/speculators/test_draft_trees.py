@@ -306,3 +306,31 @@ def test_goodput_policy_learns_each_tree_nodes_rate() -> None:
     for _ in range(200):
         policy.observe_verification("r", 4, 1, tree_nodes=[1])  # node 1 always accepted, the others never
     assert policy._gain(0.5, 1) > 0.9 and policy._gain(0.5, 0) < 0.1 and policy._gain(0.5, 3) < 0.1
+
+
+def _tree_policy(rates: list[float], base_ms: float = 17.0, per_token_ms: float = 0.4) -> DraftPolicy:
+    """A policy that has measured a tree whose node j is accepted at ``rates[j]``, on steps costing ``base`` plus
+    ``per_token`` a token (a float32 CPU step: extra tokens nearly free)."""
+    policy = DraftPolicy(len(rates))
+    for tokens in (1, 2, 5, 9, 17) * 20:
+        policy.observe_step(tokens, (base_ms + per_token_ms * tokens) / 1000, drafted=tokens > 1)
+    rng = random.Random(0)
+    for _ in range(400):
+        accepted = [j for j, rate in enumerate(rates) if rng.random() < rate][:1]
+        policy.observe_verification("r", len(rates), len(accepted), tree_nodes=accepted)
+    return policy
+
+
+def test_goodput_policy_verifies_the_nodes_that_pay_together_and_explores_the_whole_tree() -> None:
+    """Nodes worth a few hundredths of a token each: every one that adds more than it costs is verified (a 3%
+    bar per node would stop at two), none once the tree as a whole stops paying, and one step in 16 gives one
+    request the whole tree so every node's rate stays measured."""
+    rates = [0.26, 0.1, 0.06, 0.05, 0.03, 0.01, 0.005, 0.005]
+    policy = _tree_policy(rates)
+    counts = [policy.num_drafts(["r"], [8], 1)[0] for _ in range(32)]
+    assert counts.count(8) == 2 and counts.count(0) == 2  # the explore steps: the whole tree, and nothing
+    assert set(counts) - {0, 8} == {4}, counts  # nodes 0-3: each adds more than 0.5% (and its cost)
+    expensive = _tree_policy(rates, per_token_ms=8.0)  # a verified token costs half a step: not even node 0 pays
+    assert [expensive.num_drafts(["r"], [8], 1)[0] for _ in range(7)] == [0] * 7
+    nothing_left = _tree_policy([0.02] * 8)  # the nodes together add too little for the cost of verifying
+    assert [nothing_left.num_drafts(["r"], [8], 1)[0] for _ in range(7)] == [0] * 7

@@ -212,6 +212,29 @@ def test_trees_the_heads_cannot_draft_are_errors(make: Factory, tmp_path: Path) 
         make(bad)
 
 
+def test_a_draft_vocabulary_limits_drafts_to_its_tokens(make: Factory, target: LoadedModel, tmp_path: Path) -> None:
+    """Heads on the lm_head with ``draft_vocab``: each draft is the best-scoring token of the vocabulary (the
+    argmax of the full logits restricted to it), for own-projection heads too; a bad list is one line."""
+    tensors = _heads_on_embedding(target, num_heads=2)
+    vocab = list(range(0, VOCAB, 3))  # every third token
+    shared = make(_write(tmp_path / "shared", {k: v for k, v in tensors.items() if not k.endswith(".1.weight")},
+                         draft_vocab=vocab))  # fmt: skip
+    own = make(_write(tmp_path / "own", tensors, draft_vocab=vocab), cls=_OwnWeights)
+    full = make(_write(tmp_path / "full", tensors), cls=_OwnWeights)
+    hidden = _hidden(6)
+    allowed = torch.tensor(vocab)
+    with torch.no_grad():
+        logits = full._logits(hidden, 2)  # [2] x [6, VOCAB]
+    expected = [[vocab[int(head[row, allowed].argmax())] for head in logits] for row in range(6)]
+    assert own.propose(_inputs(hidden)).token_ids == expected
+    assert shared.propose(_inputs(hidden)).token_ids == expected
+    tree = make(tmp_path / "shared", tree="[(0,), (1,), (0, 0)]").propose(_inputs(hidden)).token_ids
+    assert all(token in vocab for drafts in tree for token in drafts)
+    for bad in ([VOCAB], [1, 1], "all"):
+        with pytest.raises(WeightsError, match="draft_vocab must list distinct token ids"):
+            make(_write(tmp_path / f"bad{bad}", tensors, draft_vocab=bad))
+
+
 def test_an_attention_backend_without_trees_refuses_a_configured_tree(
     tied_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -64,13 +64,13 @@ def test_a_request_without_drafts_is_tried_again_later() -> None:
     assert later[-1] != [0]
 
 
-def test_graphed_plain_steps_get_their_own_cost_line() -> None:
+def test_plain_steps_get_their_own_cost_line() -> None:
     """As on the H200: a plain step replays a CUDA graph (1.3 ms), a verification step runs eagerly (6 ms plus
     0.1 ms a token). With its own line for plain steps, a predictable request alone drafts nothing; one line
     through both kinds (the planted model) underestimates a short verification and drafts."""
 
     def observed(graphed: bool) -> DraftPolicy:
-        policy = DraftPolicy(8, graphed_plain_steps=graphed)
+        policy = DraftPolicy(8, separate_plain_steps=graphed)
         for tokens in (1, 2, 5, 9) * 20:
             drafted = tokens > 1
             policy.observe_step(tokens, (6.0 + 0.1 * tokens if drafted else 1.3) / 1000, drafted)
@@ -80,7 +80,7 @@ def test_graphed_plain_steps_get_their_own_cost_line() -> None:
     assert observed(graphed=True).num_drafts(["copying"], [8], 1) == [0]
     assert sum(observed(graphed=False).num_drafts(["copying"], [8], 1)) > 0
     # Where verification is cheap after all (a graph or a CPU), the same policy drafts.
-    cheap = DraftPolicy(8, graphed_plain_steps=True)
+    cheap = DraftPolicy(8)
     for tokens in (1, 2, 5, 9) * 20:
         cheap.observe_step(tokens, (1.3 + 0.1 * tokens) / 1000, tokens > 1)
     _trained(cheap, "copying", accepted=7, drafted=8)

@@ -88,6 +88,10 @@ def test_trained_heads_load_and_their_drafts_are_accepted(
     assert sorted(tensors) == ["0.0.linear.bias", "0.0.linear.weight", "1.0.linear.bias", "1.0.linear.weight"]
     assert tensors["0.0.linear.weight"].abs().sum() > 0  # trained away from the zero start
 
+    # The tokens the heads learnt to predict, most frequent first: the drafts come from them.
+    draft_vocab = config["draft_vocab"]
+    assert 0 < len(draft_vocab) <= 8192 and len(set(draft_vocab)) == len(draft_vocab)
+    assert "a draft vocabulary of" in result.output.splitlines()[-1]
     # The draft tree the held-out answers would have accepted most of: likeliest nodes first, parents first.
     tree = [tuple(node) for node in config["medusa_choices"]]
     assert 0 < len(tree) <= 16 and tree[0] == (0,) and parse_token_tree(str(tree)) == tuple(tree)
@@ -182,6 +186,7 @@ def test_flag_defaults_are_the_options_defaults() -> None:
         "held_out",
         "seed",
         "tree_nodes",
+        "draft_vocab_size",
     )
     for name in names:
         assert defaults[name] == getattr(MedusaTrainingOptions(), name), name
@@ -223,3 +228,13 @@ def test_held_out_prompts_are_out_of_training_with_all_their_answers() -> None:
     prompt = next(iter(held_out_answers))
     assert {int(a) % 4 for a in sequence_of_row[train_rows]} == {0, 1, 2, 3} - {prompt}
     assert len(train_rows) == 3 * 3 * 3  # every answer of the 3 other prompts
+
+
+def test_draft_vocabulary_is_the_most_frequent_labels_and_its_held_out_coverage() -> None:
+    from tokenmill.train.medusa import _IGNORE, _draft_vocab
+
+    train = torch.tensor([[5, 5], [5, 7], [9, _IGNORE], [7, 5], [2, _IGNORE]])  # 5 x4, 7 x2, 9 and 2 once
+    held_out = torch.tensor([5, 9, 3, _IGNORE])
+    assert _draft_vocab(train, held_out, 2) == ([5, 7], pytest.approx(1 / 3))
+    vocab, coverage = _draft_vocab(train, held_out, 100)  # only tokens that occur
+    assert sorted(vocab) == [2, 5, 7, 9] and vocab[0] == 5 and coverage == pytest.approx(2 / 3)

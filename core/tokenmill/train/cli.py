@@ -77,6 +77,14 @@ def train() -> None:
 )
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the split, the batches and sampling.")
 @click.option(
+    "--draft-vocab-size",
+    type=click.IntRange(min=0),
+    default=8192,
+    show_default=True,
+    help="Store the tokens the heads learnt to predict most often, this many (config.json's draft_vocab): the "
+    "heads then score only those, reading that share of the output projection each step; 0: all tokens.",
+)
+@click.option(
     "--tree-nodes",
     type=click.IntRange(min=0, max=64),
     default=16,
@@ -108,6 +116,7 @@ def medusa(
     held_out: float,
     seed: int,
     tree_nodes: int,
+    draft_vocab_size: int,
     save_projection: bool,
     no_progress: bool,
 ) -> None:
@@ -132,6 +141,7 @@ def medusa(
         held_out=held_out,
         seed=seed,
         tree_nodes=tree_nodes,
+        draft_vocab_size=draft_vocab_size,
         save_projection=save_projection,
         progress=not no_progress,
     )

@@ -41,7 +41,13 @@ from tokenmill.llm import LLM
 from tokenmill.model_loader import LoadedModel
 from tokenmill.model_runner import ModelRunner, SequenceChunk
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.train.medusa_heads import MEDUSA_CHOICES, apply_resblocks, output_projection, write_medusa_heads
+from tokenmill.train.medusa_heads import (
+    DRAFT_VOCAB,
+    MEDUSA_CHOICES,
+    apply_resblocks,
+    output_projection,
+    write_medusa_heads,
+)
 
 __all__ = ["MedusaTrainingOptions", "MedusaTrainingResult", "TrainingError", "read_prompts", "train_medusa"]
 
@@ -72,6 +78,7 @@ class MedusaTrainingOptions:
     held_out: float = 0.1  # share of the answers kept out of training to measure accuracy
     seed: int = 0
     tree_nodes: int = 16  # nodes of the draft tree stored as medusa_choices (0: none)
+    draft_vocab_size: int = 8192  # tokens the heads score, the most frequent in the training labels (0: all)
     save_projection: bool = False  # also store the (frozen) projection in every head, Medusa-1's layout
     progress: bool = True  # tqdm progress bars on stderr
 
@@ -85,6 +92,7 @@ class MedusaTrainingOptions:
             ("epochs", self.epochs, 1),
             ("batch_size", self.batch_size, 1),
             ("tree_nodes", self.tree_nodes, 0),
+            ("draft_vocab_size", self.draft_vocab_size, 0),
         ):
             if value < low:
                 raise TrainingError(f"{name} must be at least {low}, got {value}")
@@ -110,6 +118,8 @@ class MedusaTrainingResult:
     mean_accepted: float  # held out: mean drafts a chain of all heads gets accepted by greedy verification
     tree: list[tuple[int, ...]]  # the stored draft tree (medusa_choices), likeliest node first; empty: none
     tree_accepted: float  # held out: mean drafts that tree gets accepted
+    draft_vocab_size: int  # tokens in the stored draft vocabulary; 0: none stored
+    draft_vocab_coverage: float  # held out: the share of head 0's targets in the draft vocabulary
     seconds: float
     settings: dict[str, Any] = field(default_factory=dict)
 
@@ -123,6 +133,12 @@ class MedusaTrainingResult:
             f"{self.seconds:.0f} s; held-out top-1 accuracy over {self.num_held_out_positions} positions: {heads}; "
             f"{self.mean_accepted:.2f} drafts accepted per step (greedy chain)"
             + (f", {self.tree_accepted:.2f} with a tree of {len(self.tree)} nodes" if self.tree else "")
+            + (
+                f"; a draft vocabulary of {self.draft_vocab_size} tokens holds {self.draft_vocab_coverage:.1%} of "
+                "held-out targets"
+                if self.draft_vocab_size
+                else ""
+            )
             + f"; wrote {self.output}"
         )
 
@@ -165,6 +181,10 @@ def train_medusa(config: EngineConfig, output: Path, options: MedusaTrainingOpti
     if options.tree_nodes:
         ranks = _ranks(heads, projection, hidden[held_out_rows], targets[held_out_rows])
         tree, tree_accepted = _best_tree(ranks, options.tree_nodes)
+    draft_vocab: list[int] = []
+    coverage = 1.0
+    if options.draft_vocab_size:
+        draft_vocab, coverage = _draft_vocab(targets[train_rows], targets[held_out_rows, 0], options.draft_vocab_size)
     settings = {
         "prompts": str(options.prompts) if options.prompts else "bundled prompts.txt",
         "num_answers": len(sequences),
@@ -179,6 +199,8 @@ def train_medusa(config: EngineConfig, output: Path, options: MedusaTrainingOpti
         "held_out_top1_accuracy": [round(a, 4) for a in accuracies],
         "held_out_mean_accepted": round(mean_accepted, 4),
         "held_out_tree_accepted": round(tree_accepted, 4),
+        "draft_vocab_size": len(draft_vocab),
+        "held_out_draft_vocab_coverage": round(coverage, 4),
     }
     write_medusa_heads(
         output,
@@ -189,6 +211,7 @@ def train_medusa(config: EngineConfig, output: Path, options: MedusaTrainingOpti
             "vocab_size": loaded.arch.vocab_size,
             "tokenmill_training": settings,
             **({MEDUSA_CHOICES: [list(node) for node in tree]} if tree else {}),
+            **({DRAFT_VOCAB: draft_vocab} if draft_vocab else {}),
         },
         projection.weight if options.save_projection else None,
     )
@@ -202,6 +225,8 @@ def train_medusa(config: EngineConfig, output: Path, options: MedusaTrainingOpti
         mean_accepted=mean_accepted,
         tree=tree,
         tree_accepted=tree_accepted,
+        draft_vocab_size=len(draft_vocab),
+        draft_vocab_coverage=coverage,
         seconds=time.monotonic() - started,
         settings=settings,
     )
@@ -401,6 +426,17 @@ def _best_tree(ranks: torch.Tensor, num_nodes: int, max_rank: int = 10) -> tuple
             counts[node] = counts.get(node, 0) + 1
     best = sorted(counts.items(), key=lambda item: (-item[1], len(item[0]), item[0]))[:num_nodes]
     return [node for node, _ in best], sum(count for _, count in best) / max(1, len(ranks))
+
+
+def _draft_vocab(train_targets: torch.Tensor, held_out_targets: torch.Tensor, size: int) -> tuple[list[int], float]:
+    """The ``size`` tokens the heads were trained to predict most often (fewer if fewer occur), most frequent
+    first, and the share of ``held_out_targets`` among them."""
+    labels = train_targets[train_targets != _IGNORE]
+    counts = torch.bincount(labels, minlength=int(labels.max()) + 1 if len(labels) else 1)
+    order = counts.argsort(descending=True, stable=True)[: min(size, int((counts > 0).sum()))]
+    held_out = held_out_targets[held_out_targets != _IGNORE]
+    coverage = float(torch.isin(held_out, order).float().mean()) if len(held_out) else 1.0
+    return order.tolist(), coverage
 
 
 @torch.no_grad()

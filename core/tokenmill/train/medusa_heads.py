@@ -39,6 +39,7 @@ from tokenmill.weights.format import WeightsError
 
 __all__ = [
     "CONFIG_FILE",
+    "DRAFT_VOCAB",
     "MEDUSA_CHOICES",
     "WEIGHTS_FILE",
     "MedusaHeads",
@@ -52,6 +53,9 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.json"
+#: config.json key of a draft vocabulary (our addition, after FR-Spec, Zhao et al. 2025): the token ids the heads
+#: score, most frequent first; heads then read only those rows of their projection. Absent: the whole vocabulary.
+DRAFT_VOCAB = "draft_vocab"
 #: config.json key of the draft tree to verify with these heads (our addition; Medusa's own name for a tree's
 #: node list): a list of rank paths, as ``speculative_config.speculative_token_tree``.
 MEDUSA_CHOICES = "medusa_choices"

@@ -37,6 +37,12 @@ projection (the tied embedding or lm_head, dequantized from GGUF;
 dtypes; this is checked once, at construction. Such heads then use the target's lm_head as it runs,
 quantized or not: the same approximation as the target's own logits, which verify the drafts anyway.
 Other heads multiply by their own weights, kept on the target's device in its dtype.
+
+A draft vocabulary (``draft_vocab`` in config.json, which ``tokenmill train medusa`` writes; after FR-Spec, Zhao
+et al. 2025) cuts that cost further: the heads score only its tokens, the ones they learnt to predict most often,
+through those rows of the projection (from the checkpoint, as floats, for shared heads), so a step reads 8,192 of
+SmolLM2's 49,152 rows; a token outside it is never drafted, which verification makes a missed guess, never a
+wrong token.
 """
 
 from __future__ import annotations
@@ -49,9 +55,11 @@ import torch
 
 from tokenmill.config import ConfigError
 from tokenmill.draft_tree import TokenTree, parse_token_tree, tree_parents
+from tokenmill.layers.dense import onednn_enabled, onednn_linear, pack_for_onednn
 from tokenmill.model_loader import LoadedModel
 from tokenmill.speculator import Proposal, SpeculationInput, Speculator, SpeculatorContext
 from tokenmill.train.medusa_heads import (
+    DRAFT_VOCAB,
     MEDUSA_CHOICES,
     apply_resblocks,
     output_projection,
@@ -136,9 +144,22 @@ class MedusaSpeculator(Speculator):
         self._projections: torch.Tensor | None = None  # [num_own_heads, vocab, hidden], in head order
         if own:
             self._projections = torch.stack([p.to(target.device, target.dtype) for _, p in own if p is not None])
+        #: With a draft vocabulary (``draft_vocab`` in config.json): its token ids [draft_vocab_size], and the
+        #: shared heads' projection cut to those rows, packed for the matmul: heads then score only those tokens.
+        self._draft_vocab = _draft_vocab(directory, heads.config, target.arch.vocab_size, target.device)
+        self._draft_projection: torch.Tensor | None = None
+        if self._draft_vocab is not None:
+            if shared:
+                reference = output_projection(target, context.plugins, context.config.model.weight_format)
+                self._draft_projection = _pack(reference[self._draft_vocab.cpu()].to(target.device, target.dtype))
+            if self._projections is not None:
+                self._projections = self._projections[:, self._draft_vocab].contiguous()
         logger.info(
-            "medusa: %d heads (%d ResBlocks each) from %s, %d of them on the target's lm_head; drafting %s",
+            "medusa: %d heads (%d ResBlocks each) from %s, %d of them on the target's lm_head, scoring %s; "
+            "drafting %s",
             heads.num_heads, heads.num_layers, directory, len(shared),
+            f"a draft vocabulary of {len(self._draft_vocab)} tokens" if self._draft_vocab is not None else
+            "the whole vocabulary",
             f"a tree of {len(self.tree)} nodes" if self.tree is not None else "a chain",
         )  # fmt: skip
 
@@ -212,13 +233,18 @@ class MedusaSpeculator(Speculator):
 
     def _logits(self, hidden: torch.Tensor, num_heads: int) -> list[torch.Tensor]:
         """The first ``num_heads`` heads' logits for ``hidden`` [num_rows, hidden], as [num_heads] tensors
-        [num_rows, vocab]: the heads on the target's lm_head in one call, the others by their own projection."""
+        [num_rows, vocab] (with a draft vocabulary: [num_rows, draft_vocab_size], over its tokens): the heads on
+        the target's lm_head in one call, the others by their own projection."""
         num_rows = hidden.shape[0]
         x = apply_resblocks(hidden, self._weights[:num_heads], self._biases[:num_heads])  # [num_heads, rows, hidden]
         logits: list[torch.Tensor | None] = [None] * num_heads
         shared = self._shared_index[num_heads]
         if len(shared):
-            shared_logits = self._target.model.compute_logits(x[shared].reshape(len(shared) * num_rows, -1))
+            rows = x[shared].reshape(len(shared) * num_rows, -1)  # [num_shared * num_rows, hidden]
+            if self._draft_projection is not None:
+                shared_logits = _matmul(rows, self._draft_projection)
+            else:
+                shared_logits = self._target.model.compute_logits(rows)
             for position, head in enumerate(shared.tolist()):
                 logits[head] = shared_logits[position * num_rows : (position + 1) * num_rows]
         own = self._own_index[num_heads]
@@ -233,13 +259,17 @@ class MedusaSpeculator(Speculator):
     def _candidates(self, hidden: torch.Tensor) -> list[list[list[int]]]:
         """Per head the tree needs, each row's top candidates, best first: [num_heads][num_rows][num_candidates]."""
         logits = self._logits(hidden, len(self._num_candidates))
-        return [
-            head.topk(count, dim=-1).indices.tolist() for head, count in zip(logits, self._num_candidates, strict=True)
-        ]
+        counts = self._num_candidates
+        return [self._tokens(head.topk(n, dim=-1).indices).tolist() for head, n in zip(logits, counts, strict=True)]
 
     def _draft(self, hidden: torch.Tensor, num_heads: int) -> torch.Tensor:
         """The first ``num_heads`` heads' top-1 tokens for ``hidden`` [num_rows, hidden]: [num_rows, num_heads]."""
-        return torch.stack([head.argmax(dim=-1) for head in self._logits(hidden, num_heads)], dim=1).cpu()
+        best = torch.stack([head.argmax(dim=-1) for head in self._logits(hidden, num_heads)], dim=1)
+        return self._tokens(best).cpu()
+
+    def _tokens(self, indices: torch.Tensor) -> torch.Tensor:
+        """Token ids of indices into the heads' logits (the draft vocabulary's positions, when there is one)."""
+        return self._draft_vocab[indices] if self._draft_vocab is not None else indices
 
 
 def _check_sizes(
@@ -256,6 +286,37 @@ def _check_sizes(
     if other:
         raise WeightsError(f"{directory}: the Medusa heads predict a vocabulary of {other[0]} tokens, the target "
                            f"model's has {arch.vocab_size}: they were trained for another model")  # fmt: skip
+
+
+def _draft_vocab(
+    directory: Path, config: dict[str, object], vocab_size: int, device: torch.device
+) -> torch.Tensor | None:
+    """config.json's ``draft_vocab`` as token ids on ``device``, or None; ``WeightsError`` when it is not a list of
+    distinct token ids of the target's vocabulary."""
+    tokens = config.get(DRAFT_VOCAB)
+    if tokens is None:
+        return None
+    if (
+        not isinstance(tokens, list)
+        or not tokens
+        or not all(isinstance(t, int) and 0 <= t < vocab_size for t in tokens)
+        or len(set(tokens)) != len(tokens)
+    ):
+        raise WeightsError(f"{directory}/config.json: {DRAFT_VOCAB} must list distinct token ids below {vocab_size}")
+    return torch.tensor(tokens, dtype=torch.long, device=device)
+
+
+def _pack(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [n, hidden] ready for ``_matmul``: packed for oneDNN on a CPU that has it (torch's ``@`` takes
+    a slow generic path on AMD CPUs, see ``tokenmill.layers.dense``)."""
+    return pack_for_onednn(weight) if weight.device.type == "cpu" and onednn_enabled() else weight
+
+
+def _matmul(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` for ``packed`` from ``_pack``: [rows, n] float32."""
+    if packed.device.type == "cpu" and onednn_enabled():
+        return onednn_linear(x, packed).float()
+    return (x @ packed.T).float()
 
 
 def _index(heads: list[int], device: torch.device) -> torch.Tensor:
