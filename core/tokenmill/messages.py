@@ -191,6 +191,7 @@ class ShardChunk(msgspec.Struct, array_like=True, frozen=True, gc=False):
     token_ids: list[int]
     num_computed_tokens: int
     block_ids: list[int]
+    draft_parents: tuple[int, ...] | None = None  # a draft tree's parents (``SequenceChunk.draft_parents``)
 
 
 class ShardStep(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True, gc=False, tag=True):

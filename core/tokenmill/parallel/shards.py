@@ -160,7 +160,7 @@ class ShardedModelRunner(ModelRunner):
         # The workers get token ids from the chunks: no input ids on the device (async scheduling is off here).
         assert device_input_ids is None, "tensor parallelism runs without async scheduling"
         self.workers.check_alive()
-        shard_chunks = [ShardChunk(c.token_ids, c.num_computed_tokens, c.block_ids) for c in chunks]
+        shard_chunks = [ShardChunk(c.token_ids, c.num_computed_tokens, c.block_ids, c.draft_parents) for c in chunks]
         self.workers.send(ShardStep(shard_chunks, logits_indices, all_logits))
         with self._shard_failures():
             return super()._hidden(chunks, all_logits, logits_indices)

@@ -88,7 +88,9 @@ def run_shard_worker_process() -> None:
     while (frame := _read_frame(stream)) is not None:
         message = decode_to_shard(frame)
         if isinstance(message, ShardStep):
-            chunks = [SequenceChunk(c.token_ids, c.num_computed_tokens, c.block_ids) for c in message.chunks]
+            chunks = [
+                SequenceChunk(c.token_ids, c.num_computed_tokens, c.block_ids, c.draft_parents) for c in message.chunks
+            ]
             runner.execute(chunks, message.all_logits, message.logits_indices)
         elif isinstance(message, ShardCopyBlocks):
             runner.copy_blocks(message.copies)

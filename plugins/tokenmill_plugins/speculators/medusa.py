@@ -151,7 +151,8 @@ class MedusaSpeculator(Speculator):
         if self._draft_vocab is not None:
             if shared:
                 reference = output_projection(target, context.plugins, context.config.model.weight_format)
-                self._draft_projection = _pack(reference[self._draft_vocab.cpu()].to(target.device, target.dtype))
+                rows = reference[self._draft_vocab.to(reference.device)]  # [draft_vocab_size, hidden]
+                self._draft_projection = _pack(rows.to(target.device, target.dtype))
             if self._projections is not None:
                 self._projections = self._projections[:, self._draft_vocab].contiguous()
         logger.info(
