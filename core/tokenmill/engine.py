@@ -382,11 +382,12 @@ class EngineCore:
             return self._run_ahead(scheduler_output)
         started = time.perf_counter()
         runner_output = self.execute(scheduler_output)
-        if self.draft_policy is not None and all(s.samples_token for s in scheduler_output.scheduled):
-            # Decode and verification steps only: a prompt chunk's cost per token says nothing about drafts'.
-            num_tokens = scheduler_output.num_scheduled_tokens
-            drafted = num_tokens > len(scheduler_output.scheduled)  # a verifying request has its drafts' tokens too
-            self.draft_policy.observe_step(num_tokens, time.perf_counter() - started, drafted)
+        scheduled = scheduler_output.scheduled
+        if self.draft_policy is not None and all(s.samples_token and s.request.output_token_ids for s in scheduled):
+            # Decode and verification steps only: a prompt chunk's cost per token says nothing about drafts' (the
+            # last chunk of a prompt samples a token too, but its request has none yet).
+            seconds, drafted = time.perf_counter() - started, any(s.draft_token_ids for s in scheduled)
+            self.draft_policy.observe_step(scheduler_output.num_scheduled_tokens, seconds, drafted)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         self._store_completed()
         if self.speculator is not None:
