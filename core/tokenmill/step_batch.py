@@ -46,6 +46,7 @@ class SequenceChunk:
 _token_ids = attrgetter("token_ids")
 _num_computed = attrgetter("num_computed_tokens")
 _block_ids = attrgetter("block_ids")
+_draft_parents = attrgetter("draft_parents")
 
 
 def _lengths(chunks: Sequence[SequenceChunk], get_list: attrgetter[list[int]]) -> numpy.ndarray:
@@ -129,6 +130,8 @@ def _draft_tree_mask(
     """The step's draft trees as ``AttentionMetadata.draft_tree``; None when no chunk verifies a tree (a chain
     of drafts is plain causal attention). A Python loop over the tree chunks only: trees are drafted where a
     step holds few requests."""
+    if not any(map(_draft_parents, chunks)):  # in C, as the rest of a step's layout: most steps have no drafts
+        return None
     trees = [(i, c.draft_parents) for i, c in enumerate(chunks) if c.draft_parents and not is_chain(c.draft_parents)]
     if not trees:
         return None

@@ -37,13 +37,14 @@ class DraftTreeMask:
     rotary_positions: torch.Tensor
 
 
-def tree_visibility(tree: DraftTreeMask, key_positions: torch.Tensor) -> torch.Tensor:
+def tree_visibility(tree_start: torch.Tensor, visible: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
     """[num_tree_tokens, len(key_positions)] bool: whether each tree token may see the key at each position as
-    far as the tree goes (keys before its tree: yes; its tree's nodes: ``visible``). The causal mask still
-    applies on top: positions after a token stay hidden."""
-    offset = key_positions[None, :] - tree.tree_start[:, None]  # [num_tree_tokens, num_keys]
-    in_tree = (offset >= 0) & (offset < tree.visible.shape[1])
-    seen = tree.visible.gather(1, offset.clamp(0, tree.visible.shape[1] - 1))
+    far as the tree goes (keys before its tree: yes; its tree's nodes: ``visible``), for tree tokens given by
+    ``DraftTreeMask.tree_start`` and ``.visible`` (or rows of them). The causal mask still applies on top:
+    positions after a token stay hidden."""
+    offset = key_positions[None, :] - tree_start[:, None]  # [num_tree_tokens, num_keys]
+    in_tree = (offset >= 0) & (offset < visible.shape[1])
+    seen = visible.gather(1, offset.clamp(0, visible.shape[1] - 1))
     return ~in_tree | seen
 
 

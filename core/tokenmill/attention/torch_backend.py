@@ -59,7 +59,7 @@ class TorchAttentionBackend(AttentionBackend):
         tree = metadata.draft_tree
         if tree is not None:  # a tree token sees, of its tree's nodes, only itself and its ancestors
             rows = (token_req[tree.token_index], token_row[tree.token_index])
-            mask[rows] &= tree_visibility(tree, key_positions)
+            mask[rows] &= tree_visibility(tree.tree_start, tree.visible, key_positions)
             query_positions[rows] = tree.rotary_positions[tree.token_index]  # for the sliding window
         mask[:, :, 0] |= ~is_real_query  # an all-false row would make SDPA return NaN
         metadata.backend_state = _StepState(

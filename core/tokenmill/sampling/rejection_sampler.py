@@ -85,7 +85,8 @@ def rejection_sample(
         assert parents is not None and draft_probs[i] is None, "draft trees are deterministic"
         rows = probs[starts[i] : starts[i + 1]]
         results[i] = _sample_tree(rows, draft_token_ids[i], parents, is_greedy[i], generators[i])
-    chains = [i for i in range(len(draft_token_ids)) if i not in set(trees)]
+    is_tree = set(trees)
+    chains = [i for i in range(len(draft_token_ids)) if i not in is_tree]
     if chains:
         rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in chains]).to(probs.device)
         sampled = _sample_chains(

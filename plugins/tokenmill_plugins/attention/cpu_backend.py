@@ -31,7 +31,6 @@ from tokenmill.attention.backend import (
     AttentionBackend,
     AttentionLayerSpec,
     AttentionMetadata,
-    DraftTreeMask,
     tree_visibility,
 )
 from tokenmill.attention.kv_quant import read_kv
@@ -111,10 +110,8 @@ class CpuAttentionBackend(AttentionBackend):
                     in_chunk = (tree.token_index >= start) & (tree.token_index < end)
                     rows = tree.token_index[in_chunk] - start
                     chunk.tree_mask[rows] &= tree_visibility(
-                        DraftTreeMask(tree.token_index[in_chunk], tree.tree_start[in_chunk], tree.visible[in_chunk],
-                                      tree.rotary_positions),
-                        key_positions,
-                    )  # fmt: skip
+                        tree.tree_start[in_chunk], tree.visible[in_chunk], key_positions
+                    )
                 state.long_chunks.append(chunk)
                 is_kernel_token[start:end] = False
             state.kernel_tokens = is_kernel_token.nonzero().flatten()

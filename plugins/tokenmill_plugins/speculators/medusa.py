@@ -55,7 +55,8 @@ import torch
 
 from tokenmill.config import ConfigError
 from tokenmill.draft_tree import TokenTree, parse_token_tree, tree_parents
-from tokenmill.layers.dense import onednn_enabled, onednn_linear, pack_for_onednn
+from tokenmill.layers.dense import DenseQuantizer
+from tokenmill.layers.linear import Linear
 from tokenmill.model_loader import LoadedModel
 from tokenmill.speculator import Proposal, SpeculationInput, Speculator, SpeculatorContext
 from tokenmill.train.medusa_heads import (
@@ -145,14 +146,16 @@ class MedusaSpeculator(Speculator):
         if own:
             self._projections = torch.stack([p.to(target.device, target.dtype) for _, p in own if p is not None])
         #: With a draft vocabulary (``draft_vocab`` in config.json): its token ids [draft_vocab_size], and the
-        #: shared heads' projection cut to those rows, packed for the matmul: heads then score only those tokens.
+        #: shared heads' projection cut to those rows, as a dense layer (oneDNN on a CPU, as the model's own).
         self._draft_vocab = _draft_vocab(directory, heads.config, target.arch.vocab_size, target.device)
-        self._draft_projection: torch.Tensor | None = None
+        self._draft_projection: Linear | None = None
         if self._draft_vocab is not None:
             if shared:
                 reference = output_projection(target, context.plugins, context.config.model.weight_format)
                 rows = reference[self._draft_vocab.to(reference.device)]  # [draft_vocab_size, hidden]
-                self._draft_projection = _pack(rows.to(target.device, target.dtype))
+                layer = Linear(rows.shape[1], rows.shape[0], False, DenseQuantizer(), target.dtype).to(target.device)
+                layer.load_weight("weight", rows.to(target.device, target.dtype))
+                self._draft_projection = layer
             if self._projections is not None:
                 self._projections = self._projections[:, self._draft_vocab].contiguous()
         logger.info(
@@ -243,7 +246,7 @@ class MedusaSpeculator(Speculator):
         if len(shared):
             rows = x[shared].reshape(len(shared) * num_rows, -1)  # [num_shared * num_rows, hidden]
             if self._draft_projection is not None:
-                shared_logits = _matmul(rows, self._draft_projection)
+                shared_logits = self._draft_projection(rows)
             else:
                 shared_logits = self._target.model.compute_logits(rows)
             for position, head in enumerate(shared.tolist()):
@@ -305,19 +308,6 @@ def _draft_vocab(
     ):
         raise WeightsError(f"{directory}/config.json: {DRAFT_VOCAB} must list distinct token ids below {vocab_size}")
     return torch.tensor(tokens, dtype=torch.long, device=device)
-
-
-def _pack(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` [n, hidden] ready for ``_matmul``: packed for oneDNN on a CPU that has it (torch's ``@`` takes
-    a slow generic path on AMD CPUs, see ``tokenmill.layers.dense``)."""
-    return pack_for_onednn(weight) if weight.device.type == "cpu" and onednn_enabled() else weight
-
-
-def _matmul(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """``x @ weight.T`` for ``packed`` from ``_pack``: [rows, n] float32."""
-    if packed.device.type == "cpu" and onednn_enabled():
-        return onednn_linear(x, packed).float()
-    return (x @ packed.T).float()
 
 
 def _index(heads: list[int], device: torch.device) -> torch.Tensor:
