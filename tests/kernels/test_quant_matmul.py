@@ -106,7 +106,7 @@ def test_kernel_matches_reference(kind: str, m: int, k: int) -> None:
             assert ((out - plain).abs() <= allowed).all(), f"{where}: too far from x @ dequantize(W).T"
 
 
-ISAS = ("avx2", "avx_vnni", "avx512")
+ISAS = ("avx2", "avx_vnni", "avx512", "avx512_vnni16")
 
 
 def _skip_unless_supported(isa: str) -> None:
@@ -119,12 +119,13 @@ def _skip_unless_supported(isa: str) -> None:
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_every_isa_variant_matches_reference(kind: str, isa: str) -> None:
     """``test_kernel_matches_reference`` runs the best variant; this runs each, on every tile shape (M up to 33
-    covers full and partial activation tiles, N = 1, 7 partial weight tiles of 2 and 4 rows)."""
+    covers full and partial activation tiles, N = 1, 7 partial weight tiles of 2 and 4 rows; K = 128 is one
+    block of four groups for avx512_vnni16's int4 tiles, 32 and 576 end in a partial block)."""
     _skip_unless_supported(isa)
     before = cpu.isa()
     try:
         cpu.set_isa(isa)
-        for k in (32, 576):
+        for k in (32, 128, 576):
             for m in (1, 3, 4, 5, 32, 33):
                 x = torch.randn(m, k, generator=torch.Generator().manual_seed(m * k)) * 3.0
                 for n in N_VALUES:

@@ -1,12 +1,14 @@
 """Micro-benchmark: all linears of one SmolLM2-135M forward, float32 vs the int8 and int4 kernels.
 
-``python -m tokenmill_kernels.quant_matmul.bench [--m 1 2 4] [--threads N] [--repeats R]``
+``python -m tokenmill_kernels.quant_matmul.bench [--m 1 2 4] [--threads N] [--repeats R] [--isas avx512 ...]``
 
 Per layer: q 576->576, k 576->192, v 576->192, o 576->576, gate/up 576->1536, down 1536->576, times 30 layers,
 plus the tied 576->49152 lm_head. Every layer has its own weights, so they stream from memory as in a real
 decode step rather than staying in cache. Prints milliseconds per forward (best of the repeats) for float32
 ``F.linear``, all-int8, all-int4, and "gguf" (int4 layers with an int8 lm_head, as stored in the default
 model's Q4_1 GGUF); the batch size M at which float32 catches up decides when to fall back to dense weights.
+With ``--isas``, the "gguf" forward instead, once per kernel variant named (``cpu.supported_isas()``), the
+variants taking turns within each row so that they see the same machine.
 """
 
 from __future__ import annotations
@@ -61,14 +63,37 @@ def _forward_time(linears: list[tuple[int, Linear]], m: int, repeats: int) -> fl
     return best * 1e3
 
 
+def _compare_isas(isas: list[str], batch_sizes: list[int], repeats: int) -> None:
+    """Milliseconds per GGUF-mix forward for each variant in ``isas``, best of ``repeats`` rounds of turns."""
+    generator = torch.Generator().manual_seed(0)
+    gguf = _linears("int4", LAYER_SHAPES * LAYERS, generator) + _linears("int8", [LM_HEAD], generator)
+    before = cpu.isa()
+    print(f"threads={torch.get_num_threads()}  GGUF mix ms per forward, best of {repeats}")
+    print(f"{'M':>4} " + " ".join(f"{isa:>14}" for isa in isas))
+    try:
+        for m in batch_sizes:
+            best = dict.fromkeys(isas, float("inf"))
+            for _ in range(repeats):
+                for isa in isas:
+                    cpu.set_isa(isa)
+                    best[isa] = min(best[isa], _forward_time(gguf, m, 1))
+            print(f"{m:>4} " + " ".join(f"{best[isa]:>14.2f}" for isa in isas))
+    finally:
+        cpu.set_isa(before)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--m", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128], help="batch sizes")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch.set_num_threads")
     parser.add_argument("--repeats", type=int, default=7, help="timed forwards per cell; the best is shown")
+    parser.add_argument("--isas", nargs="+", help="compare these kernel variants on the GGUF mix instead")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     cpu.load()
+    if args.isas:
+        _compare_isas(args.isas, args.m, args.repeats)
+        return
 
     generator = torch.Generator().manual_seed(0)
     layers = LAYER_SHAPES * LAYERS
