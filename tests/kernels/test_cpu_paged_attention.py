@@ -32,13 +32,32 @@ def _step(query_lens: list[int], computed: list[int], block_size: int, num_block
     return build_batch(chunks, block_size)
 
 
+ISAS = ("avx2", "avx512")
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    """Each kernel variant in turn (skipped where the CPU lacks it), restoring the default after."""
+    if request.param not in kernels.supported_isas():
+        pytest.skip(f"this CPU lacks {request.param} (it supports {', '.join(kernels.supported_isas())})")
+    before = kernels.isa()
+    kernels.set_isa(request.param)
+    yield request.param
+    kernels.set_isa(before)
+
+
 @pytest.mark.parametrize("block_size", [1, 4, 16, 32])
-@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(4, 4, 32), (9, 3, 64), (8, 1, 128), (6, 2, 8)])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"), [(4, 4, 32), (9, 3, 64), (8, 1, 128), (6, 2, 8), (5, 1, 40)]
+)
 @pytest.mark.parametrize("sliding_window", [None, 5])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.float8_e4m3fn, torch.int8])
-def test_matches_reference_on_mixed_batches(block_size, num_heads, num_kv_heads, head_dim, sliding_window, cache_dtype):
+def test_matches_reference_on_mixed_batches(
+    block_size, num_heads, num_kv_heads, head_dim, sliding_window, cache_dtype, isa
+):
     """fp8/int8 caches (codes and a scale per row): the kernel writes the same bytes as the torch reference
-    backend and attends over them as it does, dequantizing on the fly."""
+    backend and attends over them as it does, dequantizing on the fly. Every variant (``isa``): head_dim 40
+    ends in a half register of the 512-bit one, 8 is nothing else."""
     # decode tokens, a prompt from scratch, a chunk continuing a prompt, a one-token prompt
     query_lens, computed = [1, 1, 7, 5, 1, 1], [0, 37, 0, 9, 0, 16]
     num_blocks = 96  # enough for every request even with block_size 1
@@ -70,7 +89,7 @@ def test_matches_reference_on_mixed_batches(block_size, num_heads, num_kv_heads,
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
-def test_draft_trees_match_the_reference_backend(block_size, cache_dtype):
+def test_draft_trees_match_the_reference_backend(block_size, cache_dtype, isa):
     """Tree tokens skip their tree's other branches (64-bit masks), as the torch reference's masks do: a batch
     with a plain decode, a tree after recomputed tokens, a 64-node tree (every mask bit) and a prompt chunk."""
     wide = tuple([-1] * 8 + [j // 8 for j in range(56)])  # 64 nodes: 8 at depth 1, 7 children each
@@ -183,3 +202,15 @@ def test_quantized_write_rounds_every_midpoint_as_torch(cache_dtype):
     expected = quantize_kv(key, cache_dtype).view(torch.uint8)
     assert torch.equal(cache[0, :, 0].view(torch.uint8), expected)
     assert torch.equal(cache[1, :, 0].view(torch.uint8), expected)
+
+
+def test_set_isa_picks_the_best_for_auto_and_names_the_supported_ones():
+    supported = kernels.supported_isas()
+    before = kernels.isa()
+    try:
+        kernels.set_isa("auto")
+        assert supported[0] == "avx2" and kernels.isa() == supported[-1]
+        with pytest.raises(ValueError, match=f'supports \\({", ".join(supported)}\\), got "sse2"'):
+            kernels.set_isa("sse2")
+    finally:
+        kernels.set_isa(before)

@@ -1,4 +1,4 @@
-"""Launcher for the CPU paged-attention kernels in ``cpu/paged_attention.cpp`` (AVX2, F16C).
+"""Launcher for the CPU paged-attention kernels in ``cpu/paged_attention.cpp`` (AVX2, F16C; AVX-512 where present).
 
 ``paged_attention`` computes, for every new token of a step, causal attention over its own
 request's cached keys and values, read through the block table: decode tokens and prompt
@@ -19,7 +19,7 @@ from torch import Tensor
 
 from tokenmill_kernels.cpp_build import CppExtension
 
-__all__ = ["is_available", "load", "paged_attention", "write_kv_cache"]
+__all__ = ["is_available", "isa", "load", "paged_attention", "set_isa", "supported_isas", "write_kv_cache"]
 
 _EXTENSION = CppExtension(
     "tokenmill_paged_attention",
@@ -74,3 +74,22 @@ def paged_attention(
         query, key_cache, value_cache, block_tables, token_req, positions, scale, sliding_window or 0, tree_start,
         tree_bits,
     )  # fmt: skip
+
+
+def supported_isas() -> list[str]:
+    """The kernel variants this CPU can run, best last: ``"avx2"``, and ``"avx512"`` (the loops over head_dim
+    on 512-bit vectors) where the CPU has AVX-512 F, BW, VL and DQ."""
+    return list(_EXTENSION.load().supported_isas())
+
+
+def isa() -> str:
+    """The variant :func:`paged_attention` runs now (the best supported, unless :func:`set_isa` said otherwise)."""
+    return str(_EXTENSION.load().isa())
+
+
+def set_isa(name: str) -> None:
+    """Use variant ``name`` (one of :func:`supported_isas`, or ``"auto"`` for the best) in this process from now on.
+
+    For tests and benchmarks; the variants differ in float32 summation order only. ``ValueError`` names the
+    supported ones."""
+    _EXTENSION.load().set_isa(name)

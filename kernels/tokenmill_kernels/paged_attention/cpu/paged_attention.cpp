@@ -1,5 +1,6 @@
 // Paged attention on CPU: float32 queries over a float32, float16, fp8 (e4m3) or int8 cache,
-// AVX2/FMA/F16C, parallel over (token, kv head).
+// AVX2/FMA/F16C (the loops over head_dim on AVX-512 where present: Avx512Ops), parallel over
+// (token, kv head).
 //
 // Each query token attends to the keys of its own request at positions <= its own position
 // (within the sliding window, and on its own branch of a draft tree), read straight from the
@@ -20,6 +21,8 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
+#include <string>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -79,6 +82,8 @@ inline void store8(at::Half* p, __m256 v) {
 
 // The dot products of q with 8 rows at once, as one vector: the horizontal sums of the 8
 // accumulators share one reduction tree instead of one reduction each.
+inline __m256 sum8(const __m256 acc[8]);
+
 inline __m256 dot8(const float* q, const float* const rows[8], int n) {
   __m256 acc[8];
   for (int r = 0; r < 8; ++r) acc[r] = _mm256_setzero_ps();
@@ -86,6 +91,11 @@ inline __m256 dot8(const float* q, const float* const rows[8], int n) {
     const __m256 vq = _mm256_loadu_ps(q + i);
     for (int r = 0; r < 8; ++r) acc[r] = _mm256_fmadd_ps(vq, _mm256_loadu_ps(rows[r] + i), acc[r]);
   }
+  return sum8(acc);
+}
+
+// The horizontal sums of 8 accumulators, as one vector.
+inline __m256 sum8(const __m256 acc[8]) {
   // hadd works within 128-bit lanes: after two rounds each lane holds four rows' partial sums.
   const __m256 h01 = _mm256_hadd_ps(acc[0], acc[1]), h23 = _mm256_hadd_ps(acc[2], acc[3]);
   const __m256 h45 = _mm256_hadd_ps(acc[4], acc[5]), h67 = _mm256_hadd_ps(acc[6], acc[7]);
@@ -124,6 +134,19 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(m, _mm_movehdup_ps(m)));
 }
 
+// accumulate_values_n's work for the 8 dimensions from d (head_dim = 8 (mod 16): the last ones).
+template <int G, typename T>
+inline void accumulate_values_8(float (*acc)[kMaxHeadDim], const float (*weights)[kMaxBlockSize + 8],
+                                const float* correction, const T* const* values, int n, int d) {
+  __m256 a[G];
+  for (int g = 0; g < G; ++g) a[g] = _mm256_mul_ps(_mm256_loadu_ps(acc[g] + d), _mm256_set1_ps(correction[g]));
+  for (int j = 0; j < n; ++j) {
+    const __m256 v = load8(values[j] + d);
+    for (int g = 0; g < G; ++g) a[g] = _mm256_fmadd_ps(_mm256_broadcast_ss(weights[g] + j), v, a[g]);
+  }
+  for (int g = 0; g < G; ++g) _mm256_storeu_ps(acc[g] + d, a[g]);
+}
+
 // acc[g] = acc[g] * correction[g] + sum_j weights[g][j] * values[j] for G query heads at once:
 // each value row slice is loaded once for all G heads, and 2G accumulators (two 8-wide slices
 // per head) stay in registers across the block's keys.
@@ -150,25 +173,18 @@ void accumulate_values_n(float (*acc)[kMaxHeadDim], const float (*weights)[kMaxB
       _mm256_storeu_ps(acc[g] + d + 8, a[g][1]);
     }
   }
-  if (d < head_dim) {  // head_dim = 8 (mod 16): one last slice
-    __m256 a[G];
-    for (int g = 0; g < G; ++g) a[g] = _mm256_mul_ps(_mm256_loadu_ps(acc[g] + d), _mm256_set1_ps(correction[g]));
-    for (int j = 0; j < n; ++j) {
-      const __m256 v = load8(values[j] + d);
-      for (int g = 0; g < G; ++g) a[g] = _mm256_fmadd_ps(_mm256_broadcast_ss(weights[g] + j), v, a[g]);
-    }
-    for (int g = 0; g < G; ++g) _mm256_storeu_ps(acc[g] + d, a[g]);
-  }
+  if (d < head_dim) accumulate_values_8<G>(acc, weights, correction, values, n, d);  // head_dim = 8 (mod 16)
 }
 
-template <typename T>
-void accumulate_values(float (*acc)[kMaxHeadDim], const float (*weights)[kMaxBlockSize + 8], const float* correction,
-                       int num, const T* const* values, int n, int head_dim) {
+// accumulate_values_n for `num` (1..4) heads, with V's loops (Avx2Ops or Avx512Ops).
+template <class V, typename T>
+inline void accumulate_values(float (*acc)[kMaxHeadDim], const float (*weights)[kMaxBlockSize + 8],
+                              const float* correction, int num, const T* const* values, int n, int head_dim) {
   switch (num) {
-    case 1: return accumulate_values_n<1>(acc, weights, correction, values, n, head_dim);
-    case 2: return accumulate_values_n<2>(acc, weights, correction, values, n, head_dim);
-    case 3: return accumulate_values_n<3>(acc, weights, correction, values, n, head_dim);
-    default: return accumulate_values_n<4>(acc, weights, correction, values, n, head_dim);
+    case 1: return V::template accumulate_values_n<1>(acc, weights, correction, values, n, head_dim);
+    case 2: return V::template accumulate_values_n<2>(acc, weights, correction, values, n, head_dim);
+    case 3: return V::template accumulate_values_n<3>(acc, weights, correction, values, n, head_dim);
+    default: return V::template accumulate_values_n<4>(acc, weights, correction, values, n, head_dim);
   }
 }
 
@@ -318,13 +334,94 @@ struct Problem {
   float scale;
 };
 
-template <typename T>
-void attend(const Problem<T>& p) {
+template <typename T, class V>
+void attend_items(const Problem<T>& p, int64_t begin, int64_t end);
+
+// The loops over head_dim, per instruction set: Avx2Ops on 256-bit vectors (every CPU the kernels run on),
+// Avx512Ops on 512-bit ones where the CPU has AVX-512 (16 floats of a row per instruction: half the loads and
+// FMAs of the scores and of the weighted values). The rest of attend (softmax, masks, widening keys) is the
+// same code for both. set_isa forces one.
+struct Avx2Ops {
+  static inline __m256 dot8(const float* q, const float* const rows[8], int n) { return ::dot8(q, rows, n); }
+  template <int G, typename T>
+  static inline void accumulate_values_n(float (*acc)[kMaxHeadDim], const float (*weights)[kMaxBlockSize + 8],
+                                         const float* correction, const T* const* values, int n, int head_dim) {
+    ::accumulate_values_n<G>(acc, weights, correction, values, n, head_dim);
+  }
+  template <typename T>
+  static void attend_range(const Problem<T>& p, int64_t begin, int64_t end) {
+    attend_items<T, Avx2Ops>(p, begin, end);
+  }
+};
+
+#define AVX512_TARGET "avx512f,avx512bw,avx512vl,avx512dq"
+struct Avx512Ops {
+  // Sixteen cache elements as float32 (see load8).
+  __attribute__((target(AVX512_TARGET))) static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+  __attribute__((target(AVX512_TARGET))) static inline __m512 load16(const at::Half* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  __attribute__((target(AVX512_TARGET))) static inline __m512 load16(const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  __attribute__((target(AVX512_TARGET))) static inline __m512 load16(const Fp8* p) {
+    return _mm512_insertf32x8(_mm512_castps256_ps512(load8(p)), load8(p + 8), 1);
+  }
+
+  __attribute__((target(AVX512_TARGET))) static inline __m256 dot8(const float* q, const float* const rows[8],
+                                                                   int n) {
+    __m512 acc[8];
+    for (int r = 0; r < 8; ++r) acc[r] = _mm512_setzero_ps();
+    int i = 0;
+    for (; i + 16 <= n; i += 16) {
+      const __m512 vq = _mm512_loadu_ps(q + i);
+      for (int r = 0; r < 8; ++r) acc[r] = _mm512_fmadd_ps(vq, _mm512_loadu_ps(rows[r] + i), acc[r]);
+    }
+    if (i < n) {  // head_dim = 8 (mod 16): the last 8, masked
+      const __m512 vq = _mm512_maskz_loadu_ps(0x00FF, q + i);
+      for (int r = 0; r < 8; ++r) acc[r] = _mm512_fmadd_ps(vq, _mm512_maskz_loadu_ps(0x00FF, rows[r] + i), acc[r]);
+    }
+    __m256 halves[8];
+    for (int r = 0; r < 8; ++r) {
+      halves[r] = _mm256_add_ps(_mm512_castps512_ps256(acc[r]), _mm512_extractf32x8_ps(acc[r], 1));
+    }
+    return sum8(halves);
+  }
+
+  // As accumulate_values_n, 16 dimensions per register: G accumulators and one value slice per key.
+  template <int G, typename T>
+  __attribute__((target(AVX512_TARGET))) static inline void accumulate_values_n(
+      float (*acc)[kMaxHeadDim], const float (*weights)[kMaxBlockSize + 8], const float* correction,
+      const T* const* values, int n, int head_dim) {
+    int d = 0;
+    for (; d + 16 <= head_dim; d += 16) {
+      __m512 a[G];
+      for (int g = 0; g < G; ++g) a[g] = _mm512_mul_ps(_mm512_loadu_ps(acc[g] + d), _mm512_set1_ps(correction[g]));
+      for (int j = 0; j < n; ++j) {
+        const __m512 v = load16(values[j] + d);
+        for (int g = 0; g < G; ++g) a[g] = _mm512_fmadd_ps(_mm512_set1_ps(weights[g][j]), v, a[g]);
+      }
+      for (int g = 0; g < G; ++g) _mm512_storeu_ps(acc[g] + d, a[g]);
+    }
+    if (d < head_dim) accumulate_values_8<G>(acc, weights, correction, values, n, d);  // head_dim = 8 (mod 16)
+  }
+
+  // `flatten` inlines attend_items and all it calls into this function, built for AVX-512.
+  template <typename T>
+  __attribute__((noinline, flatten, target(AVX512_TARGET))) static void attend_range(const Problem<T>& p,
+                                                                                    int64_t begin, int64_t end) {
+    attend_items<T, Avx512Ops>(p, begin, end);
+  }
+};
+
+// Work items [begin, end) of one step's attention: item = token * num_kv_heads + kv head.
+template <typename T, class V>
+void attend_items(const Problem<T>& p, int64_t begin, int64_t end) {
   const int group = p.num_heads / p.num_kv_heads, head_dim = p.head_dim, block_size = p.block_size;
   const int row_len = p.row_len;
   const int64_t token_row = int64_t(block_size) * p.num_kv_heads * row_len;  // elements per cache block
   const int64_t slot_row = int64_t(p.num_kv_heads) * row_len;                // elements per cache slot
-  at::parallel_for(0, int64_t(p.num_tokens) * p.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  {
     float acc[kMaxGroup][kMaxHeadDim];
     float scores[kMaxGroup][kMaxBlockSize + 8];
     float running_max[kMaxGroup], running_sum[kMaxGroup];
@@ -412,7 +509,7 @@ void attend(const Problem<T>& p) {
         for (int g = 0; g < group; ++g) {
           float* s = scores[g];
           for (int j = 0; j < n; j += 8) {
-            const __m256 v = _mm256_mul_ps(dot8(q + g * head_dim, key_rows + j, head_dim), _mm256_set1_ps(p.scale));
+            const __m256 v = _mm256_mul_ps(V::dot8(q + g * head_dim, key_rows + j, head_dim), _mm256_set1_ps(p.scale));
             _mm256_storeu_ps(s + j, v);
           }
           if (tree_start >= 0 && hi >= tree_start) {
@@ -451,7 +548,7 @@ void attend(const Problem<T>& p) {
           }
         }
         for (int g = 0; g < group; g += 4) {
-          accumulate_values(acc + g, scores + g, correction + g, std::min(4, group - g), value_rows, n, head_dim);
+          accumulate_values<V>(acc + g, scores + g, correction + g, std::min(4, group - g), value_rows, n, head_dim);
         }
       }
       float* o = p.out + (int64_t(t) * p.num_heads + int64_t(kv_head) * group) * head_dim;
@@ -459,6 +556,34 @@ void attend(const Problem<T>& p) {
         const float inv = 1.f / running_sum[g];
         for (int d = 0; d < head_dim; ++d) o[g * head_dim + d] = acc[g][d] * inv;
       }
+    }
+  }
+}
+
+enum class Isa { kAvx2, kAvx512 };
+constexpr const char* kIsaNames[] = {"avx2", "avx512"};  // indexed by Isa
+
+// What this CPU supports, best last (AVX2 + FMA + F16C are checked before the build).
+std::vector<Isa> supported_isas() {
+  std::vector<Isa> isas{Isa::kAvx2};
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")) {
+    isas.push_back(Isa::kAvx512);
+  }
+  return isas;
+}
+
+std::atomic<Isa> g_isa{supported_isas().back()};  // what paged_attention runs; set_isa changes it
+
+template <typename T>
+void attend(const Problem<T>& p) {
+  const Isa isa = g_isa.load(std::memory_order_relaxed);
+  at::parallel_for(0, int64_t(p.num_tokens) * p.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    if (isa == Isa::kAvx512) {
+      Avx512Ops::attend_range(p, begin, end);
+    } else {
+      Avx2Ops::attend_range(p, begin, end);
     }
   });
 }
@@ -563,10 +688,26 @@ torch::Tensor paged_attention(const torch::Tensor& query,         // [num_tokens
   return out;
 }
 
+// The supported variants are a prefix of Isa's values, so a name's index is its Isa.
+std::vector<std::string> supported_isa_names() { return {kIsaNames, kIsaNames + supported_isas().size()}; }
+
+std::string isa_name() { return kIsaNames[static_cast<int>(g_isa.load())]; }
+
+void set_isa(const std::string& name) {
+  const std::vector<std::string> names = supported_isa_names();
+  const auto found = name == "auto" ? names.end() - 1 : std::find(names.begin(), names.end(), name);
+  TORCH_CHECK_VALUE(found != names.end(), "isa must be \"auto\" or one this CPU supports (",
+                    c10::Join(", ", names), "), got \"", name, "\"");
+  g_isa = static_cast<Isa>(found - names.begin());
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv_cache", &write_kv_cache, "Write new keys and values into their cache slots");
   m.def("paged_attention", &paged_attention, "Causal attention of each token over its request's paged cache",
         py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"), py::arg("token_req"),
         py::arg("positions"), py::arg("scale"), py::arg("sliding_window"), py::arg("tree_start") = py::none(),
         py::arg("tree_bits") = py::none());
+  m.def("supported_isas", &supported_isa_names, "the kernel variants this CPU can run, best last");
+  m.def("isa", &isa_name, "the variant paged_attention uses now");
+  m.def("set_isa", &set_isa, "use this variant from now on (\"auto\": the best supported)", py::arg("name"));
 }
