@@ -28,17 +28,20 @@ So the engine measures instead of guessing (after SmartSpec, Liu et al. 2024):
 
 A speculator that drafts trees (``tokenmill.draft_tree``) gets, instead of
 ``alpha``, one measured rate per node of its tree: how often that node was on
-the accepted path (exponentially weighted, from a prior of one half). The
-``k``-th position handed to a request is its tree's ``k``-th node, worth that
-node's rate in expected tokens. Unlike a request's ``alpha``, a node's rate
-does not drift back while it is not drafted: it is the speculator's, not the
-text's, and a drifting rate had every unprofitable node tried again every few
-steps (five nodes a step on average where four paid, 1.07x against 1.17-1.33x).
-Instead, one step in 16 (offset from the plain one) gives one request the whole
-tree, which keeps every node's rate measured and shows the cost line large
-steps: fitted on 1- to 3-token steps, its slope stayed at the prior's (15% of
-a step per token, an int4 step's), five times a float32 step's, and the policy
-verified one or two nodes where four paid.
+the accepted path (exponentially weighted, from a prior of one half). Every
+request verifies the same first ``k`` nodes of the tree (a prefix is a tree:
+parents come first), ``k`` the one with the most expected tokens per second,
+``1 + rate_0 + ... + rate_(k-1)`` tokens per request; every ``k`` is weighed,
+since a poor node early in the stored order can precede better ones. Unlike a
+request's ``alpha``, a node's rate does not drift back while it is not drafted:
+it is the speculator's, not the text's, and a drifting rate had every
+unprofitable node tried again every few steps (five nodes a step on average
+where four paid, 1.07x against 1.17-1.33x). Instead, one step in 16 (offset
+from the plain one) gives one request the whole tree, which keeps every node's
+rate measured and shows the cost line large steps: fitted on 1- to 3-token
+steps, its slope stayed at the prior's (15% of a step per token, an int4
+step's), five times a float32 step's, and the policy verified one or two nodes
+where four paid.
 
 One step in 16 drafts nothing, so that the plain step's cost stays measured.
 With ``alpha``, drafting ``k`` tokens yields ``1 + alpha + ... + alpha^k`` tokens
@@ -52,6 +55,7 @@ speculator is not even called; at c=1 a predictable request gets up to
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -195,29 +199,10 @@ class DraftPolicy:
             explored = self._num_decisions // _EXPLORE_EVERY % len(request_ids)
             counts[explored] = min(limits[explored], self.max_drafts)
             return counts
-        alphas = [self._acceptance.get(r, _Acceptance()).alpha for r in request_ids]
-        tokens = float(len(request_ids))  # expected tokens of the step's drafting requests: one each without drafts
-        num_tokens, longest = num_step_tokens, 0
-        seconds = self._plain_seconds(num_tokens)
-        plain_rate = tokens / seconds
-        min_gain = _MIN_TREE_NODE_GAIN if self._node_rates else _MIN_GAIN
-        # Max-heap of each request's next draft position, by the chance it is accepted (alpha^(k+1), or the
-        # rate of the tree's next node).
-        heap = [(-self._gain(alpha, 0), i) for i, alpha in enumerate(alphas) if limits[i] > 0]
-        heapq.heapify(heap)
-        while heap:
-            gain, i = heapq.heappop(heap)
-            new_longest = max(longest, counts[i] + 1)
-            positions = min(new_longest, 1) if self._node_rates else new_longest  # a tree's cost: one call
-            new_seconds = self.step_cost.seconds(num_tokens + 1) + positions * self.seconds_per_draft_position
-            if (tokens - gain) / new_seconds <= (1 + min_gain) * tokens / seconds:
-                break  # the likeliest remaining position does not pay, so none does
-            tokens, seconds, num_tokens, longest = tokens - gain, new_seconds, num_tokens + 1, new_longest
-            counts[i] += 1
-            if counts[i] < min(limits[i], self.max_drafts):
-                heapq.heappush(heap, (-self._gain(alphas[i], counts[i]), i))
-        if self._node_rates and tokens / seconds < (1 + _MIN_GAIN) * plain_rate:
-            counts = [0] * len(request_ids)  # the tree's nodes together must pay as a chain's first position must
+        if self._node_rates:
+            counts = self._tree_prefix(limits, num_step_tokens)
+        else:
+            counts = self._chain_counts(request_ids, limits, num_step_tokens)
         if not any(counts):
             # Nothing drafted, so the speculator's cost is not measured: let the estimate fade, so that a cost
             # measured once under load (or on a prompt's first catch-up) does not rule drafting out for good.
@@ -229,4 +214,51 @@ class DraftPolicy:
                 # quoting, say) is tried again.
                 acceptance.successes = _FORGET * acceptance.successes + (1 - _FORGET)
                 acceptance.failures = _FORGET * acceptance.failures + (1 - _FORGET)
+        return counts
+
+    def _tree_prefix(self, limits: Sequence[int], num_step_tokens: int) -> list[int]:
+        """For a tree speculator: the same first ``k`` nodes of the tree for every request (fewer where its
+        limit says so), ``k`` the one with the most expected tokens per second. The nodes' rates are the
+        speculator's, shared by all requests, and the step's cost is a line in its tokens, so one ``k`` fits all.
+        Every prefix is weighed, not only up to the first node that does not pay alone: a poor node early in
+        the stored order (the second candidate for the next token, accepted 1% of the time where the tree's
+        fourth node was 10%) stopped that search at one node. A longer prefix must beat the best shorter one by
+        ``_MIN_TREE_NODE_GAIN`` per extra node, and the chosen one the plain step by ``_MIN_GAIN``."""
+        limits = [min(limit, self.max_drafts) for limit in limits]
+        plain_rate = len(limits) / self._plain_seconds(num_step_tokens)
+        ascending = sorted(limits)
+        tokens, extra = float(len(limits)), 0
+        best_k, best_rate = 0, plain_rate
+        for k in range(1, (ascending[-1] if ascending else 0) + 1):
+            drafting = len(ascending) - bisect.bisect_left(ascending, k)  # requests whose limit reaches node k
+            tokens += drafting * self._gain(0.0, k - 1)
+            extra += drafting
+            rate = tokens / (self.step_cost.seconds(num_step_tokens + extra) + self.seconds_per_draft_position)
+            if rate > best_rate * (1 + _MIN_TREE_NODE_GAIN * (k - best_k)):
+                best_k, best_rate = k, rate
+        if best_rate < (1 + _MIN_GAIN) * plain_rate:
+            best_k = 0  # the nodes together must pay as a chain's first position must
+        return [min(best_k, limit) for limit in limits]
+
+    def _chain_counts(self, request_ids: Sequence[str], limits: Sequence[int], num_step_tokens: int) -> list[int]:
+        """For a chain speculator: draft positions handed out one at a time to the request whose next one is
+        likeliest accepted, while each raises the step's expected tokens per second by ``_MIN_GAIN``."""
+        counts = [0] * len(request_ids)
+        alphas = [self._acceptance.get(r, _Acceptance()).alpha for r in request_ids]
+        tokens = float(len(request_ids))  # expected tokens of the step's drafting requests: one each without drafts
+        num_tokens, longest = num_step_tokens, 0
+        seconds = self._plain_seconds(num_tokens)
+        # Max-heap of each request's next draft position, by the chance it is accepted (alpha^(k+1)).
+        heap = [(-self._gain(alpha, 0), i) for i, alpha in enumerate(alphas) if limits[i] > 0]
+        heapq.heapify(heap)
+        while heap:
+            gain, i = heapq.heappop(heap)
+            new_longest = max(longest, counts[i] + 1)
+            new_seconds = self.step_cost.seconds(num_tokens + 1) + new_longest * self.seconds_per_draft_position
+            if (tokens - gain) / new_seconds <= (1 + _MIN_GAIN) * tokens / seconds:
+                break  # the likeliest remaining position does not pay, so none does
+            tokens, seconds, num_tokens, longest = tokens - gain, new_seconds, num_tokens + 1, new_longest
+            counts[i] += 1
+            if counts[i] < min(limits[i], self.max_drafts):
+                heapq.heappush(heap, (-self._gain(alphas[i], counts[i]), i))
         return counts

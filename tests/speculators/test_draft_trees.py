@@ -334,3 +334,14 @@ def test_goodput_policy_verifies_the_nodes_that_pay_together_and_explores_the_wh
     assert [expensive.num_drafts(["r"], [8], 1)[0] for _ in range(7)] == [0] * 7
     nothing_left = _tree_policy([0.02] * 8)  # the nodes together add too little for the cost of verifying
     assert [nothing_left.num_drafts(["r"], [8], 1)[0] for _ in range(7)] == [0] * 7
+
+
+def test_goodput_policy_verifies_past_a_poor_early_node() -> None:
+    """The stored order ranks nodes by held-out acceptance, but served text can rate them otherwise (measured: the
+    second candidate for the next token at 1%, the fourth node at 10%). Every prefix is weighed, so the good
+    nodes after the poor one are verified; stopping at the first node that does not pay alone verified one."""
+    rates = [0.3, 0.01, 0.12, 0.1, 0.08, 0.005, 0.005, 0.005]
+    policy = _tree_policy(rates)
+    counts = {policy.num_drafts(["r"], [8], 1)[0] for _ in range(7)}
+    assert counts == {4}, counts  # nodes 0-3 (node 1 included); 4-7 add less than they cost
+    assert _tree_policy(rates).num_drafts(["a", "b"], [8, 0], 2)[1] == 0  # a request's limit caps it
