@@ -68,7 +68,7 @@ def paged_attention(
     ``tree_start[t] >= 0`` sees a key at position ``p >= tree_start[t]`` only when bit
     ``p - tree_start[t]`` of ``tree_bits[t]`` is set (itself and its ancestors; at most 64 nodes).
 
-    Limits: head_dim a multiple of 8 up to 256, block_size up to 256, up to 16 query heads per kv
+    Limits: head_dim a multiple of 8 up to 256, block_size a power of two up to 256, up to 16 query heads per kv
     head; the compiled op checks them with the shapes and raises ``ValueError``."""
     return _EXTENSION.load().paged_attention(
         query, key_cache, value_cache, block_tables, token_req, positions, scale, sliding_window or 0, tree_start,

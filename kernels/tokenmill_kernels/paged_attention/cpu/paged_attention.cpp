@@ -7,7 +7,7 @@
 // paged cache through the request's
 // block table: no gather into a padded copy, no mask tensor. The query heads that share a kv
 // head (GQA) are processed together, so each key and value row is loaded once per group.
-// Softmax is computed online (running max and sum) one cache block at a time. A float16 cache
+// Softmax is computed online (running max and sum) 64 keys (or one larger block) at a time. A float16 cache
 // halves the bytes a decode step reads and doubles the tokens a cache holds; rows are widened
 // to float32 as they are loaded (F16C), so all arithmetic stays float32.
 //
@@ -33,7 +33,9 @@ namespace {
 
 constexpr int kMaxGroup = 16;      // query heads per kv head
 constexpr int kMaxHeadDim = 256;
-constexpr int kMaxBlockSize = 256;
+constexpr int kMaxBlockSize = 256;  // also the most keys taken at a time
+// Keys taken at a time where blocks are smaller (see attend_items); a multiple of every smaller block size.
+constexpr int kSpanKeys = 64;
 
 // One float8 e4m3 (torch.float8_e4m3fn) code: sign, 4 exponent bits (bias 7), 3 mantissa bits.
 struct Fp8 {
@@ -221,9 +223,11 @@ void check_cache(const torch::Tensor& key_cache, const torch::Tensor& value_cach
                     "key and value caches differ: ", key_cache.scalar_type(), " ", key_cache.sizes(), " vs ",
                     value_cache.scalar_type(), " ", value_cache.sizes());
   const int64_t head_dim = cache_head_dim(key_cache);
-  TORCH_CHECK_VALUE(key_cache.size(1) <= kMaxBlockSize && head_dim > 0 && head_dim <= kMaxHeadDim && head_dim % 8 == 0,
-                    "block_size must be <= ", kMaxBlockSize, " and head_dim a multiple of 8 up to ", kMaxHeadDim,
-                    ", got ", key_cache.size(1), " and ", head_dim);
+  const int64_t block_size = key_cache.size(1);
+  TORCH_CHECK_VALUE(block_size > 0 && block_size <= kMaxBlockSize && (block_size & (block_size - 1)) == 0 &&
+                        head_dim > 0 && head_dim <= kMaxHeadDim && head_dim % 8 == 0,
+                    "block_size must be a power of two up to ", kMaxBlockSize, " and head_dim a multiple of 8 up to ",
+                    kMaxHeadDim, ", got ", block_size, " and ", head_dim);
 }
 
 void check_index(const torch::Tensor& t, const char* name, at::ScalarType dtype, int64_t dim) {
@@ -338,11 +342,17 @@ template <typename T, class V>
 void attend_items(const Problem<T>& p, int64_t begin, int64_t end);
 
 // The loops over head_dim, per instruction set: Avx2Ops on 256-bit vectors (every CPU the kernels run on),
-// Avx512Ops on 512-bit ones where the CPU has AVX-512 (16 floats of a row per instruction: half the loads and
-// FMAs of the scores and of the weighted values). The rest of attend (softmax, masks, widening keys) is the
-// same code for both. set_isa forces one.
+// Avx512Ops on 512-bit ones where the CPU has AVX-512 (16 floats of a row per instruction, and the 32
+// registers to score 8 keys for three heads at once). The rest of attend_items (softmax, masks, widening
+// keys) is the same code for both. set_isa forces one.
 struct Avx2Ops {
-  static inline __m256 dot8(const float* q, const float* const rows[8], int n) { return ::dot8(q, rows, n); }
+  // scores[g][j .. j+8] = scale * (q_g . rows[0..8]) for the group's heads g (q_g = q + g * head_dim).
+  static inline void scores8(const float* q, int group, int head_dim, const float* const rows[8], float scale,
+                             float (*scores)[kMaxBlockSize + 8], int j) {
+    for (int g = 0; g < group; ++g) {
+      _mm256_storeu_ps(scores[g] + j, _mm256_mul_ps(dot8(q + g * head_dim, rows, head_dim), _mm256_set1_ps(scale)));
+    }
+  }
   template <int G, typename T>
   static inline void accumulate_values_n(float (*acc)[kMaxHeadDim], const float (*weights)[kMaxBlockSize + 8],
                                          const float* correction, const T* const* values, int n, int head_dim) {
@@ -368,40 +378,84 @@ struct Avx512Ops {
     return _mm512_insertf32x8(_mm512_castps256_ps512(load8(p)), load8(p + 8), 1);
   }
 
-  __attribute__((target(AVX512_TARGET))) static inline __m256 dot8(const float* q, const float* const rows[8],
-                                                                   int n) {
-    __m512 acc[8];
-    for (int r = 0; r < 8; ++r) acc[r] = _mm512_setzero_ps();
-    int i = 0;
-    for (; i + 16 <= n; i += 16) {
-      const __m512 vq = _mm512_loadu_ps(q + i);
-      for (int r = 0; r < 8; ++r) acc[r] = _mm512_fmadd_ps(vq, _mm512_loadu_ps(rows[r] + i), acc[r]);
+  // Scores of 8 keys for H heads at once: each key slice is loaded once for all H (8 x H accumulators; H = 3
+  // fills the 32 registers). One head at a time loaded every key row once per head: 9 loads per 8 FMAs.
+  template <int H>
+  __attribute__((target(AVX512_TARGET))) static inline void scores8_heads(const float* q, int head_dim,
+                                                                          const float* const rows[8], float scale,
+                                                                          float (*scores)[kMaxBlockSize + 8],
+                                                                          int j) {
+    __m512 acc[H][8];
+    for (int h = 0; h < H; ++h) {
+      for (int r = 0; r < 8; ++r) acc[h][r] = _mm512_setzero_ps();
     }
-    if (i < n) {  // head_dim = 8 (mod 16): the last 8, masked
-      const __m512 vq = _mm512_maskz_loadu_ps(0x00FF, q + i);
-      for (int r = 0; r < 8; ++r) acc[r] = _mm512_fmadd_ps(vq, _mm512_maskz_loadu_ps(0x00FF, rows[r] + i), acc[r]);
+    for (int i = 0; i < head_dim; i += 16) {
+      // head_dim = 8 (mod 16): the last 8, masked
+      const __mmask16 mask = i + 16 <= head_dim ? __mmask16(0xFFFF) : __mmask16(0x00FF);
+      __m512 vq[H];
+      for (int h = 0; h < H; ++h) vq[h] = _mm512_maskz_loadu_ps(mask, q + h * head_dim + i);
+      for (int r = 0; r < 8; ++r) {
+        const __m512 k = _mm512_maskz_loadu_ps(mask, rows[r] + i);
+        for (int h = 0; h < H; ++h) acc[h][r] = _mm512_fmadd_ps(vq[h], k, acc[h][r]);
+      }
     }
-    __m256 halves[8];
-    for (int r = 0; r < 8; ++r) {
-      halves[r] = _mm256_add_ps(_mm512_castps512_ps256(acc[r]), _mm512_extractf32x8_ps(acc[r], 1));
+    for (int h = 0; h < H; ++h) {
+      __m256 halves[8];
+      for (int r = 0; r < 8; ++r) {
+        halves[r] = _mm256_add_ps(_mm512_castps512_ps256(acc[h][r]), _mm512_extractf32x8_ps(acc[h][r], 1));
+      }
+      _mm256_storeu_ps(scores[h] + j, _mm256_mul_ps(sum8(halves), _mm256_set1_ps(scale)));
     }
-    return sum8(halves);
   }
 
-  // As accumulate_values_n, 16 dimensions per register: G accumulators and one value slice per key.
+  __attribute__((target(AVX512_TARGET))) static inline void scores8(const float* q, int group, int head_dim,
+                                                                    const float* const rows[8], float scale,
+                                                                    float (*scores)[kMaxBlockSize + 8], int j) {
+    int g = 0;
+    for (; g + 3 <= group; g += 3) scores8_heads<3>(q + g * head_dim, head_dim, rows, scale, scores + g, j);
+    if (group - g == 2) scores8_heads<2>(q + g * head_dim, head_dim, rows, scale, scores + g, j);
+    if (group - g == 1) scores8_heads<1>(q + g * head_dim, head_dim, rows, scale, scores + g, j);
+  }
+
+  // As accumulate_values_n, 16 dimensions per register and S registers (up to 64 dimensions) per pass over the
+  // keys: G x S accumulators. One register per pass left each accumulator a chain of n dependent FMAs, G chains
+  // in all, and the FMA's latency, not its throughput, set the pace.
+  template <int G, int S, typename T>
+  __attribute__((target(AVX512_TARGET))) static inline void accumulate_pass(
+      float (*acc)[kMaxHeadDim], const float (*weights)[kMaxBlockSize + 8], const float* correction,
+      const T* const* values, int n, int d) {
+    __m512 a[G][S];
+    for (int g = 0; g < G; ++g) {
+      for (int i = 0; i < S; ++i) {
+        a[g][i] = _mm512_mul_ps(_mm512_loadu_ps(acc[g] + d + 16 * i), _mm512_set1_ps(correction[g]));
+      }
+    }
+    for (int j = 0; j < n; ++j) {
+      __m512 v[S];
+      for (int i = 0; i < S; ++i) v[i] = load16(values[j] + d + 16 * i);
+      for (int g = 0; g < G; ++g) {
+        const __m512 w = _mm512_set1_ps(weights[g][j]);
+        for (int i = 0; i < S; ++i) a[g][i] = _mm512_fmadd_ps(w, v[i], a[g][i]);
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      for (int i = 0; i < S; ++i) _mm512_storeu_ps(acc[g] + d + 16 * i, a[g][i]);
+    }
+  }
+
   template <int G, typename T>
   __attribute__((target(AVX512_TARGET))) static inline void accumulate_values_n(
       float (*acc)[kMaxHeadDim], const float (*weights)[kMaxBlockSize + 8], const float* correction,
       const T* const* values, int n, int head_dim) {
     int d = 0;
-    for (; d + 16 <= head_dim; d += 16) {
-      __m512 a[G];
-      for (int g = 0; g < G; ++g) a[g] = _mm512_mul_ps(_mm512_loadu_ps(acc[g] + d), _mm512_set1_ps(correction[g]));
-      for (int j = 0; j < n; ++j) {
-        const __m512 v = load16(values[j] + d);
-        for (int g = 0; g < G; ++g) a[g] = _mm512_fmadd_ps(_mm512_set1_ps(weights[g][j]), v, a[g]);
-      }
-      for (int g = 0; g < G; ++g) _mm512_storeu_ps(acc[g] + d, a[g]);
+    for (; d + 64 <= head_dim; d += 64) accumulate_pass<G, 4>(acc, weights, correction, values, n, d);
+    if (d + 32 <= head_dim) {
+      accumulate_pass<G, 2>(acc, weights, correction, values, n, d);
+      d += 32;
+    }
+    if (d + 16 <= head_dim) {
+      accumulate_pass<G, 1>(acc, weights, correction, values, n, d);
+      d += 16;
     }
     if (d < head_dim) accumulate_values_8<G>(acc, weights, correction, values, n, d);  // head_dim = 8 (mod 16)
   }
@@ -426,7 +480,11 @@ void attend_items(const Problem<T>& p, int64_t begin, int64_t end) {
     float scores[kMaxGroup][kMaxBlockSize + 8];
     float running_max[kMaxGroup], running_sum[kMaxGroup];
     float value_scales[kMaxBlockSize + 8];  // a quantized cache's value row scales, for the block
-    std::vector<float> widened_keys(std::is_same_v<T, float> ? 0 : block_size * head_dim);  // [block_size, head_dim]
+    // Keys are taken a span of cache blocks at a time: the work per span (its rows' pointers, each head's
+    // maximum, correction and sum, the prefetch) is then paid once per 64 keys instead of once per block of 16.
+    const int64_t span = std::max<int64_t>(block_size, kSpanKeys);
+    const int block_shift = __builtin_ctz(unsigned(block_size));
+    std::vector<float> widened_keys(std::is_same_v<T, float> ? 0 : span * head_dim);  // [span, head_dim]
     for (int64_t item = begin; item < end; ++item) {
       const int t = item / p.num_kv_heads, kv_head = item % p.num_kv_heads;
       const int64_t last = p.pos[t];
@@ -440,11 +498,15 @@ void attend_items(const Problem<T>& p, int64_t begin, int64_t end) {
         running_sum[g] = 0.f;
         std::fill(acc[g], acc[g] + head_dim, 0.f);
       }
-      for (int64_t block_start = first - first % block_size; block_start <= last; block_start += block_size) {
-        const int64_t lo = std::max(block_start, first), hi = std::min<int64_t>(block_start + block_size - 1, last);
-        const int64_t base = int64_t(table[block_start / block_size]) * token_row + int64_t(kv_head) * row_len;
-        const int n = int(hi - lo + 1), offset = int(lo - block_start);
-        // This block's key and value rows, padded to a multiple of 8 with the last one. Every
+      // Where position `pos`'s key and value rows start in the caches.
+      const auto slot_of = [&](int64_t pos) {  // block sizes are powers of two: shift and mask, not divide
+        return int64_t(table[pos >> block_shift]) * token_row + int64_t(kv_head) * row_len +
+               (pos & (block_size - 1)) * slot_row;
+      };
+      for (int64_t span_start = first - first % block_size; span_start <= last; span_start += span) {
+        const int64_t lo = std::max(span_start, first), hi = std::min<int64_t>(span_start + span - 1, last);
+        const int n = int(hi - lo + 1);
+        // This span's key and value rows, padded to a multiple of 8 with the last one. Every
         // query head of the group reads each key row: a float16 or quantized key row is widened
         // (and scaled) into `widened_keys` once for all of them. Value rows are read once, widened
         // as they load; a quantized one's scale goes into `value_scales`.
@@ -452,7 +514,7 @@ void attend_items(const Problem<T>& p, int64_t begin, int64_t end) {
         const T* value_rows[kMaxBlockSize + 8];
         for (int j = 0; j < n + 8; ++j) {
           const int i = std::min(j, n - 1);
-          const int64_t row = base + int64_t(offset + i) * slot_row;
+          const int64_t row = slot_of(lo + i);
           value_rows[j] = p.value_cache + row;
           if constexpr (kIsQuantized<T>) value_scales[j] = row_scale(p.value_cache + row, head_dim);
           if constexpr (std::is_same_v<T, float>) {
@@ -472,17 +534,17 @@ void attend_items(const Problem<T>& p, int64_t begin, int64_t end) {
             key_rows[j] = k;
           }
         }
-        // Ask for the next block's rows now. They are short strided runs in a block the hardware
-        // prefetcher cannot guess (it comes from the block table). Batch 32 x 256 context, 30
-        // layers: 21.4 -> 17.7 ms over a float16 cache, 21.3 -> 20.6 ms over float32; two blocks
-        // ahead measured no better than one.
-        if (block_start + block_size <= last) {
-          const int64_t next_start = block_start + block_size;
-          const int64_t next = int64_t(table[next_start / block_size]) * token_row + int64_t(kv_head) * row_len;
-          const int next_n = int(std::min<int64_t>(block_size, last - next_start + 1));
+        // Ask for the next span's rows now. They are short strided runs in blocks the hardware
+        // prefetcher cannot guess (they come from the block table). Batch 32 x 256 context, 30
+        // layers: 21.4 -> 17.7 ms over a float16 cache, 21.3 -> 20.6 ms over float32 (one block of 16
+        // at a time then); two blocks ahead measured no better than one.
+        if (span_start + span <= last) {
+          const int64_t next_start = span_start + span;
+          const int next_n = int(std::min<int64_t>(span, last - next_start + 1));
           for (int j = 0; j < next_n; ++j) {
-            const char* k_row = reinterpret_cast<const char*>(p.key_cache + next + j * slot_row);
-            const char* v_row = reinterpret_cast<const char*>(p.value_cache + next + j * slot_row);
+            const int64_t next = slot_of(next_start + j);
+            const char* k_row = reinterpret_cast<const char*>(p.key_cache + next);
+            const char* v_row = reinterpret_cast<const char*>(p.value_cache + next);
             for (int64_t byte = 0; byte < int64_t(row_len * sizeof(T)); byte += 64) {
               _mm_prefetch(k_row + byte, _MM_HINT_T0);
               _mm_prefetch(v_row + byte, _MM_HINT_T0);
@@ -506,12 +568,9 @@ void attend_items(const Problem<T>& p, int64_t begin, int64_t end) {
           }
         }
         float correction[kMaxGroup];
+        for (int j = 0; j < n; j += 8) V::scores8(q, group, head_dim, key_rows + j, p.scale, scores, j);
         for (int g = 0; g < group; ++g) {
           float* s = scores[g];
-          for (int j = 0; j < n; j += 8) {
-            const __m256 v = _mm256_mul_ps(V::dot8(q + g * head_dim, key_rows + j, head_dim), _mm256_set1_ps(p.scale));
-            _mm256_storeu_ps(s + j, v);
-          }
           if (tree_start >= 0 && hi >= tree_start) {
             // Another branch's keys weigh nothing. The token's own key (the last) is always seen, so the
             // running maximum stays finite; a masked key's padding copies past n only raise the maximum.
