@@ -23,9 +23,9 @@
 #include <torch/extension.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <memory>
 #include <string>
 #include <tuple>
@@ -289,18 +289,18 @@ struct Avx512 {
 };
 
 // AVX-512 VNNI on int16 codes (vpdpwssd; Ice Lake, Zen 4 and later), variant avx512_vnni16, for int4
-// weights: four groups at a time. (An earlier avx512_vnni variant ran int8 activation codes through vpdpbusd.) Avx512 spends three
-// instructions per group and pair of rows (vpmaddwd, the int32 -> float32 conversion, the scaled add), which
-// makes several-row inputs (verifying drafts, small batches) compute-bound. Here one 512-bit register holds
-// a quarter of each of four groups, one per 128-bit lane, so four vpdpwssd sum a block of four groups into
-// int32 lanes that each belong to one group, and one conversion and one scaled add (the scales spread to
-// match) take all four: 7 instructions per four groups and pair of rows instead of 12. The packed weights
-// need no new layout: four groups' 64 bytes, split into low and high nibbles and unpacked with zeros within
-// each 128-bit lane, give that order directly; the activations are laid out to match (interleave_block).
+// weights: four groups at a time. (An earlier avx512_vnni variant ran int8 activation codes through vpdpbusd.)
+// Avx512 spends three instructions per group and pair of rows (vpmaddwd, the int32 -> float32 conversion, the
+// scaled add), which makes several-row inputs (verifying drafts, small batches) compute-bound. Here one 512-bit
+// register holds a quarter of each of four groups, one per 128-bit lane, so four vpdpwssd sum a block of four
+// groups into int32 lanes that each belong to one group, and one conversion and one scaled add (the scales
+// spread to match) take all four: 7 instructions per four groups and pair of rows instead of 12. The packed
+// weights need no new layout: four groups' 64 bytes, split into low and high nibbles and unpacked with zeros
+// within each 128-bit lane, give that order directly; the activations are laid out to match (interleave_block).
 // A row's last block may hold fewer than four groups (K = 576: 18); masked loads leave the rest zero.
-// Measured on Zen 5 (2 cores), all int4 linears of SmolLM2 with weights streaming from memory: 1.02-1.13x
-// Avx512's speed from 5 rows up (about 1.1x at 16 and 32), with weights in cache 1.15-1.5x; under 5 rows
-// 0.8-1.0x, where the 2-row weight tiles stream memory worse than Avx512's 4, so matmul runs Avx512's
+// Measured on Zen 5 (2 cores), one forward of SmolLM2's linears with the weights streaming from memory:
+// 1.06-1.12x Avx512's speed from 5 rows up (docs/benchmarks.md), with the weights in cache 1.15-1.5x; under 5
+// rows 0.8-1.0x, where the 2-row weight tiles stream memory worse than Avx512's 4, so matmul runs Avx512's
 // tiles there (kVnniMinRows). int8 weights (the output projection) run Avx512's: gathering their bytes into
 // this order cost what it saved (0.9-1.0x).
 #define AVX512_VNNI_TARGET "avx512f,avx512bw,avx512vl,avx512vnni"
