@@ -475,146 +475,144 @@ void attend_items(const Problem<T>& p, int64_t begin, int64_t end) {
   const int row_len = p.row_len;
   const int64_t token_row = int64_t(block_size) * p.num_kv_heads * row_len;  // elements per cache block
   const int64_t slot_row = int64_t(p.num_kv_heads) * row_len;                // elements per cache slot
-  {
-    float acc[kMaxGroup][kMaxHeadDim];
-    float scores[kMaxGroup][kMaxBlockSize + 8];
-    float running_max[kMaxGroup], running_sum[kMaxGroup];
-    float value_scales[kMaxBlockSize + 8];  // a quantized cache's value row scales, for the block
-    // Keys are taken a span of cache blocks at a time: the work per span (its rows' pointers, each head's
-    // maximum, correction and sum, the prefetch) is then paid once per 64 keys instead of once per block of 16.
-    const int64_t span = std::max<int64_t>(block_size, kSpanKeys);
-    const int block_shift = __builtin_ctz(unsigned(block_size));
-    std::vector<float> widened_keys(std::is_same_v<T, float> ? 0 : span * head_dim);  // [span, head_dim]
-    for (int64_t item = begin; item < end; ++item) {
-      const int t = item / p.num_kv_heads, kv_head = item % p.num_kv_heads;
-      const int64_t last = p.pos[t];
-      const int64_t first = p.sliding_window > 0 ? std::max<int64_t>(0, last - p.sliding_window + 1) : 0;
-      const int64_t tree_start = p.tree_start != nullptr ? p.tree_start[t] : -1;
-      const uint64_t tree_bits = p.tree_bits != nullptr ? uint64_t(p.tree_bits[t]) : 0;
-      const int32_t* table = p.tables + int64_t(p.reqs[t]) * p.max_blocks;
-      const float* q = p.query + (int64_t(t) * p.num_heads + int64_t(kv_head) * group) * head_dim;
-      for (int g = 0; g < group; ++g) {
-        running_max[g] = -std::numeric_limits<float>::infinity();
-        running_sum[g] = 0.f;
-        std::fill(acc[g], acc[g] + head_dim, 0.f);
+  float acc[kMaxGroup][kMaxHeadDim];
+  float scores[kMaxGroup][kMaxBlockSize + 8];
+  float running_max[kMaxGroup], running_sum[kMaxGroup];
+  float value_scales[kMaxBlockSize + 8];  // a quantized cache's value row scales, for the span
+  // Keys are taken a span of cache blocks at a time: the work per span (its rows' pointers, each head's
+  // maximum, correction and sum, the prefetch) is then paid once per 64 keys instead of once per block of 16.
+  const int64_t span = std::max<int64_t>(block_size, kSpanKeys);
+  const int block_shift = __builtin_ctz(unsigned(block_size));
+  std::vector<float> widened_keys(std::is_same_v<T, float> ? 0 : span * head_dim);  // [span, head_dim]
+  for (int64_t item = begin; item < end; ++item) {
+    const int t = item / p.num_kv_heads, kv_head = item % p.num_kv_heads;
+    const int64_t last = p.pos[t];
+    const int64_t first = p.sliding_window > 0 ? std::max<int64_t>(0, last - p.sliding_window + 1) : 0;
+    const int64_t tree_start = p.tree_start != nullptr ? p.tree_start[t] : -1;
+    const uint64_t tree_bits = p.tree_bits != nullptr ? uint64_t(p.tree_bits[t]) : 0;
+    const int32_t* table = p.tables + int64_t(p.reqs[t]) * p.max_blocks;
+    const float* q = p.query + (int64_t(t) * p.num_heads + int64_t(kv_head) * group) * head_dim;
+    for (int g = 0; g < group; ++g) {
+      running_max[g] = -std::numeric_limits<float>::infinity();
+      running_sum[g] = 0.f;
+      std::fill(acc[g], acc[g] + head_dim, 0.f);
+    }
+    // Where position `pos`'s key and value rows start in the caches.
+    const auto slot_of = [&](int64_t pos) {  // block sizes are powers of two: shift and mask, not divide
+      return int64_t(table[pos >> block_shift]) * token_row + int64_t(kv_head) * row_len +
+             (pos & (block_size - 1)) * slot_row;
+    };
+    for (int64_t span_start = first - first % block_size; span_start <= last; span_start += span) {
+      const int64_t lo = std::max(span_start, first), hi = std::min<int64_t>(span_start + span - 1, last);
+      const int n = int(hi - lo + 1);
+      // This span's key and value rows, padded to a multiple of 8 with the last one. Every
+      // query head of the group reads each key row: a float16 or quantized key row is widened
+      // (and scaled) into `widened_keys` once for all of them. Value rows are read once, widened
+      // as they load; a quantized one's scale goes into `value_scales`.
+      const float* key_rows[kMaxBlockSize + 8];
+      const T* value_rows[kMaxBlockSize + 8];
+      for (int j = 0; j < n + 8; ++j) {
+        const int i = std::min(j, n - 1);
+        const int64_t row = slot_of(lo + i);
+        value_rows[j] = p.value_cache + row;
+        if constexpr (kIsQuantized<T>) value_scales[j] = row_scale(p.value_cache + row, head_dim);
+        if constexpr (std::is_same_v<T, float>) {
+          key_rows[j] = p.key_cache + row;
+        } else {
+          float* k = widened_keys.data() + int64_t(i) * head_dim;
+          if (j < n) {
+            if constexpr (kIsQuantized<T>) {
+              const __m256 key_scale = _mm256_set1_ps(row_scale(p.key_cache + row, head_dim));
+              for (int d = 0; d < head_dim; d += 8) {
+                _mm256_storeu_ps(k + d, _mm256_mul_ps(load8(p.key_cache + row + d), key_scale));
+              }
+            } else {
+              for (int d = 0; d < head_dim; d += 8) _mm256_storeu_ps(k + d, load8(p.key_cache + row + d));
+            }
+          }
+          key_rows[j] = k;
+        }
       }
-      // Where position `pos`'s key and value rows start in the caches.
-      const auto slot_of = [&](int64_t pos) {  // block sizes are powers of two: shift and mask, not divide
-        return int64_t(table[pos >> block_shift]) * token_row + int64_t(kv_head) * row_len +
-               (pos & (block_size - 1)) * slot_row;
-      };
-      for (int64_t span_start = first - first % block_size; span_start <= last; span_start += span) {
-        const int64_t lo = std::max(span_start, first), hi = std::min<int64_t>(span_start + span - 1, last);
-        const int n = int(hi - lo + 1);
-        // This span's key and value rows, padded to a multiple of 8 with the last one. Every
-        // query head of the group reads each key row: a float16 or quantized key row is widened
-        // (and scaled) into `widened_keys` once for all of them. Value rows are read once, widened
-        // as they load; a quantized one's scale goes into `value_scales`.
-        const float* key_rows[kMaxBlockSize + 8];
-        const T* value_rows[kMaxBlockSize + 8];
-        for (int j = 0; j < n + 8; ++j) {
-          const int i = std::min(j, n - 1);
-          const int64_t row = slot_of(lo + i);
-          value_rows[j] = p.value_cache + row;
-          if constexpr (kIsQuantized<T>) value_scales[j] = row_scale(p.value_cache + row, head_dim);
-          if constexpr (std::is_same_v<T, float>) {
-            key_rows[j] = p.key_cache + row;
-          } else {
-            float* k = widened_keys.data() + int64_t(i) * head_dim;
-            if (j < n) {
-              if constexpr (kIsQuantized<T>) {
-                const __m256 key_scale = _mm256_set1_ps(row_scale(p.key_cache + row, head_dim));
-                for (int d = 0; d < head_dim; d += 8) {
-                  _mm256_storeu_ps(k + d, _mm256_mul_ps(load8(p.key_cache + row + d), key_scale));
-                }
-              } else {
-                for (int d = 0; d < head_dim; d += 8) _mm256_storeu_ps(k + d, load8(p.key_cache + row + d));
+      // Ask for the next span's rows now. They are short strided runs in blocks the hardware
+      // prefetcher cannot guess (they come from the block table). Batch 32 x 256 context, 30
+      // layers: 21.4 -> 17.7 ms over a float16 cache, 21.3 -> 20.6 ms over float32 (one block of 16
+      // at a time then); two blocks ahead measured no better than one.
+      if (span_start + span <= last) {
+        const int64_t next_start = span_start + span;
+        const int next_n = int(std::min<int64_t>(span, last - next_start + 1));
+        for (int j = 0; j < next_n; ++j) {
+          const int64_t next = slot_of(next_start + j);
+          const char* k_row = reinterpret_cast<const char*>(p.key_cache + next);
+          const char* v_row = reinterpret_cast<const char*>(p.value_cache + next);
+          for (int64_t byte = 0; byte < int64_t(row_len * sizeof(T)); byte += 64) {
+            _mm_prefetch(k_row + byte, _MM_HINT_T0);
+            _mm_prefetch(v_row + byte, _MM_HINT_T0);
+          }
+          // A thread takes the kv heads of a token one after another: with a float16 cache, its
+          // first head also pulls the later heads' rows (the rest of each slot, one contiguous
+          // run) into L2. Batch 32 x 256 context, 30 layers: 18.7 -> 14.2-16.4 ms; with a float32
+          // cache, twice the bytes, the same measured 10% slower, so it is not done there (a
+          // quantized cache, half float16's bytes, does it too).
+          if constexpr (sizeof(T) <= 2) {
+            if (kv_head == 0 || item == begin) {
+              const char* k_slot = k_row - kv_head * row_len * sizeof(T);
+              const char* v_slot = v_row - kv_head * row_len * sizeof(T);
+              for (int64_t byte = (kv_head + 1) * row_len * sizeof(T); byte < slot_row * int64_t(sizeof(T));
+                   byte += 64) {
+                _mm_prefetch(k_slot + byte, _MM_HINT_T1);
+                _mm_prefetch(v_slot + byte, _MM_HINT_T1);
               }
             }
-            key_rows[j] = k;
           }
-        }
-        // Ask for the next span's rows now. They are short strided runs in blocks the hardware
-        // prefetcher cannot guess (they come from the block table). Batch 32 x 256 context, 30
-        // layers: 21.4 -> 17.7 ms over a float16 cache, 21.3 -> 20.6 ms over float32 (one block of 16
-        // at a time then); two blocks ahead measured no better than one.
-        if (span_start + span <= last) {
-          const int64_t next_start = span_start + span;
-          const int next_n = int(std::min<int64_t>(span, last - next_start + 1));
-          for (int j = 0; j < next_n; ++j) {
-            const int64_t next = slot_of(next_start + j);
-            const char* k_row = reinterpret_cast<const char*>(p.key_cache + next);
-            const char* v_row = reinterpret_cast<const char*>(p.value_cache + next);
-            for (int64_t byte = 0; byte < int64_t(row_len * sizeof(T)); byte += 64) {
-              _mm_prefetch(k_row + byte, _MM_HINT_T0);
-              _mm_prefetch(v_row + byte, _MM_HINT_T0);
-            }
-            // A thread takes the kv heads of a token one after another: with a float16 cache, its
-            // first head also pulls the later heads' rows (the rest of each slot, one contiguous
-            // run) into L2. Batch 32 x 256 context, 30 layers: 18.7 -> 14.2-16.4 ms; with a float32
-            // cache, twice the bytes, the same measured 10% slower, so it is not done there (a
-            // quantized cache, half float16's bytes, does it too).
-            if constexpr (sizeof(T) <= 2) {
-              if (kv_head == 0 || item == begin) {
-                const char* k_slot = k_row - kv_head * row_len * sizeof(T);
-                const char* v_slot = v_row - kv_head * row_len * sizeof(T);
-                for (int64_t byte = (kv_head + 1) * row_len * sizeof(T); byte < slot_row * int64_t(sizeof(T));
-                     byte += 64) {
-                  _mm_prefetch(k_slot + byte, _MM_HINT_T1);
-                  _mm_prefetch(v_slot + byte, _MM_HINT_T1);
-                }
-              }
-            }
-          }
-        }
-        float correction[kMaxGroup];
-        for (int j = 0; j < n; j += 8) V::scores8(q, group, head_dim, key_rows + j, p.scale, scores, j);
-        for (int g = 0; g < group; ++g) {
-          float* s = scores[g];
-          if (tree_start >= 0 && hi >= tree_start) {
-            // Another branch's keys weigh nothing. The token's own key (the last) is always seen, so the
-            // running maximum stays finite; a masked key's padding copies past n only raise the maximum.
-            for (int j = std::max<int>(0, int(tree_start - lo)); j < n; ++j) {
-              if (!((tree_bits >> (lo + j - tree_start)) & 1)) s[j] = -std::numeric_limits<float>::infinity();
-            }
-          }
-          // Scores past n repeat the last key's, so they cannot change the maximum.
-          __m256 vmax = _mm256_set1_ps(running_max[g]);
-          for (int j = 0; j < n; j += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + j));
-          const float block_max = hmax(vmax);
-          // What was accumulated under the old maximum is rescaled by this (in accumulate_values).
-          correction[g] = std::exp(running_max[g] - block_max);
-          running_max[g] = block_max;
-          const __m256 vblock_max = _mm256_set1_ps(block_max);
-          __m256 vsum = _mm256_setzero_ps();
-          int j = 0;
-          for (; j + 8 <= n; j += 8) {
-            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), vblock_max));
-            _mm256_storeu_ps(s + j, e);
-            vsum = _mm256_add_ps(vsum, e);
-          }
-          float sum = hsum(vsum);
-          if (j < n) {  // a last partial run of 8, whose padding must stay out of the sum
-            _mm256_storeu_ps(s + j, exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), vblock_max)));
-            for (; j < n; ++j) sum += s[j];
-          }
-          running_sum[g] = running_sum[g] * correction[g] + sum;
-          if constexpr (kIsQuantized<T>) {
-            // Each value row's scale goes into its weight: sum_j w_j (s_j code_j) = sum_j (w_j s_j) code_j.
-            for (int jj = 0; jj < n; jj += 8) {
-              _mm256_storeu_ps(s + jj, _mm256_mul_ps(_mm256_loadu_ps(s + jj), _mm256_loadu_ps(value_scales + jj)));
-            }
-          }
-        }
-        for (int g = 0; g < group; g += 4) {
-          accumulate_values<V>(acc + g, scores + g, correction + g, std::min(4, group - g), value_rows, n, head_dim);
         }
       }
-      float* o = p.out + (int64_t(t) * p.num_heads + int64_t(kv_head) * group) * head_dim;
+      float correction[kMaxGroup];
+      for (int j = 0; j < n; j += 8) V::scores8(q, group, head_dim, key_rows + j, p.scale, scores, j);
       for (int g = 0; g < group; ++g) {
-        const float inv = 1.f / running_sum[g];
-        for (int d = 0; d < head_dim; ++d) o[g * head_dim + d] = acc[g][d] * inv;
+        float* s = scores[g];
+        if (tree_start >= 0 && hi >= tree_start) {
+          // Another branch's keys weigh nothing. The token's own key (the last) is always seen, so the
+          // running maximum stays finite; a masked key's padding copies past n only raise the maximum.
+          for (int j = std::max<int>(0, int(tree_start - lo)); j < n; ++j) {
+            if (!((tree_bits >> (lo + j - tree_start)) & 1)) s[j] = -std::numeric_limits<float>::infinity();
+          }
+        }
+        // Scores past n repeat the last key's, so they cannot change the maximum.
+        __m256 vmax = _mm256_set1_ps(running_max[g]);
+        for (int j = 0; j < n; j += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + j));
+        const float block_max = hmax(vmax);
+        // What was accumulated under the old maximum is rescaled by this (in accumulate_values).
+        correction[g] = std::exp(running_max[g] - block_max);
+        running_max[g] = block_max;
+        const __m256 vblock_max = _mm256_set1_ps(block_max);
+        __m256 vsum = _mm256_setzero_ps();
+        int j = 0;
+        for (; j + 8 <= n; j += 8) {
+          const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), vblock_max));
+          _mm256_storeu_ps(s + j, e);
+          vsum = _mm256_add_ps(vsum, e);
+        }
+        float sum = hsum(vsum);
+        if (j < n) {  // a last partial run of 8, whose padding must stay out of the sum
+          _mm256_storeu_ps(s + j, exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), vblock_max)));
+          for (; j < n; ++j) sum += s[j];
+        }
+        running_sum[g] = running_sum[g] * correction[g] + sum;
+        if constexpr (kIsQuantized<T>) {
+          // Each value row's scale goes into its weight: sum_j w_j (s_j code_j) = sum_j (w_j s_j) code_j.
+          for (int jj = 0; jj < n; jj += 8) {
+            _mm256_storeu_ps(s + jj, _mm256_mul_ps(_mm256_loadu_ps(s + jj), _mm256_loadu_ps(value_scales + jj)));
+          }
+        }
       }
+      for (int g = 0; g < group; g += 4) {
+        accumulate_values<V>(acc + g, scores + g, correction + g, std::min(4, group - g), value_rows, n, head_dim);
+      }
+    }
+    float* o = p.out + (int64_t(t) * p.num_heads + int64_t(kv_head) * group) * head_dim;
+    for (int g = 0; g < group; ++g) {
+      const float inv = 1.f / running_sum[g];
+      for (int d = 0; d < head_dim; ++d) o[g * head_dim + d] = acc[g][d] * inv;
     }
   }
 }
