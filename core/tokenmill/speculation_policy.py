@@ -68,10 +68,10 @@ _FORGET = 0.9
 #: A draft position must raise expected tokens per second by this fraction: the cost model is a line through
 #: noisy timings, and a position that barely pays on paper loses as often as it wins.
 _MIN_GAIN = 0.03
-#: For a tree, each further node need only pay this much, as long as the nodes together pay ``_MIN_GAIN``: a
-#: tree's later nodes each add little (a few hundredths of a token) and their rates are measured over every
-#: request's verifications, not one request's. With 3% per node the policy verified two nodes of the default
-#: model's Medusa tree, where four paid 4% more.
+#: For a tree, a longer prefix need only beat the best shorter one by this much per extra node, as long as the
+#: nodes together pay ``_MIN_GAIN``: a tree's later nodes each add little (a few hundredths of a token) and their
+#: rates are measured over every request's verifications, not one request's. With 3% per node the policy
+#: verified two nodes of the default model's Medusa tree, where four paid 4% more.
 _MIN_TREE_NODE_GAIN = 0.005
 #: The whole-tree exploration step happens only in batches of at most this many requests: trees pay where a
 #: step holds few tokens, and at 32 requests it cost more than it measured (0.93x of plain decoding).
@@ -175,9 +175,11 @@ class DraftPolicy:
     def _gain(self, alpha: float, count: int) -> float:
         """The expected tokens a request's draft position ``count`` (0-based) adds: for a tree, its node's
         rate; for a chain, ``alpha^(count + 1)``."""
-        if self._node_rates:
-            return self._node_rates[count].alpha if count < len(self._node_rates) else 0.5
-        return alpha ** (count + 1)
+        return self._node_rate(count) if self._node_rates else alpha ** (count + 1)
+
+    def _node_rate(self, node: int) -> float:
+        """How often a tree's ``node`` is accepted; the prior's one half for a node never verified yet."""
+        return self._node_rates[node].alpha if node < len(self._node_rates) else 0.5
 
     def forget(self, request_ids: Sequence[str]) -> None:
         for request_id in request_ids:
@@ -231,7 +233,7 @@ class DraftPolicy:
         best_k, best_rate = 0, plain_rate
         for k in range(1, (ascending[-1] if ascending else 0) + 1):
             drafting = len(ascending) - bisect.bisect_left(ascending, k)  # requests whose limit reaches node k
-            tokens += drafting * self._gain(0.0, k - 1)
+            tokens += drafting * self._node_rate(k - 1)
             extra += drafting
             rate = tokens / (self.step_cost.seconds(num_step_tokens + extra) + self.seconds_per_draft_position)
             if rate > best_rate * (1 + _MIN_TREE_NODE_GAIN * (k - best_k)):

@@ -40,9 +40,9 @@ Other heads multiply by their own weights, kept on the target's device in its dt
 
 A draft vocabulary (``draft_vocab`` in config.json, which ``tokenmill train medusa`` writes; after FR-Spec, Zhao
 et al. 2025) cuts that cost further: the heads score only its tokens, the ones they learnt to predict most often,
-through those rows of the projection (from the checkpoint, as floats, for shared heads), so a step reads 8,192 of
-SmolLM2's 49,152 rows; a token outside it is never drafted, which verification makes a missed guess, never a
-wrong token.
+through those rows of the projection (from the checkpoint, as floats, for shared heads), so a step reads at most
+8,192 of SmolLM2's 49,152 rows (5,795 for the default model's trained heads); a token outside it is never drafted,
+which verification makes a missed guess, never a wrong token.
 """
 
 from __future__ import annotations
