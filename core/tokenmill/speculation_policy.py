@@ -6,10 +6,11 @@ that pays depends on the batch (a big batch is compute-bound and every token
 costs its full share), on the hardware, and on how predictable each request is.
 So the engine measures instead of guessing (after SmartSpec, Liu et al. 2024):
 
-- the target step's time as a line in its number of tokens, ``a + b * tokens``,
-  fitted online over recent steps (exponentially weighted least squares), one
-  line for steps that verify drafts and one for plain steps. The two cost
-  differently, not along one line: verifying has a fixed cost of its own (the
+- the target step's time by its number of tokens (``StepCostModel``: measured
+  means per token count over recent steps, interpolated, since a step is flat
+  in its tokens until the machine turns compute-bound and steep after), one
+  model for steps that verify drafts and one for plain steps. The two cost
+  differently, not along one curve: verifying has a fixed cost of its own (the
   target's distributions at every position, the acceptance walk; on a CPU with
   the float32 default model about 2 ms whether 1 or 15 drafts are verified, on
   a 17 ms step), and where plain decode steps replay a CUDA graph while
@@ -36,12 +37,11 @@ since a poor node early in the stored order can precede better ones. Unlike a
 request's ``alpha``, a node's rate does not drift back while it is not drafted:
 it is the speculator's, not the text's, and a drifting rate had every
 unprofitable node tried again every few steps (five nodes a step on average
-where four paid, 1.07x against 1.17-1.33x). Instead, one step in 16 (offset
+where four paid, 1.07x against 1.17-1.33x). Instead, one step in 64 (offset
 from the plain one) gives one request the whole tree, which keeps every node's
-rate measured and shows the cost line large steps: fitted on 1- to 3-token
-steps, its slope stayed at the prior's (15% of a step per token, an int4
-step's), five times a float32 step's, and the policy verified one or two nodes
-where four paid.
+rate measured and shows the cost model large steps. (One in 16 cost 4% of a
+Medusa run's time on the float32 default model: a whole-tree step takes 10 ms
+more than the 19 ms of a chosen prefix.)
 
 One step in 16 drafts nothing, so that the plain step's cost stays measured.
 With ``alpha``, drafting ``k`` tokens yields ``1 + alpha + ... + alpha^k`` tokens
@@ -79,8 +79,16 @@ _MAX_TREE_EXPLORE_BATCH = 4
 #: One step in this many drafts nothing, so the fit keeps measuring what a step costs without drafts (a
 #: policy that always drafts would only ever see steps with drafts, and guess the alternative).
 _EXPLORE_EVERY = 16
+#: One step in this many (offset from the plain one) gives one request a tree's every node: it costs what a step
+#: of the whole tree costs more (on the float32 default model 10 ms on a 19 ms step), and only keeps measuring the
+#: rates of nodes the policy does not verify.
+_EXPLORE_TREE_EVERY = 64
 #: Before the fit has seen different token counts: each token costs this fraction of a 1-token step.
 _PRIOR_SLOPE = 0.15
+#: Token counts up to this one have a cost bucket each; larger ones share eight buckets per doubling.
+_EXACT_BUCKETS = 32
+#: A cost bucket whose weight has decayed below this (about 150 steps without a measurement) is forgotten.
+_FORGOTTEN_WEIGHT = 0.05
 
 
 @dataclass
@@ -93,8 +101,8 @@ class _Acceptance:
         return self.successes / (self.successes + self.failures)
 
 
-class StepCostModel:
-    """Seconds of a target step as ``a + b * num_tokens``, by exponentially weighted least squares."""
+class _Line:
+    """Seconds of a step as ``a + b * num_tokens``, by exponentially weighted least squares, with a prior slope."""
 
     def __init__(self) -> None:
         self._w = self._x = self._y = self._xx = self._xy = 0.0
@@ -104,8 +112,9 @@ class StepCostModel:
         self._w, self._x, self._y = d * self._w + 1, d * self._x + num_tokens, d * self._y + seconds
         self._xx, self._xy = d * self._xx + num_tokens**2, d * self._xy + num_tokens * seconds
 
-    def seconds(self, num_tokens: int) -> float:
-        """Predicted step time; 0 before any observation."""
+    @property
+    def slope(self) -> float:
+        """Seconds per token; 0 before any observation."""
         if self._w == 0:
             return 0.0
         mean_x, mean_y = self._x / self._w, self._y / self._w
@@ -113,8 +122,76 @@ class StepCostModel:
         # A prior slope (a fraction of a 1-token step) carries the fit until token counts have varied.
         prior = _PRIOR_SLOPE * mean_y / (1 + _PRIOR_SLOPE * mean_x)
         slope = (self._xy / self._w - mean_x * mean_y + prior) / (variance + 1) if variance >= 0 else prior
-        slope = max(slope, 0.0)
-        return max(mean_y + slope * (num_tokens - mean_x), 1e-9)
+        return max(slope, 0.0)
+
+    def seconds(self, num_tokens: int) -> float:
+        if self._w == 0:
+            return 0.0
+        return max(self._y / self._w + self.slope * (num_tokens - self._x / self._w), 1e-9)
+
+
+@dataclass
+class _Measured:
+    """A token-count bucket's exponentially weighted sums: weight, tokens and seconds."""
+
+    weight: float = 0.0
+    tokens: float = 0.0
+    seconds: float = 0.0
+
+
+class StepCostModel:
+    """Seconds of a target step by its number of tokens, as measured: a step is not a line in its tokens. Up to
+    the point where the machine turns compute-bound, more tokens cost little (each pass reads every weight
+    once); past it, each token costs its share of the compute. On the float32 default model on a CPU a step of
+    2 tokens took 18.0 ms, of 5 tokens 18.2 ms and of 17 tokens 27.6 ms: a line through the 2- and 17-token
+    steps the policy saw priced 5 tokens at 19.0 ms, and the policy verified one node of a tree where four paid.
+
+    So the model keeps an exponentially weighted mean time per bucket of token counts (each count up to
+    ``_EXACT_BUCKETS``, then eight buckets per doubling) and interpolates between the measured buckets nearest a
+    count. Beyond them it extends the nearest one along a least-squares line through all steps (which starts
+    from a prior slope). Every bucket's weight decays with every step, and a bucket not measured for about 150
+    steps is forgotten: a count measured once under a passing load is tried again rather than ruled out for good."""
+
+    def __init__(self) -> None:
+        self._line = _Line()
+        self._buckets: dict[int, _Measured] = {}
+        self._points: list[tuple[float, float]] | None = None  # (mean tokens, mean seconds) per bucket, sorted
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        self._line.observe(num_tokens, seconds)
+        self._points = None
+        for key, measured in list(self._buckets.items()):
+            measured.weight, measured.tokens, measured.seconds = (
+                _DECAY * measured.weight, _DECAY * measured.tokens, _DECAY * measured.seconds
+            )  # fmt: skip
+            if measured.weight < _FORGOTTEN_WEIGHT:
+                del self._buckets[key]
+        measured = self._buckets.setdefault(_bucket(num_tokens), _Measured())
+        measured.weight, measured.tokens, measured.seconds = (
+            measured.weight + 1, measured.tokens + num_tokens, measured.seconds + seconds
+        )  # fmt: skip
+
+    def seconds(self, num_tokens: int) -> float:
+        """Predicted step time; 0 before any observation."""
+        if self._points is None:
+            self._points = sorted((m.tokens / m.weight, m.seconds / m.weight) for m in self._buckets.values())
+        points = self._points
+        if not points:
+            return 0.0
+        above = bisect.bisect_left(points, (num_tokens, -1.0))
+        if 0 < above < len(points):  # between two measured buckets
+            (x0, y0), (x1, y1) = points[above - 1], points[above]
+            return y0 + (y1 - y0) * (num_tokens - x0) / (x1 - x0)
+        x, y = points[above] if above == 0 else points[-1]
+        return max(y + self._line.slope * (num_tokens - x), 1e-9)
+
+
+def _bucket(num_tokens: int) -> int:
+    """The bucket of a token count: the count itself up to ``_EXACT_BUCKETS``, then eighths of a doubling."""
+    if num_tokens <= _EXACT_BUCKETS:
+        return num_tokens
+    octave = num_tokens.bit_length() - 1
+    return (octave << 3) + ((num_tokens << 3 >> octave) & 7) + (1 << 16)  # apart from the exact keys
 
 
 class DraftPolicy:
@@ -194,11 +271,11 @@ class DraftPolicy:
             return counts
         if self.step_cost.seconds(num_step_tokens) <= 1e-9:  # nothing measured yet: explore with the maximum
             return [min(limit, self.max_drafts) for limit in limits]
-        explore_tree = self._node_rates and self._num_decisions % _EXPLORE_EVERY == _EXPLORE_EVERY // 2
+        explore_tree = self._node_rates and self._num_decisions % _EXPLORE_TREE_EVERY == _EXPLORE_EVERY // 2
         if explore_tree and 0 < len(request_ids) <= _MAX_TREE_EXPLORE_BATCH:
             # Trees: one request verifies the whole tree, so the cost line sees large steps too and every node's
             # rate stays measured (otherwise the line's prior slope, a chain speculator's, rules nodes out).
-            explored = self._num_decisions // _EXPLORE_EVERY % len(request_ids)
+            explored = self._num_decisions // _EXPLORE_TREE_EVERY % len(request_ids)
             counts[explored] = min(limits[explored], self.max_drafts)
             return counts
         if self._node_rates:

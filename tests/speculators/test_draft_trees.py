@@ -8,6 +8,8 @@ tokens must keep the target's distribution, which a planted wrong rule fails; an
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import random
 from pathlib import Path
 from typing import Any, ClassVar
@@ -323,12 +325,12 @@ def _tree_policy(rates: list[float], base_ms: float = 17.0, per_token_ms: float 
 
 def test_goodput_policy_verifies_the_nodes_that_pay_together_and_explores_the_whole_tree() -> None:
     """Nodes worth a few hundredths of a token each: every one that adds more than it costs is verified (a 3%
-    bar per node would stop at two), none once the tree as a whole stops paying, and one step in 16 gives one
-    request the whole tree so every node's rate stays measured."""
+    bar per node would stop at two), none once the tree as a whole stops paying, and one step in 64 gives one
+    request the whole tree so every node's rate stays measured (one in 16 drafts nothing)."""
     rates = [0.26, 0.1, 0.06, 0.05, 0.03, 0.01, 0.005, 0.005]
     policy = _tree_policy(rates)
-    counts = [policy.num_drafts(["r"], [8], 1)[0] for _ in range(32)]
-    assert counts.count(8) == 2 and counts.count(0) == 2  # the explore steps: the whole tree, and nothing
+    counts = [policy.num_drafts(["r"], [8], 1)[0] for _ in range(128)]
+    assert counts.count(8) == 2 and counts.count(0) == 8  # the explore steps: the whole tree, and nothing
     assert set(counts) - {0, 8} == {4}, counts  # nodes 0-3: each adds more than 0.5% (and its cost)
     expensive = _tree_policy(rates, per_token_ms=8.0)  # a verified token costs half a step: not even node 0 pays
     assert [expensive.num_drafts(["r"], [8], 1)[0] for _ in range(7)] == [0] * 7
@@ -345,3 +347,22 @@ def test_goodput_policy_verifies_past_a_poor_early_node() -> None:
     counts = {policy.num_drafts(["r"], [8], 1)[0] for _ in range(7)}
     assert counts == {4}, counts  # nodes 0-3 (node 1 included); 4-7 add less than they cost
     assert _tree_policy(rates).num_drafts(["a", "b"], [8, 0], 2)[1] == 0  # a request's limit caps it
+
+
+def test_goodput_policy_verifies_the_nodes_a_flat_step_makes_cheap() -> None:
+    """A Medusa run on the float32 default model, as the policy saw it: plain steps of 1 token at 17.5 ms, most
+    verification steps of 2 tokens at 18.0 ms, some of 5 at 18.2 ms, the whole tree's 17 tokens at 27.6 ms, and
+    node rates measured on served text. A line through those steps (the policy before) prices 4 nodes 2 ms above
+    one and verifies two; priced as measured, the 4 nodes pay 10% more than one."""
+    rates = [0.244, 0.056, 0.045, 0.042, 0.02, 0.02, 0.02, 0.02, 0.01, 0.01, 0.01, 0.01, 0.005, 0.005, 0.005, 0.005]
+    policy = DraftPolicy(len(rates))
+    steps = [(1, 17.5)] * 2 + [(2, 18.0)] * 10 + [(5, 18.2)] + [(17, 27.6)] * 2
+    for tokens, ms in steps * 20:
+        policy.observe_step(tokens, ms / 1000, drafted=tokens > 1)
+    policy.observe_propose(16, 0.00075)
+    bounds = list(itertools.accumulate(rates))
+    for i in range(400):
+        u = i * 0.618034 % 1  # spread evenly over [0, 1): each node accepted at its rate, in every stretch
+        accepted = [bisect.bisect_right(bounds, u)] if u < bounds[-1] else []
+        policy.observe_verification("r", len(rates), len(accepted), tree_nodes=accepted)
+    assert {policy.num_drafts(["r"], [16], 1)[0] for _ in range(7)} == {4}

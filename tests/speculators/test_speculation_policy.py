@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tokenmill.speculation_policy import DraftPolicy, StepCostModel
+from tokenmill.speculation_policy import DraftPolicy, StepCostModel, _Line
 
 
 def _policy(base_ms: float = 10.0, per_token_ms: float = 1.3, k: int = 8) -> DraftPolicy:
@@ -24,6 +24,32 @@ def test_the_step_cost_fit_recovers_a_line() -> None:
         model.observe(tokens, 0.010 + 0.002 * tokens)
     assert abs(model.seconds(5) - 0.020) < 0.0005
     assert abs(model.seconds(40) - 0.090) < 0.002
+
+
+def test_the_step_cost_model_follows_a_step_that_is_flat_then_steep() -> None:
+    """Measured on the float32 default model: 2 tokens 18.0 ms, 5 tokens 18.2 ms, 17 tokens 27.6 ms. A line
+    through those steps (the planted model) prices 5 tokens near 19 ms; the model keeps what it measured and
+    interpolates between the counts it has seen."""
+    model, line = StepCostModel(), _Line()
+    for tokens, ms in [(2, 18.0), (2, 18.0), (5, 18.2), (17, 27.6)] * 20:
+        model.observe(tokens, ms / 1000)
+        line.observe(tokens, ms / 1000)
+    assert abs(model.seconds(5) - 0.0182) < 0.0001
+    assert abs(model.seconds(3) - 0.01807) < 0.0001  # a third of the way from 2 to 5
+    assert abs(model.seconds(11) - 0.0229) < 0.0001  # half way from 5 to 17
+    assert abs(line.seconds(5) - 0.0182) > 0.0005
+    assert model.seconds(33) > model.seconds(17) > model.seconds(1) > 0  # past the measured counts, along the line
+
+
+def test_a_cost_bucket_not_measured_for_long_is_forgotten() -> None:
+    """A count measured once under a passing load must not be ruled out for good: after about 150 steps of other
+    counts, its measurement is gone and the count is priced between its neighbours again."""
+    model = StepCostModel()
+    model.observe(5, 0.100)  # a spike
+    for _ in range(100):
+        for tokens in (2, 9):
+            model.observe(tokens, 0.018)
+    assert abs(model.seconds(5) - 0.018) < 0.0005
 
 
 def test_a_predictable_request_alone_gets_every_draft_and_an_unpredictable_one_fewer() -> None:
@@ -66,14 +92,15 @@ def test_a_request_without_drafts_is_tried_again_later() -> None:
 
 def test_plain_steps_get_their_own_cost_line() -> None:
     """As on the H200: a plain step replays a CUDA graph (1.3 ms), a verification step runs eagerly (6 ms plus
-    0.1 ms a token). With its own line for plain steps, a predictable request alone drafts nothing; one line
-    through both kinds (the planted model) underestimates a short verification and drafts."""
+    0.1 ms a token). With its own model for plain steps, a predictable request alone drafts nothing; one model
+    through both kinds of step of the same sizes (the planted model: as a batch sees them) underestimates a
+    verification and drafts."""
 
     def observed(graphed: bool) -> DraftPolicy:
         policy = DraftPolicy(8, separate_plain_steps=graphed)
         for tokens in (1, 2, 5, 9) * 20:
-            drafted = tokens > 1
-            policy.observe_step(tokens, (6.0 + 0.1 * tokens if drafted else 1.3) / 1000, drafted)
+            policy.observe_step(tokens, 1.3 / 1000, drafted=False)
+            policy.observe_step(tokens, (6.0 + 0.1 * tokens) / 1000, drafted=True)
         _trained(policy, "copying", accepted=7, drafted=8)  # alpha about 0.88
         return policy
 
