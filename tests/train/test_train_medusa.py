@@ -73,7 +73,8 @@ def test_trained_heads_load_and_their_drafts_are_accepted(
     output = tmp_path / "heads"
     args = [
         "train", "medusa", str(tiny_model_dir), "--output", str(output), "--prompts", str(prompts_file),
-        "--num-heads", "2", "--max-new-tokens", str(MAX_NEW_TOKENS), "--epochs", "20", "--batch-size", "32",
+        "--num-heads", "2", "--num-layers", "2", "--max-new-tokens", str(MAX_NEW_TOKENS), "--epochs", "20",
+        "--batch-size", "32",
         "--lr", "1e-2", "--held-out", "0.25", "--no-progress", "--device", "cpu", "--num-threads", "1",
     ]  # fmt: skip
     result = CliRunner().invoke(main, args)
@@ -81,11 +82,13 @@ def test_trained_heads_load_and_their_drafts_are_accepted(
     assert "held-out top-1 accuracy" in result.output.splitlines()[-1]
 
     config = json.loads((output / "config.json").read_text())
-    assert config["medusa_num_heads"] == 2 and config["medusa_num_layers"] == 1
+    assert config["medusa_num_heads"] == 2 and config["medusa_num_layers"] == 2
     assert config["base_model_name_or_path"] == str(tiny_model_dir)
     assert (config["hidden_size"], config["vocab_size"], config["version"]) == (64, 512, "2")
     tensors = load_file(str(output / "medusa_lm_head.safetensors"))
-    assert sorted(tensors) == ["0.0.linear.bias", "0.0.linear.weight", "1.0.linear.bias", "1.0.linear.weight"]
+    assert sorted(tensors) == [
+        f"{h}.{layer}.linear.{kind}" for h in (0, 1) for layer in (0, 1) for kind in ("bias", "weight")
+    ]
     assert tensors["0.0.linear.weight"].abs().sum() > 0  # trained away from the zero start
 
     # The tokens the heads learnt to predict, most frequent first: the drafts come from them.
@@ -118,7 +121,13 @@ def test_saved_projection_is_the_lm_head_and_shared(
         overrides={"model": {"model": str(tiny_model_dir)}, "device": {"device": "cpu", "num_threads": 1}}
     )
     options = MedusaTrainingOptions(
-        num_heads=2, prompts=prompts_file, max_new_tokens=8, epochs=1, save_projection=True, progress=False
+        num_heads=2,
+        num_layers=1,
+        prompts=prompts_file,
+        max_new_tokens=8,
+        epochs=1,
+        save_projection=True,
+        progress=False,
     )
     result = train_medusa(config, tmp_path / "heads", options)
     assert len(result.accuracies) == 2 and result.num_held_out_positions > 0
@@ -238,3 +247,19 @@ def test_draft_vocabulary_is_the_most_frequent_labels_and_its_held_out_coverage(
     assert _draft_vocab(train, held_out, 2) == ([5, 7], pytest.approx(1 / 3))
     vocab, coverage = _draft_vocab(train, held_out, 100)  # only tokens that occur
     assert sorted(vocab) == [2, 5, 7, 9] and vocab[0] == 5 and coverage == pytest.approx(2 / 3)
+
+
+def test_heads_learn_and_are_measured_over_the_draft_vocabulary() -> None:
+    """With a draft vocabulary the heads score its tokens only, as the speculator serves them: targets become
+    positions in it, a token it lacks is never learnt and always counts as a miss."""
+    from tokenmill.train.medusa import _IGNORE, _OUTSIDE, _evaluate, _Heads, _in_draft_vocab, _Projection
+
+    targets = torch.tensor([[7, 3], [4, _IGNORE], [9, 9]])
+    assert _in_draft_vocab(targets, [7, 9, 4], 10).tolist() == [[0, _OUTSIDE], [2, _IGNORE], [1, 1]]
+    # Untrained heads (zero ResBlocks) score the hidden state against the draft vocabulary's rows: one-hot hidden
+    # states pick rows 0, 2 and 1, every head 0 target; head 1 has a token outside (a miss) and row 1 (right).
+    hidden = torch.eye(3)[[0, 2, 1]]
+    projection = _Projection(torch.eye(3))
+    mapped = _in_draft_vocab(targets, [7, 9, 4], 10)
+    accuracies, _ = _evaluate(_Heads(2, 1, 3), projection, hidden, mapped)
+    assert accuracies == [1.0, pytest.approx(1 / 2)]

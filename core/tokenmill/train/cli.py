@@ -30,7 +30,7 @@ def train() -> None:
     help="Directory to write the heads to (config.json and medusa_lm_head.safetensors).",
 )
 @click.option("--num-heads", type=click.IntRange(min=1), default=3, show_default=True, help="Medusa heads to train.")
-@click.option("--num-layers", type=click.IntRange(min=1), default=1, show_default=True, help="ResBlocks per head.")
+@click.option("--num-layers", type=click.IntRange(min=1), default=4, show_default=True, help="ResBlocks per head.")
 @click.option(
     "--prompts",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
@@ -67,7 +67,7 @@ def train() -> None:
 @click.option(
     "--batch-size", type=click.IntRange(min=1), default=128, show_default=True, help="Positions per optimizer step."
 )
-@click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=3e-3, show_default=True, help="AdamW rate.")
+@click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=1e-3, show_default=True, help="AdamW rate.")
 @click.option(
     "--held-out",
     type=click.FloatRange(min=0, max=1, min_open=True, max_open=True),

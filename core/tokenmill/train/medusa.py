@@ -13,7 +13,9 @@ Only the heads' ResBlocks learn, in float32 on the CPU with torch autograd (the 
 once, without gradients). Their linears start at zero, so an untrained head is the model's own lm_head; the
 vocabulary projection is the model's output projection, frozen, and not stored (``tokenmill.train.medusa_heads``):
 a projection of its own per head would cost the speculator a hidden x vocab matmul per head per step, more
-than a quantized small model's whole step. Accuracy is measured on the first answers of prompts held out of
+than a quantized small model's whole step. With a draft vocabulary (``draft_vocab_size``), the projection is cut
+to its rows for training and measuring too: the heads learn to rank the tokens they will score when served,
+and a target outside it counts as a miss. Accuracy is measured on the first answers of prompts held out of
 training (their sampled answers are not trained on either).
 """
 
@@ -54,7 +56,8 @@ __all__ = ["MedusaTrainingOptions", "MedusaTrainingResult", "TrainingError", "re
 logger = logging.getLogger(__name__)
 
 _IGNORE = -100  # target of a position whose head has no token to predict (past the end of the answer)
-_NO_RANK = 1 << 30  # the rank of such a target
+_OUTSIDE = -1  # target of a position whose token the draft vocabulary lacks: never drafted, so always a miss
+_NO_RANK = 1 << 30  # the rank of such targets
 
 
 class TrainingError(TokenmillError, ValueError):
@@ -66,7 +69,7 @@ class MedusaTrainingOptions:
     """How ``train_medusa`` trains; the ``tokenmill train medusa`` flags."""
 
     num_heads: int = 3
-    num_layers: int = 1  # ResBlocks per head
+    num_layers: int = 4  # ResBlocks per head
     prompts: Path | None = None  # one prompt per line; None: the bundled prompts.txt
     max_new_tokens: int = 128  # longest answer generated per prompt
     temperature: float = 0.0  # of each prompt's first answer; 0 is greedy, which greedy verification accepts
@@ -74,7 +77,7 @@ class MedusaTrainingOptions:
     sample_temperature: float = 0.8
     epochs: int = 3
     batch_size: int = 128  # positions per optimizer step (each trains every head)
-    lr: float = 3e-3
+    lr: float = 1e-3
     held_out: float = 0.1  # share of the answers kept out of training to measure accuracy
     seed: int = 0
     tree_nodes: int = 16  # nodes of the draft tree stored as medusa_choices (0: none)
@@ -169,8 +172,17 @@ def train_medusa(config: EngineConfig, output: Path, options: MedusaTrainingOpti
     loaded = llm.engine.loaded
     sequences = _answer(llm, prompts, options)
     hidden, targets, answer_of_row = _hidden_states(loaded, sequences, options.num_heads, options.progress)
-    projection = _Projection(output_projection(loaded, llm.engine.plugins, config.model.weight_format).float().cpu())
+    vocab_projection = output_projection(loaded, llm.engine.plugins, config.model.weight_format).float().cpu()
+    weight = vocab_projection
     train_rows, held_out_rows = _split(answer_of_row, len(prompts), options)
+    draft_vocab: list[int] = []
+    coverage = 1.0
+    if options.draft_vocab_size:
+        draft_vocab, coverage = _draft_vocab(targets[train_rows], targets[held_out_rows, 0], options.draft_vocab_size)
+        # The heads learn and are measured as they will serve: scoring the draft vocabulary's tokens only.
+        targets = _in_draft_vocab(targets, draft_vocab, len(vocab_projection))
+        weight = vocab_projection[draft_vocab]
+    projection = _Projection(weight)
     torch.manual_seed(options.seed)
     heads = _Heads(options.num_heads, options.num_layers, loaded.arch.hidden_size)
     untrained = _evaluate(heads, projection, hidden[held_out_rows], targets[held_out_rows])[0]
@@ -181,10 +193,6 @@ def train_medusa(config: EngineConfig, output: Path, options: MedusaTrainingOpti
     if options.tree_nodes:
         ranks = _ranks(heads, projection, hidden[held_out_rows], targets[held_out_rows])
         tree, tree_accepted = _best_tree(ranks, options.tree_nodes)
-    draft_vocab: list[int] = []
-    coverage = 1.0
-    if options.draft_vocab_size:
-        draft_vocab, coverage = _draft_vocab(targets[train_rows], targets[held_out_rows, 0], options.draft_vocab_size)
     settings = {
         "prompts": str(options.prompts) if options.prompts else "bundled prompts.txt",
         "num_answers": len(sequences),
@@ -192,6 +200,7 @@ def train_medusa(config: EngineConfig, output: Path, options: MedusaTrainingOpti
         "temperature": options.temperature,
         "num_sampled_answers": options.num_sampled_answers,
         "sample_temperature": options.sample_temperature,
+        "num_layers": options.num_layers,
         "epochs": options.epochs,
         "batch_size": options.batch_size,
         "lr": options.lr,
@@ -213,7 +222,7 @@ def train_medusa(config: EngineConfig, output: Path, options: MedusaTrainingOpti
             **({MEDUSA_CHOICES: [list(node) for node in tree]} if tree else {}),
             **({DRAFT_VOCAB: draft_vocab} if draft_vocab else {}),
         },
-        projection.weight if options.save_projection else None,
+        vocab_projection if options.save_projection else None,
     )
     return MedusaTrainingResult(
         output=output,
@@ -372,6 +381,7 @@ def _fit(
     options: MedusaTrainingOptions,
 ) -> None:  # fmt: skip
     """AdamW on the summed per-head cross-entropy (Medusa's loss), cosine-decayed learning rate."""
+    targets = targets.masked_fill(targets < 0, _IGNORE)  # a token outside the draft vocabulary: nothing to learn
     generator = torch.Generator().manual_seed(options.seed)
     num_steps = options.epochs * math.ceil(len(hidden) / options.batch_size)
     optimizer = torch.optim.AdamW(heads.parameters(), lr=options.lr, weight_decay=0.0)
@@ -406,7 +416,7 @@ def _ranks(
         target = targets[rows].T  # [num_heads, batch]
         chosen = logits.gather(-1, target.clamp(min=0).unsqueeze(-1))  # [num_heads, batch, 1]
         rank = (logits > chosen).sum(-1)  # [num_heads, batch]
-        ranks.append(torch.where(target == _IGNORE, _NO_RANK, rank).T)
+        ranks.append(torch.where(target < 0, _NO_RANK, rank).T)
     return torch.cat(ranks)
 
 
@@ -426,6 +436,15 @@ def _best_tree(ranks: torch.Tensor, num_nodes: int, max_rank: int = 10) -> tuple
             counts[node] = counts.get(node, 0) + 1
     best = sorted(counts.items(), key=lambda item: (-item[1], len(item[0]), item[0]))[:num_nodes]
     return [node for node, _ in best], sum(count for _, count in best) / max(1, len(ranks))
+
+
+def _in_draft_vocab(targets: torch.Tensor, draft_vocab: list[int], vocab_size: int) -> torch.Tensor:
+    """``targets`` as positions in ``draft_vocab`` (the rows of the projection the heads score): ``_OUTSIDE`` for
+    a token it lacks, ``_IGNORE`` kept. Cross-entropy skips both; accuracy counts ``_OUTSIDE`` as a miss."""
+    position = torch.full((vocab_size + 1,), _OUTSIDE, dtype=torch.long)  # the last entry: _IGNORE's
+    position[torch.tensor(draft_vocab, dtype=torch.long)] = torch.arange(len(draft_vocab))
+    position[vocab_size] = _IGNORE
+    return position[torch.where(targets == _IGNORE, vocab_size, targets)]
 
 
 def _draft_vocab(train_targets: torch.Tensor, held_out_targets: torch.Tensor, size: int) -> tuple[list[int], float]:
