@@ -25,6 +25,7 @@ from tokenmill.model_loader import LoadedModel, load_model
 from tokenmill.plugin_manager import Slot, resolve_plugins
 from tokenmill.speculator import Proposal, SpeculationInput, SpeculatorContext
 from tokenmill.testing import check_speculator, make_engine, run_to_completion, save_tiny_model
+from tokenmill.train.medusa_heads import apply_resblocks
 from tokenmill.weights.format import WeightsError
 
 HIDDEN = 64  # the tiny models' hidden size
@@ -68,9 +69,11 @@ def _write(directory: Path, tensors: dict[str, torch.Tensor], **config: Any) -> 
 
 
 def _config(
-    model_dir: Path, heads_dir: Path, k: int | None = None, tree: str | None = None, **model: Any
-) -> EngineConfig:
-    spec = {"method": "medusa", "model": str(heads_dir), "num_speculative_tokens": k, "speculative_token_tree": tree}
+    model_dir: Path, heads_dir: Path, k: int | None = None, tree: str | None = None,
+    heads_quantization: str | None = None, **model: Any,
+) -> EngineConfig:  # fmt: skip
+    spec = {"method": "medusa", "model": str(heads_dir), "num_speculative_tokens": k, "speculative_token_tree": tree,
+            "quantization": heads_quantization}  # fmt: skip
     return load_config(
         overrides={"model": {"model": str(model_dir), **model}, "device": {"device": "cpu"}, "speculative_config": spec}
     )
@@ -92,8 +95,9 @@ Factory = Callable[..., MedusaSpeculator]
 
 @pytest.fixture
 def make(tied_dir: Path, target: LoadedModel) -> Factory:
-    """``make(heads_dir, k=None, cls=MedusaSpeculator, tree=None, verifies_trees=True)``: the speculator as the
-    engine builds it over ``target``."""
+    """``make(heads_dir, k=None, cls=MedusaSpeculator, tree=None, verifies_trees=True, quantization="none")``: the
+    speculator as the engine builds it over ``target``, with float heads unless told otherwise (the tests compare
+    its drafts with FasterDecoding's float module)."""
 
     def build(
         heads_dir: Path,
@@ -101,8 +105,9 @@ def make(tied_dir: Path, target: LoadedModel) -> Factory:
         cls: type[MedusaSpeculator] = MedusaSpeculator,
         tree: str | None = None,
         verifies_trees: bool = True,
+        quantization: str | None = "none",
     ) -> MedusaSpeculator:
-        config = _config(tied_dir, heads_dir, k, tree)
+        config = _config(tied_dir, heads_dir, k, tree, heads_quantization=quantization)
         context = SpeculatorContext(config, target, resolve_plugins(config), BLOCK_SIZE, 64, verifies_trees)
         return cls(k or cls.default_num_speculative_tokens, context)
 
@@ -310,7 +315,7 @@ def test_quantized_untied_lm_head_is_compared_with_the_checkpoint(tiny_model_dir
     lm_head = load_file(str(tiny_model_dir / "model.safetensors"))["lm_head.weight"]  # [vocab, hidden]
     tensors = {key: value for key, value in _reference_heads(2, 1).state_dict().items()}
     tensors["0.1.weight"] = lm_head
-    config = _config(tiny_model_dir, _write(tmp_path, tensors), quantization="int8")
+    config = _config(tiny_model_dir, _write(tmp_path, tensors), heads_quantization="none", quantization="int8")
     plugins = resolve_plugins(config)
     quantized = load_model(config, plugins)
     assert quantized.model.lm_head is not None and not hasattr(quantized.model.lm_head, "weight")
@@ -416,3 +421,40 @@ def test_greedy_output_is_unchanged_through_the_engine(tied_dir: Path, target: L
                                  attention={"backend": backend})  # fmt: skip
         assert speculative == plain, backend
         assert stats.spec_decode_num_accepted_tokens > 0, backend
+
+
+@pytest.mark.parametrize("num_layers", [1, 3])
+def test_int8_heads_compute_the_float_heads_on_their_int8_weights(
+    make: Factory, target: LoadedModel, tmp_path: Path, num_layers: int
+) -> None:
+    """The default on a CPU with a float32 target: the heads' own weights (ResBlocks, the draft vocabulary's
+    rows) in int8. Their logits are the float heads' on the int8-rounded weights, and their drafts those of the
+    float heads on nearly every row (the heads only propose: a flipped candidate is a missed guess)."""
+    from tokenmill_plugins.quant.weight_only import Int8Quantizer
+
+    tensors = {key: value for key, value in _reference_heads(3, num_layers).state_dict().items()
+               if not key.endswith(f".{num_layers}.weight")}  # fmt: skip  # the shared lm_head
+    heads_dir = _write(tmp_path / "heads", tensors, medusa_num_layers=num_layers, draft_vocab=list(range(0, VOCAB, 2)))
+    quantized, dense = make(heads_dir, quantization=None), make(heads_dir)
+    assert quantized._resblocks is not None and dense._resblocks is None
+    rounded = {  # the same heads with every ResBlock weight rounded through int8
+        key: Int8Quantizer().dequantize(*Int8Quantizer().quantize(value)) if key.endswith("linear.weight") else value
+        for key, value in tensors.items()
+    }
+    rounded_dense = make(_write(tmp_path / "rounded", rounded, medusa_num_layers=num_layers,
+                                draft_vocab=list(range(0, VOCAB, 2))))  # fmt: skip
+    hidden = _hidden(32)
+    x = quantized._resblocks(hidden, 3)
+    torch.testing.assert_close(x, apply_resblocks(hidden, rounded_dense._weights, rounded_dense._biases),
+                               rtol=1e-3, atol=1e-3)  # fmt: skip
+    same = sum(a == b for a, b in zip(quantized._draft(hidden, 3).tolist(), dense._draft(hidden, 3).tolist(),
+                                      strict=True))  # fmt: skip
+    assert same >= 28, same
+
+
+def test_heads_quantization_names_a_quantizer_or_is_a_one_line_error(make: Factory, tmp_path: Path) -> None:
+    heads_dir = _write(tmp_path, {"0.0.linear.weight": torch.zeros(HIDDEN, HIDDEN), "0.0.linear.bias":
+                                  torch.zeros(HIDDEN)})  # fmt: skip
+    assert make(heads_dir, quantization="int4")._resblocks is not None
+    _one_line_error(ConfigError, "speculative_config.quantization", lambda: make(heads_dir, quantization="int3"))
+    _one_line_error(ConfigError, "speculative_config.quantization", lambda: make(heads_dir, quantization="gptq"))

@@ -42,7 +42,11 @@ class SpeculativeConfig(ConfigSection, frozen=True):
     ] = None
     quantization: Annotated[
         str | None,
-        describe("'draft_model': the draft's quantizer, like model.quantization (unset: 'auto')."),
+        describe(
+            "'draft_model': the draft's quantizer, like model.quantization (unset: 'auto'). "
+            "'medusa': the quantizer of the heads' own weights, 'int8', 'int4' or 'none' (unset: 'int8' for a "
+            "float32 target on a CPU, else 'none')."
+        ),
     ] = None
     prompt_lookup_min: Annotated[
         PositiveInt | None,
@@ -90,8 +94,8 @@ class SpeculativeConfig(ConfigSection, frozen=True):
             raise ValueError(f"method {self.method!r} needs model: the path of its weights")
         if self.method not in _NEEDS_MODEL and self.model is not None:
             raise ValueError(f"model is not used by method {self.method!r}")
-        if self.method != "draft_model" and self.quantization is not None:
-            raise ValueError(f"quantization is only used by method 'draft_model', not {self.method!r}")
+        if self.method not in ("draft_model", "medusa") and self.quantization is not None:
+            raise ValueError(f"quantization is only used by methods 'draft_model' and 'medusa', not {self.method!r}")
         lookup = self.prompt_lookup_min is not None or self.prompt_lookup_max is not None
         if lookup and self.method != "ngram":
             raise ValueError(f"prompt_lookup_min/max are only used by method 'ngram', not {self.method!r}")
