@@ -74,8 +74,9 @@ _MIN_GAIN = 0.03
 #: verified two nodes of the default model's Medusa tree, where four paid 4% more.
 _MIN_TREE_NODE_GAIN = 0.005
 #: The whole-tree exploration step happens only in batches of at most this many requests: trees pay where a
-#: step holds few tokens, and at 32 requests it cost more than it measured (0.93x of plain decoding).
-_MAX_TREE_EXPLORE_BATCH = 4
+#: step holds few tokens, and at 32 requests it cost more than it measured (0.93x of plain decoding). Exploring
+#: a verification step's cost (nothing measured lately) gives the maximum to at most this many requests too.
+_MAX_EXPLORE_BATCH = 4
 #: One step in this many drafts nothing, so the fit keeps measuring what a step costs without drafts (a
 #: policy that always drafts would only ever see steps with drafts, and guess the alternative).
 _EXPLORE_EVERY = 16
@@ -87,7 +88,7 @@ _EXPLORE_TREE_EVERY = 64
 _PRIOR_SLOPE = 0.15
 #: Token counts up to this one have a cost bucket each; larger ones share eight buckets per doubling.
 _EXACT_BUCKETS = 32
-#: A cost bucket whose weight has decayed below this (about 150 steps without a measurement) is forgotten.
+#: A cost bucket whose weight has decayed below this (150 steps after a single measurement) is forgotten.
 _FORGOTTEN_WEIGHT = 0.05
 
 
@@ -147,10 +148,15 @@ class StepCostModel:
     steps the policy saw priced 5 tokens at 19.0 ms, and the policy verified one node of a tree where four paid.
 
     So the model keeps an exponentially weighted mean time per bucket of token counts (each count up to
-    ``_EXACT_BUCKETS``, then eight buckets per doubling) and interpolates between the measured buckets nearest a
-    count. Beyond them it extends the nearest one along a least-squares line through all steps (which starts
-    from a prior slope). Every bucket's weight decays with every step, and a bucket not measured for about 150
-    steps is forgotten: a count measured once under a passing load is tried again rather than ruled out for good."""
+    ``_EXACT_BUCKETS``, then eight buckets per doubling) and prices a count on the lower convex hull of those
+    means: flat-then-steep is convex, and the hull passes under a mean that a passing load or a cold step pushed
+    up. A count measured too high once would otherwise not be chosen, so not measured again, for as long as it
+    is remembered (a 5-token step measured at 12.4 ms, between 8.1 ms for 4 tokens and 13.3 ms for 9, kept the
+    ngram speculator at 2 drafts a step on copied text where 4 to 8 paid). A mean measured too low is chosen,
+    so measured again, and corrects itself. Past the hull's ends the nearest segment goes on (a single point:
+    along a least-squares line through all steps, which starts from a prior slope). Every bucket's weight
+    decays with every step, whether it verified drafts or not (``age``), and a bucket is forgotten about 150
+    steps after its last measurement (more if it was measured often)."""
 
     def __init__(self) -> None:
         self._line = _Line()
@@ -159,6 +165,14 @@ class StepCostModel:
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         self._line.observe(num_tokens, seconds)
+        self.age()
+        measured = self._buckets.setdefault(_bucket(num_tokens), _Measured())
+        measured.weight, measured.tokens, measured.seconds = (
+            measured.weight + 1, measured.tokens + num_tokens, measured.seconds + seconds
+        )  # fmt: skip
+
+    def age(self) -> None:
+        """One step passed (observed here or not): every bucket's weight decays, and a faded one is forgotten."""
         self._points = None
         for key, measured in list(self._buckets.items()):
             measured.weight, measured.tokens, measured.seconds = (
@@ -166,24 +180,44 @@ class StepCostModel:
             )  # fmt: skip
             if measured.weight < _FORGOTTEN_WEIGHT:
                 del self._buckets[key]
-        measured = self._buckets.setdefault(_bucket(num_tokens), _Measured())
-        measured.weight, measured.tokens, measured.seconds = (
-            measured.weight + 1, measured.tokens + num_tokens, measured.seconds + seconds
-        )  # fmt: skip
+
+    @property
+    def measured(self) -> bool:
+        """Whether a step was observed here in about the last 150 steps (``observe`` or ``age``)."""
+        return bool(self._buckets)
 
     def seconds(self, num_tokens: int) -> float:
         """Predicted step time; 0 before any observation."""
         if self._points is None:
-            self._points = sorted((m.tokens / m.weight, m.seconds / m.weight) for m in self._buckets.values())
+            self._points = _lower_hull(sorted((m.tokens / m.weight, m.seconds / m.weight)
+                                              for m in self._buckets.values()))  # fmt: skip
         points = self._points
         if not points:
-            return 0.0
-        above = bisect.bisect_left(points, (num_tokens, -1.0))
-        if 0 < above < len(points):  # between two measured buckets
-            (x0, y0), (x1, y1) = points[above - 1], points[above]
-            return y0 + (y1 - y0) * (num_tokens - x0) / (x1 - x0)
-        x, y = points[above] if above == 0 else points[-1]
-        return max(y + self._line.slope * (num_tokens - x), 1e-9)
+            return self._line.seconds(num_tokens)
+        if len(points) == 1:
+            (x, y), slope = points[0], self._line.slope
+        else:  # the hull's segment over num_tokens, or the nearest end segment
+            above = min(max(bisect.bisect_left(points, (num_tokens, -1.0)), 1), len(points) - 1)
+            (x, y), (x1, y1) = points[above - 1], points[above]
+            slope = (y1 - y) / (x1 - x)
+        return max(y + slope * (num_tokens - x), 1e-9)
+
+
+def _lower_hull(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The lower convex hull of ``points`` sorted by x (Andrew's monotone chain), left to right."""
+    hull: list[tuple[float, float]] = []
+    for x, y in points:
+        while len(hull) >= 2:
+            (x0, y0), (x1, y1) = hull[-2], hull[-1]
+            if (x1 - x0) * (y - y0) - (y1 - y0) * (x - x0) > 0:  # a left turn: hull[-1] stays below
+                break
+            hull.pop()
+        if hull and hull[-1][0] == x:  # the same x (buckets' means can coincide): keep the lower
+            if y >= hull[-1][1]:
+                continue
+            hull.pop()
+        hull.append((x, y))
+    return hull
 
 
 def _bucket(num_tokens: int) -> int:
@@ -213,8 +247,11 @@ class DraftPolicy:
         """One target step of ``num_tokens`` tokens took ``seconds``; ``drafted``: it verified drafts."""
         if self.plain_step_cost is not None and not drafted:
             self.plain_step_cost.observe(num_tokens, seconds)
+            self.step_cost.age()  # so a verification cost not measured for long is measured again
         else:
             self.step_cost.observe(num_tokens, seconds)
+            if self.plain_step_cost is not None:
+                self.plain_step_cost.age()
 
     def _plain_seconds(self, num_tokens: int) -> float:
         """Predicted time of a step without drafts."""
@@ -269,10 +306,13 @@ class DraftPolicy:
         self._num_decisions += 1
         if self._num_decisions % _EXPLORE_EVERY == 0:
             return counts
-        if self.step_cost.seconds(num_step_tokens) <= 1e-9:  # nothing measured yet: explore with the maximum
-            return [min(limit, self.max_drafts) for limit in limits]
+        if not self.step_cost.measured:
+            # Nothing measured yet, or not for about 150 steps: a few requests verify the maximum, to learn what a
+            # verification step costs now. Without it, one slow early step (cold caches) priced drafting out,
+            # and with nothing drafted the price was never measured again: a whole benchmark run drafted nothing.
+            return [min(limit, self.max_drafts) if i < _MAX_EXPLORE_BATCH else 0 for i, limit in enumerate(limits)]
         explore_tree = self._node_rates and self._num_decisions % _EXPLORE_TREE_EVERY == _EXPLORE_EVERY // 2
-        if explore_tree and 0 < len(request_ids) <= _MAX_TREE_EXPLORE_BATCH:
+        if explore_tree and 0 < len(request_ids) <= _MAX_EXPLORE_BATCH:
             # Trees: one request verifies the whole tree, so the cost line sees large steps too and every node's
             # rate stays measured (otherwise the line's prior slope, a chain speculator's, rules nodes out).
             explored = self._num_decisions // _EXPLORE_TREE_EVERY % len(request_ids)
