@@ -7,8 +7,9 @@ costs its full share), on the hardware, and on how predictable each request is.
 So the engine measures instead of guessing (after SmartSpec, Liu et al. 2024):
 
 - the target step's time by its number of tokens (``StepCostModel``: measured
-  means per token count over recent steps, interpolated, since a step is flat
-  in its tokens until the machine turns compute-bound and steep after), one
+  means per token count over recent steps, priced on their lower convex hull,
+  since a step is flat in its tokens until the machine turns compute-bound and
+  steep after), one
   model for steps that verify drafts and one for plain steps. The two cost
   differently, not along one curve: verifying has a fixed cost of its own (the
   target's distributions at every position, the acceptance walk; on a CPU with
@@ -313,8 +314,8 @@ class DraftPolicy:
             return [min(limit, self.max_drafts) if i < _MAX_EXPLORE_BATCH else 0 for i, limit in enumerate(limits)]
         explore_tree = self._node_rates and self._num_decisions % _EXPLORE_TREE_EVERY == _EXPLORE_EVERY // 2
         if explore_tree and 0 < len(request_ids) <= _MAX_EXPLORE_BATCH:
-            # Trees: one request verifies the whole tree, so the cost line sees large steps too and every node's
-            # rate stays measured (otherwise the line's prior slope, a chain speculator's, rules nodes out).
+            # Trees: one request verifies the whole tree, so every node's rate stays measured and the cost model
+            # sees large steps too.
             explored = self._num_decisions // _EXPLORE_TREE_EVERY % len(request_ids)
             counts[explored] = min(limits[explored], self.max_drafts)
             return counts

@@ -458,3 +458,9 @@ def test_heads_quantization_names_a_quantizer_or_is_a_one_line_error(make: Facto
     assert make(heads_dir, quantization="int4")._resblocks is not None
     _one_line_error(ConfigError, "speculative_config.quantization", lambda: make(heads_dir, quantization="int3"))
     _one_line_error(ConfigError, "speculative_config.quantization", lambda: make(heads_dir, quantization="gptq"))
+    # Heads without ResBlocks (projections only) pass the hidden state through, quantized or not.
+    no_resblocks = _write(tmp_path / "projections", {"0.0.weight": torch.zeros(VOCAB, HIDDEN)}, medusa_num_layers=0)
+    hidden = _hidden(2)
+    quantized = make(no_resblocks, quantization="int8")
+    assert quantized._resblocks is not None
+    torch.testing.assert_close(quantized._resblocks(hidden, 1), hidden.unsqueeze(0))

@@ -44,8 +44,9 @@ through those rows of the projection (from the checkpoint, as floats, for shared
 8,192 of SmolLM2's 49,152 rows (5,795 for the default model's trained heads); a token outside it is never drafted,
 which verification makes a missed guess, never a wrong token.
 
-The heads' own weights (ResBlocks, and the draft vocabulary's rows) are quantized by
-``speculative_config.quantization``: unset, int8 for a float32 target on a CPU. The target's pass evicts them
+The heads' ResBlocks, and the draft vocabulary's rows of the target's projection, are quantized by
+``speculative_config.quantization``: unset, int8 for a float32 target on a CPU (a projection of a head's own
+stays in the target's dtype). The target's pass evicts them
 from the caches, so each ``propose`` reads them from memory, and int8 reads a quarter of float32's bytes (for
 the default model's trained heads, 7 MB against 29 MB: 0.68 ms against 1.45 ms per ``propose``).
 """
@@ -294,15 +295,22 @@ def _heads_quantizer(name: str | None, context: SpeculatorContext) -> Quantizer:
     approximation costs at most a missed guess; int8 reads a quarter of float32's bytes, and the heads' weights
     are read from memory every step (the target's pass has evicted them from the caches)."""
     target = context.target
+    hidden_size = target.arch.hidden_size
     if name is None:
         name = "none"
         if target.dtype == torch.float32 and "int8" in context.plugins.registry.names(Slot.QUANTIZER):
             int8 = context.plugins.registry.load(Slot.QUANTIZER, "int8")
-            name = "int8" if target.device.type in int8.supported_devices and int8.is_available() else "none"
+            fits = hidden_size % getattr(int8, "input_group_size", 1) == 0
+            name = "int8" if fits and target.device.type in int8.supported_devices and int8.is_available() else "none"
     try:
-        return select_quantizer(name, target.arch, target.device, context.plugins)
+        quantizer = select_quantizer(name, target.arch, target.device, context.plugins)
     except PluginError as exc:  # an unknown name, one that cannot run here, a checkpoint format's reader
         raise ConfigError(f"speculative_config.quantization: {exc}") from None
+    group = getattr(quantizer, "input_group_size", 1)
+    if hidden_size % group:
+        raise ConfigError(f"speculative_config.quantization={name!r} quantizes groups of {group} inputs, and the heads "
+                          f"are {hidden_size} wide; use 'none'")  # fmt: skip
+    return quantizer
 
 
 def _linear(weight: torch.Tensor, bias: torch.Tensor | None, quantizer: Quantizer, target: LoadedModel) -> Linear:
@@ -320,16 +328,19 @@ class _QuantizedResBlocks:
 
     def __init__(self, weights: torch.Tensor, biases: torch.Tensor, quantizer: Quantizer, target: LoadedModel) -> None:
         num_heads, num_layers, hidden, _ = weights.shape
-        #: Per number of heads run, n: the first layer of the first n heads.
+        #: Per number of heads run, n: the first layer of the first n heads (none for heads without ResBlocks).
         self._first = [
             _linear(weights[:n, 0].reshape(n * hidden, hidden), biases[:n, 0].reshape(n * hidden), quantizer, target)
             for n in range(1, num_heads + 1)
+            if num_layers
         ]
         self._later = [[_linear(weights[h, layer], biases[h, layer], quantizer, target)
                         for layer in range(1, num_layers)] for h in range(num_heads)]  # fmt: skip
 
     def __call__(self, hidden: torch.Tensor, num_heads: int) -> torch.Tensor:
         """``apply_resblocks`` for the first ``num_heads`` heads: [num_heads, num_rows, hidden]."""
+        if not self._first:
+            return hidden.unsqueeze(0).expand(num_heads, -1, -1)
         first = F.silu(self._first[num_heads - 1](hidden)).view(hidden.shape[0], num_heads, -1).transpose(0, 1)
         x = hidden.unsqueeze(0) + first  # [num_heads, rows, hidden]
         outputs = []
