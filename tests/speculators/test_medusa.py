@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tokenmill_plugins.speculators.medusa import MedusaSpeculator
+from tokenmill_plugins.speculators.medusa import MedusaSpeculator, _FloatResBlocks, _QuantizedResBlocks
 from torch import nn
 
 from tokenmill.config import ConfigError, EngineConfig, load_config
@@ -436,7 +436,7 @@ def test_int8_heads_compute_the_float_heads_on_their_int8_weights(
                if not key.endswith(f".{num_layers}.weight")}  # fmt: skip  # the shared lm_head
     heads_dir = _write(tmp_path / "heads", tensors, medusa_num_layers=num_layers, draft_vocab=list(range(0, VOCAB, 2)))
     quantized, dense = make(heads_dir, quantization=None), make(heads_dir)
-    assert quantized._resblocks is not None and dense._resblocks is None
+    assert isinstance(quantized._resblocks, _QuantizedResBlocks) and isinstance(dense._resblocks, _FloatResBlocks)
     rounded = {  # the same heads with every ResBlock weight rounded through int8
         key: Int8Quantizer().dequantize(*Int8Quantizer().quantize(value)) if key.endswith("linear.weight") else value
         for key, value in tensors.items()
@@ -445,7 +445,10 @@ def test_int8_heads_compute_the_float_heads_on_their_int8_weights(
                                 draft_vocab=list(range(0, VOCAB, 2))))  # fmt: skip
     hidden = _hidden(32)
     x = quantized._resblocks(hidden, 3)
-    torch.testing.assert_close(x, apply_resblocks(hidden, rounded_dense._weights, rounded_dense._biases),
+    torch.testing.assert_close(quantized._resblocks(hidden, 2), x[:2])  # a step running fewer heads
+    float_blocks = rounded_dense._resblocks
+    assert isinstance(float_blocks, _FloatResBlocks)
+    torch.testing.assert_close(x, apply_resblocks(hidden, float_blocks.weights, float_blocks.biases),
                                rtol=1e-3, atol=1e-3)  # fmt: skip
     same = sum(a == b for a, b in zip(quantized._draft(hidden, 3).tolist(), dense._draft(hidden, 3).tolist(),
                                       strict=True))  # fmt: skip
@@ -455,12 +458,12 @@ def test_int8_heads_compute_the_float_heads_on_their_int8_weights(
 def test_heads_quantization_names_a_quantizer_or_is_a_one_line_error(make: Factory, tmp_path: Path) -> None:
     heads_dir = _write(tmp_path, {"0.0.linear.weight": torch.zeros(HIDDEN, HIDDEN), "0.0.linear.bias":
                                   torch.zeros(HIDDEN)})  # fmt: skip
-    assert make(heads_dir, quantization="int4")._resblocks is not None
+    assert isinstance(make(heads_dir, quantization="int4")._resblocks, _QuantizedResBlocks)
     _one_line_error(ConfigError, "speculative_config.quantization", lambda: make(heads_dir, quantization="int3"))
     _one_line_error(ConfigError, "speculative_config.quantization", lambda: make(heads_dir, quantization="gptq"))
     # Heads without ResBlocks (projections only) pass the hidden state through, quantized or not.
     no_resblocks = _write(tmp_path / "projections", {"0.0.weight": torch.zeros(VOCAB, HIDDEN)}, medusa_num_layers=0)
     hidden = _hidden(2)
     quantized = make(no_resblocks, quantization="int8")
-    assert quantized._resblocks is not None
+    assert isinstance(quantized._resblocks, _QuantizedResBlocks)
     torch.testing.assert_close(quantized._resblocks(hidden, 1), hidden.unsqueeze(0))

@@ -143,11 +143,11 @@ class MedusaSpeculator(Speculator):
         target = self._target = context.target
         _check_sizes(directory, heads.hidden_size, heads.config.get("vocab_size"), heads.projections, target)
         quantizer = _heads_quantizer(spec.quantization, context)
-        self._weights = heads.weights.to(target.device, target.dtype)  # [num_heads, num_layers, hidden, hidden]
-        self._biases = heads.biases.to(target.device, target.dtype)  # [num_heads, num_layers, hidden]
-        #: With a quantizer: the ResBlocks as its layers (else ``apply_resblocks`` on the float weights).
-        self._resblocks = None if quantizer.is_dense else _QuantizedResBlocks(heads.weights, heads.biases,
-                                                                                quantizer, target)  # fmt: skip
+        #: Every head's ResBlocks: float weights in batched matmuls, or the quantizer's layers.
+        self._resblocks: _FloatResBlocks | _QuantizedResBlocks = (
+            _FloatResBlocks(heads.weights, heads.biases, target) if quantizer.is_dense
+            else _QuantizedResBlocks(heads.weights, heads.biases, quantizer, target)
+        )  # fmt: skip
         #: The heads computed by the target's ``compute_logits`` (the others use their own projection).
         self.shared_heads = shared = self._shared_heads(heads.projections, context)
         own = [(head, projection) for head, projection in enumerate(heads.projections) if head not in shared]
@@ -250,10 +250,7 @@ class MedusaSpeculator(Speculator):
         [num_rows, vocab] (with a draft vocabulary: [num_rows, draft_vocab_size], over its tokens): the heads on
         the target's lm_head in one call, the others by their own projection."""
         num_rows = hidden.shape[0]
-        if self._resblocks is not None:
-            x = self._resblocks(hidden, num_heads)
-        else:
-            x = apply_resblocks(hidden, self._weights[:num_heads], self._biases[:num_heads])  # [heads, rows, hidden]
+        x = self._resblocks(hidden, num_heads)  # [num_heads, rows, hidden]
         logits: list[torch.Tensor | None] = [None] * num_heads
         shared = self._shared_index[num_heads]
         if len(shared):
@@ -322,27 +319,39 @@ def _linear(weight: torch.Tensor, bias: torch.Tensor | None, quantizer: Quantize
     return layer
 
 
+class _FloatResBlocks:
+    """Every head's ResBlocks in the target's dtype, all heads in one batched matmul per layer (``apply_resblocks``)."""
+
+    def __init__(self, weights: torch.Tensor, biases: torch.Tensor, target: LoadedModel) -> None:
+        self.weights = weights.to(target.device, target.dtype)  # [num_heads, num_layers, hidden, hidden]
+        self.biases = biases.to(target.device, target.dtype)  # [num_heads, num_layers, hidden]
+
+    def __call__(self, hidden: torch.Tensor, num_heads: int) -> torch.Tensor:
+        """The first ``num_heads`` heads' ResBlocks over ``hidden`` [rows, hidden]: [num_heads, rows, hidden]."""
+        return apply_resblocks(hidden, self.weights[:num_heads], self.biases[:num_heads])
+
+
 class _QuantizedResBlocks:
     """Every head's ResBlocks as quantized layers. The first layer reads the same hidden state in every head, so
-    the heads' first linears run as one layer of ``num_heads * hidden`` outputs; later layers, one per head."""
+    the heads' first linears run as one layer of ``num_heads * hidden`` outputs (head-major: a step running fewer
+    heads keeps the first ones' columns); later layers, one per head."""
 
     def __init__(self, weights: torch.Tensor, biases: torch.Tensor, quantizer: Quantizer, target: LoadedModel) -> None:
         num_heads, num_layers, hidden, _ = weights.shape
-        #: Per number of heads run, n: the first layer of the first n heads (none for heads without ResBlocks).
-        self._first = [
-            _linear(weights[:n, 0].reshape(n * hidden, hidden), biases[:n, 0].reshape(n * hidden), quantizer, target)
-            for n in range(1, num_heads + 1)
-            if num_layers
-        ]
+        #: Every head's first layer; None for heads without ResBlocks.
+        self._first = (
+            _linear(weights[:, 0].reshape(num_heads * hidden, hidden), biases[:, 0].reshape(num_heads * hidden),
+                    quantizer, target) if num_layers else None
+        )  # fmt: skip
         self._later = [[_linear(weights[h, layer], biases[h, layer], quantizer, target)
                         for layer in range(1, num_layers)] for h in range(num_heads)]  # fmt: skip
 
     def __call__(self, hidden: torch.Tensor, num_heads: int) -> torch.Tensor:
         """``apply_resblocks`` for the first ``num_heads`` heads: [num_heads, num_rows, hidden]."""
-        if not self._first:
+        if self._first is None:
             return hidden.unsqueeze(0).expand(num_heads, -1, -1)
-        first = F.silu(self._first[num_heads - 1](hidden)).view(hidden.shape[0], num_heads, -1).transpose(0, 1)
-        x = hidden.unsqueeze(0) + first  # [num_heads, rows, hidden]
+        first = F.silu(self._first(hidden)[:, : num_heads * hidden.shape[1]])  # [rows, num_heads * hidden]
+        x = hidden.unsqueeze(0) + first.view(hidden.shape[0], num_heads, -1).transpose(0, 1)  # [heads, rows, hidden]
         outputs = []
         for head in range(num_heads):
             h = x[head]
