@@ -24,18 +24,24 @@ So the engine measures instead of guessing (after SmartSpec, Liu et al. 2024):
   the whole call, which scores every candidate at once);
 - each request's acceptance rate ``alpha``: the chance that a draft is accepted
   given the ones before it were, estimated from its own verifications
-  (accepted drafts are successes, a rejection is a failure), starting from a
-  prior of one success and one failure, and drifting back to it while the
-  request gets no drafts, so that it is tried again.
+  (accepted drafts are successes, a rejection is a failure). A new request
+  starts from the pooled rate of recent verifications (all requests,
+  exponentially weighted) worth two of its own: on copied text a request's
+  first drafts were verified one or two at a time from an even chance, and the
+  runs it copied were over before it got to 8. While a request gets no drafts
+  its rate drifts back to an even chance, so that it is tried again. (Two
+  rates, one for the first draft and one for each later draft given the one
+  before, fit copied text's runs better, but a request given one draft never
+  measured the second rate, and runs stayed at one draft a step.)
 
-A speculator that drafts trees (``tokenmill.draft_tree``) gets, instead of
-``alpha``, one measured rate per node of its tree: how often that node was on
+A speculator that drafts trees (``tokenmill.draft_tree``) gets, instead of a
+request's two rates, one measured rate per node of its tree: how often that node was on
 the accepted path (exponentially weighted, from a prior of one half). Every
 request verifies the same first ``k`` nodes of the tree (a prefix is a tree:
 parents come first), ``k`` the one with the most expected tokens per second,
 ``1 + rate_0 + ... + rate_(k-1)`` tokens per request; every ``k`` is weighed,
 since a poor node early in the stored order can precede better ones. Unlike a
-request's ``alpha``, a node's rate does not drift back while it is not drafted:
+request's rates, a node's rate does not drift back while it is not drafted:
 it is the speculator's, not the text's, and a drifting rate had every
 unprofitable node tried again every few steps (five nodes a step on average
 where four paid, 1.07x against 1.17-1.33x). Instead, one step in 64 (offset
@@ -44,14 +50,18 @@ rate measured and shows the cost model large steps. (One in 16 cost 4% of a
 Medusa run's time on the float32 default model: a whole-tree step takes 10 ms
 more than the 19 ms of a chosen prefix.)
 
-One step in 16 drafts nothing, so that the plain step's cost stays measured.
-With ``alpha``, drafting ``k`` tokens yields ``1 + alpha + ... + alpha^k`` tokens
-in expectation. Each step the policy starts every request at 0 drafts and
-hands out draft positions one at a time, always to the request whose next
-position is most likely to be accepted, while doing so raises the step's
-expected tokens per second by at least 3%. At a large batch nothing is handed out and the
-speculator is not even called; at c=1 a predictable request gets up to
-``num_speculative_tokens``.
+After 16 decisions in a row that drafted, with no step without drafts
+measured since, one drafts nothing, so that the plain step's cost stays
+measured; steps where the speculator found nothing to draft measure it too.
+With ``alpha``, draft position ``j`` (0-based) adds ``alpha^(j + 1)`` tokens in
+expectation. Each step the policy hands out draft positions one at a time,
+always to the request whose next position is most likely to be accepted, and
+keeps the first ``n`` of them with the most expected tokens per second, as for
+a tree: a longer prefix must beat the best shorter one by 0.5% per position,
+and the chosen one the plain step by 3%. (Stopping at the first position that
+added less than 3% verified 3 to 5 drafts on copied text, where 8 paid.) At a
+large batch nothing is handed out and the speculator is not even called; at
+c=1 a predictable request gets up to ``num_speculative_tokens``.
 """
 
 from __future__ import annotations
@@ -74,12 +84,18 @@ _MIN_GAIN = 0.03
 #: rates are measured over every request's verifications, not one request's. With 3% per node the policy
 #: verified two nodes of the default model's Medusa tree, where four paid 4% more.
 _MIN_TREE_NODE_GAIN = 0.005
+#: Handing out chain positions stops once the step's expected tokens per second fall this far below the best (or
+#: after more positions than one request may get without a new best: at 32 requests, all their first ones).
+_GIVE_UP = 0.1
 #: The whole-tree exploration step happens only in batches of at most this many requests: trees pay where a
 #: step holds few tokens, and at 32 requests it cost more than it measured (0.93x of plain decoding). Exploring
 #: a verification step's cost (nothing measured lately) gives the maximum to at most this many requests too.
 _MAX_EXPLORE_BATCH = 4
-#: One step in this many drafts nothing, so the fit keeps measuring what a step costs without drafts (a
-#: policy that always drafts would only ever see steps with drafts, and guess the alternative).
+#: After this many steps in a row with drafts, one drafts nothing, so the fit keeps measuring what a step costs
+#: without drafts (a policy that always drafts would only ever see steps with drafts, and guess the
+#: alternative). Steps that draft nothing anyway (nothing paid, or the speculator found nothing) measure it too:
+#: on copied text ``ngram`` finds nothing to draft from in most steps, and one step in 16 drafting nothing on top
+#: cut runs of 8 accepted drafts.
 _EXPLORE_EVERY = 16
 #: One step in this many (offset from the plain one) gives one request a tree's every node: it costs what a step
 #: of the whole tree costs more (on the float32 default model 10 ms on a 19 ms step), and only keeps measuring the
@@ -91,16 +107,39 @@ _PRIOR_SLOPE = 0.15
 _EXACT_BUCKETS = 32
 #: A cost bucket whose weight has decayed below this (150 steps after a single measurement) is forgotten.
 _FORGOTTEN_WEIGHT = 0.05
+#: A new request's acceptance rates start as the pooled rates of recent verifications, worth this many of its own.
+_PRIOR_WEIGHT = 2.0
 
 
 @dataclass
-class _Acceptance:
+class _Rate:
+    """A chance estimated from (weighted) successes and failures."""
+
     successes: float = 1.0
     failures: float = 1.0
 
     @property
-    def alpha(self) -> float:
+    def value(self) -> float:
         return self.successes / (self.successes + self.failures)
+
+    def observe(self, successes: float, failures: float, decay: float = 1.0) -> None:
+        self.successes = decay * self.successes + successes
+        self.failures = decay * self.failures + failures
+
+    def drift(self) -> None:
+        """Move part of the way back to an even chance (one success, one failure)."""
+        self.successes = _FORGET * self.successes + (1 - _FORGET)
+        self.failures = _FORGET * self.failures + (1 - _FORGET)
+
+    def gain(self, position: int) -> float:
+        """As a request's acceptance rate: the expected tokens its draft ``position`` (0-based) adds, the chance
+        that it and every draft before it are accepted."""
+        return self.value ** (position + 1)
+
+
+def _prior(value: float) -> _Rate:
+    """A rate of ``value`` worth ``_PRIOR_WEIGHT`` observations."""
+    return _Rate(_PRIOR_WEIGHT * value, _PRIOR_WEIGHT * (1 - value))
 
 
 class _Line:
@@ -239,13 +278,18 @@ class DraftPolicy:
         self.step_cost = StepCostModel()  # steps with drafts (every step without ``separate_plain_steps``)
         self.plain_step_cost = StepCostModel() if separate_plain_steps else None
         self.seconds_per_draft_position = 0.0  # the speculator's, measured
-        self._acceptance: dict[str, _Acceptance] = {}
+        self._acceptance: dict[str, _Rate] = {}
+        #: Every request's verifications together, exponentially weighted: where a new request's rate starts.
+        self._pooled = _Rate()
         #: For a speculator drafting trees: per node, how often it was accepted (all requests together).
-        self._node_rates: list[_Acceptance] = []
+        self._node_rates: list[_Rate] = []
         self._num_decisions = 0
+        self._drafting_streak = 0  # decisions in a row that drafted, with no step without drafts since
 
     def observe_step(self, num_tokens: int, seconds: float, drafted: bool = True) -> None:
         """One target step of ``num_tokens`` tokens took ``seconds``; ``drafted``: it verified drafts."""
+        if not drafted:
+            self._drafting_streak = 0
         if self.plain_step_cost is not None and not drafted:
             self.plain_step_cost.observe(num_tokens, seconds)
             self.step_cost.age()  # so a verification cost not measured for long is measured again
@@ -276,25 +320,24 @@ class DraftPolicy:
     ) -> None:
         """``num_accepted`` of the request's ``num_drafts`` drafts were accepted; for a tree of drafts,
         ``tree_nodes`` are the accepted ones (a path)."""
-        acceptance = self._acceptance.setdefault(request_id, _Acceptance())
-        acceptance.successes += num_accepted
-        acceptance.failures += num_accepted < num_drafts
+        # Accepted drafts are successes, a rejection is a failure.
+        self._request_acceptance(request_id).observe(num_accepted, num_accepted < num_drafts)
+        self._pooled.observe(num_accepted, num_accepted < num_drafts, _DECAY)
         if tree_nodes is not None:
-            self._node_rates.extend(_Acceptance() for _ in range(num_drafts - len(self._node_rates)))
+            self._node_rates.extend(_Rate() for _ in range(num_drafts - len(self._node_rates)))
             accepted = set(tree_nodes)
             for node in range(num_drafts):
-                rate = self._node_rates[node]
-                rate.successes = _DECAY * rate.successes + (node in accepted)
-                rate.failures = _DECAY * rate.failures + (node not in accepted)
+                self._node_rates[node].observe(node in accepted, node not in accepted, _DECAY)
 
-    def _gain(self, alpha: float, count: int) -> float:
-        """The expected tokens a request's draft position ``count`` (0-based) adds: for a tree, its node's
-        rate; for a chain, ``alpha^(count + 1)``."""
-        return self._node_rate(count) if self._node_rates else alpha ** (count + 1)
+    def _request_acceptance(self, request_id: str) -> _Rate:
+        acceptance = self._acceptance.get(request_id)
+        if acceptance is None:
+            acceptance = self._acceptance[request_id] = _prior(self._pooled.value)
+        return acceptance
 
     def _node_rate(self, node: int) -> float:
         """How often a tree's ``node`` is accepted; the prior's one half for a node never verified yet."""
-        return self._node_rates[node].alpha if node < len(self._node_rates) else 0.5
+        return self._node_rates[node].value if node < len(self._node_rates) else 0.5
 
     def forget(self, request_ids: Sequence[str]) -> None:
         for request_id in request_ids:
@@ -303,16 +346,22 @@ class DraftPolicy:
     def num_drafts(self, request_ids: Sequence[str], limits: Sequence[int], num_step_tokens: int) -> list[int]:
         """Drafts per request for the next step, at most ``limits[i]`` each; ``num_step_tokens`` is the
         step's size without drafts (this step's, as an estimate of the next)."""
-        counts = [0] * len(request_ids)
         self._num_decisions += 1
-        if self._num_decisions % _EXPLORE_EVERY == 0:
-            return counts
+        if self._drafting_streak >= _EXPLORE_EVERY:
+            counts = [0] * len(request_ids)
+        else:
+            counts = self._decide(request_ids, limits, num_step_tokens)
+        self._drafting_streak = self._drafting_streak + 1 if any(counts) else 0
+        return counts
+
+    def _decide(self, request_ids: Sequence[str], limits: Sequence[int], num_step_tokens: int) -> list[int]:
+        counts = [0] * len(request_ids)
         if not self.step_cost.measured:
             # Nothing measured yet, or not for about 150 steps: a few requests verify the maximum, to learn what a
             # verification step costs now. Without it, one slow early step (cold caches) priced drafting out,
             # and with nothing drafted the price was never measured again: a whole benchmark run drafted nothing.
             return [min(limit, self.max_drafts) if i < _MAX_EXPLORE_BATCH else 0 for i, limit in enumerate(limits)]
-        explore_tree = self._node_rates and self._num_decisions % _EXPLORE_TREE_EVERY == _EXPLORE_EVERY // 2
+        explore_tree = self._node_rates and self._num_decisions % _EXPLORE_TREE_EVERY == _EXPLORE_TREE_EVERY // 2
         if explore_tree and 0 < len(request_ids) <= _MAX_EXPLORE_BATCH:
             # Trees: one request verifies the whole tree, so every node's rate stays measured and the cost model
             # sees large steps too.
@@ -332,8 +381,7 @@ class DraftPolicy:
             if count == 0 and acceptance is not None:
                 # Drift back towards the prior while not drafting, so a request that turns predictable (starts
                 # quoting, say) is tried again.
-                acceptance.successes = _FORGET * acceptance.successes + (1 - _FORGET)
-                acceptance.failures = _FORGET * acceptance.failures + (1 - _FORGET)
+                acceptance.drift()
         return counts
 
     def _tree_prefix(self, limits: Sequence[int], num_step_tokens: int) -> list[int]:
@@ -362,23 +410,38 @@ class DraftPolicy:
 
     def _chain_counts(self, request_ids: Sequence[str], limits: Sequence[int], num_step_tokens: int) -> list[int]:
         """For a chain speculator: draft positions handed out one at a time to the request whose next one is
-        likeliest accepted, while each raises the step's expected tokens per second by ``_MIN_GAIN``."""
-        counts = [0] * len(request_ids)
-        alphas = [self._acceptance.get(r, _Acceptance()).alpha for r in request_ids]
+        likeliest accepted, and the step keeps the first ``n`` of them with the most expected tokens per second:
+        a longer prefix must beat the best shorter one by ``_MIN_TREE_NODE_GAIN`` per extra position, and the
+        chosen one the plain step by ``_MIN_GAIN``. Every prefix is weighed, not only up to the first position
+        that does not pay alone: a step's cost can jump at one token count and then flatten (on the int4 default
+        model, verifying 4 drafts cost 1.6 ms more than 3, each of the next 0.9-1.3 ms), and a run of copied
+        text pays for 8 drafts where the fourth alone did not."""
+        acceptances = [self._acceptance.get(r) or _prior(self._pooled.value) for r in request_ids]
         tokens = float(len(request_ids))  # expected tokens of the step's drafting requests: one each without drafts
         num_tokens, longest = num_step_tokens, 0
-        seconds = self._plain_seconds(num_tokens)
-        # Max-heap of each request's next draft position, by the chance it is accepted (alpha^(k+1)).
-        heap = [(-self._gain(alpha, 0), i) for i, alpha in enumerate(alphas) if limits[i] > 0]
+        best_rate = plain_rate = tokens / self._plain_seconds(num_tokens)
+        handed: list[int] = []  # the requests the positions went to, in order
+        best = 0
+        counts = [0] * len(request_ids)
+        # Max-heap of each request's next draft position, by the chance it is accepted (the gain falls with the
+        # position, so the positions of one request come out in order).
+        heap = [(-acceptance.gain(0), i) for i, acceptance in enumerate(acceptances) if limits[i] > 0]
         heapq.heapify(heap)
         while heap:
             gain, i = heapq.heappop(heap)
-            new_longest = max(longest, counts[i] + 1)
-            new_seconds = self.step_cost.seconds(num_tokens + 1) + new_longest * self.seconds_per_draft_position
-            if (tokens - gain) / new_seconds <= (1 + _MIN_GAIN) * tokens / seconds:
-                break  # the likeliest remaining position does not pay, so none does
-            tokens, seconds, num_tokens, longest = tokens - gain, new_seconds, num_tokens + 1, new_longest
+            longest = max(longest, counts[i] + 1)
+            tokens, num_tokens = tokens - gain, num_tokens + 1
+            rate = tokens / (self.step_cost.seconds(num_tokens) + longest * self.seconds_per_draft_position)
+            handed.append(i)
             counts[i] += 1
+            if rate > best_rate * (1 + _MIN_TREE_NODE_GAIN * (len(handed) - best)):
+                best, best_rate = len(handed), rate
+            elif rate < best_rate * (1 - _GIVE_UP) or len(handed) - best > self.max_drafts:
+                break  # later positions are less likely still, and cost at least as much
             if counts[i] < min(limits[i], self.max_drafts):
-                heapq.heappush(heap, (-self._gain(alphas[i], counts[i]), i))
+                heapq.heappush(heap, (-acceptances[i].gain(counts[i]), i))
+        counts = [0] * len(request_ids)
+        if best_rate >= (1 + _MIN_GAIN) * plain_rate:
+            for i in handed[:best]:
+                counts[i] += 1
         return counts
