@@ -11,10 +11,8 @@ Drafts are deterministic (the core verifies them with ``q`` one-hot).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import ClassVar
-
-import numpy
-from numpy.lib.stride_tricks import sliding_window_view
 
 from tokenmill.speculator import Proposal, SpeculationInput, Speculator, SpeculatorContext
 
@@ -37,20 +35,62 @@ class NgramSpeculator(Speculator):
         self.prompt_lookup_max = (spec and spec.prompt_lookup_max) or max(
             DEFAULT_PROMPT_LOOKUP_MAX, self.prompt_lookup_min
         )
+        self._indexes: dict[str, NgramIndex] = {}
 
     def propose(self, requests: list[SpeculationInput]) -> Proposal:
         return Proposal([self._lookup(request) for request in requests])
+
+    def on_requests_finished(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self._indexes.pop(request_id, None)
 
     def _lookup(self, request: SpeculationInput) -> list[int]:
         limit = min(self.num_speculative_tokens, request.max_num_tokens)
         if limit <= 0:
             return []
-        tokens = numpy.asarray(request.token_ids, dtype=numpy.int64)
-        for n in range(min(self.prompt_lookup_max, len(tokens) - 1), self.prompt_lookup_min - 1, -1):
-            # Every earlier window of n tokens against the last n: one vectorised comparison.
-            windows = sliding_window_view(tokens[:-1], n)  # [len - n, n]
-            matches = numpy.flatnonzero((windows == tokens[-n:]).all(axis=1))
-            if matches.size:
-                start = int(matches[-1]) + n  # the token after the latest earlier occurrence
-                return tokens[start : start + limit].tolist()
+        index = self._indexes.get(request.request_id)
+        if index is None:
+            index = self._indexes[request.request_id] = NgramIndex(self.prompt_lookup_min, self.prompt_lookup_max)
+        return index.continuation(request.token_ids, limit)
+
+
+class NgramIndex:
+    """Where each n-gram of one request's tokens last occurred, for ``n`` from ``min_n`` to ``max_n``, brought
+    up to date with the tokens that arrived since the last lookup. A lookup then costs a few dictionary reads
+    where scanning every window costs a pass over the request per ``n`` (25-60 us a step on the default
+    model's copy workload, 200 us per ``propose``, on a 6 ms step). A request's tokens only grow (a request
+    that is preempted is forgotten and indexed again); one that changed anyway is indexed again."""
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n, self.max_n = min_n, max_n
+        #: n-gram -> the start of its latest occurrence among the windows that end before the last token (the
+        #: last n tokens themselves are what is looked up, so they must not match themselves).
+        self._starts: dict[tuple[int, ...], int] = {}
+        self._indexed = 0  # windows ending at positions below this one are in ``_starts``
+
+    def continuation(self, tokens: Sequence[int], limit: int) -> list[int]:
+        """Up to ``limit`` tokens that followed the latest earlier occurrence of the longest matching suffix
+        of ``tokens`` (``max_n`` down to ``min_n`` tokens); empty when none occurred before."""
+        length = len(tokens)
+        if length < self._indexed:
+            self._starts.clear()
+            self._indexed = 0
+        self._extend(tokens, length - 1)
+        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
+            suffix = tuple(tokens[length - n :])
+            start = self._starts.get(suffix)
+            if start is not None:
+                if tuple(tokens[start : start + n]) != suffix:  # the tokens changed under the index
+                    self._starts.clear()
+                    self._indexed = 0
+                    return self.continuation(tokens, limit)
+                return list(tokens[start + n : start + n + limit])
         return []
+
+    def _extend(self, tokens: Sequence[int], end: int) -> None:
+        """Index every window that ends (exclusive) at a position in ``[self._indexed, end]``."""
+        starts = self._starts
+        for stop in range(max(self._indexed, self.min_n), end + 1):
+            for n in range(self.min_n, min(self.max_n, stop) + 1):
+                starts[tuple(tokens[stop - n : stop])] = stop - n
+        self._indexed = max(self._indexed, end + 1)
