@@ -57,7 +57,7 @@ from tokenmill.parallel.shards import ShardedModelRunner, ShardWorkers
 from tokenmill.plugin_manager import FRONT_END_SLOTS, PluginSystem, Slot, resolve_plugins, slot_selections
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling.logits_processor import LogitsProcessor, SamplingRow
-from tokenmill.sampling.rejection_sampler import rejection_sample
+from tokenmill.sampling.rejection_sampler import rejection_sample, verify_greedy
 from tokenmill.sampling.sampler import Sampler, SamplerOutput, SamplingMetadata
 from tokenmill.sampling_params import InvalidRequestError
 from tokenmill.scheduler import ModelRunnerOutput, ScheduledRequest, Scheduler, SchedulerOutput
@@ -594,11 +594,18 @@ class EngineCore:
             rows, generators=[None] * len(rows), vocab_size=logits.shape[-1], device=logits.device,
             logits_processors=self.logits_processors,
         )  # fmt: skip
-        probs = self.sampler.target_probs(logits, metadata)
-        generators = [self._generator(request) for request in requests]
-        draft_probs = [self._draft_probs(request, len(own)) for request, own in zip(requests, drafts, strict=True)]
         greedy = [request.params.is_greedy for request in requests]
-        verified = rejection_sample(probs, drafts, draft_probs, greedy, generators, parents)
+        if all(greedy):
+            # One-hot target rows: the sampler's own greedy tokens decide, without building distributions over
+            # the vocabulary (0.2-0.3 ms of a verification step on the default model).
+            for request, own in zip(requests, drafts, strict=True):
+                self._draft_probs(request, len(own))  # spent either way
+            verified = verify_greedy(self.sampler(logits, metadata).token_ids.tolist(), drafts, parents)
+        else:
+            probs = self.sampler.target_probs(logits, metadata)
+            generators = [self._generator(request) for request in requests]
+            draft_probs = [self._draft_probs(request, len(own)) for request, own in zip(requests, drafts, strict=True)]
+            verified = rejection_sample(probs, drafts, draft_probs, greedy, generators, parents)
 
         wants_logprobs = any(request.params.logprobs is not None for request in requests)
         raw_logprobs = logits.log_softmax(dim=-1) if wants_logprobs else None

@@ -73,6 +73,8 @@ def rejection_sample(
         must then be deterministic); empty: all chains.
     :return: per request, the accepted drafts followed by one token drawn by the target.
     """
+    if all(is_greedy):
+        return verify_greedy(probs.argmax(dim=-1).tolist(), draft_token_ids, draft_parents)
     trees = [i for i, parents in enumerate(draft_parents) if parents is not None and not is_chain(parents)]
     if not trees:
         return _sample_chains(probs, draft_token_ids, draft_probs, is_greedy, generators)
@@ -97,6 +99,41 @@ def rejection_sample(
             results[i] = result
     assert all(result is not None for result in results)
     return results  # type: ignore[return-value]
+
+
+def verify_greedy(
+    target_token_ids: Sequence[int],
+    draft_token_ids: Sequence[Sequence[int]],
+    draft_parents: Sequence[Sequence[int] | None] = (),
+) -> list[Verified]:
+    """``rejection_sample`` for greedy requests only, from the target's greedy token at every row (laid out as
+    ``probs``'s rows): each request keeps its drafts while they are the target's token (for a tree, the child
+    that is), then takes the target's token. Needs no distributions: the engine passes the sampler's own greedy
+    tokens, which skips building one-hot rows over the vocabulary."""
+    results = []
+    start = 0
+    for i, drafts in enumerate(draft_token_ids):
+        parents = draft_parents[i] if i < len(draft_parents) else None
+        targets = target_token_ids[start : start + len(drafts) + 1]
+        start += len(drafts) + 1
+        if parents is None or is_chain(parents):
+            kept = 0
+            while kept < len(drafts) and drafts[kept] == targets[kept]:
+                kept += 1
+            results.append(Verified([*drafts[:kept], targets[kept]]))
+            continue
+        nodes: list[int] = []
+        current = -1  # the root: the request's last token
+        while True:
+            token = targets[current + 1]
+            chosen = next((node for node, parent in enumerate(parents) if parent == current and drafts[node] == token),
+                          None)  # fmt: skip
+            if chosen is None:
+                results.append(Verified([*(drafts[node] for node in nodes), token], tuple(nodes)))
+                break
+            nodes.append(chosen)
+            current = chosen
+    return results
 
 
 def _sample_tree(
@@ -160,16 +197,6 @@ def _sample_chains(
     starts = [0]
     for count in counts[:-1]:
         starts.append(starts[-1] + count)
-
-    if all(is_greedy):  # one-hot rows: keep drafts while they are the argmax, then take the argmax
-        argmax = probs.argmax(dim=-1).tolist()
-        results = []
-        for start, drafts in zip(starts, draft_token_ids, strict=True):
-            kept = 0
-            while kept < len(drafts) and drafts[kept] == argmax[start + kept]:
-                kept += 1
-            results.append(Verified([*drafts[:kept], argmax[start + kept]]))
-        return results
 
     # Rows that verify a draft: their index, the draft, and the draft's probability under q.
     draft_rows = [start + j for start, drafts in zip(starts, draft_token_ids, strict=True) for j in range(len(drafts))]
