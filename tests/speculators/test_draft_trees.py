@@ -29,7 +29,7 @@ from tokenmill.draft_tree import (
 )
 from tokenmill.messages import EngineCoreRequest
 from tokenmill.model_runner import ModelRunner
-from tokenmill.sampling.rejection_sampler import Verified, rejection_sample
+from tokenmill.sampling.rejection_sampler import Verified, _sample_tree, rejection_sample, verify_greedy
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.speculation_policy import DraftPolicy
 from tokenmill.speculator import Proposal, SpeculationInput, Speculator
@@ -367,3 +367,25 @@ def test_goodput_policy_verifies_the_nodes_a_flat_step_makes_cheap() -> None:
         accepted = [bisect.bisect_right(bounds, u)] if u < bounds[-1] else []
         policy.observe_verification("r", len(rates), len(accepted), tree_nodes=accepted)
     assert {policy.num_drafts(["r"], [16], 1)[0] for _ in range(7)} == {4}
+
+
+def test_greedy_verification_from_tokens_walks_trees_and_chains_as_the_one_hot_rows_do() -> None:
+    """``verify_greedy`` (the engine's path for all-greedy steps: tokens, no distributions) against the tree walk
+    over one-hot rows and the chain rule, on random trees whose drafts often are the target's tokens."""
+    rng = random.Random(0)
+    vocab = 6
+    for _ in range(200):
+        num_nodes = rng.randrange(0, 9)
+        parents = [rng.randrange(-1, node) for node in range(num_nodes)]
+        drafts: list[int] = []
+        for node, parent in enumerate(parents):
+            taken = {drafts[other] for other in range(node) if parents[other] == parent}
+            drafts.append(rng.choice([t for t in range(vocab) if t not in taken]))
+        targets = [rng.randrange(vocab) for _ in range(num_nodes + 1)]
+        one_hot = torch.nn.functional.one_hot(torch.tensor(targets), vocab).float()
+        expected = _sample_tree(one_hot, drafts, parents, True, None) if parents else Verified([targets[0]])
+        (verified,) = verify_greedy(targets, [drafts], [parents])
+        assert (verified.token_ids, verified.nodes) == (expected.token_ids, expected.nodes)
+        chain = [-1, *range(num_nodes - 1)] if num_nodes else []
+        kept = next((j for j in range(num_nodes) if drafts[j] != targets[j]), num_nodes)
+        assert verify_greedy(targets, [drafts], [chain])[0].token_ids == [*drafts[:kept], targets[kept]]
