@@ -50,7 +50,7 @@ rate measured and shows the cost model large steps. (One in 16 cost 4% of a
 Medusa run's time on the float32 default model: a whole-tree step takes 10 ms
 more than the 19 ms of a chosen prefix.)
 
-After 16 decisions in a row that drafted, with no step without drafts
+After 64 decisions in a row that drafted, with no step without drafts
 measured since, one drafts nothing, so that the plain step's cost stays
 measured; steps where the speculator found nothing to draft measure it too.
 With ``alpha``, draft position ``j`` (0-based) adds ``alpha^(j + 1)`` tokens in
@@ -91,12 +91,13 @@ _GIVE_UP = 0.1
 #: step holds few tokens, and at 32 requests it cost more than it measured (0.93x of plain decoding). Exploring
 #: a verification step's cost (nothing measured lately) gives the maximum to at most this many requests too.
 _MAX_EXPLORE_BATCH = 4
-#: After this many steps in a row with drafts, one drafts nothing, so the fit keeps measuring what a step costs
-#: without drafts (a policy that always drafts would only ever see steps with drafts, and guess the
-#: alternative). Steps that draft nothing anyway (nothing paid, or the speculator found nothing) measure it too:
-#: on copied text ``ngram`` finds nothing to draft from in most steps, and one step in 16 drafting nothing on top
-#: cut runs of 8 accepted drafts.
-_EXPLORE_EVERY = 16
+#: After this many decisions in a row that drafted, one drafts nothing, so the cost model keeps measuring what a
+#: step costs without drafts (a policy that always drafts would only ever see steps with drafts, and guess the
+#: alternative); a measurement is forgotten some 150 steps later. Steps that draft nothing anyway (nothing paid,
+#: or the speculator found nothing) measure it too: on copied text ``ngram`` finds nothing to draft from in most
+#: steps, and one step in 16 drafting nothing on top cut runs of 8 accepted drafts. Medusa drafts every step: one
+#: plain step in 17 cost it about 2% of its tokens.
+_EXPLORE_EVERY = 64
 #: One step in this many (offset from the plain one) gives one request a tree's every node: it costs what a step
 #: of the whole tree costs more (on the float32 default model 10 ms on a 19 ms step), and only keeps measuring the
 #: rates of nodes the policy does not verify.

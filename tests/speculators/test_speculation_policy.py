@@ -184,7 +184,7 @@ def test_a_new_request_starts_from_the_rates_of_recent_requests() -> None:
 
 def test_steps_that_draft_nothing_anyway_measure_the_plain_step() -> None:
     """A speculator that finds nothing to draft from in some steps (``ngram`` on most steps of copied text) gives
-    the plain step's cost for free: no step is kept from drafting for it. Without them, one decision in 17 drafts
+    the plain step's cost for free: no step is kept from drafting for it. Without them, one decision in 65 drafts
     nothing."""
     policy = _int4_policy()
     with_plain_steps = []
@@ -192,5 +192,5 @@ def test_steps_that_draft_nothing_anyway_measure_the_plain_step() -> None:
         with_plain_steps.append(policy.num_drafts(["copying"], [8], 1)[0])
         policy.observe_step(9 if step % 4 else 1, 0.0128 if step % 4 else 0.00545, drafted=step % 4 != 0)
     assert 0 not in with_plain_steps
-    always_drafting = [policy.num_drafts(["copying"], [8], 1)[0] for _ in range(68)]
-    assert always_drafting.count(0) == 4 and set(always_drafting) == {0, 8}
+    always_drafting = [policy.num_drafts(["copying"], [8], 1)[0] for _ in range(2 * 65)]
+    assert always_drafting.count(0) == 2 and set(always_drafting) == {0, 8}
