@@ -417,7 +417,8 @@ class DraftPolicy:
         that does not pay alone: a step's cost can jump at one token count and then flatten (on the int4 default
         model, verifying 4 drafts cost 1.6 ms more than 3, each of the next 0.9-1.3 ms), and a run of copied
         text pays for 8 drafts where the fourth alone did not."""
-        acceptances = [self._acceptance.get(r) or _prior(self._pooled.value) for r in request_ids]
+        # Kept from the first decision on, so that a request the pooled rate rules out drifts back and is tried.
+        acceptances = [self._request_acceptance(r) for r in request_ids]
         tokens = float(len(request_ids))  # expected tokens of the step's drafting requests: one each without drafts
         num_tokens, longest = num_step_tokens, 0
         best_rate = plain_rate = tokens / self._plain_seconds(num_tokens)
