@@ -35,13 +35,13 @@ So the engine measures instead of guessing (after SmartSpec, Liu et al. 2024):
   measured the second rate, and runs stayed at one draft a step.)
 
 A speculator that drafts trees (``tokenmill.draft_tree``) gets, instead of a
-request's two rates, one measured rate per node of its tree: how often that node was on
+request's rate, one measured rate per node of its tree: how often that node was on
 the accepted path (exponentially weighted, from a prior of one half). Every
 request verifies the same first ``k`` nodes of the tree (a prefix is a tree:
 parents come first), ``k`` the one with the most expected tokens per second,
 ``1 + rate_0 + ... + rate_(k-1)`` tokens per request; every ``k`` is weighed,
 since a poor node early in the stored order can precede better ones. Unlike a
-request's rates, a node's rate does not drift back while it is not drafted:
+request's rate, a node's rate does not drift back while it is not drafted:
 it is the speculator's, not the text's, and a drifting rate had every
 unprofitable node tried again every few steps (five nodes a step on average
 where four paid, 1.07x against 1.17-1.33x). Instead, one step in 64 (offset
@@ -76,13 +76,14 @@ _DECAY = 0.98
 #: Per step without drafts, a request's acceptance counts keep this much of their weight (the rest goes to the
 #: prior of one success and one failure).
 _FORGET = 0.9
-#: A draft position must raise expected tokens per second by this fraction: the cost model is a line through
-#: noisy timings, and a position that barely pays on paper loses as often as it wins.
+#: The drafts a step verifies must raise expected tokens per second by this fraction over a plain step: the cost
+#: model is built from noisy timings, and drafting that barely pays on paper loses as often as it wins.
 _MIN_GAIN = 0.03
-#: For a tree, a longer prefix need only beat the best shorter one by this much per extra node, as long as the
-#: nodes together pay ``_MIN_GAIN``: a tree's later nodes each add little (a few hundredths of a token) and their
-#: rates are measured over every request's verifications, not one request's. With 3% per node the policy
-#: verified two nodes of the default model's Medusa tree, where four paid 4% more.
+#: A longer prefix of a tree's nodes (or of a step's chain positions) need only beat the best shorter one by this
+#: much per extra node, as long as the nodes together pay ``_MIN_GAIN``: a tree's later nodes each add little (a
+#: few hundredths of a token) and their rates are measured over every request's verifications, not one request's.
+#: With 3% per node the policy verified two nodes of the default model's Medusa tree, where four paid 4% more; with
+#: 3% per position it verified 4 or 5 drafts of copied text, where 8 paid.
 _MIN_TREE_NODE_GAIN = 0.005
 #: Handing out chain positions stops once the step's expected tokens per second fall this far below the best (or
 #: after more positions than one request may get without a new best: at 32 requests, all their first ones).
@@ -108,7 +109,7 @@ _PRIOR_SLOPE = 0.15
 _EXACT_BUCKETS = 32
 #: A cost bucket whose weight has decayed below this (150 steps after a single measurement) is forgotten.
 _FORGOTTEN_WEIGHT = 0.05
-#: A new request's acceptance rates start as the pooled rates of recent verifications, worth this many of its own.
+#: A new request's acceptance rate starts as the pooled rate of recent verifications, worth this many of its own.
 _PRIOR_WEIGHT = 2.0
 
 
@@ -356,6 +357,7 @@ class DraftPolicy:
         return counts
 
     def _decide(self, request_ids: Sequence[str], limits: Sequence[int], num_step_tokens: int) -> list[int]:
+        """``num_drafts`` when no plain step is due: explore where nothing is measured, else what pays."""
         counts = [0] * len(request_ids)
         if not self.step_cost.measured:
             # Nothing measured yet, or not for about 150 steps: a few requests verify the maximum, to learn what a
@@ -380,8 +382,8 @@ class DraftPolicy:
         for request_id, count in zip(request_ids, counts, strict=True):
             acceptance = self._acceptance.get(request_id)
             if count == 0 and acceptance is not None:
-                # Drift back towards the prior while not drafting, so a request that turns predictable (starts
-                # quoting, say) is tried again.
+                # Drift back towards an even chance while not drafting, so a request that turns predictable
+                # (starts quoting, say) is tried again.
                 acceptance.drift()
         return counts
 
