@@ -119,14 +119,15 @@ def _skip_unless_supported(isa: str) -> None:
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_every_isa_variant_matches_reference(kind: str, isa: str) -> None:
     """``test_kernel_matches_reference`` runs the best variant; this runs each, on every tile shape (M up to 33
-    covers full and partial activation tiles, N = 1, 7 partial weight tiles of 2 and 4 rows; K = 128 is one
-    block of four groups for avx512_vnni16's int4 tiles, 32 and 576 end in a partial block)."""
+    covers full and partial activation tiles: avx512_vnni16 splits 5..12 rows into tiles of 5 or 6 and 4..6; N =
+    1, 7 partial weight tiles of 2 and 4 rows; K = 128 is one block of four groups for avx512_vnni16's int4
+    tiles, 32 and 576 end in a partial block)."""
     _skip_unless_supported(isa)
     before = cpu.isa()
     try:
         cpu.set_isa(isa)
         for k in (32, 128, 576):
-            for m in (1, 3, 4, 5, 32, 33):
+            for m in (1, 3, 4, 5, 6, 7, 9, 32, 33):
                 x = torch.randn(m, k, generator=torch.Generator().manual_seed(m * k)) * 3.0
                 for n in N_VALUES:
                     packed, _, bias = _layer(kind, n, k)
