@@ -84,7 +84,7 @@ _MIN_GAIN = 0.03
 #: few hundredths of a token) and their rates are measured over every request's verifications, not one request's.
 #: With 3% per node the policy verified two nodes of the default model's Medusa tree, where four paid 4% more; with
 #: 3% per position it verified 4 or 5 drafts of copied text, where 8 paid.
-_MIN_TREE_NODE_GAIN = 0.005
+_MIN_GAIN_PER_DRAFT = 0.005
 #: Handing out chain positions stops once the step's expected tokens per second fall this far below the best (or
 #: after more positions than one request may get without a new best: at 32 requests, all their first ones).
 _GIVE_UP = 0.1
@@ -394,7 +394,7 @@ class DraftPolicy:
         Every prefix is weighed, not only up to the first node that does not pay alone: a poor node early in
         the stored order (the second candidate for the next token, accepted 1% of the time where the tree's
         fourth node was 10%) stopped that search at one node. A longer prefix must beat the best shorter one by
-        ``_MIN_TREE_NODE_GAIN`` per extra node, and the chosen one the plain step by ``_MIN_GAIN``."""
+        ``_MIN_GAIN_PER_DRAFT`` per extra node, and the chosen one the plain step by ``_MIN_GAIN``."""
         limits = [min(limit, self.max_drafts) for limit in limits]
         plain_rate = len(limits) / self._plain_seconds(num_step_tokens)
         ascending = sorted(limits)
@@ -405,7 +405,7 @@ class DraftPolicy:
             tokens += drafting * self._node_rate(k - 1)
             extra += drafting
             rate = tokens / (self.step_cost.seconds(num_step_tokens + extra) + self.seconds_per_draft_position)
-            if rate > best_rate * (1 + _MIN_TREE_NODE_GAIN * (k - best_k)):
+            if rate > best_rate * (1 + _MIN_GAIN_PER_DRAFT * (k - best_k)):
                 best_k, best_rate = k, rate
         if best_rate < (1 + _MIN_GAIN) * plain_rate:
             best_k = 0  # the nodes together must pay as a chain's first position must
@@ -414,7 +414,7 @@ class DraftPolicy:
     def _chain_counts(self, request_ids: Sequence[str], limits: Sequence[int], num_step_tokens: int) -> list[int]:
         """For a chain speculator: draft positions handed out one at a time to the request whose next one is
         likeliest accepted, and the step keeps the first ``n`` of them with the most expected tokens per second:
-        a longer prefix must beat the best shorter one by ``_MIN_TREE_NODE_GAIN`` per extra position, and the
+        a longer prefix must beat the best shorter one by ``_MIN_GAIN_PER_DRAFT`` per extra position, and the
         chosen one the plain step by ``_MIN_GAIN``. Every prefix is weighed, not only up to the first position
         that does not pay alone: a step's cost can jump at one token count and then flatten (on the int4 default
         model, verifying 4 drafts cost 1.6 ms more than 3, each of the next 0.9-1.3 ms), and a run of copied
@@ -438,7 +438,7 @@ class DraftPolicy:
             rate = tokens / (self.step_cost.seconds(num_tokens) + longest * self.seconds_per_draft_position)
             handed.append(i)
             counts[i] += 1
-            if rate > best_rate * (1 + _MIN_TREE_NODE_GAIN * (len(handed) - best)):
+            if rate > best_rate * (1 + _MIN_GAIN_PER_DRAFT * (len(handed) - best)):
                 best, best_rate = len(handed), rate
             elif rate < best_rate * (1 - _GIVE_UP) or len(handed) - best > self.max_drafts:
                 break  # later positions are less likely still, and cost at least as much
