@@ -83,17 +83,18 @@ TOKENMILL_LOG_LEVEL: EnvVar[str] = EnvVar(
 
 def _parse_dense_cpu_matmul(raw: str) -> str:
     value = raw.strip().lower()
-    if value not in ("onednn", "torch"):
-        raise ValueError("expected onednn or torch")
+    if value not in ("kernels", "onednn", "torch"):
+        raise ValueError("expected kernels, onednn or torch")
     return value
 
 
 TOKENMILL_DENSE_CPU_MATMUL: EnvVar[str] = EnvVar(
     "TOKENMILL_DENSE_CPU_MATMUL",
     _parse_dense_cpu_matmul,
-    "onednn",
-    "How dense float32 linear layers multiply on the CPU: `onednn` (weights packed for oneDNN, 2-3x faster "
-    "than MKL on AMD CPUs) or `torch` (`F.linear`).",
+    "kernels",
+    "How dense float32 linear layers multiply on the CPU: `kernels` (the layer kernels' own dense matmul: the "
+    "`cpu` kernels read a weight packed in panels once for up to 12 rows; layer kernels without one leave it to "
+    "oneDNN), `onednn` (weights packed for oneDNN) or `torch` (`F.linear`, MKL: 2-3x slower on AMD CPUs).",
 )
 RAY_ADDRESS: EnvVar[str | None] = EnvVar(
     "RAY_ADDRESS",

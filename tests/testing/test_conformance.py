@@ -224,6 +224,21 @@ def test_layer_kernels_that_rotate_the_wrong_halves_fail() -> None:
     _fails(check_layer_kernels, Interleaved, match=r"rotary\(dtype=torch.float32, tokens=1\) \(head_dim=64\)")
 
 
+def test_layer_kernels_whose_dense_matmul_drops_the_bias_fail() -> None:
+    from tokenmill.layers.kernels import TorchLayerKernels
+
+    class NoBias(TorchLayerKernels):
+        def pack_dense_weight(self, weight: torch.Tensor) -> torch.Tensor | None:
+            return weight.clone()
+
+        def dense_linear(
+            self, x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None
+        ) -> torch.Tensor:
+            return torch.nn.functional.linear(x, packed)
+
+    _fails(check_layer_kernels, NoBias, match=r"dense_linear\(dtype=torch.float32, tokens=1\) \(45 x 96, bias=True\)")
+
+
 def test_quantizer_that_drops_the_bias_fails() -> None:
     from tokenmill.layers.dense import DenseQuantizer
 

@@ -6,14 +6,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.layers.kernels import UsesLayerKernels
 from tokenmill.parallel.group import TensorParallelGroup
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(UsesLayerKernels):
     """Rank r holds rows ``[r * vocab / N, (r + 1) * vocab / N)`` of the embedding; a token's vector comes
     from the rank holding its row, the others contribute zeros, and one all-reduce sums them. With one
     shard it is a plain embedding lookup. A tied output projection reads the same rows as its weight, so
-    each rank computes the logits of its part of the vocabulary."""
+    each rank computes the logits of its part of the vocabulary (with the model's layer kernels' dense matmul,
+    where they bring one: ``UsesLayerKernels``)."""
 
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype, group: TensorParallelGroup) -> None:
         super().__init__()

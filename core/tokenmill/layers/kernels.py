@@ -4,7 +4,10 @@ A decoder layer runs, besides its matmuls and attention, an RMSNorm with the res
 rope over its queries and keys, and SiLU times the up projection. In torch each is several kernels: about 21
 launches per Llama layer. On a GPU at batch 1 those launches, not the bytes they move, cost a step about 1 ms
 of 6.2 on an H200; on a CPU their dispatches 0.8 ms of a 7 ms step of the default model (docs/benchmarks.md).
-A ``LayerKernels`` plugin does each in one kernel (the ``layer_kernels`` plugin: ``cpu`` and ``triton``).
+A ``LayerKernels`` plugin does each in one kernel (the ``layer_kernels`` plugin: ``cpu`` and ``triton``). It may also
+bring a dense matmul for the ``none`` quantizer's weights (``pack_dense_weight``, ``dense_linear``): the ``cpu``
+kernels' reads a float32 weight once for up to 12 rows, which a decode step of a few requests or speculative
+tokens needs and oneDNN's does not do (``tokenmill.layers.dense``).
 
 ``TorchLayerKernels`` (``torch``) is the reference, built in; it runs everywhere, and ``auto`` picks it where no
 plugin's kernels run. The model loader selects one per process (``model.layer_kernels``) and hands it to every
@@ -69,6 +72,20 @@ class LayerKernels(ABC):
         """Rope ("rotate half") on ``x`` [num_tokens, heads, head_dim], whose last dimension is contiguous, with
         float32 ``cos`` and ``sin`` [num_tokens, 1, head_dim // 2]. May rotate ``x`` in place; returns the
         rotated tensor."""
+
+    def pack_dense_weight(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """``weight`` [out, in] in the layout :meth:`dense_linear` reads, or None where these kernels have no dense
+        matmul for it (its dtype or device): the ``none`` quantizer then uses its own (oneDNN on the CPU, else
+        ``F.linear``). Called on a layer's first forward without gradients, and again when the weight changes; the
+        quantizer keeps the result."""
+        return None
+
+    def dense_linear(
+        self, x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``x @ W.T + bias`` -> [num_rows, out_features] for ``x`` [num_rows, in] contiguous and ``packed`` from
+        :meth:`pack_dense_weight` (no gradient). Results within float32 rounding of ``F.linear``."""
+        raise NotImplementedError(f"layer kernels {self.name!r} pack no dense weights")
 
 
 class TorchLayerKernels(LayerKernels):

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
 
+from tokenmill.layers.kernels import UsesLayerKernels
 from tokenmill.layers.quantizer import Quantizer
 
 
@@ -34,13 +34,14 @@ class LinearShard:
         return tensor.narrow(dim, self.rank * local_size, local_size)
 
 
-class Linear(nn.Module):
+class Linear(UsesLayerKernels):
     """``y = x W^T + b`` with ``W`` held however the quantizer chooses.
 
     Checkpoint tensors arrive one at a time through :meth:`load_checkpoint_tensor`, in whatever order the
     checkpoint stores them: the weight's tensors (the quantizer's ``checkpoint_tensor_names``: a float
     ``weight``, or a quantized format's ``qweight``, ``scales``, ...) are kept until all are here, then read
-    by the quantizer into one weight.
+    by the quantizer into one weight. The model's layer kernels are installed on it (``UsesLayerKernels``): the
+    ``none`` quantizer multiplies with theirs where they bring a dense matmul.
 
     With a ``shard`` (tensor parallelism), ``in_features`` and ``out_features`` are this rank's, and each
     checkpoint tensor is cut to this rank's slice as it arrives, before the quantizer reads it (a float

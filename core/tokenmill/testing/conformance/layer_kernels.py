@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from tokenmill.layers.kernels import LayerKernels, TorchLayerKernels
 from tokenmill.testing.conformance._util import conformance_check, fail, instantiate
@@ -35,6 +36,9 @@ def check_layer_kernels(
     - ``silu_and_mul`` over [tokens, 2 * 1100];
     - ``rotary`` over the queries and keys of a merged q/k/v projection (a strided view, head sizes 64 and 96),
       leaving the values' columns as they were;
+    - where ``pack_dense_weight`` packs a weight of the dtype: ``dense_linear`` against ``F.linear`` for weights
+      of 45 x 96 (a partial block of outputs) and 80 x 1536, with a bias and without (float32 sums in another
+      order: the tolerance is applied to the sum of the terms' magnitudes);
 
     each within ``LAYER_KERNEL_TOLERANCES``, with the reference's shape and dtype, and with its inputs
     unchanged (except ``rotary``'s, which it may rotate in place).
@@ -99,3 +103,24 @@ def check_layer_kernels(
                 expected = reference.rotary(query_and_key, cos, sin)
                 compare(f"rotary{where} (head_dim={head_dim})", candidate.rotary(query_and_key, cos, sin), expected)
                 unchanged(f"rotary{where} (the values' columns)", values_before, qkv[:, query_and_key_width:])
+
+            for out_features, in_features in ((45, 96), (80, 1536)):
+                dense = randn(out_features, in_features, dtype=dtype)
+                packed = candidate.pack_dense_weight(dense)
+                if packed is None:
+                    continue
+                rows = randn(tokens, in_features, dtype=dtype)
+                for bias in (None, randn(out_features, dtype=dtype)):
+                    case = f"dense_linear{where} ({out_features} x {in_features}, bias={bias is not None})"
+                    actual = candidate.dense_linear(rows, packed, out_features, bias)
+                    expected = F.linear(rows.float(), dense.float(), None if bias is None else bias.float())
+                    magnitude = F.linear(
+                        rows.float().abs(), dense.float().abs(), None if bias is None else bias.float().abs()
+                    )
+                    atol, rtol = LAYER_KERNEL_TOLERANCES[dtype]
+                    if not isinstance(actual, torch.Tensor) or actual.shape != expected.shape:
+                        got = getattr(actual, "shape", type(actual).__name__)
+                        fail(f"{name}.{case}: returned {got}, expected {expected.shape}")
+                    if not bool(((actual.float() - expected).abs() <= rtol * magnitude + atol).all()):
+                        worst = (actual.float() - expected).abs().max().item()
+                        fail(f"{name}.{case}: differs from F.linear by up to {worst:.3g}")
