@@ -34,7 +34,7 @@ namespace {
 constexpr int64_t kPanel = 32;
 // Software prefetch distance along a panel. The hardware prefetcher alone leaves the one-row case waiting on memory
 // latency below the machine's bandwidth (as in quant_matmul.cpp).
-constexpr int64_t kPrefetchBytes = 4096;
+constexpr int64_t kPrefetchBytes = 16384;
 // A panel slice of at most this many k (256 KB) is reused from L2 by every row tile of a block.
 constexpr int64_t kMaxChunk = 2048;
 // Activation bytes per row block: they stay in cache while every panel passes over them.
