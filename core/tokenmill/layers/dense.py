@@ -66,10 +66,9 @@ def cpu_matmul() -> str:
     """The float32 CPU matmul dense layers ask for: ``TOKENMILL_DENSE_CPU_MATMUL``, with ``onednn`` falling back to
     ``torch`` where this torch lacks oneDNN's packed linear (``kernels`` falls back per layer, see the module)."""
     choice = envs.TOKENMILL_DENSE_CPU_MATMUL.get()
-    if choice != "torch" and not _onednn_linear_available():
+    if choice == "onednn" and not _onednn_linear_available():
         _warn_no_onednn()
-        if choice == "onednn":
-            return "torch"
+        return "torch"
     return choice
 
 

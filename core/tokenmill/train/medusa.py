@@ -338,8 +338,9 @@ def _split(
 
 class _Projection:
     """``x @ weight.T`` for the frozen vocabulary projection ``weight`` [vocab, hidden], with the gradient for ``x``:
-    through oneDNN on ``weight`` and its transpose packed for it where available (as ``tokenmill.layers.dense``
-    does for inference, since ``@`` takes MKL's slow generic path on AMD CPUs), else with torch's ``@``."""
+    through oneDNN on ``weight`` and its transpose packed for it where available (``tokenmill.layers.dense``'s
+    ``onednn`` matmul: ``@`` takes MKL's slow generic path on AMD CPUs, and at the hundreds of rows of a training
+    batch oneDNN is as fast as the layer kernels' dense matmul), else with torch's ``@``."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         self.weight = weight
