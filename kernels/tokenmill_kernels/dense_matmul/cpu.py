@@ -1,12 +1,12 @@
 """Launcher for the dense float32 matmul kernels in ``cpu/dense_matmul.cpp`` (AVX2, and AVX-512 where present).
 
 The weight is packed once (:func:`pack`) into panels of 32 outputs, k-major, and :func:`linear` multiplies by it
-reading every weight once for up to 12 input rows (6 with AVX2): a decode step of one request streams the weights
+reading every weight once for up to 12 input rows (3 with AVX2 alone): a decode step of one request streams the weights
 at the memory's speed, and a step verifying a few speculative tokens costs about as much (docs/benchmarks.md,
 "Dense float32 linears: tokenmill's kernels against oneDNN").
 
 The C++ is compiled on first use (see ``tokenmill_kernels.cpp_build``), like the quantized matmul kernels. The
-variants are ``"avx2"`` (tiles of up to 6 rows x 16 outputs) and ``"avx512"`` (12 rows x 32 outputs); the best the
+variants are ``"avx2"`` (tiles of up to 3 rows x 32 outputs) and ``"avx512"`` (12 rows x 32 outputs); the best the
 CPU supports is used, :func:`set_isa` forces one. Both sum each output's products in the order of k with fused
 multiply-adds, so they give bit-identical outputs.
 """

@@ -8,9 +8,10 @@ vectorised operators, about 4 us. Other dtypes than float32, and inputs that nee
 backward), go to the torch reference.
 
 The dense matmul packs each float32 weight into panels of 32 outputs and reads it once for up to 12 input rows
-(6 with AVX2 alone): against oneDNN's packed linear, which it replaces by default, a one-row body of the default
-model took 6.5 against 8.0 ms and an 8-row one 6.6 against 11.2 ms (docs/benchmarks.md, "Dense float32 linears:
-the cpu layer kernels against oneDNN"); ``TOKENMILL_DENSE_CPU_MATMUL=onednn`` goes back to oneDNN.
+(3 with AVX2 alone): against oneDNN's packed linear, which it replaces by default, a one-row body of the default
+model took 10.2-10.3 against 10.7-12.1 ms and a 12-row one 9.7-10.3 against 13.2-14.8 ms (docs/benchmarks.md,
+"Dense float32 linears: the cpu layer kernels against oneDNN"); ``TOKENMILL_DENSE_CPU_MATMUL=onednn`` goes back to
+oneDNN.
 """
 
 from __future__ import annotations
