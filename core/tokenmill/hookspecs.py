@@ -133,7 +133,8 @@ def tokenmill_register_attention_backends(register: Register) -> None:
 
 @hookspec
 def tokenmill_register_layer_kernels(register: Register) -> None:
-    """Register layer kernels (slot ``layer_kernel``): RMSNorm with the residual add, rope, SiLU times up.
+    """Register layer kernels (slot ``layer_kernel``): RMSNorm with the residual add, rope, SiLU times up, and
+    optionally a dense matmul for the ``none`` quantizer's weights (``pack_dense_weight``, ``dense_linear``).
 
     :param register: ``register(name, import_path)``; the import path names a
         ``tokenmill.interfaces.LayerKernels`` subclass, built with no arguments.
