@@ -20,7 +20,7 @@ from torch import Tensor
 
 from tokenmill_kernels.cpp_build import CppExtension
 
-__all__ = ["PANEL", "is_available", "isa", "linear", "load", "missing", "pack", "set_isa", "supported_isas"]
+__all__ = ["PANEL", "is_available", "isa", "linear", "load", "pack", "set_isa", "supported_isas"]
 
 #: Outputs per panel of a packed weight: ``pack`` returns ``[ceil(N / PANEL), K, PANEL]``.
 PANEL = 32
@@ -38,11 +38,6 @@ _module: ModuleType | None = None  # the loaded extension, kept here to skip a c
 def is_available() -> bool:
     """True when the CPU can run the kernels and the toolchain to build them is present."""
     return _EXTENSION.is_available()
-
-
-def missing() -> list[str]:
-    """What stops the kernels from building or running here (a CPU feature, a compiler); empty when nothing does."""
-    return [] if _module is not None else _EXTENSION.missing()
 
 
 def load() -> ModuleType:
