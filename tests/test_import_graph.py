@@ -1,11 +1,17 @@
 """The core package's import graph: no cycles, and no imports of plugins, kernels or contrib packages.
 
 Read from the source with ``ast``, nothing is imported. For cycles, an edge is
-an import that runs when its module is imported: module level, including
-``try`` and class bodies, but not inside functions or under
-``if TYPE_CHECKING:`` (annotations only). ``from a.b import c`` points at
-``a.b.c`` when that is a module, else at ``a.b``; parent packages are not
-edges (every submodule would otherwise meet ``tokenmill/__init__.py``).
+any import statement that can run: at module level, in ``try`` and class
+bodies, and inside functions too. A function-local import runs when the
+function is first called rather than when its module is imported, but it ties
+the two modules together all the same: a cycle closed by one is a cycle in the
+design, hidden from the interpreter, not removed (fix it by moving code to the
+module it belongs to). Only imports under ``if TYPE_CHECKING:`` are not edges:
+they never run (their ``else:`` does, and counts). ``from a.b import c``
+points at ``a.b.c`` when that is a module, else at ``a.b``; parent packages are
+not edges (every submodule would otherwise meet ``tokenmill/__init__.py``).
+Imports by name at run time (``importlib``, the plugin registry's
+``module:Class`` paths) are not statements, and are not seen.
 
 The core reaches plugins only through hooks (STYLE.md §1), so any import of
 them, wherever it stands, fails.
@@ -16,6 +22,8 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 CORE = REPO / "core"
@@ -46,17 +54,16 @@ def _is_type_checking(test: ast.expr) -> bool:
     )
 
 
-def _imports(nodes: Iterable[ast.AST], runtime_only: bool) -> Iterator[ast.Import | ast.ImportFrom]:
-    """Import statements among ``nodes`` and below; with ``runtime_only``, those that run on import."""
+def _imports(nodes: Iterable[ast.AST], type_checking: bool) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Import statements among ``nodes`` and below, inside functions too; those under ``if TYPE_CHECKING:``
+    only with ``type_checking``."""
     for node in nodes:
         if isinstance(node, ast.Import | ast.ImportFrom):
             yield node
-        elif runtime_only and isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
-            continue
-        elif runtime_only and isinstance(node, ast.If) and _is_type_checking(node.test):
-            yield from _imports(node.orelse, runtime_only)  # the ``else:`` of ``if TYPE_CHECKING`` runs
+        elif not type_checking and isinstance(node, ast.If) and _is_type_checking(node.test):
+            yield from _imports(node.orelse, type_checking)  # the ``else:`` of ``if TYPE_CHECKING`` runs
         else:
-            yield from _imports(ast.iter_child_nodes(node), runtime_only)
+            yield from _imports(ast.iter_child_nodes(node), type_checking)
 
 
 def _source_module(statement: ast.ImportFrom, module: str, is_package: bool) -> str:
@@ -78,13 +85,13 @@ def _imported_modules(statement: ast.Import | ast.ImportFrom, module: str, path:
 
 
 def _import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
-    """Module -> the core modules it imports when it is imported."""
+    """Module -> the core modules it imports, wherever in it (but under ``if TYPE_CHECKING:``)."""
     known = set(modules)
     graph: dict[str, set[str]] = {}
     for module, path in modules.items():
         tree = ast.parse(path.read_text(), filename=str(path))
         edges: set[str] = set()
-        for statement in _imports(tree.body, runtime_only=True):
+        for statement in _imports(tree.body, type_checking=False):
             edges |= _imported_modules(statement, module, path, known)
         graph[module] = (edges & known) - {module}
     return graph
@@ -147,11 +154,15 @@ def _cycle_in(component: list[str], graph: dict[str, set[str]]) -> list[str]:
     raise AssertionError(f"no cycle in component {component}")
 
 
-def test_core_has_no_import_cycles() -> None:
-    cycles = _cycles(_import_graph(_core_modules()))
-    assert not cycles, "import cycles in core/tokenmill (module-level imports):\n" + "\n".join(
+def _assert_no_cycles(graph: dict[str, set[str]]) -> None:
+    cycles = _cycles(graph)
+    assert not cycles, "import cycles in core/tokenmill (imports in functions count):\n" + "\n".join(
         "  " + " -> ".join(cycle) for cycle in cycles
     )
+
+
+def test_core_has_no_import_cycles() -> None:
+    _assert_no_cycles(_import_graph(_core_modules()))
 
 
 def test_core_imports_no_plugins_kernels_or_contrib() -> None:
@@ -160,7 +171,7 @@ def test_core_imports_no_plugins_kernels_or_contrib() -> None:
     found = []
     for module, path in _core_modules().items():
         tree = ast.parse(path.read_text(), filename=str(path))
-        for statement in _imports(tree.body, runtime_only=False):  # anywhere: functions and TYPE_CHECKING too
+        for statement in _imports(tree.body, type_checking=True):  # anywhere: functions and TYPE_CHECKING too
             for name in _imported_modules(statement, module, path, set()):
                 if name.split(".")[0] in forbidden:
                     found.append(f"  {path.relative_to(REPO)}:{statement.lineno} imports {name}")
@@ -174,6 +185,9 @@ def test_the_checker_sees_cycles_and_skips_what_does_not_run(tmp_path: Path) -> 
         "c": "from . import a\n",
         "d": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from tokenmill import e\n",
         "e": "def f():\n    import tokenmill.d\n",
+        # Closed only by imports inside functions (a method, an async function): still a cycle.
+        "f": "class Launcher:\n    def start(self):\n        from tokenmill.g import run\n",
+        "g": "async def run():\n    from . import f\n",
     }
     modules = {}
     for name, text in source.items():
@@ -182,5 +196,10 @@ def test_the_checker_sees_cycles_and_skips_what_does_not_run(tmp_path: Path) -> 
         path.write_text(text)
         modules[f"{PACKAGE}.{name}"] = path
     graph = _import_graph(modules)
-    assert graph["tokenmill.d"] == set() and graph["tokenmill.e"] == set()
-    assert _cycles(graph) == [["tokenmill.a", "tokenmill.b", "tokenmill.c", "tokenmill.a"]]
+    assert graph["tokenmill.d"] == set() and graph["tokenmill.e"] == {"tokenmill.d"}
+    assert _cycles(graph) == [
+        ["tokenmill.a", "tokenmill.b", "tokenmill.c", "tokenmill.a"],
+        ["tokenmill.f", "tokenmill.g", "tokenmill.f"],
+    ]
+    with pytest.raises(AssertionError, match="tokenmill.f -> tokenmill.g -> tokenmill.f"):
+        _assert_no_cycles(graph)

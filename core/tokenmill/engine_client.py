@@ -28,7 +28,7 @@ from typing import Protocol
 import msgspec
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine_process import LocalEngineProcess
+from tokenmill.engine_launcher import LocalEngineProcess
 from tokenmill.errors import TokenmillError
 from tokenmill.kv_cache.block_hash import block_hashes
 from tokenmill.messages import (

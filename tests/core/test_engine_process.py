@@ -3,10 +3,14 @@ handshake, which front end gets which outputs, and when a request's owner is for
 
 from __future__ import annotations
 
+import ast
+import importlib
+import inspect
 from collections import deque
 from types import SimpleNamespace
 from typing import Any
 
+from tokenmill.engine_launcher import _BOOTSTRAP
 from tokenmill.engine_process import _EngineServer
 from tokenmill.messages import (
     PROTOCOL_VERSION,
@@ -205,3 +209,14 @@ def test_a_repeated_hello_asks_for_a_snapshot_again() -> None:
 
 def _split(data: bytes) -> list[bytes]:
     return [data[i : i + 8] for i in range(0, len(data), 8)]
+
+
+def test_a_local_engine_runs_the_engine_process_entry_point() -> None:
+    """``LocalEngineProcess`` names the engine's entry point in a string: it must still be there, and take
+    the arguments the string passes."""
+    tree = ast.parse(_BOOTSTRAP)
+    imports = [(node.module, alias.name) for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+               for alias in node.names]  # fmt: skip
+    assert imports == [("tokenmill.engine_process", "run_engine_process")]
+    entry_point = importlib.import_module("tokenmill.engine_process").run_engine_process
+    inspect.signature(entry_point).bind({}, "ipc:///tmp/engine.sock", watch_parent=True)

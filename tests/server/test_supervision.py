@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from tests.server.conftest import Server, start_tiny_server
-from tokenmill.engine_process import PROCESS_LABEL
+from tokenmill.engine_launcher import PROCESS_LABEL
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 

@@ -29,6 +29,7 @@ import msgspec
 import torch
 
 from tokenmill.config import EngineConfig
+from tokenmill.engine_launcher import describe_exit
 from tokenmill.messages import ShardChunk, ShardCopyBlocks, ShardSetup, ShardStart, ShardStep, ShardStop
 from tokenmill.model_loader import LoadedModel
 from tokenmill.model_runner import ModelRunner
@@ -105,8 +106,6 @@ class ShardWorkers:
 
     def check_alive(self) -> None:
         """Raise ``TensorParallelError`` naming the first worker that exited. Cheap (one waitpid each)."""
-        from tokenmill.engine_process import describe_exit
-
         for rank, popen in enumerate(self._popens, start=1):
             if popen.poll() is not None:
                 raise TensorParallelError(
