@@ -5,7 +5,9 @@ The transport is the plugin that ``transport.backend`` names (built in: ZeroMQ,
 one. Front ends connect to the engine's address and say ``Hello``; the engine
 answers ``Ready``, then takes requests and aborts and sends each front end the
 outputs of its own requests after every step, plus a heartbeat while idle so a
-front end can tell a live engine from a dead one. The loop is single-threaded:
+front end can tell a live engine from a dead one. The engine's stats ride on
+every message; they are computed once per round of messages (a step's, a
+heartbeat's) and shared by every front end in it. The loop is single-threaded:
 it drains the endpoint without blocking between steps and blocks on it only
 when there is nothing to compute.
 
@@ -106,9 +108,9 @@ def run_engine_process(
             server.receive(timeout_ms=timeout_ms)
             if engine.has_unfinished_requests():
                 num_steps = engine.num_steps
-                served = server.send_outputs(engine.step())
-                if engine.num_steps != num_steps:  # the step ran: every front end hears of it (routers' stats)
-                    server.send_stats(skip=served)
+                outputs = engine.step()
+                # A step that ran changes the load and the prefix cache: every front end hears of it (routers).
+                server.send_outputs(outputs, notify_all=engine.num_steps != num_steps)
             server.heartbeat()
     finally:
         if engine is not None:
@@ -121,6 +123,10 @@ class _EngineServer:
 
     A frame over ``max_message_size`` bytes, or one that is not a message of the engine's types, is dropped
     and counted (``EngineStatsMessage.num_dropped_messages``); nothing a peer sends takes the engine down.
+
+    Messages go out in rounds (a step's outputs, a heartbeat, a refusal): the engine's stats are read once per
+    round and every message of the round carries them; only the prefix cache fields differ, each front end
+    getting the change since its own last message.
     """
 
     def __init__(self, engine: Any, endpoint: EngineEndpoint, max_message_size: int = 64 * 2**20) -> None:
@@ -174,14 +180,16 @@ class _EngineServer:
                 refusal = EngineCoreOutput(
                     message.request_id, [], finish_reason="abort", error=str(exc), request_finished=True
                 )
-                self._send(identity, [refusal])
+                self._send_round({identity: [refusal]})
                 return
             self.owners[message.request_id] = identity
         elif isinstance(message, AbortRequests):
             self.send_outputs(self.engine.abort_requests(message.request_ids, message.completions_only))
 
-    def send_outputs(self, outputs: list[EngineCoreOutput]) -> set[bytes]:
-        """Send each front end the outputs of its requests; returns the front ends sent a message."""
+    def send_outputs(self, outputs: list[EngineCoreOutput], notify_all: bool = False) -> None:
+        """Send each front end the outputs of its requests, and with ``notify_all`` every other front end a
+        message with no outputs (after a step that ran but gave it nothing: a prompt chunk still changes the
+        load and the prefix cache routers see). One round: the stats are read once for all of them."""
         by_client: dict[bytes, list[EngineCoreOutput]] = {}
         for output in outputs:
             root = output.parent_id or output.request_id
@@ -191,21 +199,15 @@ class _EngineServer:
             by_client.setdefault(identity, []).append(output)
             if output.request_finished:  # the scheduler's word that every completion of it is done
                 del self.owners[root]
-        for identity, client_outputs in by_client.items():
-            self._send(identity, client_outputs)
-        return set(by_client)
-
-    def send_stats(self, skip: set[bytes]) -> None:
-        """Send the stats, with no outputs, to every front end but those in ``skip`` (after a step that gave
-        them no output: a prompt chunk still changes the load and the prefix cache routers see)."""
-        for identity in self.clients:
-            if identity not in skip:
-                self._send(identity, [])
+        if notify_all:
+            for identity in self.clients:
+                by_client.setdefault(identity, [])
+        self._send_round(by_client)
 
     def heartbeat(self) -> None:
+        """Every front end the stats alone, once ``HEARTBEAT_INTERVAL_S`` passed since the last message."""
         if time.monotonic() - self.last_sent >= HEARTBEAT_INTERVAL_S:
-            for identity in self.clients:
-                self._send(identity, [])
+            self._send_round({identity: [] for identity in self.clients})
 
     def stats(self) -> EngineStatsMessage:
         """The engine's stats, plus what this server and its endpoint dropped or refused."""
@@ -218,14 +220,19 @@ class _EngineServer:
             return stats
         return msgspec.structs.replace(stats, num_dropped_messages=dropped, num_refused_connections=refused)
 
-    def _send(self, identity: bytes, outputs: list[EngineCoreOutput]) -> None:
+    def _send_round(self, by_client: dict[bytes, list[EngineCoreOutput]]) -> None:
+        """Send each front end in ``by_client`` its outputs, with the stats read once for the whole round and
+        the prefix cache fields of that front end."""
+        if not by_client:
+            return
+        stats = self.stats()
         summary = self.prefix_summary
         summary.update(*self.engine.take_prefix_cache_delta())
-        seq, is_reset, added, removed = summary.take(identity)
-        stats = msgspec.structs.replace(self.stats(), prefix_cache_seq=seq, prefix_cache_reset=is_reset,
-                                        prefix_cache_added=added, prefix_cache_removed=removed)  # fmt: skip
-        message = EngineCoreOutputs(outputs, stats)
-        self.endpoint.send(identity, encode(message))
+        for identity, outputs in by_client.items():
+            seq, is_reset, added, removed = summary.take(identity)
+            own_stats = msgspec.structs.replace(stats, prefix_cache_seq=seq, prefix_cache_reset=is_reset,
+                                                prefix_cache_added=added, prefix_cache_removed=removed)  # fmt: skip
+            self.endpoint.send(identity, encode(EngineCoreOutputs(outputs, own_stats)))
         self.last_sent = time.monotonic()
 
 

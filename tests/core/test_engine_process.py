@@ -1,5 +1,6 @@
 """The engine process's message pump (``_EngineServer``) with a fake engine and a fake endpoint: the
-handshake, which front end gets which outputs, and when a request's owner is forgotten."""
+handshake, which front end gets which outputs, when a request's owner is forgotten, and the stats read once
+per round of messages."""
 
 from __future__ import annotations
 
@@ -57,6 +58,7 @@ class _FakeEngine:
         self.kv_cache_hash_salt = "x:float32"
         self.request_ids: list[str] = []
         self.num_steps = 0
+        self.num_stats_calls = 0
         # What take_prefix_cache_delta hands out next: the hashes the prefix cache gained and lost.
         self.prefix_delta: tuple[list[bytes], list[bytes]] = ([], [])
 
@@ -66,7 +68,8 @@ class _FakeEngine:
         self.request_ids.append(message.request_id)
 
     def stats(self) -> EngineStatsMessage:
-        return EngineStatsMessage(0, 0, 0.0, 0, 0, 0, 0, 0)
+        self.num_stats_calls += 1
+        return EngineStatsMessage(self.num_stats_calls, 0, 0.0, 0, 0, 0, 0, 0)
 
     def take_prefix_cache_delta(self) -> tuple[list[bytes], list[bytes]]:
         delta, self.prefix_delta = self.prefix_delta, ([], [])
@@ -143,7 +146,7 @@ def test_oversized_and_malformed_frames_are_dropped_counted_and_reported() -> No
                            (b"a", _request("r1"))])  # fmt: skip
     server.receive(timeout_ms=0)
     assert server.engine.request_ids == ["r1"]
-    server._send(b"a", [])  # every batch and heartbeat carries the counts
+    server.send_outputs([EngineCoreOutput("r1", [5])])  # every batch and heartbeat carries the counts
     [(_, message)] = endpoint.take()
     assert message.stats.num_dropped_messages == {"malformed": 2, "oversized": 1}
     assert message.stats.num_refused_connections == 0
@@ -173,21 +176,23 @@ def test_each_front_end_gets_a_snapshot_after_hello_then_its_own_deltas() -> Non
     assert (first.stats.prefix_cache_seq, first.stats.prefix_cache_reset) == (1, True)
     assert sorted(_split(first.stats.prefix_cache_added)) == [_key(1), _key(2)]
     engine.prefix_delta = ([_hash(3)], [_hash(1)])
-    server.send_stats(skip=set())
+    server.send_outputs([], notify_all=True)
     [(_, second)] = endpoint.take()
     assert (second.stats.prefix_cache_seq, second.stats.prefix_cache_reset) == (2, False)
     assert (second.stats.prefix_cache_added, second.stats.prefix_cache_removed) == (_key(3), _key(1))
     # A second front end connects: a snapshot of what the cache holds now; the first gets only the change.
     _hello(server, endpoint, b"b")
     engine.prefix_delta = ([_hash(4)], [])
-    server.send_stats(skip=set())
+    server.send_outputs([], notify_all=True)
     sent = {peer: message.stats for peer, message in endpoint.take()}
     assert (sent[b"a"].prefix_cache_reset, sent[b"a"].prefix_cache_added) == (False, _key(4))
     assert sent[b"b"].prefix_cache_reset and sorted(_split(sent[b"b"].prefix_cache_added)) == [
         _key(2), _key(3), _key(4)
     ]  # fmt: skip
     # Nothing changed: an empty delta, still numbered (so a lost message shows as a gap).
-    server.send_stats(skip={b"b"})
+    endpoint.inbox.append((b"a", _request("r1")))
+    server.receive(timeout_ms=0)
+    server.send_outputs([EngineCoreOutput("r1", [5])])  # a step that did not run: only a's output goes out
     [(peer, third)] = endpoint.take()
     assert peer == b"a" and third.stats.prefix_cache_seq == 4
     assert (third.stats.prefix_cache_added, third.stats.prefix_cache_removed) == (b"", b"")
@@ -198,10 +203,10 @@ def test_a_repeated_hello_asks_for_a_snapshot_again() -> None:
     server.engine.prefix_delta = ([_hash(1)], [])
     _hello(server, endpoint, b"a")
     server.heartbeat()
-    server.send_stats(skip=set())
+    server.send_outputs([], notify_all=True)
     endpoint.take()
     _hello(server, endpoint, b"a")
-    server.send_stats(skip=set())
+    server.send_outputs([], notify_all=True)
     [(_, message)] = endpoint.take()
     assert message.stats.prefix_cache_reset and message.stats.prefix_cache_added == _key(1)
     assert message.stats.prefix_cache_seq == 3
@@ -209,6 +214,38 @@ def test_a_repeated_hello_asks_for_a_snapshot_again() -> None:
 
 def _split(data: bytes) -> list[bytes]:
     return [data[i : i + 8] for i in range(0, len(data), 8)]
+
+
+def test_the_stats_are_read_once_per_round_and_the_prefix_fields_stay_per_front_end() -> None:
+    server, endpoint = _server()
+    engine = server.engine
+    engine.prefix_delta = ([_hash(1)], [])
+    for peer in (b"a", b"b"):
+        _hello(server, endpoint, peer)
+    server.heartbeat()
+    endpoint.take()
+    _hello(server, endpoint, b"c")  # new: its next message carries the whole summary
+    endpoint.inbox.append((b"a", _request("r1")))
+    server.receive(timeout_ms=0)
+    engine.prefix_delta = ([_hash(2)], [])
+    calls = engine.num_stats_calls
+    # A step that ran: a gets its output, b and c the stats alone; one read of the engine's stats for all three.
+    server.send_outputs([EngineCoreOutput("r1", [5])], notify_all=True)
+    sent = {peer: message for peer, message in endpoint.take()}
+    assert engine.num_stats_calls == calls + 1
+    assert [o.request_id for o in sent[b"a"].outputs] == ["r1"] and sent[b"b"].outputs == sent[b"c"].outputs == []
+    assert {message.stats.num_running for message in sent.values()} == {calls + 1}
+    assert sent[b"a"].stats.prefix_cache_added == sent[b"b"].stats.prefix_cache_added == _key(2)
+    assert sent[b"c"].stats.prefix_cache_reset and sorted(_split(sent[b"c"].stats.prefix_cache_added)) == [
+        _key(1), _key(2)
+    ]  # fmt: skip
+    # A heartbeat round: one read again.
+    server.last_sent = 0.0
+    server.heartbeat()
+    assert len(endpoint.take()) == 3 and engine.num_stats_calls == calls + 2
+    # A round with nobody to send to reads nothing.
+    server.send_outputs([])
+    assert endpoint.take() == [] and engine.num_stats_calls == calls + 2
 
 
 def test_a_local_engine_runs_the_engine_process_entry_point() -> None:
