@@ -32,7 +32,7 @@ Prefill and mixed steps, and batches larger than the largest bucket, run
 eagerly. On CPU none of this exists: ``ModelRunner`` builds a
 ``CudaGraphRunner`` only on a CUDA device.
 
-Run and timed on an H200 and an H100 (docs/benchmarks.md, "GPU").
+Figures: docs/benchmarks.md, "GPU: H200" and "GPU: H100".
 """
 
 from __future__ import annotations

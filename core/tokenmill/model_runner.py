@@ -35,11 +35,9 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
     On CPU the cache is numpy's calloc-backed zeros (which numpy advises the kernel to back with huge
     pages), then written once through torch's parallel ``zero_``. Without that write the OS maps each page
-    only when a block first lands on it, and since the block pool hands out free blocks oldest first, a
-    server's RSS grew under load until the whole pool had been used (+1 GB in 150 s of a soak, on the way
-    to the pool's 4 GiB: issue 18), which hid a leak and overcommitted memory the machine may not have.
-    Now the whole pool is in RSS before the first request (3 to 6 s for 4 GiB on 2 cores, 9 s when they are
-    busy), so growth under load means a leak (docs/serving.md, "Faults and shutdown")."""
+    only when a block first lands on it, and since the block pool hands out free blocks oldest first, RSS
+    would grow under load until the whole pool was used, hiding leaks and overcommitting memory. Written at
+    start-up, growth under load means a leak (docs/serving.md, "Faults and shutdown")."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     element_size = torch.empty((), dtype=dtype).element_size()

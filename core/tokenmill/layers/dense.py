@@ -1,18 +1,17 @@
 """The built-in quantizer ``none``: dense weights in the model's dtype.
 
 On the CPU in float32 the matmul runs on a copy of the weight packed once for it, rather than through
-``F.linear``, which calls MKL's ``sgemm``: MKL takes a generic code path on AMD CPUs and read a model's weights
-at 17 GB/s one token at a time on a 2-core AMD EPYC (Zen 5). ``TOKENMILL_DENSE_CPU_MATMUL`` picks the packed
-matmul:
+``F.linear``, which calls MKL's ``sgemm``: MKL takes a generic, slow code path on AMD CPUs.
+``TOKENMILL_DENSE_CPU_MATMUL`` picks the packed matmul:
 
 - ``kernels`` (the default): the layer kernels' own (``LayerKernels.pack_dense_weight``), which the loader installs
   on every ``Linear`` and on the embedding (``UsesLayerKernels``). The ``cpu`` layer kernels read the weight once
   for up to 12 input rows: one row streams the weights at the memory's speed, and the 2-12 rows of a step that
-  verifies speculative tokens cost little more, where oneDNN's took 1.25-1.6x its one-row time (docs/benchmarks.md,
-  "Dense float32 linears: the cpu layer kernels against oneDNN"). Layer kernels without a dense matmul (the
-  ``torch`` reference) leave the layer to oneDNN.
-- ``onednn``: oneDNN's linear (torch's private ``mkldnn`` ops) on its blocked layout, 2-3x MKL on AMD CPUs
-  ("Dense float32 linears on the CPU: oneDNN against MKL").
+  verifies speculative tokens cost little more, where oneDNN's time grows with the rows
+  (docs/benchmarks-history.md, "Dense float32 linears: the cpu layer kernels against oneDNN"). Layer kernels
+  without a dense matmul (the ``torch`` reference) leave the layer to oneDNN.
+- ``onednn``: oneDNN's linear (torch's private ``mkldnn`` ops) on its blocked layout, much faster than MKL on AMD
+  CPUs (docs/benchmarks-history.md, "Dense float32 linears on the CPU: oneDNN against MKL").
 - ``torch``: ``F.linear`` on the weight as loaded (the reference).
 
 The packed copy is made on a layer's first forward without gradients and made again if the weight changes in
@@ -37,8 +36,8 @@ from tokenmill.layers.kernels import LayerKernels
 from tokenmill.layers.quantizer import Quantizer, layer_bias, layer_tensor
 from tokenmill.memory import available_memory
 
-#: Rows per matmul oneDNN packs the weight for. Measured on the development machine (60 MLP-shaped weights):
-#: with 16, 2 to 8 rows cost 1.04-1.16x one row, and 2,048 rows 281 ms; with 1, 2 rows cost 1.4x and 2,048 304 ms.
+#: Rows per matmul oneDNN packs the weight for: 16 keeps a few rows near one row's cost, and runs prompts faster
+#: than a 1-row packing.
 _PACK_FOR_ROWS = 16
 #: Memory a packed copy must leave available (requests' activations and the rest of the process grow later).
 _KEEP_FREE = 2 * 2**30

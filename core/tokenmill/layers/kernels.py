@@ -1,13 +1,12 @@
 """Layer kernels (slot ``layer_kernel``): the small operations between a layer's matmuls.
 
-A decoder layer runs, besides its matmuls and attention, an RMSNorm with the residual add before it (twice),
-rope over its queries and keys, and SiLU times the up projection. In torch each is several kernels: about 21
-launches per Llama layer. On a GPU at batch 1 those launches, not the bytes they move, cost a step about 1 ms
-of 6.2 on an H200; on a CPU their dispatches 0.8 ms of a 7 ms step of the default model (docs/benchmarks.md).
-A ``LayerKernels`` plugin does each in one kernel (the ``layer_kernels`` plugin: ``cpu`` and ``triton``). It may also
+A decoder layer runs, besides its matmuls and attention, an RMSNorm with the residual add before it (twice), rope
+over its queries and keys, and SiLU times the up projection. In torch each is several kernels: about 21 launches per
+Llama layer. At batch 1 those launches (on a CPU, dispatches), not the bytes they move, are what they cost. A
+``LayerKernels`` plugin does each in one kernel (the ``layer_kernels`` plugin: ``cpu`` and ``triton``). It may also
 bring a dense matmul for the ``none`` quantizer's weights (``pack_dense_weight``, ``dense_linear``): the ``cpu``
-kernels' reads a float32 weight once for up to 12 rows, which a decode step of a few requests or speculative
-tokens needs and oneDNN's does not do (``tokenmill.layers.dense``).
+kernels' reads a float32 weight once for up to 12 rows, which a decode step of a few requests or speculative tokens
+needs and oneDNN's does not do (``tokenmill.layers.dense``).
 
 ``TorchLayerKernels`` (``torch``) is the reference, built in; it runs everywhere, and ``auto`` picks it where no
 plugin's kernels run. The model loader selects one per process (``model.layer_kernels``) and hands it to every

@@ -1,7 +1,7 @@
 """``SharedMemoryChannel``: all-reduce and gather of small CPU tensors between the shards of one host.
 
-gloo moves every collective through a TCP loopback socket, which costs 0.5 to 1 ms on a busy 2-core
-machine, and a sharded layer makes two of them. Shards on one host can instead meet in a shared
+gloo moves every collective through a TCP loopback socket, far slower than the small tensors need, and
+a sharded layer makes two of them. Shards on one host can instead meet in a shared
 memory segment (SGLang and vLLM's CPU backends do the same): each rank copies its tensor into its own
 slot, publishes a sequence number in its flag, waits until every rank has published the same number,
 and reads the others' slots. Every rank adds the slots in rank order, so all ranks hold bitwise equal

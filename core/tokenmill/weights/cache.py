@@ -1,10 +1,9 @@
 """A cache of loaded models' weights: a warm start reads what a quantizer made, instead of making it again.
 
-A quantizer repacks every linear weight of a checkpoint into its kernels' layout at load (the
-default Q4_1 model: about 2 s on 2 idle cores, 10 s or more on busy ones). After such a load, the
-model's ``state_dict`` (the packed weights, and the float tensors beside them) is written to one
-safetensors file; the next load of the same checkpoint, through the same code, reads it back as it
-was written.
+A quantizer repacks every linear weight of a checkpoint into its kernels' layout at load, which
+takes seconds. After such a load, the model's ``state_dict`` (the packed weights, and the float
+tensors beside them) is written to one safetensors file; the next load of the same checkpoint,
+through the same code, reads it back as it was written.
 
 An entry is named by :func:`cache_key`, a hash of what the stored tensors depend on: the model's
 files (path, size, modification time), the weight format, the model and quantizer classes, the

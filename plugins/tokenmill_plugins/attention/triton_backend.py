@@ -58,7 +58,8 @@ class TritonAttentionBackend(AttentionBackend):
     #: "cpu" only under TRITON_INTERPRET=1 (checked at construction and in ``prepare``).
     supported_devices: ClassVar[tuple[str, ...]] = ("cuda", "cpu")
     #: For ``attention.backend = "auto"``: above ``torch`` (0) and ``cpu`` (10). ``is_available`` is false
-    #: without CUDA, so this only matters on a GPU, where the kernels were run and timed (docs/benchmarks.md).
+    #: without CUDA, so this only matters on a GPU, where the kernels were run and timed (docs/benchmarks.md,
+    #: "GPU: H200" and "GPU: H100").
     auto_priority: ClassVar[int] = 20
     #: Decode graphs: ``prepare`` does no device work when ``max_query_len == 1``, ``forward`` reads no
     #: device value on the host, its buffers come from torch's allocator, and the split count depends only

@@ -2,7 +2,7 @@
 
 On a GPU machine the blocks are pinned, so loads and write-backs are DMA copies the
 device can overlap with compute; on a CPU machine they are plain copies, which still
-beat recomputing a prefix by far (docs/benchmarks.md#kv-tiers).
+beat recomputing a prefix by far (docs/benchmarks-history.md#kv-tiers-and-disaggregated-prefill).
 """
 
 from __future__ import annotations

@@ -1,17 +1,16 @@
 """The ``cpu`` layer kernels: RMSNorm with the residual add, and rope, in one C++ pass each (AVX2, float32), and
 the dense float32 matmul of the ``none`` quantizer's weights (``tokenmill_kernels.dense_matmul``).
 
-At one token a Llama layer's norms and rope take about 27 us in torch operators on a 2-vCPU Zen 5, 0.8 ms of a
-7 ms step of the default model (docs/benchmarks.md). ``auto`` picks these on a CPU that can build and run them
-(AVX2, FMA, a C++ compiler and ninja, as the ``cpu`` attention backend). SiLU times up stays torch's: two
-vectorised operators, about 4 us. Other dtypes than float32, and inputs that need gradients (the C++ has no
+At one token a Llama layer's norms and rope cost their dispatches in torch operators, not their work
+(docs/benchmarks-history.md, "Layer kernels on the CPU: C++ against torch operators"). ``auto`` picks these on a CPU
+that can build and run them (AVX2, FMA, a C++ compiler and ninja, as the ``cpu`` attention backend). SiLU times up
+stays torch's: two vectorised operators. Other dtypes than float32, and inputs that need gradients (the C++ has no
 backward), go to the torch reference.
 
 The dense matmul packs each float32 weight into panels of 32 outputs and reads it once for up to 12 input rows
-(3 with AVX2 alone): against oneDNN's packed linear, which it replaces by default, a one-row body of the default
-model took 10.2-10.3 against 10.7-12.1 ms and a 12-row one 9.7-10.3 against 13.2-14.8 ms (docs/benchmarks.md,
-"Dense float32 linears: the cpu layer kernels against oneDNN"); ``TOKENMILL_DENSE_CPU_MATMUL=onednn`` goes back to
-oneDNN.
+(3 with AVX2 alone), so a few rows cost what one does, where oneDNN's packed linear, which it replaces by default,
+grows with the rows (docs/benchmarks-history.md, "Dense float32 linears: the cpu layer kernels against oneDNN");
+``TOKENMILL_DENSE_CPU_MATMUL=onednn`` goes back to oneDNN.
 """
 
 from __future__ import annotations
@@ -72,7 +71,7 @@ class CpuLayerKernels(TorchLayerKernels):
 
 def _runs(x: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
     """Whether the C++ takes these inputs: float32 on the CPU, without gradients. Plain attribute reads: this runs
-    three times a layer, and a generator over the inputs cost 0.5 us a call."""
+    three times a layer."""
     if residual is not None and residual.requires_grad:
         return False
     return x.is_cpu and x.dtype == torch.float32 and not x.requires_grad

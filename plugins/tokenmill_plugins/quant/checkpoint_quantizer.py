@@ -16,14 +16,12 @@ repacks that once, at load, for the kernels in ``tokenmill_kernels.quant_matmul`
   that each group is contiguous, and each input row is permuted the same way (a gather) before the kernel.
 * **FP8** weights stay FP8 (one byte each) and are converted to float32 one tile of 128 output rows at a time
   inside ``apply`` (:func:`fp8_to_float`), then multiplied in float32 (CPUs have no FP8 arithmetic): the conversion
-  costs about three times the float32 matmul it feeds, 100 ms per decode step on the default model's 106M linear
-  weights (docs/quantization.md gives the figures).
+  costs more than the float32 matmul it feeds (docs/quantization.md gives the figures).
 * **INT8 weights and activations** (W8A8, one scale per output channel): each input row is rounded to int8 (per
   token, or per tensor with the checkpoint's static ``input_scale``) and multiplied by the int8 weights in integers
   (``torch._int_mm``: oneDNN's int8 GEMM, VNNI where the CPU has it), then scaled: the checkpoint's numerics exactly,
-  up to float32 rounding of the scales. (Feeding the already rounded activations to the int16-activation kernel
-  would round them again, and on a tiny random model those second roundings moved the next layer's int8 codes
-  enough to shift logits by 0.09.)
+  up to float32 rounding of the scales. (The int16-activation kernel would round the already rounded activations a
+  second time.)
 * **FP8 activations**: each input is rounded to FP8 and back (per token, per tensor or per group), as
   compressed-tensors does, before the float32 matmul.
 
@@ -218,8 +216,7 @@ class CheckpointQuantizer(Quantizer):
 @dataclass(frozen=True)
 class _CpuPlan:
     """A layer's CPU storage as ``apply`` uses it, read once (attribute lookups through ``nn.Module`` cost about a
-    microsecond each, and a model runs a few hundred linears per step: 0.3 ms of a 3 ms decode step on the
-    default model); None where the layer does not use it."""
+    microsecond each, and a model runs a few hundred linears per step); None where the layer does not use it."""
 
     qweight: Tensor
     scales: Tensor
@@ -339,7 +336,7 @@ FP8_SCALE = 2.0 ** (15 - 7)
 def fp8_to_float(codes: Tensor) -> Tensor:
     """FP8 e4m3 bytes (uint8) as float32, divided by :data:`FP8_SCALE`: each byte's sign, exponent and mantissa
     moved into float16's fields (exponent unbiased by e4m3's bias, so the value comes out 2**-8 of the FP8 one,
-    subnormals included), then float16 -> float32. Exact for every finite e4m3 value and six times faster than
+    subnormals included), then float16 -> float32. Exact for every finite e4m3 value and much faster than
     torch's own FP8 -> float32 conversion on the CPU, which is what an FP8 matmul here spends its time on; the two
     NaN codes come out as +-1.875 (checkpoints have none)."""
     wide = codes.to(torch.int16)

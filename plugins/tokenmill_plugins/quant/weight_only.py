@@ -9,8 +9,8 @@ magnitude) fails to load with a ``ValueError``.
 
 The quantized kernels round each input row to int16 per group of 32 and multiply in integers
 (tokenmill_kernels.quant_matmul.reference gives the exact numerics): on the default model that
-stays within 0.006 nats of float32 on the same weights, where int8 activations (llama.cpp's
-Q8_1) were 0.44 nats off (docs/performance.md, "Accuracy of the quantized path"). They run for
+stays within 0.006 nats of float32 on the same weights, which int8 activations (llama.cpp's
+Q8_1) do not (docs/performance.md, "Accuracy of the quantized path"). They run for
 any number of rows: on a 2-core AVX2 machine their integer products outrun float32 GEMM on the
 dequantized weights from one row (decode, memory-bound) up to 1,024-row prompt chunks
 (compute-bound); see docs/performance.md. ``max_kernel_rows`` switches larger inputs to
@@ -79,9 +79,8 @@ class _WeightOnlyQuantizer(Quantizer):
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         x = x.float().contiguous()
-        # The layer's tensors, read through nn.Module's __getattr__ once (about a microsecond a lookup, four
-        # per linear, over 200 linears a step: 0.2-0.3 ms of a 5 ms decode step on the default model), and
-        # again whenever its first storage tensor is replaced.
+        # The layer's tensors, read through nn.Module's __getattr__ once (a microsecond a lookup, four per
+        # linear, every step), and again whenever its first storage tensor is replaced.
         buffers = layer._buffers
         cached = layer.__dict__.get("_weight_only_storage")
         if cached is None or cached[0] is not buffers[self.storage_names[0]]:
