@@ -61,4 +61,8 @@ def test_the_check_catches_a_name_that_does_not_exist() -> None:
 def test_every_slot_has_a_hook_and_every_hook_a_version() -> None:
     versions = hookspec_versions()  # raises for a hook without "Since: X. Stability: Y."
     assert all(slot.hook_name in versions for slot in Slot)
-    assert set(versions) == {slot.hook_name for slot in Slot} | {"tokenmill_add_hookspecs", "tokenmill_plugin_options"}
+    assert set(versions) == {slot.hook_name for slot in Slot} | {
+        "tokenmill_add_hookspecs",
+        "tokenmill_plugin_options",
+        "tokenmill_register_commands",
+    }

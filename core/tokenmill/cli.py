@@ -1,5 +1,8 @@
 """The ``tokenmill`` command.
 
+The core's own subcommands are here (serve, engine, plugins, config, pull,
+generate, chat); plugins add the others through ``tokenmill_register_commands``
+(the first-party ``commands`` plugin adds bench, eval, quantize and train).
 Every subcommand turns tokenmill's own exceptions into a one-line message
 and exit status 1; a traceback means a bug.
 """
@@ -8,31 +11,70 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import click
 
 from tokenmill import __version__, envs
-from tokenmill.bench.cli import bench
 from tokenmill.config import ConfigError, EngineConfig
 from tokenmill.config.options import config_options
 from tokenmill.errors import TokenmillError
-from tokenmill.eval.cli import eval_group
-from tokenmill.quantize.cli import quantize
-from tokenmill.train.cli import train
 
 logger = logging.getLogger(__name__)
 
 
 class _Main(click.Group):
-    """Prints a ``TokenmillError`` as one line (``Error: ...``, exit 1) instead of a traceback."""
+    """Prints a ``TokenmillError`` as one line (``Error: ...``, exit 1) instead of a traceback, and adds the
+    plugins' commands the first time it needs a command that is not its own (to list or to run one)."""
+
+    _has_plugin_commands = False
+    _args: Sequence[str] = ()
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
         except TokenmillError as exc:
             raise click.ClickException(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        self._args = tuple(args)  # read for --disable-plugin when the plugins' commands are added
+        return super().parse_args(ctx, args)
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        self._add_plugin_commands()
+        return super().list_commands(ctx)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in self.commands:
+            self._add_plugin_commands()
+        return super().get_command(ctx, cmd_name)
+
+    def _add_plugin_commands(self) -> None:
+        """Each plugin's ``tokenmill_register_commands``, once. Plugins load as for any command (the allowlist,
+        ``TOKENMILL_DISABLE_PLUGIN_AUTOLOAD`` and ``--disable-plugin`` on the command line apply); a plugin that
+        fails is logged in one line, listed by ``tokenmill plugins``, and adds nothing."""
+        if self._has_plugin_commands:
+            return
+        self._has_plugin_commands = True
+        from tokenmill.plugin_manager import load_plugins
+
+        try:
+            load_plugins(disabled=_disabled_plugins(self._args), cli=self)
+        except TokenmillError as exc:  # --disable-plugin naming an essential plugin, or a broken built-in one
+            logger.warning("no plugin commands: %s", exc)
+
+
+def _disabled_plugins(args: Sequence[str]) -> list[str]:
+    """The names given to ``--disable-plugin`` anywhere in ``args`` (before the config is parsed)."""
+    names = []
+    for index, arg in enumerate(args):
+        if arg == "--disable-plugin" and index + 1 < len(args):
+            names.append(args[index + 1])
+        elif arg.startswith("--disable-plugin="):
+            names.append(arg.partition("=")[2])
+    return names
 
 
 @click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"]})
@@ -51,7 +93,9 @@ def plugins(config: EngineConfig, as_json: bool) -> None:
     with its version, package, options, and the error that made it skipped."""
     from tokenmill.plugin_manager import load_plugins
 
-    system = load_plugins(disabled=config.disable_plugins)
+    # The plugins' commands go to a copy of the core's, so that a plugin whose command hook fails is listed so.
+    core = click.Group(commands={name: main.commands[name] for name in _CORE_COMMANDS})
+    system = load_plugins(disabled=config.disable_plugins, cli=core)
     system.configure(config.plugins)
     report = _plugins_report(system, config)
     if as_json:
@@ -218,10 +262,8 @@ def chat(config: EngineConfig, url: str | None, system: str | None, max_tokens: 
     run_chat(config, url, system, max_tokens, temperature)
 
 
-main.add_command(bench)
-main.add_command(eval_group)
-main.add_command(quantize)
-main.add_command(train)
+#: The core's own subcommands; plugins add the rest when the CLI first needs them.
+_CORE_COMMANDS = tuple(main.commands)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,9 @@
 Plugins implement these with ``@tokenmill.hookimpl``. The hooks are grouped by
 the phase in which they are called. All of them run at start-up, once per
 process that loads plugins (front end, engine, workers), so implementations
-must be idempotent. Nothing calls a hook per step or per token.
+must be idempotent. Nothing calls a hook per step or per token. The one
+exception to "every process" is ``tokenmill_register_commands``, which only the
+``tokenmill`` command's own process calls.
 
 Each registration hook fills one *slot* and receives a ``register(name,
 import_path)`` callable. The import path (``"package.module:Attribute"``) is
@@ -18,9 +20,13 @@ may still change in a minor release, noted in the changelog.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import msgspec
 import pluggy
+
+if TYPE_CHECKING:
+    import click
 
 PROJECT_NAME = "tokenmill"
 
@@ -276,5 +282,30 @@ def tokenmill_register_transports(register: Register) -> None:
 
     Called once per process at start-up (front end and engine; both must pick
     the same one). Selected by ``transport.backend`` (built in: ``zmq``).
+    Since: 0.1. Stability: provisional.
+    """
+
+
+# ---------------------------------------------------------------- registration: the command line
+
+
+@hookspec
+def tokenmill_register_commands(cli: click.Group) -> None:
+    """Add subcommands to the ``tokenmill`` command (simonw/llm's ``register_commands``).
+
+    :param cli: the ``tokenmill`` click group; add commands with ``@cli.command()``,
+        ``@cli.group()`` or ``cli.add_command(command)``. A name the core CLI or another
+        plugin already has is refused. Import what a command needs to run inside its
+        function, so that ``tokenmill --help`` stays quick (and free of torch).
+    :return: nothing; every implementation is called, each plugin's on its own. A plugin
+        whose implementation raises, or adds a name that is taken, adds none of its
+        commands and is listed by ``tokenmill plugins`` with its error, like a plugin that
+        fails to import; the rest of the CLI works.
+
+    Called once, in the ``tokenmill`` command's process only (never in a front end,
+    engine or worker), when it first needs a command the core does not have: to list
+    them (``tokenmill --help``) or to run one. ``tokenmill plugins`` calls it too, on a
+    scratch group, to list the commands each plugin adds. First party: ``bench``,
+    ``eval``, ``quantize`` and ``train`` (plugin ``commands``).
     Since: 0.1. Stability: provisional.
     """

@@ -9,6 +9,10 @@ A third-party plugin that cannot be used (its module fails to import, it
 registers a name another plugin already has, it implements a hook this version
 lacks, or one of its hooks raises) is recorded with its error and skipped: it
 becomes fatal only when the config selects something it would have provided.
+
+In the ``tokenmill`` command's process, ``load_plugins(cli=...)`` also lets each
+plugin add subcommands (``tokenmill_register_commands``); a plugin whose command
+hook raises, or adds a name that is taken, is skipped the same way.
 """
 
 from __future__ import annotations
@@ -28,11 +32,15 @@ from tokenmill import envs, hookspecs
 from tokenmill.errors import TokenmillError
 
 if TYPE_CHECKING:
+    import click
+
     from tokenmill.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "tokenmill"
+#: The key of ``PluginInfo.provides`` that lists the subcommands a plugin adds to ``tokenmill``.
+COMMANDS = "command"
 #: The distribution whose entry points are first-party: an allowlist never drops them.
 FIRST_PARTY_DISTRIBUTION = "tokenmill"
 
@@ -317,6 +325,7 @@ def load_plugins(
     allowlist: Iterable[str] | None = None,
     autoload: bool | None = None,
     extra_plugins: Iterable[tuple[str, object]] = (),
+    cli: click.Group | None = None,
 ) -> PluginSystem:
     """Load built-in and entry-point plugins and fill the registry.
 
@@ -326,6 +335,8 @@ def load_plugins(
     :param autoload: load entry-point plugins at all (defaults to not
         ``TOKENMILL_DISABLE_PLUGIN_AUTOLOAD``).
     :param extra_plugins: ``(name, plugin_object)`` pairs registered as well (tests).
+    :param cli: the ``tokenmill`` click group, in that command's process only: each plugin's
+        ``tokenmill_register_commands`` adds its subcommands to it (listed under ``provides["command"]``).
     """
     disabled = set(disabled)
     essential = disabled.intersection(ESSENTIAL_PLUGINS)
@@ -375,7 +386,7 @@ def load_plugins(
     for info in infos:
         registry.plugins[info.name] = info
         if info.error is None:
-            _register(pm, registry, info)
+            _register(pm, registry, info, cli)
     for info in infos:
         if info.error is None:
             info.hooks = sorted(caller.name for caller in pm.get_hookcallers(pm.get_plugin(info.name)) or [])
@@ -406,8 +417,9 @@ def _reject_unknown_hooks(pm: pluggy.PluginManager, infos: list[PluginInfo]) -> 
             _fail(pm, info, f"implements hook(s) that tokenmill {__version__} does not have: {', '.join(unknown)}")
 
 
-def _register(pm: pluggy.PluginManager, registry: Registry, info: PluginInfo) -> None:
-    """Run one plugin's registration hooks; commit its names only if all of them are valid and new."""
+def _register(pm: pluggy.PluginManager, registry: Registry, info: PluginInfo, cli: click.Group | None) -> None:
+    """Run one plugin's registration hooks (its command hook too, given ``cli``); commit its names only if all
+    of them are valid and new."""
     plugin = pm.get_plugin(info.name)
     collected: list[tuple[Slot, Registration]] = []
     try:
@@ -439,12 +451,46 @@ def _register(pm: pluggy.PluginManager, registry: Registry, info: PluginInfo) ->
             _fail(pm, info, f"registers {slot.value} {registration.name!r}, which {owner} already provides; "
                             "disable one of them with --disable-plugin")  # fmt: skip
             return
+    commands: list[str] = []
+    if cli is not None:
+        commands, error = _add_commands(pm, registry, plugin, cli)
+        if error is not None:
+            _fail(pm, info, error)
+            return
     for slot, registration in collected:
         registry.add(slot, registration)
         names = info.provides.setdefault(slot.value, [])
         if registration.name not in names:
             names.append(registration.name)
+    if commands:
+        info.provides[COMMANDS] = commands
     info.options_type = options_type
+
+
+def _add_commands(
+    pm: pluggy.PluginManager, registry: Registry, plugin: object, cli: click.Group
+) -> tuple[list[str], str | None]:
+    """Run one plugin's ``tokenmill_register_commands`` on ``cli``: the names it added, or the error that
+    made it add none (``cli`` is then as it was)."""
+    before = dict(cli.commands)
+    error = None
+    try:
+        for impl in pm.hook.tokenmill_register_commands.get_hookimpls():
+            if impl.plugin is plugin:
+                impl.function(**dict.fromkeys(impl.argnames, cli))
+    except Exception as exc:
+        error = f"tokenmill_register_commands raised {type(exc).__name__}: {exc}"
+    else:
+        taken = sorted(name for name, command in before.items() if cli.commands.get(name) is not command)
+        if taken:
+            owners = [info.label for info in registry.plugins.values() if taken[0] in info.provides.get(COMMANDS, [])]
+            owner = owners[0] if owners else "the tokenmill command"
+            error = f"adds command {taken[0]!r}, which {owner} already has; disable one of them with --disable-plugin"
+    if error is not None:
+        cli.commands.clear()
+        cli.commands.update(before)
+        return [], error
+    return sorted(set(cli.commands) - set(before)), None
 
 
 #: Slots only the API front end builds: an engine process does not need their plugins installed.

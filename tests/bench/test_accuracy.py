@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
-from tokenmill.bench.accuracy import Variant, format_accuracy
-from tokenmill.bench.metrics import build_report
+from tokenmill_plugins.commands.bench.accuracy import Variant, format_accuracy
+from tokenmill_plugins.commands.bench.metrics import build_report
 
 
 @pytest.mark.parametrize("name", ["float16", "fp8", "fp8_e4m3", "int8"])

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from tokenmill_plugins.commands.bench.cli import bench
 
 from tests.factories import save_hf_model
-from tokenmill.bench.cli import bench
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 

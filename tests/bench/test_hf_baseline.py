@@ -7,9 +7,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from tokenmill_plugins.commands.bench.hf_baseline import (
+    HFBaselineError,
+    HFModel,
+    check_transformers,
+    run_hf_generate,
+    run_hf_prefill,
+)
 
 from tests.factories import save_hf_model
-from tokenmill.bench.hf_baseline import HFBaselineError, HFModel, check_transformers, run_hf_generate, run_hf_prefill
 
 
 @pytest.fixture(scope="module")

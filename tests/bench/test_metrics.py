@@ -7,8 +7,7 @@ import math
 from pathlib import Path
 
 import pytest
-
-from tokenmill.bench.metrics import (
+from tokenmill_plugins.commands.bench.metrics import (
     RequestRecord,
     Stats,
     build_report,

@@ -8,8 +8,7 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
-
-from tokenmill.bench.cli import bench
+from tokenmill_plugins.commands.bench.cli import bench
 
 pytestmark = pytest.mark.slow
 

@@ -6,9 +6,7 @@ from typing import Any
 
 import pytest
 import torch
-
-from tests.factories import TINY_CONFIGS, make_hf_model
-from tokenmill.bench.roofline import (
+from tokenmill_plugins.commands.bench.roofline import (
     RooflineError,
     count_parameters,
     decode_roofline,
@@ -18,6 +16,8 @@ from tokenmill.bench.roofline import (
     resolve_peak_bandwidth_gbs,
     weight_bytes_per_step,
 )
+
+from tests.factories import TINY_CONFIGS, make_hf_model
 from tokenmill.models.architecture import ArchitectureConfig
 
 # hidden 64, intermediate 128, 2 layers, 4 heads of 16, 2 KV heads, vocab 512, untied.

@@ -8,10 +8,14 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-
-from tokenmill.bench.cli import bench
-from tokenmill.bench.routers import RouterBenchOptions, _comparisons, format_routers, shared_prefix_kv_blocks
-from tokenmill.bench.workload import MIN_TOKEN_ID, multi_tenant_prompts
+from tokenmill_plugins.commands.bench.cli import bench
+from tokenmill_plugins.commands.bench.routers import (
+    RouterBenchOptions,
+    _comparisons,
+    format_routers,
+    shared_prefix_kv_blocks,
+)
+from tokenmill_plugins.commands.bench.workload import MIN_TOKEN_ID, multi_tenant_prompts
 
 
 def test_multi_tenant_prompts_share_their_tenants_system_prompt_and_interleave() -> None:
@@ -69,8 +73,9 @@ def test_an_unknown_router_fails_before_any_server_starts() -> None:
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_prefix_aware_beats_round_robin_on_the_shared_prefix_workload(tmp_path: Path, smollm2_gguf: Path) -> None:
+    from tokenmill_plugins.commands.bench.routers import run_routers
+
     from tests.factories import save_hf_model
-    from tokenmill.bench.routers import run_routers
     from tokenmill.config import load_config
 
     save_hf_model("llama-tiny", tmp_path / "model", vocab_size=49152)

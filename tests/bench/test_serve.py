@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
+from tokenmill_plugins.commands.bench.cli import bench
+from tokenmill_plugins.commands.bench.serve import BenchmarkError, ServeOptions, run_serve
+from tokenmill_plugins.commands.bench.workload import MAX_TOKEN_ID, MIN_TOKEN_ID, arrival_times, sample_lengths
 
 from tests.bench.fake_server import CHUNK_DELAY, FIRST_CHUNK_DELAY, MODEL, TOKENS_PER_CHUNK, FakeServerState, serve_fake
-from tokenmill.bench.cli import bench
-from tokenmill.bench.serve import BenchmarkError, ServeOptions, run_serve
-from tokenmill.bench.workload import MAX_TOKEN_ID, MIN_TOKEN_ID, arrival_times, sample_lengths
 
 
 @pytest.fixture(scope="module")
@@ -130,8 +130,8 @@ def test_no_model_and_no_server_is_a_one_line_error() -> None:
 def test_serve_benchmark_never_imports_torch() -> None:
     code = (
         "import sys\n"
-        "from tokenmill.bench.cli import bench\n"
-        "from tokenmill.bench.serve import ServeOptions, run_serve\n"
+        "from tokenmill_plugins.commands.bench.cli import bench\n"
+        "from tokenmill_plugins.commands.bench.serve import ServeOptions, run_serve\n"
         "run_serve(ServeOptions(url='http://127.0.0.1:9', model='m', num_requests=1, input_len=4, output_len=2,"
         " show_progress=False))\n"
         "print('torch' in sys.modules)\n"

@@ -10,12 +10,19 @@ from pathlib import Path
 import msgspec
 import pytest
 from click.testing import CliRunner
+from tokenmill_plugins.commands.bench.cli import bench
+from tokenmill_plugins.commands.bench.process_rss import process_role
+from tokenmill_plugins.commands.bench.soak import (
+    Sample,
+    SoakError,
+    SoakOptions,
+    SoakWorkload,
+    _rss_table,
+    parse_metrics,
+)
+from tokenmill_plugins.commands.bench.svg_chart import Panel, line_chart_svg, nice_ticks
 
 from tests.factories import save_hf_model
-from tokenmill.bench.cli import bench
-from tokenmill.bench.process_rss import process_role
-from tokenmill.bench.soak import Sample, SoakError, SoakOptions, SoakWorkload, _rss_table, parse_metrics
-from tokenmill.bench.svg_chart import Panel, line_chart_svg, nice_ticks
 from tokenmill.server.protocol import ChatCompletionRequest, CompletionRequest
 
 

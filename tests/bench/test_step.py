@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from tokenmill_plugins.commands.bench.step import run_step
 
 from tests.factories import make_engine, save_hf_model
-from tokenmill.bench.step import run_step
 
 
 def test_step_times_a_decode_step_and_its_parts(tmp_path: Path) -> None:

@@ -11,13 +11,13 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
+from tokenmill_plugins.commands.bench.cli import bench
+from tokenmill_plugins.commands.bench.local_server import ServerStartError, start_local_server
+from tokenmill_plugins.commands.bench.roofline import kv_bytes_read, weight_bytes_per_step
+from tokenmill_plugins.commands.bench.suite import format_comparison
+from tokenmill_plugins.commands.bench.workload import shared_prefix_prompts
 
 from tests.factories import save_hf_model
-from tokenmill.bench.cli import bench
-from tokenmill.bench.local_server import ServerStartError, start_local_server
-from tokenmill.bench.roofline import kv_bytes_read, weight_bytes_per_step
-from tokenmill.bench.suite import format_comparison
-from tokenmill.bench.workload import shared_prefix_prompts
 from tokenmill.config import load_config
 from tokenmill.models.architecture import ArchitectureConfig
 
@@ -162,7 +162,7 @@ def test_a_sweep_warms_up_with_as_many_requests_at_once_as_its_largest_level(mon
     that to the first level's measured requests (an H100's first sweep: TTFT p95 715 ms at c=64, 259-278 after)."""
     import contextlib
 
-    from tokenmill.bench import suite
+    from tokenmill_plugins.commands.bench import suite
 
     loads: list[dict[str, Any]] = []
 

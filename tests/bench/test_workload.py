@@ -6,8 +6,7 @@ import math
 
 import numpy as np
 import pytest
-
-from tokenmill.bench.workload import (
+from tokenmill_plugins.commands.bench.workload import (
     MAX_TOKEN_ID,
     MIN_TOKEN_ID,
     arrival_times,

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from tokenmill_plugins.commands.eval.perplexity import PerplexityError, default_text, perplexity_windows, run_perplexity
 
 from tests.factories import save_tiny_model
 from tokenmill.cli import main
 from tokenmill.config import load_config
-from tokenmill.eval.perplexity import PerplexityError, default_text, perplexity_windows, run_perplexity
 
 _TEXT = "the quick brown fox jumps over the lazy dog while a small cat sleeps in the warm sun " * 6
 

@@ -48,7 +48,7 @@ def test_defaults_pick_the_gpu_paths(tiny_model: Path) -> None:
     from tokenmill.llm import LLM
 
     llm = LLM(str(tiny_model), kv_cache_memory="1GiB")
-    runner = llm.engine.runner
+    runner = llm.engine.executor.runner
     assert (runner.loaded.device.type, runner.loaded.dtype) == ("cuda", torch.bfloat16)
     assert runner.loaded.attention.name == "triton"
     assert runner.loaded.model.model.norm.layer_kernels.name == "triton"
@@ -57,7 +57,8 @@ def test_defaults_pick_the_gpu_paths(tiny_model: Path) -> None:
 
 @pytest.mark.parametrize("model", _models())
 def test_greedy_matches_transformers_up_to_a_near_tie(model: str, tiny_model: Path) -> None:
-    from tokenmill.bench.hf_baseline import HFModel
+    from tokenmill_plugins.commands.bench.hf_baseline import HFModel
+
     from tokenmill.llm import LLM
 
     path = tiny_model if model == "tiny" else Path(model)
@@ -102,7 +103,7 @@ def _judge_in_float32(path: Path, races: list, report: list[str]) -> None:
     """Where the bf16 margin is wider than ``near_tie``: the race must still be closer, in transformers' float32
     logits, than twice transformers' own bf16 error there (its largest over the float32 top 20 tokens). Then
     bf16 rounding alone, on either side, may decide it."""
-    from tokenmill.bench.hf_baseline import HFModel
+    from tokenmill_plugins.commands.bench.hf_baseline import HFModel
 
     exact = HFModel.load(path, device="cuda", dtype="float32").model
     for context, ours, theirs, bf16_logits, line in races:

@@ -37,7 +37,7 @@ def test_speculative_greedy_output_equals_plain_decoding(method: str, tiny_model
     """Verification steps (several rows per request, run eagerly) give exactly the tokens of plain decode steps
     (one row per request, replayed from CUDA graphs)."""
     plain_engine = _engine(tiny_model)
-    assert plain_engine.runner.cuda_graphs is not None or DEVICE == "cpu"
+    assert plain_engine.executor.runner.cuda_graphs is not None or DEVICE == "cpu"
     plain = run_to_completion(plain_engine, _requests(6))
     spec: dict[str, Any] = {"method": method, "num_speculative_tokens": 3, "draft_policy": "constant"}
     if method == "draft_model":
@@ -76,19 +76,19 @@ def test_async_scheduling_gives_the_tokens_of_synchronous_steps(cuda_graphs: boo
     requests = workload(stop_token=greedy_token(sync, 5))
     tokens, logprobs, finished = run_workload(sync, requests)
     engine = _engine(tiny_model, scheduler={**scheduler, "async_scheduling": True}, **sections)
-    assert engine.async_scheduling
-    assert (engine.runner.cuda_graphs is not None) == (cuda_graphs and DEVICE == "cuda")
+    assert engine.loop.runs_ahead
+    assert (engine.executor.runner.cuda_graphs is not None) == (cuda_graphs and DEVICE == "cuda")
     async_tokens, async_logprobs, async_finished = run_workload(engine, requests)
     assert (async_tokens, async_finished) == (tokens, finished)
     assert async_logprobs.keys() == logprobs.keys()
     for request_id, values in logprobs.items():
         assert async_logprobs[request_id] == pytest.approx(values, abs=1e-3), request_id
-    assert engine.num_steps_run_ahead > 10
+    assert engine.loop.num_steps_run_ahead > 10
 
 
 def test_bench_step_times_a_gpu_decode_step_and_its_parts(tiny_model: Path) -> None:
     """``bench step`` on the GPU: inputs in the model's device and dtype (bf16), every timed call synchronized."""
-    from tokenmill.bench.step import run_step
+    from tokenmill_plugins.commands.bench.step import run_step
 
     engine = make_engine(tiny_model, device={"device": DEVICE})
     report = run_step(engine, batch_size=4, context_len=32, num_steps=5, seed=0)

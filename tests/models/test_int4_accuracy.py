@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tokenmill_plugins.commands.bench.accuracy import Variant, run_accuracy
 
-from tokenmill.bench.accuracy import Variant, run_accuracy
 from tokenmill.config import load_config
 
 MAX_ERROR_NATS = 0.25

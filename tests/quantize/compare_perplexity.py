@@ -16,9 +16,8 @@ from pathlib import Path
 
 def perplexity(model_dir: Path, text: str, context_length: int, stride: int) -> tuple[float, int]:
     import torch
+    from tokenmill_plugins.commands.eval.perplexity import perplexity_windows
     from transformers import AutoModelForCausalLM, AutoTokenizer, CompressedTensorsConfig
-
-    from tokenmill.eval.perplexity import perplexity_windows
 
     quantized = (model_dir / "config.json").read_text().count("compressed-tensors") > 0
     kwargs = {"quantization_config": CompressedTensorsConfig(run_compressed=False)} if quantized else {}
@@ -41,7 +40,7 @@ def main() -> None:
     parser.add_argument("--context-length", type=int, default=512)
     parser.add_argument("--text", type=Path)
     args = parser.parse_args()
-    from tokenmill.eval.perplexity import default_text
+    from tokenmill_plugins.commands.eval.perplexity import default_text
 
     text = args.text.read_text() if args.text else default_text()
     results = {}

@@ -7,8 +7,8 @@ older transformers)::
         --scheme W4A16 [--group-size 128] [--calibration FILE] [--num-samples 64] [--seq-len 512]
 
 The calibration samples are built exactly as ``tokenmill quantize`` builds them (the text tokenized once,
-cut into consecutive windows of ``--seq-len`` tokens; ``tokenmill.quantize.calibration``, read from this
-checkout without importing tokenmill), so both tools see the same tokens. ``--scheme`` is a
+cut into consecutive windows of ``--seq-len`` tokens; ``tokenmill_plugins.commands.quantize.calibration``, read
+from this checkout without importing tokenmill), so both tools see the same tokens. ``--scheme`` is a
 compressed-tensors preset (W4A16, W4A16_ASYM, FP8_DYNAMIC, W8A8); W4A16 and W8A8 run GPTQModifier, the
 others QuantizationModifier (round to nearest), and ``--awq`` runs AWQModifier before W4A16_ASYM.
 """
@@ -18,11 +18,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-_DEFAULT_TEXT = Path(__file__).resolve().parents[2] / "core/tokenmill/quantize/data/calibration.txt"
+_DEFAULT_TEXT = Path(__file__).resolve().parents[2] / "plugins/tokenmill_plugins/commands/quantize/data/calibration.txt"
 
 
 def calibration_windows(tokenizer_dir: Path, text_file: Path, num_samples: int, seq_len: int) -> list[list[int]]:
-    """Mirror of ``tokenmill.quantize.calibration.calibration_samples``: consecutive windows of the
+    """Mirror of ``tokenmill_plugins.commands.quantize.calibration.calibration_samples``: consecutive windows of the
     tokenized text (no special tokens), at most ``num_samples`` of them."""
     from tokenizers import Tokenizer
 

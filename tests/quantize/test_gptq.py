@@ -4,11 +4,17 @@ nearest on correlated inputs (where error compensation must pay off)."""
 from __future__ import annotations
 
 import pytest
+import tokenmill_plugins.commands.quantize.gptq as gptq_module
 import torch
-
-import tokenmill.quantize.gptq as gptq_module
-from tokenmill.quantize.gptq import HessianAccumulator, gptq_quantize
-from tokenmill.quantize.schemes import QuantScheme, dequantize, make_scheme, quantize, quantize_rtn, weight_qparams
+from tokenmill_plugins.commands.quantize.gptq import HessianAccumulator, gptq_quantize
+from tokenmill_plugins.commands.quantize.schemes import (
+    QuantScheme,
+    dequantize,
+    make_scheme,
+    quantize,
+    quantize_rtn,
+    weight_qparams,
+)
 
 
 def _correlated_inputs(num_tokens: int = 2048, dim: int = 64, seed: int = 0) -> torch.Tensor:

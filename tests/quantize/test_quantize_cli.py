@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from tokenmill_plugins.commands.quantize.schemes import make_scheme
 
 from tests.factories import save_tiny_model
 from tokenmill.cli import main
-from tokenmill.quantize.schemes import make_scheme
 
 pytest.importorskip("compressed_tensors")
 
@@ -87,9 +87,9 @@ def test_gptq_is_closer_than_round_to_nearest(tiny_model: Path, tmp_path: Path) 
     """On the calibration text itself GPTQ's output error is below round to nearest with the same scales
     (llm-compressor's W4A16 stored by QuantizationModifier would be the latter)."""
     import torch
+    from tokenmill_plugins.commands.quantize.calibration import calibration_samples, default_calibration_text
     from transformers import AutoModelForCausalLM
 
-    from tokenmill.quantize.calibration import calibration_samples, default_calibration_text
     from tokenmill.tokenizer import Tokenizer
 
     errors = {}

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from tokenmill.quantize.packing import pack_int32, unpack_int32
-from tokenmill.quantize.schemes import QuantizeError, make_scheme, quantize_rtn, weight_qparams
+from tokenmill_plugins.commands.quantize.schemes import QuantizeError, make_scheme, quantize_rtn, weight_qparams
+from tokenmill_plugins.quant.packing import pack_int32, unpack_int32
 
 ct = pytest.importorskip("compressed_tensors")
 from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32  # noqa: E402
@@ -65,8 +64,7 @@ def test_pack_quantized_decompresses_with_compressed_tensors(method: str) -> Non
     """What we write for a linear decompresses, through compressed-tensors' own compressor, to exactly the
     weight our codes stand for."""
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
-
-    from tokenmill.quantize.writer import quantized_tensors
+    from tokenmill_plugins.commands.quantize.writer import quantized_tensors
 
     scheme = make_scheme(method, group_size=32)
     weight = _weight(rows=24)

@@ -1,7 +1,7 @@
 """Clients that drop their requests at random points: no errors, every KV block back on the free list,
 and the same greedy output afterwards (issue 18: "Keep it that way").
 
-The requests are the soak's (``tokenmill.bench.soak``), every one of them planned as an abort: a stream
+The requests are the soak's (``tokenmill_plugins.commands.bench.soak``), every one of them planned as an abort: a stream
 dropped after a random number of content chunks (0: as soon as the headers arrive), a plain request after
 a random part of the mean latency, so some are dropped while queued, some in prefill, some mid-decode,
 and some finish first.
@@ -17,9 +17,9 @@ from typing import Any
 
 import httpx
 import pytest
+from tokenmill_plugins.commands.bench.soak import SoakOptions, SoakWorkload, Tally, parse_metrics, send_soak_request
 
 from tests.server.conftest import Server, start_tiny_server
-from tokenmill.bench.soak import SoakOptions, SoakWorkload, Tally, parse_metrics, send_soak_request
 
 pytestmark = pytest.mark.multiproc
 

@@ -18,6 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from tokenmill_plugins.speculators.medusa import MedusaSpeculator, _FloatResBlocks, _QuantizedResBlocks
+from tokenmill_plugins.speculators.medusa_heads import apply_resblocks
 from torch import nn
 
 from tokenmill.config import ConfigError, EngineConfig, load_config
@@ -25,7 +26,6 @@ from tokenmill.model_loader import LoadedModel, load_model
 from tokenmill.plugin_manager import Slot, resolve_plugins
 from tokenmill.speculator import Proposal, SpeculationInput, SpeculatorContext
 from tokenmill.testing import check_speculator, make_engine, run_to_completion, save_tiny_model
-from tokenmill.train.medusa_heads import apply_resblocks
 from tokenmill.weights.format import WeightsError
 
 HIDDEN = 64  # the tiny models' hidden size

@@ -13,7 +13,9 @@ import pytest
 import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file
+from tokenmill_plugins.commands.train.medusa import MedusaTrainingOptions, read_prompts, train_medusa
 from tokenmill_plugins.speculators.medusa import MedusaSpeculator
+from tokenmill_plugins.speculators.medusa_heads import write_medusa_heads
 
 from tokenmill.cli import main
 from tokenmill.config import load_config
@@ -23,8 +25,6 @@ from tokenmill.model_loader import load_model
 from tokenmill.plugin_manager import resolve_plugins
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.speculator import SpeculatorContext
-from tokenmill.train.medusa import MedusaTrainingOptions, read_prompts, train_medusa
-from tokenmill.train.medusa_heads import write_medusa_heads
 
 MAX_NEW_TOKENS = 24
 
@@ -179,7 +179,7 @@ def test_bad_input_is_a_one_line_error(tmp_path: Path, prompts_file: Path) -> No
 
 def test_flag_defaults_are_the_options_defaults() -> None:
     """The command's defaults are written out (so `--help` needs no torch); they must be the library's."""
-    from tokenmill.train.cli import medusa
+    from tokenmill_plugins.commands.train.cli import medusa
 
     defaults = {param.name: param.default for param in medusa.params}
     names = (
@@ -204,9 +204,8 @@ def test_flag_defaults_are_the_options_defaults() -> None:
 def test_labels_are_the_models_greedy_choices(tiny_model_dir: Path, one_thread: None) -> None:
     """Head i at position p learns transformers' argmax at p + 1 + i over the same (here random, as if sampled)
     answer: an offset off by one, or the answer's own tokens, would differ on almost every position."""
+    from tokenmill_plugins.commands.train.medusa import _IGNORE, _hidden_states
     from transformers import AutoModelForCausalLM
-
-    from tokenmill.train.medusa import _IGNORE, _hidden_states
 
     config = load_config(overrides={"model": {"model": str(tiny_model_dir)}, "device": {"device": "cpu"}})
     loaded = load_model(config)
@@ -228,7 +227,7 @@ def test_labels_are_the_models_greedy_choices(tiny_model_dir: Path, one_thread: 
 
 def test_held_out_prompts_are_out_of_training_with_all_their_answers() -> None:
     """Answer j answers prompt j % 4 (a greedy answer, then 2 sampled rounds); 3 rows per answer."""
-    from tokenmill.train.medusa import _split
+    from tokenmill_plugins.commands.train.medusa import _split
 
     sequence_of_row = torch.arange(12).repeat_interleave(3)  # 12 answers = 4 prompts x 3
     train_rows, held_out_rows = _split(sequence_of_row, 4, MedusaTrainingOptions(held_out=0.25))
@@ -240,7 +239,7 @@ def test_held_out_prompts_are_out_of_training_with_all_their_answers() -> None:
 
 
 def test_draft_vocabulary_is_the_most_frequent_labels_and_its_held_out_coverage() -> None:
-    from tokenmill.train.medusa import _IGNORE, _draft_vocab
+    from tokenmill_plugins.commands.train.medusa import _IGNORE, _draft_vocab
 
     train = torch.tensor([[5, 5], [5, 7], [9, _IGNORE], [7, 5], [2, _IGNORE]])  # 5 x4, 7 x2, 9 and 2 once
     held_out = torch.tensor([5, 9, 3, _IGNORE])
@@ -252,7 +251,14 @@ def test_draft_vocabulary_is_the_most_frequent_labels_and_its_held_out_coverage(
 def test_heads_learn_and_are_measured_over_the_draft_vocabulary() -> None:
     """With a draft vocabulary the heads score its tokens only, as the speculator serves them: targets become
     positions in it, a token it lacks is never learnt and always counts as a miss."""
-    from tokenmill.train.medusa import _IGNORE, _OUTSIDE, _evaluate, _Heads, _in_draft_vocab, _Projection
+    from tokenmill_plugins.commands.train.medusa import (
+        _IGNORE,
+        _OUTSIDE,
+        _evaluate,
+        _Heads,
+        _in_draft_vocab,
+        _Projection,
+    )
 
     targets = torch.tensor([[7, 3], [4, _IGNORE], [9, 9]])
     assert _in_draft_vocab(targets, [7, 9, 4], 10).tolist() == [[0, _OUTSIDE], [2, _IGNORE], [1, 1]]

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from tokenmill.quantize import packing
+from tokenmill_plugins.quant import packing
 
 
 @dataclass(frozen=True)
@@ -123,7 +123,7 @@ def _merged_input_scale(scales: Sequence[Tensor | None]) -> Tensor | None:
 def unpack_int32(packed: Tensor, bits: int, dim: int, count: int) -> Tensor:
     """Codes packed ``32 // bits`` to an int32 along ``dim``, lowest bits first (GPTQ, AWQ before reordering,
     compressed-tensors): uint8 with ``count`` elements along ``dim``. The bit layout is the quantize writer's
-    (:mod:`tokenmill.quantize.packing`), whose signed codes are these minus ``2**(bits - 1)``."""
+    (:mod:`tokenmill_plugins.quant.packing`), whose signed codes are these minus ``2**(bits - 1)``."""
     available = packed.shape[dim] * (32 // bits)
     if available < count:
         raise ValueError(f"holds {available} codes along dimension {dim}, expected {count}")

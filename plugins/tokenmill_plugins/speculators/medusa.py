@@ -1,8 +1,8 @@
 """The ``medusa`` speculator: Medusa heads on the target's last hidden state draft a chain of tokens.
 
 Each head ``i`` reads the target's final hidden state at the position whose logits gave the request's
-last token and predicts the token ``i + 1`` positions after it (``tokenmill.train.medusa_heads`` has the
-heads' math and their checkpoint format, FasterDecoding's). Drafts are deterministic (no ``draft_probs``),
+last token and predicts the token ``i + 1`` positions after it (``medusa_heads`` beside this module has
+the heads' math and their checkpoint format, FasterDecoding's). Drafts are deterministic (no ``draft_probs``),
 which is exact for sampled requests too. They come in one of two shapes:
 
 - a **tree** (Medusa's tree attention, ``tokenmill.draft_tree``): several candidates per head, verified
@@ -31,12 +31,11 @@ on [num_heads * rows, hidden], through the quantized lm_head's kernel on a quant
 SmolLM2-135M Q4_1, 2 CPU cores, 3 heads (best of 100): 1 request 0.9 ms, against 38 ms for three float32
 projections of their own; 8 requests 15 ms against 68 ms.
 
-A stored projection counts as the target's when its values equal the target checkpoint's output
-projection (the tied embedding or lm_head, dequantized from GGUF;
-``tokenmill.train.medusa_heads.output_projection``) once both are rounded to the coarser of their two
-dtypes; this is checked once, at construction. Such heads then use the target's lm_head as it runs,
-quantized or not: the same approximation as the target's own logits, which verify the drafts anyway.
-Other heads multiply by their own weights, kept on the target's device in its dtype.
+A stored projection counts as the target's when its values equal the target checkpoint's output projection
+(the tied embedding or lm_head, dequantized from GGUF; ``medusa_heads.output_projection``) once both are
+rounded to the coarser of their two dtypes; this is checked once, at construction. Such heads then use the
+target's lm_head as it runs, quantized or not: the same approximation as the target's own logits, which verify
+the drafts anyway. Other heads multiply by their own weights, kept on the target's device in its dtype.
 
 A draft vocabulary (``draft_vocab`` in config.json, which ``tokenmill train medusa`` writes; after FR-Spec, Zhao
 et al. 2025) cuts that cost further: the heads score only its tokens, the ones they learnt to predict most often,
@@ -67,7 +66,8 @@ from tokenmill.layers.quantizer import Quantizer
 from tokenmill.model_loader import LoadedModel, select_quantizer
 from tokenmill.plugin_manager import PluginError, Slot
 from tokenmill.speculator import Proposal, SpeculationInput, Speculator, SpeculatorContext
-from tokenmill.train.medusa_heads import (
+from tokenmill.weights.format import WeightsError
+from tokenmill_plugins.speculators.medusa_heads import (
     DRAFT_VOCAB,
     MEDUSA_CHOICES,
     apply_resblocks,
@@ -75,7 +75,6 @@ from tokenmill.train.medusa_heads import (
     read_medusa_config,
     read_medusa_heads,
 )
-from tokenmill.weights.format import WeightsError
 
 __all__ = ["MedusaSpeculator"]
 

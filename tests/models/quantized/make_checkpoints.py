@@ -133,10 +133,10 @@ def make_default_with_llmcompressor(work: Path, only: list[str]) -> None:
     from datasets import Dataset
     from llmcompressor.modifiers.awq import AWQModifier
     from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
+    from tokenmill_plugins.commands.quantize.calibration import default_calibration_text
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tokenmill.model_files import resolve_model
-    from tokenmill.quantize.calibration import default_calibration_text
 
     if not torch.cuda.is_available():
         torch.Tensor.pin_memory = lambda self, *args, **kwargs: self  # type: ignore[method-assign]

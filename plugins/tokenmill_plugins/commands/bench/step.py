@@ -1,0 +1,152 @@
+"""``bench step``: where one engine step's time goes, at a given batch size and context length.
+
+A decode step is timed end to end through ``EngineCore.step`` (scheduling, batch building,
+forward, logits, sampling, output bookkeeping). Then its parts are timed alone on the same
+model with the same shapes: every linear layer of one forward (the output projection
+included) and every layer's attention (cache write plus paged attention) over the model
+runner's batch layout of the next decode step. What the parts do not account for is the
+rest of the step: norms, rope, activations, residual adds, Python and the sampler.
+
+Timing the parts separately, rather than through a profiler, keeps the numbers honest for
+C++ kernels that a profiler does not see and costs nothing in the engine's hot path. Only
+public API is used: the engine's ``add_request``/``step``/``abort_requests`` and its model
+runner's ``prepare_batch``, model and KV cache tensors.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from tokenmill_plugins.commands.bench.metrics import build_report
+from tokenmill_plugins.commands.bench.workload import random_token_ids
+
+if TYPE_CHECKING:
+    from tokenmill.engine import EngineCore
+    from tokenmill.model_runner import ModelRunner, SequenceChunk
+
+
+@dataclass(frozen=True)
+class StepBreakdown:
+    batch_size: int
+    context_len: int  # tokens in each request's cache during the timed steps (about)
+    step_ms: float  # one decode step through EngineCore.step, median
+    linear_ms: float  # every linear of one forward, lm_head included
+    attention_ms: float  # every layer's K/V write and attention
+    other_ms: float  # step - linear - attention: norms, rope, activations, Python, sampling
+    output_throughput: float  # batch_size / step time
+
+
+def run_step(engine: EngineCore, *, batch_size: int, context_len: int, num_steps: int, seed: int) -> dict[str, Any]:
+    """Fill ``batch_size`` requests to ``context_len`` tokens, then time decode steps and their parts."""
+    import torch
+
+    from tokenmill.parallel import TensorParallelError
+
+    if engine.shards is not None:  # the parts run one process's layers alone, which a sharded model cannot
+        raise TensorParallelError("bench step times the layers of one process; run it with tensor_parallel_size = 1")
+
+    from tokenmill.engine import now
+    from tokenmill.layers.linear import Linear
+    from tokenmill.messages import EngineCoreRequest
+    from tokenmill.sampling_params import SamplingParams
+
+    prompts = random_token_ids([context_len] * batch_size, seed=seed, vocab_size=engine.vocab_size)
+    params = SamplingParams(temperature=0, max_tokens=num_steps * 3 + 8, ignore_eos=True)
+    request_ids = [f"step-{i}" for i in range(batch_size)]
+    for request_id, prompt in zip(request_ids, prompts, strict=True):
+        engine.add_request(EngineCoreRequest(request_id, prompt, params, [], now()))
+    prefilling = set(request_ids)
+    while prefilling and engine.has_unfinished_requests():  # the step that ends a prompt samples its first token
+        prefilling -= {output.request_id for output in engine.step() if output.new_token_ids}
+    for _ in range(2):
+        engine.step()  # warm-up decode steps
+    device, dtype = engine.runner.loaded.device, engine.runner.loaded.dtype
+    # On a GPU the host returns before the kernels finish: every timed call ends in a synchronize.
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    step_ms = _median_ms(engine.step, num_steps, sync)
+    # The parts below write K/V wherever their batch says: free the requests' blocks first.
+    engine.abort_requests(request_ids)
+
+    # The parts, over the same shapes as the steps just timed.
+    runner = engine.runner
+    model = runner.loaded.model
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    inputs = {id(m): torch.randn(batch_size, m.in_features, device=device, dtype=dtype) for m in linears}
+
+    hidden = torch.randn(batch_size, runner.loaded.arch.hidden_size, device=device, dtype=dtype)  # [batch, hidden]
+    tied_dense_head = getattr(model, "lm_head", None) is None
+
+    def all_linears() -> None:
+        for layer in linears:
+            layer(inputs[id(layer)])
+        if tied_dense_head:  # the output projection reads the embedding: not a Linear
+            model.compute_logits(hidden)
+
+    # The next decode step of the timed ones: each request has context_len + 2 + num_steps tokens cached.
+    _, metadata = runner.prepare_batch(_decode_chunks(batch_size, context_len + 2 + num_steps, runner))
+    backend = runner.loaded.attention
+    specs = model.attention_specs()
+    spec = specs[0]
+    num_tokens = metadata.num_tokens
+    query = torch.randn(num_tokens, spec.num_heads, spec.head_dim, device=device, dtype=dtype)  # [tokens, heads, dim]
+    key = torch.randn(num_tokens, spec.num_kv_heads, spec.head_dim, device=device, dtype=dtype)  # [tokens, kv, dim]
+    value = torch.randn(num_tokens, spec.num_kv_heads, spec.head_dim, device=device, dtype=dtype)
+
+    def all_attention() -> None:
+        for layer_spec, kv_cache in zip(specs, runner.kv_caches, strict=True):
+            backend.forward(layer_spec, query, key, value, kv_cache, metadata)
+
+    with torch.inference_mode():
+        linear_ms = _median_ms(all_linears, num_steps, sync)
+        attention_ms = _median_ms(all_attention, num_steps, sync)
+    summary = StepBreakdown(
+        batch_size=batch_size,
+        context_len=context_len,
+        step_ms=step_ms,
+        linear_ms=linear_ms,
+        attention_ms=attention_ms,
+        other_ms=step_ms - linear_ms - attention_ms,
+        output_throughput=batch_size / (step_ms / 1000),
+    )
+    parameters = {
+        "batch_size": batch_size,
+        "context_len": context_len,
+        "num_steps": num_steps,
+        "seed": seed,
+        "quantization": next(iter(linears)).quantizer.name if linears else None,
+        "attention_backend": backend.name,
+        "num_threads": torch.get_num_threads(),
+    }
+    return build_report("step", parameters, summary)
+
+
+def _decode_chunks(batch_size: int, num_computed_tokens: int, runner: ModelRunner) -> list[SequenceChunk]:
+    """A decode step of ``batch_size`` requests with ``num_computed_tokens`` cached each: one new token
+    apiece, each request's blocks consecutive (as a fresh cache hands them out), wrapping around the
+    cache if it holds fewer."""
+    from tokenmill.model_runner import SequenceChunk
+
+    blocks_per_request = -(-(num_computed_tokens + 1) // runner.block_size)
+    return [
+        SequenceChunk(
+            [0],
+            num_computed_tokens,
+            [(i * blocks_per_request + j) % runner.num_blocks for j in range(blocks_per_request)],
+        )
+        for i in range(batch_size)
+    ]
+
+
+def _median_ms(function: Callable[[], Any], repeats: int, sync: Callable[[], Any]) -> float:
+    times = []
+    for _ in range(repeats):
+        sync()
+        started = time.perf_counter()
+        function()
+        sync()
+        times.append((time.perf_counter() - started) * 1000)
+    times.sort()
+    return times[len(times) // 2]
