@@ -69,9 +69,9 @@ class Request:
     enqueued_at: float = 0.0  # engine clock (time.monotonic), when add_request queued it
     queue_time: float | None = None  # seconds from enqueued_at to its first scheduled step
     #: Draft tokens the speculator proposed after the last step, verified in the next one (speculative
-    #: decoding); set by the engine, trimmed or cleared by the scheduler.
+    #: decoding); the scheduler's own: set by ``Scheduler.update_draft_token_ids``, trimmed or cleared by it.
     spec_token_ids: list[int] = field(default_factory=list)
-    #: When those drafts form a tree (``tokenmill.draft_tree``): each one's parent; None for a chain.
+    #: When those drafts form a tree (``tokenmill.speculative.draft_tree``): each one's parent; None for a chain.
     spec_parents: list[int] | None = None
     #: Plugins and engine-side helpers keep per-request state here, never as new attributes.
     stash: dict[Any, Any] = field(default_factory=dict)

@@ -2,14 +2,15 @@
 
 One engine step is three calls (docs/engine.md)::
 
-    scheduler_output = scheduler.schedule()                      # batch, blocks, n > 1 forks
-    runner_output = <model runner + sampler>(scheduler_output)   # tokens per request, no state changes
+    scheduler_output = scheduler.schedule()                       # batch, blocks, n > 1 forks
+    runner_output = executor.execute(scheduler_output)            # tokens per request, no state changes
     outputs = scheduler.update_from_output(scheduler_output, runner_output)
 
 Everything that changes a request after a step happens in ``update_from_output``:
-appending tokens, token-level stop checks, finishing, freeing blocks and
-publishing full blocks to the prefix cache. The engine loop itself only moves
-messages and calls these in order.
+appending tokens, rolling back rejected drafts (the executor says which it accepted), token-level stop
+checks, finishing, freeing blocks and publishing full blocks to the prefix cache. Drafts for the next step
+arrive through one call, ``update_draft_token_ids``. The engine loop itself only moves messages and calls
+these in order.
 
 Built-in policies (``scheduler.policy``), both token-budget schedulers with
 continuous batching, chunked prefill and preemption (see docs/engine.md):
@@ -31,15 +32,18 @@ import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from tokenmill.draft_tree import accepted_nodes, num_in_place
 from tokenmill.hookspecs import Register, hookimpl
 from tokenmill.kv_cache.manager import KVCacheManager, KVTransfers
 from tokenmill.messages import EngineCoreOutput, EngineStatsMessage, TokenLogprobs, completion_request_id
 from tokenmill.request import PLACEHOLDER_TOKEN_ID as PLACEHOLDER
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import InvalidRequestError
+from tokenmill.speculative.draft_tree import num_in_place
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +62,7 @@ class ScheduledRequest:
     #: Draft tokens verified this step (speculative decoding): the last ``len(draft_token_ids)`` of the
     #: ``num_new_tokens``, after the request's last token. The runner returns the accepted ones plus one.
     draft_token_ids: tuple[int, ...] = ()
-    #: When the drafts form a tree (``tokenmill.draft_tree``): each one's parent; None for a chain.
+    #: When the drafts form a tree (``tokenmill.speculative.draft_tree``): each one's parent; None for a chain.
     draft_parents: tuple[int, ...] | None = None
 
 
@@ -99,12 +103,27 @@ class ModelRunnerOutput:
     #: Tokens each sampling request gets, in order: one per step, or when verifying drafts the accepted
     #: drafts followed by the target's own next token (up to k+1).
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    #: For each request that verified drafts: the indices of the drafts it accepted, in order (of a chain
+    #: ``0..m-1``; of a tree, the accepted path). Missing: none accepted.
+    accepted_drafts: dict[str, list[int]] = field(default_factory=dict)
     #: The logprobs of those tokens, for requests that asked for logprobs.
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     #: Requests a plugin failed on this step (a logits processor raised): id -> error. They are finished.
     errors: dict[str, str] = field(default_factory=dict)
     #: With ``params.prompt_logprobs``: the prompt tokens whose positions this step computed, in order.
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    #: For a speculator that reads them: the final hidden state [hidden_size] of the row that gave each
+    #: request's last token. The scheduler ignores them.
+    hidden_states: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class DraftTokens:
+    """One request's drafts for its next step (``Scheduler.update_draft_token_ids``)."""
+
+    token_ids: list[int]
+    #: When they form a tree (``tokenmill.speculative.draft_tree``): each one's parent; None for a chain.
+    parents: list[int] | None = None
 
 
 @dataclass
@@ -185,6 +204,12 @@ class Scheduler(ABC):
         before) are left alone. Called at most once per output, after the step before was updated."""
         raise NotImplementedError(f"scheduler {self.name!r} does not support async scheduling")
 
+    def update_draft_token_ids(self, drafts: dict[str, DraftTokens]) -> None:
+        """Drafts to verify with each named request in its next step (speculative decoding), from the proposer,
+        once per step after ``update_from_output``; ids of requests that finished are ignored. The scheduler
+        may verify only the first drafts of each (the budget, the KV cache). A scheduler that keeps this
+        default ignores drafts: its engine decodes without them."""
+
     @abstractmethod
     def has_unfinished_requests(self) -> bool:
         """Whether any request is waiting or running. Called every loop iteration."""
@@ -259,6 +284,7 @@ class FCFSScheduler(Scheduler):
             spec_decode_num_accepted_tokens=self.spec_decoding.num_accepted_tokens,
             spec_decode_num_accepted_tokens_per_pos=list(self.spec_decoding.num_accepted_tokens_per_pos),
             num_outstanding_tokens=self.num_outstanding_tokens(),
+            num_free_kv_blocks=self.kv_cache.num_free_blocks,
         )
 
     def num_outstanding_tokens(self) -> int:
@@ -450,7 +476,7 @@ class FCFSScheduler(Scheduler):
             if scheduled.draft_token_ids:
                 nodes = self._accepted_drafts(scheduled, runner_output)
                 # Rejected drafts' KV is void, and so is that of accepted tree nodes written in another branch's
-                # slot: those tokens are recomputed next step (tokenmill.draft_tree.num_in_place).
+                # slot: those tokens are recomputed next step (tokenmill.speculative.draft_tree.num_in_place).
                 num_kept = len(nodes) if scheduled.draft_parents is None else num_in_place(nodes)
                 num_computed -= len(scheduled.draft_token_ids) - num_kept
                 token_ids = [*token_ids, *(scheduled.draft_token_ids[node] for node in nodes[:num_kept])]
@@ -482,16 +508,18 @@ class FCFSScheduler(Scheduler):
         return outputs
 
     def _accepted_drafts(self, scheduled: ScheduledRequest, runner_output: ModelRunnerOutput) -> list[int]:
-        """The indices of the step's drafts the target accepted, in order (the runner returns their tokens plus
-        one of its own; of a tree, the accepted path); counted into the speculative-decoding stats."""
-        drafts = scheduled.draft_token_ids
-        sampled = runner_output.sampled_token_ids.get(scheduled.request.request_id)
-        num_accepted = min(len(drafts), len(sampled) - 1) if sampled else 0
-        self.spec_decoding.observe(len(drafts), num_accepted)
-        if scheduled.draft_parents is None:
-            return list(range(num_accepted))
-        assert sampled is not None or num_accepted == 0
-        return accepted_nodes(scheduled.draft_parents, drafts, sampled[:num_accepted] if sampled else [])
+        """The indices of the step's drafts the target accepted, as the executor reports them; counted into the
+        speculative-decoding stats."""
+        nodes = runner_output.accepted_drafts.get(scheduled.request.request_id, [])
+        self.spec_decoding.observe(len(scheduled.draft_token_ids), len(nodes))
+        return nodes
+
+    def update_draft_token_ids(self, drafts: dict[str, DraftTokens]) -> None:
+        for request_id, draft in drafts.items():
+            request = self.requests.get(request_id)
+            if request is not None and request.status == RequestStatus.RUNNING and draft.token_ids:
+                request.spec_token_ids = list(draft.token_ids)
+                request.spec_parents = list(draft.parents) if draft.parents is not None else None
 
     def _append(
         self, request: Request, token_ids: list[int], logprobs: list[TokenLogprobs] | None, resolve: bool = False

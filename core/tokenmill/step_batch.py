@@ -26,7 +26,7 @@ import torch
 
 from tokenmill.attention.backend import AttentionMetadata, DraftTreeMask
 from tokenmill.device_copy import to_device
-from tokenmill.draft_tree import depths, is_chain, path
+from tokenmill.speculative.draft_tree import depths, is_chain, path
 
 __all__ = ["PaddedDecodeBatch", "SequenceChunk", "build_batch", "pad_decode_batch"]
 
@@ -39,7 +39,7 @@ class SequenceChunk:
     num_computed_tokens: int  # tokens of this request already in the cache
     block_ids: list[int]  # the request's block table; must cover every token after this step
     #: When the last ``len(draft_parents)`` tokens are drafts forming a tree rather than a chain: each one's
-    #: parent among them (-1: the token before them), as ``tokenmill.draft_tree`` defines it.
+    #: parent among them (-1: the token before them), as ``tokenmill.speculative.draft_tree`` defines it.
     draft_parents: tuple[int, ...] | None = None
 
 

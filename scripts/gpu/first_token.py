@@ -18,6 +18,7 @@ import time
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine import now
 from tokenmill.messages import EngineCoreRequest
+from tokenmill.step_loop import SyncLoop
 
 
 def main() -> None:
@@ -30,8 +31,9 @@ def main() -> None:
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     llm = LLM(args.model, kv_cache_memory="4GiB", async_scheduling=True)
     engine = llm.engine
+    loops = {True: engine.loop, False: SyncLoop(engine.scheduler, engine.executor)}
     for mode in (False, True, False, True):  # alternating, one engine: switched between requests, with none running
-        engine.async_scheduling = mode
+        engine.loop = loops[mode]
         first_ms: list[float] = []
         calls: list[list[float]] = []
         for index in range(args.requests + 1):  # the first one warms up

@@ -91,13 +91,13 @@ def test_steps_ahead_give_the_tokens_of_synchronous_steps(tiny_dir: Path, num_kv
     sync = make_engine(tiny_dir, scheduler={"async_scheduling": False, "max_num_seqs": 4}, cache=cache)
     requests = workload(stop_token=greedy_token(sync, 5))
     expected = run_workload(sync, requests)
-    assert sync.num_steps_run_ahead == 0
+    assert sync.loop.num_steps_run_ahead == 0
     assert (sync.scheduler.num_preemptions > 0) == (num_kv_blocks == 22)
 
     engine = make_engine(tiny_dir, scheduler={"async_scheduling": True, "max_num_seqs": 4}, cache=cache)
-    assert engine.async_scheduling
+    assert engine.loop.runs_ahead
     assert run_workload(engine, requests) == expected
-    assert engine.num_steps_run_ahead > 10
+    assert engine.loop.num_steps_run_ahead > 10
     _, _, finished = expected
     assert finished["r3"] == "stop"  # with a step already launched after its stop
     assert len(expected[0]["r3"]) <= 6 < 40
@@ -121,10 +121,10 @@ def test_abort_while_a_step_is_in_flight(tiny_dir: Path) -> None:
 
 
 def test_async_scheduling_is_opt_in_and_off_with_speculation(tiny_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
-    assert not make_engine(tiny_dir).async_scheduling
-    with caplog.at_level(logging.WARNING, logger="tokenmill.engine"):
+    assert not make_engine(tiny_dir).loop.runs_ahead
+    with caplog.at_level(logging.WARNING, logger="tokenmill.step_loop"):
         engine = make_engine(tiny_dir, scheduler={"async_scheduling": True}, speculative_config={"method": "ngram"})
-    assert not engine.async_scheduling
+    assert not engine.loop.runs_ahead
     assert "async scheduling off: speculative decoding" in caplog.text
 
 

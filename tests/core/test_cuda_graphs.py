@@ -268,8 +268,8 @@ def test_engine_on_cpu_captures_nothing_and_reserves_no_scratch_block(tmp_path: 
     save_hf_model("llama-tiny", tmp_path, head_dim=32)  # the Triton kernels take head_dim >= 32
     engine = make_engine(tmp_path)
     assert engine.config.device.cuda_graphs is True  # on by default, inert off CUDA
-    assert engine.runner.cuda_graphs is None
-    assert engine.runner.kv_caches[0].shape[1] == engine.layout.num_blocks == 256
+    assert engine.executor.runner.cuda_graphs is None
+    assert engine.executor.runner.kv_caches[0].shape[1] == engine.layout.num_blocks == 256
 
 
 # ---------------------------------------------------------------- capture and replay on a GPU
@@ -293,11 +293,11 @@ def test_graphs_give_the_eager_greedy_tokens(tmp_path: Path) -> None:
             model={"dtype": "float32"},
             scheduler={"max_num_seqs": 16},
         )
-        graphs = engine.runner.cuda_graphs
+        graphs = engine.executor.runner.cuda_graphs
         assert (graphs is not None) == use_graphs
         if graphs is not None:
             assert graphs.batch_sizes == (1, 2, 4, 8) and graphs.num_graphs == 4
-            assert engine.runner.kv_caches[0].shape[1] == engine.layout.num_blocks + 1
+            assert engine.executor.runner.kv_caches[0].shape[1] == engine.layout.num_blocks + 1
         runs = []
         rng.seed(0)
         for num_reqs in batch_sizes:

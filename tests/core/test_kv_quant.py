@@ -174,7 +174,9 @@ def _prompt_logprobs(model_dir: Path, kv_cache_dtype: str, backend: str) -> torc
     engine = make_engine(model_dir, attention={"backend": backend}, cache={"kv_cache_dtype": kv_cache_dtype})
     prompt = [(11 * t) % 500 + 3 for t in range(96)]
     chunks = [
-        engine.runner.execute([SequenceChunk(prompt[start : start + 16], start, list(range(24)))], all_logits=True)
+        engine.executor.runner.execute(
+            [SequenceChunk(prompt[start : start + 16], start, list(range(24)))], all_logits=True
+        )
         for start in range(0, 96, 16)
     ]
     return torch.cat(chunks).log_softmax(-1)  # [96, vocab]
@@ -220,7 +222,7 @@ def test_greedy_generation_stays_close_to_a_float_cache(llama_dir, kv_cache_dtyp
     engine = make_engine(llama_dir, cache={"kv_cache_dtype": kv_cache_dtype})
     assert engine.loaded.kv_cache_dtype == {"fp8": FP8, "int8": INT8}[kv_cache_dtype]
     head_dim = 64 // 4
-    assert engine.runner.kv_caches[0].shape[-1] == head_dim + 4
+    assert engine.executor.runner.kv_caches[0].shape[-1] == head_dim + 4
     got = run_to_completion(engine, requests)
     equal = sum(a == b for key in exact for a, b in zip(got[key], exact[key], strict=True))
     assert equal / (8 * 24) >= GREEDY_AGREEMENT[kv_cache_dtype]

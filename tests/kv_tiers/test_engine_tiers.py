@@ -101,7 +101,7 @@ def test_a_new_engine_over_the_same_disk_tier_loads_what_the_last_one_computed(m
 def test_a_decode_engine_holds_a_remote_prefill_request_until_its_blocks_arrive(
     model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import tokenmill.engine
+    import tokenmill.step_loop
 
     prompt = _prompt(5)
     prefill = make_engine(model_dir, kv_tiers=[{"name": "cpu", "capacity": "16MiB", "write": "completion"}])  # type: ignore[arg-type]
@@ -119,11 +119,11 @@ def test_a_decode_engine_holds_a_remote_prefill_request_until_its_blocks_arrive(
     assert run_to_completion(decode, [])["d"] == expected
     assert received.stats.hits == (len(prompt) - 1) // 4  # every reusable block loaded, none recomputed
 
-    monkeypatch.setattr(tokenmill.engine, "KV_TRANSFER_TIMEOUT_S", 0.0)  # blocks that never come
+    monkeypatch.setattr(tokenmill.step_loop, "KV_TRANSFER_TIMEOUT_S", 0.0)  # blocks that never come
     late = EngineCoreRequest("late", _prompt(6), PARAMS, [], 1.0, kv_transfer_params=remote)
     assert run_to_completion(decode, [late])["late"] == _rounds(prefill, [_prompt(6)], 1)[0]  # computed here
 
-    monkeypatch.setattr(tokenmill.engine, "KV_TRANSFER_TIMEOUT_S", 60.0)
+    monkeypatch.setattr(tokenmill.step_loop, "KV_TRANSFER_TIMEOUT_S", 60.0)
     decode.add_request(EngineCoreRequest("gone", _prompt(7), PARAMS, [], 2.0, kv_transfer_params=remote))
     (aborted,) = decode.abort_requests(["gone"])
     assert aborted.finish_reason == "abort" and aborted.request_finished
@@ -204,6 +204,6 @@ def test_quantized_blocks_travel_through_tiers_with_their_scales(
     assert tiered == plain
     cpu, disk = engine.kv_tiers
     assert cpu.stats.hits + disk.stats.hits > 0
-    (block,) = engine.runner.read_blocks([0])
+    (block,) = engine.executor.runner.read_blocks([0])
     head_dim = engine.loaded.arch.head_dim
     assert block.dtype == engine.loaded.kv_cache_dtype and block.shape[-1] == head_dim + 4

@@ -80,7 +80,7 @@ def test_engine_on_the_cpu_backend_matches_the_torch_backend(tmp_path, kv_cache_
     expected = run_to_completion(make_engine(tmp_path, attention={"backend": "torch"}, cache=cache), requests)
     engine = make_engine(tmp_path, attention={"backend": "cpu"}, cache=cache)
     assert engine.loaded.attention.name == "cpu"
-    assert {kv_cache.dtype for kv_cache in engine.runner.kv_caches} == {stored}
+    assert {kv_cache.dtype for kv_cache in engine.executor.runner.kv_caches} == {stored}
     assert run_to_completion(engine, requests) == expected
 
 
@@ -101,7 +101,7 @@ def test_quantized_model_gets_a_float16_cache_read_alike_by_both_backends(tmp_pa
     ]
     engine = make_engine(tmp_path, model={"quantization": "int8"}, attention={"backend": "cpu"})
     assert engine.loaded.kv_cache_dtype == torch.float16
-    assert {cache.dtype for cache in engine.runner.kv_caches} == {torch.float16}
+    assert {cache.dtype for cache in engine.executor.runner.kv_caches} == {torch.float16}
     reference = make_engine(
         tmp_path, model={"quantization": "int8"}, attention={"backend": "torch"}, cache={"kv_cache_dtype": "float16"}
     )

@@ -77,7 +77,7 @@ def test_layer_kernels_serve_the_same_greedy_tokens(kernels: str, model: str, tm
             tmp_path, model={"layer_kernels": name, "dtype": "float32"}, attention={"backend": "torch"},
             scheduler={"max_num_batched_tokens": 16}, device={"device": DEVICE},
         )  # fmt: skip
-        users = [m for m in engine.runner.loaded.model.modules() if isinstance(m, UsesLayerKernels)]
+        users = [m for m in engine.executor.runner.loaded.model.modules() if isinstance(m, UsesLayerKernels)]
         assert len(users) > 4 and {m.layer_kernels.name for m in users} == {name}
         requests = [EngineCoreRequest(str(i), prompt, params, [], now()) for i, prompt in enumerate(prompts)]
         tokens[name] = run_to_completion(engine, requests)

@@ -11,7 +11,7 @@ import torch
 from tokenmill.engine import EngineCore
 from tokenmill.messages import EngineCoreRequest
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.speculator import Speculator
+from tokenmill.speculative.speculator import Speculator
 from tokenmill.testing import make_engine, run_to_completion
 
 
@@ -23,9 +23,10 @@ def speculative_engine(
     spec: dict[str, Any] = {"method": "ngram", "draft_policy": "constant"} if speculator is not None else {}
     engine = make_engine(model_path, speculative_config=spec, **sections)
     if speculator is not None:  # in place of the ngram one, with its context (whether trees are verified, ...)
-        assert engine.speculator is not None
-        speculator.context = engine.speculator.context
-        engine.speculator = speculator
+        proposer = engine.executor.proposer
+        assert proposer is not None
+        speculator.context = proposer.speculator.context
+        proposer.speculator = speculator
     return engine
 
 

@@ -21,7 +21,7 @@ from tokenmill.config import ConfigError, load_config
 from tokenmill.model_loader import load_model
 from tokenmill.model_runner import ModelRunner, SequenceChunk
 from tokenmill.plugin_manager import Slot, resolve_plugins
-from tokenmill.speculator import SpeculationInput, SpeculatorContext
+from tokenmill.speculative.speculator import SpeculationInput, SpeculatorContext
 from tokenmill.testing import check_speculator, save_tiny_model
 
 K = 4

@@ -1,5 +1,5 @@
-"""Draft trees (``tokenmill.draft_tree``): the tree attention mask, exact verification of trees, and the KV kept
-or recomputed afterwards.
+"""Draft trees (``tokenmill.speculative.draft_tree``): the tree attention mask, exact verification of trees, and
+the KV kept or recomputed afterwards.
 
 A tree step must score every node exactly as the node's own path would be scored as a plain chain; greedy output
 with trees must be token for token plain greedy output (batched, with preemption, stops and logprobs); sampled
@@ -18,7 +18,11 @@ import pytest
 import torch
 
 from tests.speculators.spec_util import chi_square_p, sampled_tokens, speculative_engine
-from tokenmill.draft_tree import (
+from tokenmill.messages import EngineCoreRequest
+from tokenmill.model_runner import ModelRunner
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.speculative.draft_policy import DraftPolicy
+from tokenmill.speculative.draft_tree import (
     accepted_nodes,
     check_parents,
     depths,
@@ -27,12 +31,8 @@ from tokenmill.draft_tree import (
     path,
     tree_parents,
 )
-from tokenmill.messages import EngineCoreRequest
-from tokenmill.model_runner import ModelRunner
-from tokenmill.sampling.rejection_sampler import Verified, _sample_tree, rejection_sample, verify_greedy
-from tokenmill.sampling_params import SamplingParams
-from tokenmill.speculation_policy import DraftPolicy
-from tokenmill.speculator import Proposal, SpeculationInput, Speculator
+from tokenmill.speculative.rejection_sampler import Verified, _sample_tree, rejection_sample, verify_greedy
+from tokenmill.speculative.speculator import Proposal, SpeculationInput, Speculator
 from tokenmill.step_batch import SequenceChunk
 from tokenmill.testing import make_engine, run_to_completion
 
@@ -278,7 +278,7 @@ def test_sampled_tokens_through_trees_have_the_target_distribution_and_a_wrong_r
     for position in (1, 2):
         p = chi_square_p([t[position] for t in plain], [t[position] for t in speculative], 16)
         assert p > 0.01, f"position {position}: tree verification changed the distribution (p={p:.2g})"
-    monkeypatch.setattr("tokenmill.engine.rejection_sample", _wrong_tree_rule)
+    monkeypatch.setattr("tokenmill.speculative.verification.rejection_sample", _wrong_tree_rule)
     wrong = sampled_tokens(small_vocab_model, FixedTree(*tree), count, seed=2)
     p = chi_square_p([t[1] for t in plain], [t[1] for t in wrong], 16)
     assert p < 0.01, f"the chi-square test cannot tell a wrong tree rule apart (p={p:.2g})"

@@ -6,7 +6,7 @@ import random
 
 from tokenmill_plugins.speculators.ngram import NgramIndex, NgramSpeculator
 
-from tokenmill.speculator import SpeculationInput
+from tokenmill.speculative.speculator import SpeculationInput
 
 
 def _scan(tokens: list[int], min_n: int, max_n: int, limit: int) -> list[int]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tokenmill.speculation_policy import DraftPolicy, StepCostModel, _Line
+from tokenmill.speculative.draft_policy import DraftPolicy, StepCostModel, _Line
 
 
 def _policy(base_ms: float = 10.0, per_token_ms: float = 1.3, k: int = 8) -> DraftPolicy:
@@ -158,7 +158,8 @@ def _int4_policy() -> DraftPolicy:
 def test_a_chain_is_weighed_at_every_length_and_a_position_need_not_pay_3_percent_alone() -> None:
     """Each prefix of a request's positions is weighed, as for a tree: a longer one must beat the best shorter one
     by 0.5% per position, and the chosen one the plain step by 3%. A rule that stopped at the first position
-    adding less than 3% verified 3 or 4 drafts on copied text where a constant 8 ran 4% faster (benchmarks.md)."""
+    adding less than 3% verified too few drafts of copied text (docs/benchmarks-history.md, "Chain drafts weighed
+    at every length, a pooled prior, ngram's index, greedy verification")."""
     policy = _int4_policy()
     alpha = policy._acceptance["copying"].value
 

@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from tests.speculators.spec_util import chi_square_p, sampled_tokens, speculative_engine
-from tokenmill.engine import DISABLE_SPECULATION
 from tokenmill.messages import EngineCoreRequest
-from tokenmill.sampling.rejection_sampler import Verified, rejection_sample
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.speculator import Proposal, SpeculationInput, Speculator
+from tokenmill.speculative.proposer import DISABLE_SPECULATION
+from tokenmill.speculative.rejection_sampler import Verified, rejection_sample
+from tokenmill.speculative.speculator import Proposal, SpeculationInput, Speculator
 from tokenmill.testing import make_engine, run_to_completion
 
 
@@ -177,7 +177,7 @@ def test_sampled_tokens_have_the_target_distribution_and_a_wrong_rule_is_caught(
     for position in (1, 2):  # the tokens that went through verification
         p = chi_square_p([t[position] for t in plain], [t[position] for t in speculative], 16)
         assert p > 0.01, f"position {position}: speculative sampling changed the distribution (p={p:.2g})"
-    monkeypatch.setattr("tokenmill.engine.rejection_sample", _wrong_rejection_sample)
+    monkeypatch.setattr("tokenmill.speculative.verification.rejection_sample", _wrong_rejection_sample)
     wrong = sampled_tokens(small_vocab_model, FixedDrafts(drafts), count, seed=2)
     p = chi_square_p([t[1] for t in plain], [t[1] for t in wrong], 16)
     assert p < 0.01, f"the chi-square test cannot tell a wrong acceptance rule apart (p={p:.2g})"
@@ -252,7 +252,7 @@ def test_speculation_is_off_at_large_batches_and_for_requests_that_opt_out(model
     requests = _requests(4, seed=4, max_tokens=12)  # all four run to the end together
     answers = run_to_completion(speculative_engine(model_dir), requests)
     engine = make_engine(model_dir, speculative_config={"method": "ngram", "disable_by_batch_size": 4})
-    engine.speculator = NoisyOracle(3, answers, error_rate=0.0)
+    engine.executor.proposer.speculator = NoisyOracle(3, answers, error_rate=0.0)
     assert run_to_completion(engine, requests) == answers
     assert engine.stats().spec_decode_num_drafts == 0  # four running: never drafted
     engine = speculative_engine(model_dir, NoisyOracle(3, answers, error_rate=0.0))

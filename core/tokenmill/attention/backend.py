@@ -20,7 +20,7 @@ from tokenmill.attention.kv_quant import kv_row_size
 
 @dataclass
 class DraftTreeMask:
-    """The tokens of a step that verify a draft tree (``tokenmill.draft_tree``), for the attention mask.
+    """The tokens of a step that verify a draft tree (``tokenmill.speculative.draft_tree``), for the attention mask.
 
     A tree's nodes sit in consecutive cache slots after the request's last token, node ``j`` at position
     ``tree_start + j`` of the request's sequence (``AttentionMetadata.positions`` counts slots, as for any other

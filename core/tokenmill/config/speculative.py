@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from tokenmill.config.base import ConfigSection, NonNegativeInt, PositiveInt, describe
-from tokenmill.draft_tree import parse_token_tree
+from tokenmill.speculative.draft_tree import parse_token_tree
 
 #: Built-in methods that load a second set of weights from ``model``.
 _NEEDS_MODEL = ("draft_model", "medusa")
@@ -71,7 +71,7 @@ class SpeculativeConfig(ConfigSection, frozen=True):
         describe(
             "How many drafts each request verifies per step. 'goodput': the counts that maximise expected tokens "
             "per second, from the measured step cost and each request's measured acceptance (none at all when "
-            "drafting does not pay, as at large batches; `tokenmill.speculation_policy`). 'constant': always "
+            "drafting does not pay, as at large batches; `tokenmill.speculative.draft_policy`). 'constant': always "
             "num_speculative_tokens."
         ),
     ] = "goodput"

@@ -169,6 +169,9 @@ class Sampler(ABC):
 
     #: Registered name.
     name: ClassVar[str]
+    #: Whether it implements ``target_probs``, so speculative decoding can verify drafts against it; the
+    #: engine runs without speculation otherwise.
+    verifies_drafts: ClassVar[bool] = False
 
     @abstractmethod
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
@@ -177,8 +180,8 @@ class Sampler(ABC):
     def target_probs(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         """The distribution each row's token would be drawn from [R, vocab_size] float32 (rows sum to 1;
         one-hot on the argmax for greedy rows), after everything ``__call__`` applies. Speculative decoding
-        verifies drafts against it (``tokenmill.sampling.rejection_sampler``); a sampler that does not
-        implement it runs without speculation."""
+        verifies drafts against it (``tokenmill.speculative.rejection_sampler``) when ``verifies_drafts`` is
+        true."""
         raise NotImplementedError(f"sampler {self.name!r} does not expose its distribution (target_probs)")
 
 
@@ -187,6 +190,7 @@ class TorchSampler(Sampler):
     engine seed); None uses torch's default generator on the logits' device."""
 
     name: ClassVar[str] = "torch"
+    verifies_drafts: ClassVar[bool] = True
 
     def __init__(self, generator: torch.Generator | None = None) -> None:
         self.generator = generator

@@ -40,7 +40,7 @@ from tokenmill.cuda_graphs import cuda_graph_batch_sizes
 from tokenmill.kv_cache.block_pool import BlockPool
 from tokenmill.model_loader import LoadedModel, load_model
 from tokenmill.model_runner import ModelRunner, SequenceChunk
-from tokenmill.speculator import Proposal, SpeculationInput, Speculator, SpeculatorContext
+from tokenmill.speculative.speculator import Proposal, SpeculationInput, Speculator, SpeculatorContext
 from tokenmill.tokenizer import Tokenizer
 
 __all__ = ["DraftModelSpeculator"]

@@ -14,10 +14,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import ClassVar
 
-from tokenmill.speculator import Proposal, SpeculationInput, Speculator, SpeculatorContext
+from tokenmill.speculative.speculator import Proposal, SpeculationInput, Speculator, SpeculatorContext
 
-# Measured on the copy workload (docs/benchmarks.md): a 1- or 2-token match is often a coincidence (acceptance
-# 0.49 and 0.64 from n >= 1 and n >= 2), a 3-token one rarely (0.77).
+# A 1- or 2-token match is often a coincidence, a 3-token one rarely.
 DEFAULT_PROMPT_LOOKUP_MIN = 3
 DEFAULT_PROMPT_LOOKUP_MAX = 5
 
@@ -57,8 +56,7 @@ class NgramSpeculator(Speculator):
 class NgramIndex:
     """Where each n-gram of one request's tokens last occurred, for ``n`` from ``min_n`` to ``max_n``, brought
     up to date with the tokens that arrived since the last lookup. A lookup then costs a few dictionary reads
-    where scanning every window costs a pass over the request per ``n`` (25-60 us a step on the default
-    model's copy workload, 200 us per ``propose``, on a 6 ms step). A request's tokens only grow (a request
+    where scanning every window costs a pass over the request per ``n``. A request's tokens only grow (a request
     that is preempted is forgotten and indexed again); one that changed anyway is indexed again."""
 
     def __init__(self, min_n: int, max_n: int) -> None:

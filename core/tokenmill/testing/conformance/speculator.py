@@ -6,8 +6,8 @@ from collections.abc import Callable
 
 import torch
 
-from tokenmill.draft_tree import check_parents
-from tokenmill.speculator import Proposal, SpeculationInput, Speculator
+from tokenmill.speculative.draft_tree import check_parents
+from tokenmill.speculative.speculator import Proposal, SpeculationInput, Speculator
 from tokenmill.testing.conformance._util import calling, conformance_check, fail
 
 
@@ -29,15 +29,15 @@ def check_speculator(
     num_speculative_tokens: int = 3,
     vocab_size: int = 64,
 ) -> None:
-    """Check a speculator against the ``Speculator`` contract (``tokenmill.speculator``).
+    """Check a speculator against the ``Speculator`` contract (``tokenmill.speculative.speculator``).
 
     ``propose`` returns one draft list per input, in order, each at most ``min(num_speculative_tokens,
     max_num_tokens)`` long and inside the vocabulary; the same drafts for the same inputs; no input changed.
     ``draft_probs``, when given, has one entry per input: None or a [num_drafts, vocab_size] float32 tensor
     of probabilities (non-negative, rows summing to 1) under which each draft token is possible.
     ``parents``, when given, has one entry per input: None (a chain) or a draft tree over that input's drafts
-    (``tokenmill.draft_tree``: each parent -1 or an earlier draft, siblings distinct), from a speculator that
-    declares ``supports_draft_trees``, and never together with ``draft_probs`` for the same input.
+    (``tokenmill.speculative.draft_tree``: each parent -1 or an earlier draft, siblings distinct), from a
+    speculator that declares ``supports_draft_trees``, and never together with ``draft_probs`` for the same input.
     ``on_requests_finished`` accepts the ids.
 
     :param speculator: the class or a factory, called as ``speculator(num_speculative_tokens=k)``, or an

@@ -23,7 +23,7 @@ condition), and the KV written for rejected positions is rolled back, so no
 block leaks. Logprobs reported are the target model's.
 
 A speculator with ``supports_draft_trees`` may propose a **tree** of drafts instead of a chain
-(``Proposal.parents``, ``tokenmill.draft_tree``): several candidates per position, each node scored by the
+(``Proposal.parents``, ``tokenmill.speculative.draft_tree``): several candidates per position, each node scored by the
 target in the same pass while seeing only its own ancestors. Verification walks down from the request's
 last token, accepting at each node the first child that passes (for a greedy row: the child that is the
 target's argmax; for a sampled row: child ``c`` with probability ``r(c)``, where ``r`` starts as ``p`` and
@@ -88,7 +88,7 @@ class Proposal:
     #: Per request, one [num_drafts, vocab_size] float32 tensor of draft probabilities, or None for
     #: deterministic drafts.
     draft_probs: list[torch.Tensor | None] = field(default_factory=list)
-    #: Per request, the parent of each draft when they form a tree (``tokenmill.draft_tree``), or None for a
+    #: Per request, the parent of each draft when they form a tree (``tokenmill.speculative.draft_tree``), or None for a
     #: chain; empty: chains only. A tree's first ``m`` drafts must be a tree too (the engine may keep only
     #: those), which any order with parents before children gives.
     parents: list[list[int] | None] = field(default_factory=list)

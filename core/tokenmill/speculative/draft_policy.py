@@ -12,12 +12,9 @@ So the engine measures instead of guessing (after SmartSpec, Liu et al. 2024):
   steep after), one
   model for steps that verify drafts and one for plain steps. The two cost
   differently, not along one curve: verifying has a fixed cost of its own (the
-  target's distributions at every position, the acceptance walk; on a CPU with
-  the float32 default model about 2 ms whether 1 or 15 drafts are verified, on
-  a 17 ms step), and where plain decode steps replay a CUDA graph while
-  verification runs eagerly (a GPU) a one-token step took 1.3 ms and a
-  verification step several times that on an H200. One line through both
-  kinds read the fixed cost as a cost per token;
+  target's distributions at every position, the acceptance walk), and on a GPU
+  a plain step replays a CUDA graph while verification runs eagerly. One line
+  through both would read the fixed cost as a cost per token;
 - the speculator's time per draft position (one ``propose`` divided by its
   longest draft list, over calls whose requests all drafted the step before:
   a request's first call also reads its prompt into a draft model; for a tree,
@@ -26,15 +23,11 @@ So the engine measures instead of guessing (after SmartSpec, Liu et al. 2024):
   given the ones before it were, estimated from its own verifications
   (accepted drafts are successes, a rejection is a failure). A new request
   starts from the pooled rate of recent verifications (all requests,
-  exponentially weighted) worth two of its own: on copied text a request's
-  first drafts were verified one or two at a time from an even chance, and the
-  runs it copied were over before it got to 8. While a request gets no drafts
-  its rate drifts back to an even chance, so that it is tried again. (Two
-  rates, one for the first draft and one for each later draft given the one
-  before, fit copied text's runs better, but a request given one draft never
-  measured the second rate, and runs stayed at one draft a step.)
+  exponentially weighted) worth two of its own, so a new request need not
+  relearn from an even chance what recent requests showed. While a request gets
+  no drafts its rate drifts back to an even chance, so that it is tried again.
 
-A speculator that drafts trees (``tokenmill.draft_tree``) gets, instead of a
+A speculator that drafts trees (``tokenmill.speculative.draft_tree``) gets, instead of a
 request's rate, one measured rate per node of its tree: how often that node was on
 the accepted path (exponentially weighted, from a prior of one half). Every
 request verifies the same first ``k`` nodes of the tree (a prefix is a tree:
@@ -42,13 +35,10 @@ parents come first), ``k`` the one with the most expected tokens per second,
 ``1 + rate_0 + ... + rate_(k-1)`` tokens per request; every ``k`` is weighed,
 since a poor node early in the stored order can precede better ones. Unlike a
 request's rate, a node's rate does not drift back while it is not drafted:
-it is the speculator's, not the text's, and a drifting rate had every
-unprofitable node tried again every few steps (five nodes a step on average
-where four paid, 1.07x against 1.17-1.33x). Instead, one step in 64 (offset
-from the plain one) gives one request the whole tree, which keeps every node's
-rate measured and shows the cost model large steps. (One in 16 cost 4% of a
-Medusa run's time on the float32 default model: a whole-tree step takes 10 ms
-more than the 19 ms of a chosen prefix.)
+it is the speculator's, not the text's, and drifting would keep retrying
+unprofitable nodes. Instead, one step in 64 (offset from the plain one) gives
+one request the whole tree, which keeps every node's rate measured and shows
+the cost model large steps.
 
 After 64 decisions in a row that drafted, with no step without drafts
 measured since, one drafts nothing, so that the plain step's cost stays
@@ -58,10 +48,9 @@ expectation. Each step the policy hands out draft positions one at a time,
 always to the request whose next position is most likely to be accepted, and
 keeps the first ``n`` of them with the most expected tokens per second, as for
 a tree: a longer prefix must beat the best shorter one by 0.5% per position,
-and the chosen one the plain step by 3%. (Stopping at the first position that
-added less than 3% verified 3 to 5 drafts on copied text, where 8 paid.) At a
-large batch nothing is handed out and the speculator is not even called; at
-c=1 a predictable request gets up to ``num_speculative_tokens``.
+and the chosen one the plain step by 3%. At a large batch nothing is handed
+out and the speculator is not even called; at c=1 a predictable request gets up
+to ``num_speculative_tokens``.
 """
 
 from __future__ import annotations
@@ -82,26 +71,22 @@ _MIN_GAIN = 0.03
 #: A longer prefix of a tree's nodes (or of a step's chain positions) need only beat the best shorter one by this
 #: much per extra node, as long as the nodes together pay ``_MIN_GAIN``: a tree's later nodes each add little (a
 #: few hundredths of a token) and their rates are measured over every request's verifications, not one request's.
-#: With 3% per node the policy verified two nodes of the default model's Medusa tree, where four paid 4% more; with
-#: 3% per position it verified 4 or 5 drafts of copied text, where 8 paid.
 _MIN_GAIN_PER_DRAFT = 0.005
 #: Handing out chain positions stops once the step's expected tokens per second fall this far below the best (or
 #: after more positions than one request may get without a new best: at 32 requests, all their first ones).
 _GIVE_UP = 0.1
 #: The whole-tree exploration step happens only in batches of at most this many requests: trees pay where a
-#: step holds few tokens, and at 32 requests it cost more than it measured (0.93x of plain decoding). Exploring
-#: a verification step's cost (nothing measured lately) gives the maximum to at most this many requests too.
+#: step holds few tokens; in a large batch exploring costs more than it teaches. Exploring a verification step's
+#: cost (nothing measured lately) gives the maximum to at most this many requests too.
 _MAX_EXPLORE_BATCH = 4
 #: After this many decisions in a row that drafted, one drafts nothing, so the cost model keeps measuring what a
 #: step costs without drafts (a policy that always drafts would only ever see steps with drafts, and guess the
 #: alternative); a measurement is forgotten some 150 steps later. Steps that draft nothing anyway (nothing paid,
-#: or the speculator found nothing) measure it too: on copied text ``ngram`` finds nothing to draft from in most
-#: steps, and one step in 16 drafting nothing on top cut runs of 8 accepted drafts. Medusa drafts every step: one
-#: plain step in 17 cost it about 2% of its tokens.
+#: or the speculator found nothing) measure it too, so a forced plain step is rarely needed; forcing one often
+#: cuts runs of accepted drafts.
 _EXPLORE_EVERY = 64
 #: One step in this many (offset from the plain one) gives one request a tree's every node: it costs what a step
-#: of the whole tree costs more (on the float32 default model 10 ms on a 19 ms step), and only keeps measuring the
-#: rates of nodes the policy does not verify.
+#: of the whole tree costs more, and only keeps measuring the rates of nodes the policy does not verify.
 _EXPLORE_TREE_EVERY = 64
 #: Before the fit has seen different token counts: each token costs this fraction of a 1-token step.
 _PRIOR_SLOPE = 0.15
@@ -185,20 +170,17 @@ class _Measured:
 class StepCostModel:
     """Seconds of a target step by its number of tokens, as measured: a step is not a line in its tokens. Up to
     the point where the machine turns compute-bound, more tokens cost little (each pass reads every weight
-    once); past it, each token costs its share of the compute. On the float32 default model on a CPU a step of
-    2 tokens took 18.0 ms, of 5 tokens 18.2 ms and of 17 tokens 27.6 ms: a line through the 2- and 17-token
-    steps the policy saw priced 5 tokens at 19.0 ms, and the policy verified one node of a tree where four paid.
+    once); past it, each token costs its share of the compute. A line through small and large steps would
+    overprice the middle (docs/speculative_decoding.md, "When it pays").
 
     So the model keeps an exponentially weighted mean time per bucket of token counts (each count up to
-    ``_EXACT_BUCKETS``, then eight buckets per doubling) and prices a count on the lower convex hull of those
-    means: flat-then-steep is convex, and the hull passes under a mean that a passing load or a cold step pushed
-    up. A count measured too high once would otherwise not be chosen, so not measured again, for as long as it
-    is remembered (a 5-token step measured at 12.4 ms, between 8.1 ms for 4 tokens and 13.3 ms for 9, kept the
-    ngram speculator at 2 drafts a step on copied text where 4 to 8 paid). A mean measured too low is chosen,
-    so measured again, and corrects itself. Past the hull's ends the nearest segment goes on (a single point:
-    along a least-squares line through all steps, which starts from a prior slope). Every bucket's weight
-    decays with every step, whether it verified drafts or not (``age``), and a bucket is forgotten about 150
-    steps after its last measurement (more if it was measured often)."""
+    ``_EXACT_BUCKETS``, then eight buckets per doubling) and prices a count on the lower convex hull of those means:
+    flat-then-steep is convex, and the hull passes under a mean that a passing load or a cold step pushed up. A
+    count measured too high once would otherwise not be chosen, so not measured again, for as long as it is
+    remembered. A mean measured too low is chosen, so measured again, and corrects itself. Past the hull's ends the
+    nearest segment goes on (a single point: along a least-squares line through all steps, which starts from a prior
+    slope). Every bucket's weight decays with every step, whether it verified drafts or not (``age``), and a bucket
+    is forgotten about 150 steps after its last measurement (more if it was measured often)."""
 
     def __init__(self) -> None:
         self._line = _Line()
@@ -360,9 +342,8 @@ class DraftPolicy:
         """``num_drafts`` when no plain step is due: explore where nothing is measured, else what pays."""
         counts = [0] * len(request_ids)
         if not self.step_cost.measured:
-            # Nothing measured yet, or not for about 150 steps: a few requests verify the maximum, to learn what a
-            # verification step costs now. Without it, one slow early step (cold caches) priced drafting out,
-            # and with nothing drafted the price was never measured again: a whole benchmark run drafted nothing.
+            # Nothing measured yet, or not for about 150 steps: a few requests verify the maximum, so that one
+            # slow early step cannot price drafting out for good.
             return [min(limit, self.max_drafts) if i < _MAX_EXPLORE_BATCH else 0 for i, limit in enumerate(limits)]
         explore_tree = self._node_rates and self._num_decisions % _EXPLORE_TREE_EVERY == _EXPLORE_TREE_EVERY // 2
         if explore_tree and 0 < len(request_ids) <= _MAX_EXPLORE_BATCH:
@@ -392,8 +373,7 @@ class DraftPolicy:
         limit says so), ``k`` the one with the most expected tokens per second. The nodes' rates are the
         speculator's, shared by all requests, and the step's cost is a line in its tokens, so one ``k`` fits all.
         Every prefix is weighed, not only up to the first node that does not pay alone: a poor node early in
-        the stored order (the second candidate for the next token, accepted 1% of the time where the tree's
-        fourth node was 10%) stopped that search at one node. A longer prefix must beat the best shorter one by
+        the stored order can precede better ones. A longer prefix must beat the best shorter one by
         ``_MIN_GAIN_PER_DRAFT`` per extra node, and the chosen one the plain step by ``_MIN_GAIN``."""
         limits = [min(limit, self.max_drafts) for limit in limits]
         plain_rate = len(limits) / self._plain_seconds(num_step_tokens)
@@ -416,8 +396,7 @@ class DraftPolicy:
         likeliest accepted, and the step keeps the first ``n`` of them with the most expected tokens per second:
         a longer prefix must beat the best shorter one by ``_MIN_GAIN_PER_DRAFT`` per extra position, and the
         chosen one the plain step by ``_MIN_GAIN``. Every prefix is weighed, not only up to the first position
-        that does not pay alone: a step's cost can jump at one token count and then flatten (on the int4 default
-        model, verifying 4 drafts cost 1.6 ms more than 3, each of the next 0.9-1.3 ms), and a run of copied
+        that does not pay alone: a step's cost can jump at one token count and then flatten, and a run of copied
         text pays for 8 drafts where the fourth alone did not."""
         # Kept from the first decision on, so that a request the pooled rate rules out drifts back and is tried.
         acceptances = [self._request_acceptance(r) for r in request_ids]

@@ -14,7 +14,7 @@ The shape of a tree is configured as vLLM's ``speculative_token_tree``: each nod
 ranks that leads to it from the root, ``[(0,), (1,), (0, 0)]`` being the top-1 and top-2 candidates for the
 next token and the top-1 candidate after the top-1 one. How a step lays a tree out (KV slots, rotary
 positions, the attention mask) is ``tokenmill.step_batch``'s; how a tree is accepted is
-``tokenmill.sampling.rejection_sampler``'s; which accepted tokens keep their KV is :func:`num_in_place`.
+``tokenmill.speculative.rejection_sampler``'s; which accepted tokens keep their KV is :func:`num_in_place`.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ while they equal the argmax and then takes the argmax: token for token what
 non-speculative greedy decoding produces. They draw no random numbers.
 
 Everything is vectorised over the step's rows; the host reads the result once. A request whose drafts form a
-tree (``tokenmill.draft_tree``) is verified on its own, walking down the tree: at each node its children are
+tree (``tokenmill.speculative.draft_tree``) is verified on its own, walking down the tree: at each node its children are
 tried in order, child ``c`` accepted with probability ``r(c)`` where ``r`` starts as the node's ``p`` and each
 rejected child's token is removed from it and the rest renormalised (SpecInfer's rule for deterministic
 drafts, Miao et al. 2024); when none is accepted the token is drawn from ``r``. Every step of that walk draws
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.draft_tree import is_chain
+from tokenmill.speculative.draft_tree import is_chain
 
 
 @dataclass(frozen=True)
