@@ -6,12 +6,16 @@ the request it belongs to; a supervisor task marks the engine dead when its
 process exits or its heartbeats stop, fails every request still waiting on it
 with ``EngineDeadError``, so no caller hangs, and brings the engine back:
 restarts an engine process this front end started, reconnects to a remote one,
-with backoff and a bounded number of failed attempts in a row. ``EngineGroup``
-asks a ``Router`` plugin which engine serves each request, among those that are
-up; when the router fails, that request goes to the least loaded engine instead
-and the fallback is counted. Each client keeps the engine's latest stats and a
-mirror of its prefix cache (``tokenmill.prefix_summary``) for the routers. Runs
-in the asyncio front end; imports no torch.
+with backoff and a bounded number of failed attempts in a row (local engine
+processes are started and stopped by ``tokenmill.engine_launcher``). An
+``EngineGroup`` is every engine the front end serves from: a
+``RoutedEngineGroup`` asks a ``Router`` plugin which engine serves each
+request, among those that are up (when the router fails, that request goes to
+the least loaded engine instead and the fallback is counted); a
+``DisaggregatedGroup`` sends each request through a prefill engine, then a
+decode engine. Each client keeps the engine's latest stats and a mirror of its
+prefix cache (``tokenmill.prefix_summary``) for the routers. Runs in the
+asyncio front end; imports no torch.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import logging
 import os
 import tempfile
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -406,26 +411,12 @@ class EngineClient:
             await self.process.stop(_STOP_TIMEOUT_S)
 
 
-class EngineGroup:
-    """Every engine the front end serves from, and the router that picks one per request.
+class EngineGroup(ABC):
+    """Every engine the front end serves from; subclasses decide which engine serves a request."""
 
-    When the router raises or picks something that is not a healthy engine, the request goes to the engine
-    ``least_loaded`` picks; ``num_router_fallbacks`` counts those by reason (``error``, ``invalid_choice``).
-
-    :param router_name: the name the config selected the router by, and ``plugin_name`` the plugin that
-        registered it; the fallback's log line names both, so the user knows which plugin to fix or unselect.
-    """
-
-    def __init__(
-        self, clients: list[EngineClient], router: Router, router_name: str | None = None, plugin_name: str = "unknown"
-    ) -> None:
+    def __init__(self, clients: list[EngineClient]) -> None:
         assert all(client.index == position for position, client in enumerate(clients)), "index is the position"
         self.clients = clients
-        self.router = router
-        self.router_name = str(router_name or getattr(router, "name", type(router).__name__))
-        self.router_label = f"router {self.router_name!r} (plugin {plugin_name!r})"
-        #: Requests routed by ``least_loaded`` because the router failed, by reason.
-        self.num_router_fallbacks: dict[str, int] = {"error": 0, "invalid_choice": 0}
 
     @property
     def is_healthy(self) -> bool:
@@ -434,7 +425,7 @@ class EngineGroup:
 
     @property
     def is_serving(self) -> bool:
-        """Whether a new request can be served: some engine is up (the router skips the others)."""
+        """Whether a new request can be served: some engine is up (requests go to those that are)."""
         return any(not client.is_dead for client in self.clients)
 
     @property
@@ -449,6 +440,46 @@ class EngineGroup:
     @property
     def num_in_flight(self) -> int:
         return sum(client.num_in_flight for client in self.clients)
+
+    @abstractmethod
+    def add_request(self, request: EngineCoreRequest) -> RequestStream:
+        """Send ``request`` to an engine; its outputs arrive on the stream returned. Raises ``EngineDeadError``
+        when no engine can take it; then nothing was sent."""
+
+    def fail_requests(self, reason: str) -> None:
+        """End every request in flight with ``EngineDeadError(reason)`` and abort them in the engines."""
+        for client in self.clients:
+            client.fail_requests(reason)
+
+    def kill(self) -> None:
+        """Kill every engine process this front end started, now (``close`` still reaps them)."""
+        for client in self.clients:
+            client.kill()
+
+    async def close(self) -> None:
+        """Stop supervising and stop the engines this front end started (in parallel)."""
+        await asyncio.gather(*(client.close() for client in self.clients))
+
+
+class RoutedEngineGroup(EngineGroup):
+    """Engines serving the same model, and the router that picks one per request.
+
+    When the router raises or picks something that is not a healthy engine, the request goes to the engine
+    ``least_loaded`` picks; ``num_router_fallbacks`` counts those by reason (``error``, ``invalid_choice``).
+
+    :param router_name: the name the config selected the router by, and ``plugin_name`` the plugin that
+        registered it; the fallback's log line names both, so the user knows which plugin to fix or unselect.
+    """
+
+    def __init__(
+        self, clients: list[EngineClient], router: Router, router_name: str | None = None, plugin_name: str = "unknown"
+    ) -> None:
+        super().__init__(clients)
+        self.router = router
+        self.router_name = str(router_name or getattr(router, "name", type(router).__name__))
+        self.router_label = f"router {self.router_name!r} (plugin {plugin_name!r})"
+        #: Requests routed by ``least_loaded`` because the router failed, by reason.
+        self.num_router_fallbacks: dict[str, int] = {"error": 0, "invalid_choice": 0}
 
     def add_request(self, request: EngineCoreRequest) -> RequestStream:
         """Send ``request`` to the engine the router picks (``least_loaded``'s pick when the router fails).
@@ -494,20 +525,6 @@ class EngineGroup:
             return ()
         return block_hashes(request.prompt_token_ids, ready.block_size, ready.hash_salt, request.cache_salt)
 
-    def fail_requests(self, reason: str) -> None:
-        """End every request in flight with ``EngineDeadError(reason)`` and abort them in the engines."""
-        for client in self.clients:
-            client.fail_requests(reason)
-
-    def kill(self) -> None:
-        """Kill every engine process this front end started, now (``close`` still reaps them)."""
-        for client in self.clients:
-            client.kill()
-
-    async def close(self) -> None:
-        """Stop supervising and stop the engines this front end started (in parallel)."""
-        await asyncio.gather(*(client.close() for client in self.clients))
-
 
 class DisaggregatedGroup(EngineGroup):
     """A prefill engine (client 0) and a decode engine (client 1) serving as one.
@@ -517,11 +534,12 @@ class DisaggregatedGroup(EngineGroup):
     (``kv_transfer_params``: ``do_remote_prefill``), which waits for those blocks, loads them instead of
     computing the prompt, and streams the completion. The request's stream is the decode engine's from the
     start, so an abort or the decode engine's death reaches it at any point. If the prefill engine is down or
-    refuses the request, the decode engine computes the prompt itself: slower, same output.
+    refuses the request, the decode engine computes the prompt itself: slower, same output. No router: the
+    two engines play different parts, so there is nothing to choose between.
     """
 
-    def __init__(self, prefill: EngineClient, decode: EngineClient, router: Router) -> None:
-        super().__init__([prefill, decode], router, "disaggregated-prefill", "tokenmill")
+    def __init__(self, prefill: EngineClient, decode: EngineClient) -> None:
+        super().__init__([prefill, decode])
         self._tasks: set[asyncio.Task[None]] = set()
 
     @property

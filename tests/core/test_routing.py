@@ -1,4 +1,4 @@
-"""Routers and how the front end's EngineGroup uses them.
+"""Routers and how the front end's RoutedEngineGroup uses them; the disaggregated group, which has none.
 
 Real ``EngineClient`` objects talk to in-memory engines through a fake transport: each fake engine answers
 ``Hello`` with a ``Ready`` and records the requests it receives, so routing is checked end to end in the
@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 import pytest
 
-from tokenmill.engine_client import DisaggregatedGroup, EngineClient, EngineDeadError, EngineGroup
+from tokenmill.engine_client import DisaggregatedGroup, EngineClient, EngineDeadError, RoutedEngineGroup
 from tokenmill.hookspecs import Register, hookimpl
 from tokenmill.kv_cache.block_hash import block_hashes
 from tokenmill.messages import (
@@ -89,14 +89,17 @@ def _request(
 
 
 def _with_group(
-    router: Router, body: Callable[[EngineGroup, _FakeTransport], Awaitable[None]], num_engines: int = 3, **labels: str
+    router: Router,
+    body: Callable[[RoutedEngineGroup, _FakeTransport], Awaitable[None]],
+    num_engines: int = 3,
+    **labels: str,
 ) -> None:
     """Run ``body`` with a started group of ``num_engines`` fake engines routed by ``router``."""
 
     async def run() -> None:
         transport = _FakeTransport()
         clients = [EngineClient(f"fake://{index}", transport, index) for index in range(num_engines)]
-        group = EngineGroup(clients, router, **labels)
+        group = RoutedEngineGroup(clients, router, **labels)
         try:
             await asyncio.gather(*(client.start(timeout=5) for client in clients))
             await body(group, transport)
@@ -145,7 +148,7 @@ def test_round_robin_cycles_over_healthy_engines() -> None:
 
 
 def test_group_round_robin_skips_a_dead_engine() -> None:
-    async def body(group: EngineGroup, transport: _FakeTransport) -> None:
+    async def body(group: RoutedEngineGroup, transport: _FakeTransport) -> None:
         for number in range(3):
             group.add_request(_request(f"a{number}"))
         group.clients[1].is_dead = True
@@ -163,7 +166,7 @@ def test_prefix_hashes_match_the_engines_block_hashes() -> None:
     router = _RecordingRouter()
     prompt = list(range(100, 111))  # two full blocks of 4 and a partial one
 
-    async def body(group: EngineGroup, transport: _FakeTransport) -> None:
+    async def body(group: RoutedEngineGroup, transport: _FakeTransport) -> None:
         group.add_request(_request("plain", prompt))
         group.add_request(_request("salted", prompt, cache_salt="tenant-a"))
         group.add_request(_request("short", prompt[:3]))
@@ -186,7 +189,7 @@ def test_no_prefix_hashes_unless_the_router_asks() -> None:
 
     router = Blind()
 
-    async def body(group: EngineGroup, transport: _FakeTransport) -> None:
+    async def body(group: RoutedEngineGroup, transport: _FakeTransport) -> None:
         group.add_request(_request("r", list(range(16))))
 
     _with_group(router, body)
@@ -207,7 +210,7 @@ def _stats(num_outstanding_tokens: int = 0, **fields: Any) -> EngineStatsMessage
 
 
 def test_a_raising_router_falls_back_to_least_loaded_and_is_counted(caplog: pytest.LogCaptureFixture) -> None:
-    async def body(group: EngineGroup, transport: _FakeTransport) -> None:
+    async def body(group: RoutedEngineGroup, transport: _FakeTransport) -> None:
         await _report(transport, 0, _stats(500))
         await _report(transport, 1, _stats(100))
         await _report(transport, 2, _stats(300))
@@ -225,7 +228,7 @@ def test_a_raising_router_falls_back_to_least_loaded_and_is_counted(caplog: pyte
 
 @pytest.mark.parametrize("index", [3, -1])
 def test_an_index_out_of_range_falls_back_and_is_counted(index: int) -> None:
-    async def body(group: EngineGroup, transport: _FakeTransport) -> None:
+    async def body(group: RoutedEngineGroup, transport: _FakeTransport) -> None:
         await _report(transport, 0, _stats(50))
         group.add_request(_request(f"index-{index}"))
         assert _received(transport) == [[], [f"index-{index}"], []]  # 1 and 2 are idle; ties go to the lower
@@ -235,7 +238,7 @@ def test_an_index_out_of_range_falls_back_and_is_counted(index: int) -> None:
 
 
 def test_a_dead_engine_chosen_falls_back_to_a_healthy_one() -> None:
-    async def body(group: EngineGroup, transport: _FakeTransport) -> None:
+    async def body(group: RoutedEngineGroup, transport: _FakeTransport) -> None:
         group.clients[2].is_dead = True
         await _report(transport, 0, _stats(50))
         group.add_request(_request("index-2"))
@@ -258,7 +261,7 @@ def test_a_router_from_a_plugin_is_named_by_its_plugin(caplog: pytest.LogCapture
     router = plugins.create(Slot.ROUTER, "flaky")
     plugin_name = plugins.registry.get(Slot.ROUTER, "flaky").plugin
 
-    async def body(group: EngineGroup, transport: _FakeTransport) -> None:
+    async def body(group: RoutedEngineGroup, transport: _FakeTransport) -> None:
         group.add_request(_request("raise-2"))
         assert group.router_name == "flaky"
 
@@ -271,7 +274,7 @@ def test_a_router_from_a_plugin_is_named_by_its_plugin(caplog: pytest.LogCapture
 
 
 def test_states_carry_the_engines_stats_plus_the_requests_sent_since() -> None:
-    async def body(group: EngineGroup, transport: _FakeTransport) -> None:
+    async def body(group: RoutedEngineGroup, transport: _FakeTransport) -> None:
         await _report(transport, 1, _stats(40, num_free_kv_blocks=100))
         state = group.clients[1].state()
         assert (state.num_outstanding_tokens, state.num_free_kv_tokens) == (40, 100 * BLOCK_SIZE)
@@ -300,7 +303,7 @@ def test_states_say_how_much_of_the_prompt_each_engine_caches() -> None:
     prompt = list(range(100, 113))  # three full blocks of 4
     hashes = block_hashes(prompt, BLOCK_SIZE, HASH_SALT, None)
 
-    async def body(group: EngineGroup, transport: _FakeTransport) -> None:
+    async def body(group: RoutedEngineGroup, transport: _FakeTransport) -> None:
         await _report(transport, 1, _summary(1, hashes[:2], reset=True))
         await _report(transport, 2, _summary(1, hashes, reset=True))
         await _report(transport, 2, _summary(2, removed=hashes[1:2]))  # evicted: the chain breaks after block 0
@@ -319,7 +322,7 @@ def test_states_say_how_much_of_the_prompt_each_engine_caches() -> None:
 def test_a_missed_stats_message_asks_the_engine_for_a_snapshot() -> None:
     hashes = block_hashes(list(range(8)), BLOCK_SIZE, HASH_SALT, None)
 
-    async def body(group: EngineGroup, transport: _FakeTransport) -> None:
+    async def body(group: RoutedEngineGroup, transport: _FakeTransport) -> None:
         engine = transport.engines["fake://0"]
         num_hellos = engine.num_hellos
         await _report(transport, 0, _summary(1, hashes[:1], reset=True))
@@ -339,7 +342,7 @@ def test_disaggregated_requests_go_to_prefill_then_to_decode_with_the_kv_transfe
     async def run() -> None:
         transport = _FakeTransport()
         prefill, decode = (EngineClient(f"fake://{index}", transport, index) for index in range(2))
-        group = DisaggregatedGroup(prefill, decode, RoundRobinRouter())
+        group = DisaggregatedGroup(prefill, decode)
         await asyncio.gather(prefill.start(timeout=5), decode.start(timeout=5))
         prefill_engine, decode_engine = transport.engines["fake://0"], transport.engines["fake://1"]
         request = EngineCoreRequest("r", [1, 2, 3], SamplingParams(max_tokens=50, temperature=0.7), [0], 0.0)

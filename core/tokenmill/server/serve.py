@@ -1,7 +1,9 @@
 """`tokenmill serve`: start (or connect to) the engines, then serve HTTP until told to stop.
 
-With ``server.disaggregated_prefill`` the engines are a prefill engine and a
-decode engine joined by a ZeroMQ KV connector (``DisaggregatedGroup``).
+A router plugin (``server.router``) picks the engine of each request
+(``RoutedEngineGroup``). With ``server.disaggregated_prefill`` the engines are a
+prefill engine and a decode engine joined by a ZeroMQ KV connector
+(``DisaggregatedGroup``), and no router is built.
 
 Supervision (``EngineClient``): when an engine's process exits or its
 heartbeats stop, its in-flight requests fail at once with 503 and the engine is
@@ -38,9 +40,15 @@ import uvicorn
 
 from tokenmill.config import ConfigError, EngineConfig
 from tokenmill.config.cache import KVTierConfig
-from tokenmill.engine_client import DisaggregatedGroup, EngineClient, EngineGroup, start_local_engines
+from tokenmill.engine_client import (
+    DisaggregatedGroup,
+    EngineClient,
+    EngineGroup,
+    RoutedEngineGroup,
+    start_local_engines,
+)
 from tokenmill.model_files import DEFAULT_MODEL, resolve_tokenizer
-from tokenmill.plugin_manager import Slot, resolve_plugins
+from tokenmill.plugin_manager import PluginSystem, Slot, resolve_plugins
 from tokenmill.routing import Router
 from tokenmill.server.app import ServerState, build_app
 from tokenmill.server.metrics import ServerMetrics
@@ -130,8 +138,6 @@ async def _serve(config: EngineConfig) -> int:
     # misspelled router or transport fails at once with one line.
     plugins = resolve_plugins(config)
     transport = plugins.create(Slot.TRANSPORT, config.transport.backend)
-    router = plugins.create(Slot.ROUTER, config.server.router)
-    router_plugin = plugins.registry.get(Slot.ROUTER, config.server.router).plugin
     tenants = Tenants.from_config(config.server)  # a bad keys file fails here, before any engine starts
     # Before the signal handlers: ray.init installs a SIGTERM handler of its own.
     cluster = _connect_ray(config) if config.server.backend == "ray" else None
@@ -142,11 +148,13 @@ async def _serve(config: EngineConfig) -> int:
         loop.add_signal_handler(signum, shutdown.on_signal, signum)
     socket_dir = tempfile.mkdtemp(prefix="tokenmill-")  # the engines' sockets; removed on the way out
     try:
+        group: EngineGroup
         if cluster is not None:
             # Placing the replicas is part of starting them (_start), where a signal can stop the wait.
-            group = EngineGroup(cluster.start_engines(transport), router, config.server.router, router_plugin)
+            router, router_plugin = _router(config, plugins)
+            group = RoutedEngineGroup(cluster.start_engines(transport), router, config.server.router, router_plugin)
         else:
-            group = _engine_group(config, transport, router, router_plugin, socket_dir)
+            group = _engine_group(config, transport, plugins, socket_dir)
         shutdown.group = group
         try:
             state = await _start(config, group, shutdown, tenants)
@@ -176,13 +184,20 @@ def _connect_ray(config: EngineConfig) -> RayCluster:
     return RayCluster.connect(config)
 
 
-def _engine_group(config: EngineConfig, transport: Transport, router: Router, router_plugin: str,
+def _router(config: EngineConfig, plugins: PluginSystem) -> tuple[Router, str]:
+    """The router ``server.router`` names, and the plugin that registered it (the fallback's log names both)."""
+    router = plugins.create(Slot.ROUTER, config.server.router)
+    return router, plugins.registry.get(Slot.ROUTER, config.server.router).plugin
+
+
+def _engine_group(config: EngineConfig, transport: Transport, plugins: PluginSystem,
                   socket_dir: str) -> EngineGroup:  # fmt: skip
     """The engines (started now when local, unstarted clients) and who routes between them."""
     if config.server.disaggregated_prefill:
         configs = disaggregated_configs(config, socket_dir)
         prefill, decode = start_local_engines(config, 2, transport, configs, socket_dir)
-        return DisaggregatedGroup(prefill, decode, router)
+        return DisaggregatedGroup(prefill, decode)
+    router, router_plugin = _router(config, plugins)  # before any engine starts
     if config.server.engines:
         check_supported(transport, config.transport)
         security = frontend_security(config.transport)  # CURVE keys for tcp:// engines
@@ -193,7 +208,7 @@ def _engine_group(config: EngineConfig, transport: Transport, router: Router, ro
         ]
     else:
         clients = start_local_engines(config, config.server.data_parallel_size, transport, socket_dir=socket_dir)
-    return EngineGroup(clients, router, config.server.router, router_plugin)
+    return RoutedEngineGroup(clients, router, config.server.router, router_plugin)
 
 
 async def _start(config: EngineConfig, group: EngineGroup, shutdown: _Shutdown,
