@@ -83,12 +83,14 @@ class _RequestState:
 class KVCacheManager(ABC):
     """The bookkeeping of the paged KV cache: each request's block table, and the prefix cache.
 
-    One per engine process, built at start-up once the number of blocks is known as
-    ``cls(num_blocks, block_size, enable_prefix_caching=..., hash_salt=...)`` (plus ``options=`` when its
-    plugin declares options), and called only by the scheduler, from the engine loop, in the order the
-    module docstring shows. No method may block, touch device memory or call hooks. ``hash_salt`` names
-    the model and KV dtype: block hashes (``tokenmill.kv_cache.block_hash``) must be salted with it so
-    that a router or KV tier computing them elsewhere gets the same values.
+    One per engine process, built by the engine at start-up once the number of blocks is known, as
+    ``cls(num_blocks, block_size, enable_prefix_caching=..., hash_salt=...)``: the first two positional,
+    plus ``tiers=`` (a ``KVTierStack``, the configured ``kv_tiers`` nearest first) only when there are KV
+    tiers, and ``options=`` when its plugin declares options (a manager that takes no ``tiers`` works only
+    without KV tiers). It is called only by the scheduler, from the engine loop, in the order the module
+    docstring shows. No method may block, touch device memory or call hooks. ``hash_salt`` names the model
+    and KV dtype: block hashes (``tokenmill.kv_cache.block_hash``) must be salted with it so that a router
+    or KV tier computing them elsewhere gets the same values.
     """
 
     #: Registered name.

@@ -28,8 +28,8 @@ def check_kv_cache_manager(
     that attaches them; ``fork`` shares a table and the first write into a shared block is copied; ``free``
     returns every block (unknown ids are ignored), after which the whole pool can be allocated again.
 
-    :param manager: the class or a factory, called as ``manager(num_blocks, block_size,
-        enable_prefix_caching=..., hash_salt=...)``.
+    :param manager: the class or a factory, called as the engine builds a manager without KV tiers:
+        ``manager(num_blocks, block_size, enable_prefix_caching=..., hash_salt=...)`` (no ``tiers=``).
     :raises AssertionError: naming the call and what went wrong.
     """
     kv = manager(num_blocks, block_size, enable_prefix_caching=True, hash_salt="conformance")
