@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ import click
 from tokenmill.config import EngineConfig
 from tokenmill.config.options import config_options
 from tokenmill.errors import TokenmillError
+from tokenmill_plugins.commands.bench import options as opt
 from tokenmill_plugins.commands.bench.metrics import format_table, write_json
 from tokenmill_plugins.commands.bench.suite import SuiteOptions, format_comparison
 
@@ -36,33 +36,6 @@ class _BenchGroup(click.Group):
             return super().invoke(ctx)
         except TokenmillError as exc:
             raise click.ClickException(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
-
-
-_output_json = click.option(
-    "--output-json",
-    type=click.Path(dir_okay=False, path_type=Path),
-    help="Also write the report, with every parameter, to this JSON file.",
-)
-_seed = click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random prompts and lengths.")
-_input_len = click.option(
-    "--input-len", type=click.IntRange(min=1), default=256, show_default=True, help="Prompt tokens per request."
-)
-_output_len = click.option(
-    "--output-len", type=click.IntRange(min=1), default=128, show_default=True, help="Generated tokens per request."
-)
-_request_rate = click.option(
-    "--request-rate",
-    type=click.FloatRange(min=0, min_open=True),
-    default=math.inf,
-    show_default=True,
-    help="Mean requests per second, with Poisson (exponential-gap) arrivals; inf sends all at once (at most "
-    "--concurrency in flight).",
-)
-_mixed = click.option(
-    "--mixed",
-    is_flag=True,
-    help="Seeded log-normal prompt and output lengths with means --input-len/--output-len (clipped to 1/4..4x).",
-)
 
 
 def _report(
@@ -90,25 +63,17 @@ def bench() -> None:
     show_default=True,
     help="completions: token-id prompts of exact length; chat: random-word prompts of about that many tokens.",
 )
-@click.option(
-    "--concurrency", type=click.IntRange(min=1), default=1, show_default=True, help="Most requests in flight at once."
-)
-@click.option("--num-requests", type=click.IntRange(min=1), default=100, show_default=True, help="Requests to send.")
-@_input_len
-@_output_len
-@_request_rate
-@_mixed
-@_seed
+@opt.concurrency(1, "Most requests in flight at once.")
+@opt.num_requests(100, "Requests to send.")
+@opt.input_len()
+@opt.output_len()
+@opt.request_rate
+@opt.mixed
+@opt.seed
 @click.option("--api-key", default=None, help="Sent as 'Authorization: Bearer KEY'; never written to the report.")
-@click.option(
-    "--timeout",
-    type=click.FloatRange(min=0, min_open=True),
-    default=600.0,
-    show_default=True,
-    help="Seconds per request.",
-)
-@_output_json
-@click.option("--no-progress", is_flag=True, help="Hide the progress bar.")
+@opt.request_timeout()
+@opt.output_json
+@opt.no_progress()
 def serve(
     url: str,
     model: str | None,
@@ -148,15 +113,15 @@ def serve(
 
 @bench.command()
 @config_options
-@_input_len
-@_output_len
+@opt.input_len()
+@opt.output_len()
 @click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True, help="Prompts per iteration.")
 @click.option("--num-iters", type=click.IntRange(min=1), default=10, show_default=True, help="Timed iterations.")
 @click.option(
     "--num-iters-warmup", type=click.IntRange(min=0), default=1, show_default=True, help="Untimed iterations first."
 )
-@_seed
-@_output_json
+@opt.seed
+@opt.output_json
 def latency(
     config: EngineConfig,
     input_len: int,
@@ -189,11 +154,11 @@ def latency(
 @click.option(
     "--num-prompts", type=click.IntRange(min=1), default=100, show_default=True, help="Prompts, all submitted at once."
 )
-@_input_len
-@_output_len
-@_mixed
-@_seed
-@_output_json
+@opt.input_len()
+@opt.output_len()
+@opt.mixed
+@opt.seed
+@opt.output_json
 def throughput(
     config: EngineConfig,
     num_prompts: int,
@@ -214,31 +179,15 @@ def throughput(
     _report(report, output_json)
 
 
-def _int_list(ctx: click.Context, param: click.Parameter, value: str) -> list[int]:
-    try:
-        levels = [int(part) for part in value.split(",") if part.strip()]
-    except ValueError:
-        raise click.BadParameter(f"{value!r} is not a comma-separated list of integers, e.g. 1,4,16") from None
-    if not levels or min(levels) < 1:
-        raise click.BadParameter(f"{value!r}: give one or more levels, each at least 1")
-    return levels
-
-
 @bench.command()
 @config_options
-@click.option(
-    "--batch-size",
-    default="1,32",
-    show_default=True,
-    callback=_int_list,
-    help="Comma-separated batch sizes: decoding requests per step.",
-)
+@opt.int_list("--batch-size", "1,32", "Comma-separated batch sizes: decoding requests per step.")
 @click.option(
     "--context-len", type=click.IntRange(min=1), default=256, show_default=True, help="Tokens cached per request."
 )
 @click.option("--num-steps", type=click.IntRange(min=1), default=20, show_default=True, help="Timed repeats (median).")
-@_seed
-@_output_json
+@opt.seed
+@opt.output_json
 def step(
     config: EngineConfig,
     batch_size: list[int],
@@ -271,10 +220,10 @@ def step(
     multiple=True,
     help="Another model (checkpoint path or name) to time after --model, with the same settings. Repeatable.",
 )
-@click.option("--rows", default="1,32", show_default=True, callback=_int_list, help="Comma-separated input rows M.")
+@opt.int_list("--rows", "1,32", "Comma-separated input rows M.")
 @click.option("--repeats", type=click.IntRange(min=1), default=20, show_default=True, help="Timed passes (best).")
-@_seed
-@_output_json
+@opt.seed
+@opt.output_json
 def linears(
     config: EngineConfig, compare: tuple[str, ...], rows: list[int], repeats: int, seed: int, output_json: Path | None
 ) -> None:
@@ -309,28 +258,16 @@ def _suite_options(command: Callable[..., Any]) -> Callable[..., Any]:
         )
         return command(*args, **kwargs)
 
-    options: list[Callable[[Callable[..., Any]], Callable[..., Any]]] = [
-        _seed,
+    options: list[opt.Decorator] = [
+        opt.seed,
         click.option(
             "--no-hf-baseline",
             is_flag=True,
             help="Measure tokenmill alone; without it, transformers runs the same model after the server stops.",
         ),
-        click.option(
-            "--server-timeout",
-            type=click.FloatRange(min=0, min_open=True),
-            default=600.0,
-            show_default=True,
-            help="Seconds the server may take to load the model and answer /health.",
-        ),
-        click.option(
-            "--timeout",
-            type=click.FloatRange(min=0, min_open=True),
-            default=600.0,
-            show_default=True,
-            help="Seconds per request.",
-        ),
-        click.option("--no-progress", is_flag=True, help="Hide the progress bars."),
+        opt.server_timeout(),
+        opt.request_timeout(),
+        opt.no_progress("Hide the progress bars."),
         config_options,
     ]
     decorated: Callable[..., Any] = wrapper
@@ -339,23 +276,12 @@ def _suite_options(command: Callable[..., Any]) -> Callable[..., Any]:
     return decorated
 
 
-_peak_bandwidth = click.option(
-    "--peak-bandwidth-gbs",
-    type=click.FloatRange(min=0, min_open=True),
-    default=None,
-    help="Memory bandwidth (GB/s) for the decode-step roofline, such as a measured device-to-device copy's; "
-    "known GPUs (H100, H200) default to their datasheet peak.",
-)
-
-
 @bench.command()
-@click.option("--input-len", type=click.IntRange(min=1), default=128, show_default=True, help="Prompt tokens.")
-@click.option("--output-len", type=click.IntRange(min=2), default=128, show_default=True, help="Generated tokens.")
-@click.option(
-    "--num-requests", type=click.IntRange(min=1), default=5, show_default=True, help="Requests, one at a time."
-)
-@_peak_bandwidth
-@_output_json
+@opt.input_len(128, "Prompt tokens.")
+@opt.output_len(128, "Generated tokens.", minimum=2)
+@opt.num_requests(5, "Requests, one at a time.")
+@opt.peak_bandwidth
+@opt.output_json
 @_suite_options
 def decode(
     options: SuiteOptions,
@@ -379,30 +305,21 @@ def decode(
 
 
 @bench.command()
-@click.option(
-    "--concurrency",
-    default="1,4,16,32,64",
-    show_default=True,
-    callback=_int_list,
-    help="Comma-separated concurrency levels, measured in order against one server.",
+@opt.int_list(
+    "--concurrency", "1,4,16,32,64", "Comma-separated concurrency levels, measured in order against one server."
 )
-@click.option("--input-len", type=click.IntRange(min=1), default=128, show_default=True, help="Prompt tokens.")
-@click.option("--output-len", type=click.IntRange(min=1), default=128, show_default=True, help="Generated tokens.")
-@click.option(
-    "--num-requests",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Requests per level.  [default: max(2 x concurrency, 8)]",
-)
-@_mixed
+@opt.input_len(128, "Prompt tokens.")
+@opt.output_len(128, "Generated tokens.")
+@opt.num_requests(None, "Requests per level.  [default: max(2 x concurrency, 8)]")
+@opt.mixed
 @click.option(
     "--hf-max-batch",
     type=click.IntRange(min=1),
     default=None,
     help="Skip the transformers baseline at levels above this batch size (it is slow on CPU).",
 )
-@_peak_bandwidth
-@_output_json
+@opt.peak_bandwidth
+@opt.output_json
 @_suite_options
 def sweep(
     options: SuiteOptions,
@@ -435,24 +352,10 @@ def sweep(
 @click.option(
     "--prefix-len", type=click.IntRange(min=1), default=1000, show_default=True, help="Tokens of the shared prefix."
 )
-@click.option(
-    "--question-len",
-    type=(click.IntRange(min=1), click.IntRange(min=1)),
-    default=(16, 32),
-    show_default=True,
-    help="Shortest and longest distinct question after the prefix, in tokens.",
-)
-@click.option(
-    "--output-len", type=click.IntRange(min=1), default=16, show_default=True, help="Generated tokens per request."
-)
-@click.option(
-    "--num-requests",
-    type=click.IntRange(min=1),
-    default=16,
-    show_default=True,
-    help="Measured requests per server, one at a time, after one warm-up.",
-)
-@_output_json
+@opt.length_range("--question-len", (16, 32), "Shortest and longest distinct question after the prefix, in tokens.")
+@opt.output_len(16)
+@opt.num_requests(16, "Measured requests per server, one at a time, after one warm-up.")
+@opt.output_json
 @_suite_options
 def prefix(
     options: SuiteOptions,
@@ -465,8 +368,6 @@ def prefix(
     """TTFT of prompts sharing a long prefix, with prefix caching on and off, vs transformers prefill."""
     from tokenmill_plugins.commands.bench.suite import run_prefix
 
-    if question_len[0] > question_len[1]:
-        raise click.BadParameter(f"{question_len[0]} > {question_len[1]}", param_hint="--question-len")
     report = run_prefix(
         options, prefix_len=prefix_len, question_lens=question_len, output_len=output_len, num_requests=num_requests
     )
@@ -474,14 +375,10 @@ def prefix(
 
 
 @bench.command()
-@click.option("--input-len", type=click.IntRange(min=1), default=2000, show_default=True, help="Prompt tokens.")
-@click.option(
-    "--output-len", type=click.IntRange(min=1), default=1, show_default=True, help="Generated tokens per request."
-)
-@click.option(
-    "--num-requests", type=click.IntRange(min=1), default=3, show_default=True, help="Requests, one at a time."
-)
-@_output_json
+@opt.input_len(2000, "Prompt tokens.")
+@opt.output_len(1)
+@opt.num_requests(3, "Requests, one at a time.")
+@opt.output_json
 @_suite_options
 def prefill(
     options: SuiteOptions, input_len: int, output_len: int, num_requests: int, output_json: Path | None
@@ -502,17 +399,10 @@ def prefill(
     show_default=True,
     help="'copy': rewrite, proofread, summarise or edit text and code given in the prompt; 'chat': open questions.",
 )
-@click.option(
-    "--concurrency",
-    "concurrency_levels",
-    default="1,32",
-    show_default=True,
-    callback=_int_list,
-    help="Comma-separated concurrency levels (requests in flight at once).",
+@opt.int_list(
+    "--concurrency", "1,32", "Comma-separated concurrency levels (requests in flight at once).", "concurrency_levels"
 )
-@click.option(
-    "--output-len", type=click.IntRange(min=1), default=128, show_default=True, help="Most tokens per answer."
-)
+@opt.output_len(128, "Most tokens per answer.")
 @click.option(
     "--num-prompts",
     type=click.IntRange(min=1),
@@ -523,7 +413,7 @@ def prefill(
 @click.option(
     "--rounds", type=click.IntRange(min=1), default=2, show_default=True, help="Alternated rounds (best kept)."
 )
-@_output_json
+@opt.output_json
 def speculative(
     config: EngineConfig,
     workload: str,
@@ -563,11 +453,11 @@ def speculative(
 @click.option("--conversations-per-document", type=click.IntRange(min=1), default=2, show_default=True)
 @click.option("--turns", type=click.IntRange(min=1), default=3, show_default=True, help="Turns per conversation.")
 @click.option("--turn-len", type=click.IntRange(min=1), default=32, show_default=True, help="Tokens per question.")
-@click.option("--input-len", type=click.IntRange(min=2), default=2000, show_default=True, help="restart: prompt.")
-@click.option("--output-len", type=click.IntRange(min=1), default=16, show_default=True, help="Tokens per answer.")
+@opt.input_len(2000, "restart: prompt.", minimum=2)
+@opt.output_len(16, "Tokens per answer.")
 @click.option("--rounds", type=click.IntRange(min=1), default=1, show_default=True, help="multi-turn: repeats.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random prompts.")
-@_output_json
+@opt.seed
+@opt.output_json
 def kv_tiers(
     config: EngineConfig,
     workload: str,
@@ -599,20 +489,12 @@ def kv_tiers(
 @bench.command("engine-kills")
 @config_options
 @click.option("--kills", type=click.IntRange(min=1), default=20, show_default=True, help="SIGKILLs of engine 0.")
-@click.option("--concurrency", type=click.IntRange(min=1), default=8, show_default=True, help="Streams kept in flight.")
-@click.option("--input-len", type=click.IntRange(min=1), default=64, show_default=True, help="Prompt tokens.")
-@click.option(
-    "--output-len", type=click.IntRange(min=1), default=256, show_default=True, help="Generated tokens per request."
-)
-@_seed
-@click.option(
-    "--server-timeout",
-    type=click.FloatRange(min=0, min_open=True),
-    default=600.0,
-    show_default=True,
-    help="Seconds the server may take to start, and to serve again after a kill.",
-)
-@_output_json
+@opt.concurrency(8, "Streams kept in flight.")
+@opt.input_len(64, "Prompt tokens.")
+@opt.output_len(256)
+@opt.seed
+@opt.server_timeout("Seconds the server may take to start, and to serve again after a kill.")
+@opt.output_json
 def engine_kills(
     config: EngineConfig,
     kills: int,
@@ -654,12 +536,6 @@ class _Duration(click.ParamType):
         return seconds
 
 
-def _length_range(ctx: click.Context, param: click.Parameter, value: tuple[int, int]) -> tuple[int, int]:
-    if value[0] > value[1]:
-        raise click.BadParameter(f"MIN {value[0]} > MAX {value[1]}")
-    return value
-
-
 @bench.command()
 @config_options
 @click.option(
@@ -677,37 +553,27 @@ def _length_range(ctx: click.Context, param: click.Parameter, value: tuple[int, 
     help="'shared-prefix': tenants with long system prompts, short user suffixes, interleaved; 'mixed': log-normal "
     "prompt and output lengths (means --input-len, --output-len).",
 )
-@click.option(
-    "--num-requests", type=click.IntRange(min=1), default=200, show_default=True, help="Per workload and router."
-)
-@click.option("--concurrency", type=click.IntRange(min=1), default=16, show_default=True, help="Requests in flight.")
-@_request_rate
+@opt.num_requests(200, "Per workload and router.")
+@opt.concurrency(16)
+@opt.request_rate
 @click.option("--tenants", type=click.IntRange(min=1), default=8, show_default=True, help="shared-prefix: tenants.")
 @click.option(
     "--system-prompt-len", type=click.IntRange(min=1), default=1024, show_default=True,
     help="shared-prefix: tokens of each tenant's system prompt.",
 )  # fmt: skip
-@click.option(
-    "--suffix-len", type=(click.IntRange(min=1), click.IntRange(min=1)), default=(16, 64), show_default=True,
-    callback=_length_range, help="shared-prefix: shortest and longest user suffix, in tokens.",
-)  # fmt: skip
+@opt.length_range("--suffix-len", (16, 64), "shared-prefix: shortest and longest user suffix, in tokens.")
 @click.option(
     "--kv-fraction", type=click.FloatRange(min=0, min_open=True), default=0.6, show_default=True,
     help="shared-prefix, without --num-kv-blocks: each engine's KV cache holds this share of all the tenants' system "
     "prompts (plus room for the running requests).",
 )  # fmt: skip
-@click.option("--input-len", type=click.IntRange(min=1), default=512, show_default=True, help="mixed: mean prompt.")
-@click.option("--output-len", type=click.IntRange(min=1), default=64, show_default=True, help="Generated tokens.")
-@_seed
-@click.option(
-    "--server-timeout", type=click.FloatRange(min=0, min_open=True), default=600.0, show_default=True,
-    help="Seconds each server may take to load the model and answer /health.",
-)  # fmt: skip
-@click.option(
-    "--timeout", type=click.FloatRange(min=0, min_open=True), default=600.0, show_default=True, help="Per request (s)."
-)
-@click.option("--no-progress", is_flag=True, help="Hide the progress bars.")
-@_output_json
+@opt.input_len(512, "mixed: mean prompt.")
+@opt.output_len(64, "Generated tokens.")
+@opt.seed
+@opt.server_timeout("Seconds each server may take to load the model and answer /health.")
+@opt.request_timeout()
+@opt.no_progress("Hide the progress bars.")
+@opt.output_json
 def routers(
     config: EngineConfig,
     router_names: str,
@@ -766,25 +632,11 @@ def routers(
     show_default=True,
     help="The first part of the load, after which RSS growth is measured.",
 )
-@click.option(
-    "--concurrency", type=click.IntRange(min=1), default=16, show_default=True, help="Requests in flight at once."
+@opt.concurrency(16)
+@opt.length_range(
+    "--input-len", (16, 512), "Shortest and longest prompt, in tokens (about, for text prompts), drawn uniformly."
 )
-@click.option(
-    "--input-len",
-    type=(click.IntRange(min=1), click.IntRange(min=1)),
-    default=(16, 512),
-    show_default=True,
-    callback=_length_range,
-    help="Shortest and longest prompt, in tokens (about, for text prompts), drawn uniformly.",
-)
-@click.option(
-    "--output-len",
-    type=(click.IntRange(min=1), click.IntRange(min=1)),
-    default=(8, 256),
-    show_default=True,
-    callback=_length_range,
-    help="Smallest and largest max_tokens, drawn uniformly.",
-)
+@opt.length_range("--output-len", (8, 256), "Smallest and largest max_tokens, drawn uniformly.")
 @click.option(
     "--abort-fraction",
     type=click.FloatRange(0, 1),
@@ -809,18 +661,10 @@ def routers(
     show_default=True,
     help="Where report.json, samples.csv, rss.svg (and the server's log) go.",
 )
-@_seed
-@click.option(
-    "--timeout", type=click.FloatRange(min=0, min_open=True), default=300.0, show_default=True, help="Per request (s)."
-)
-@click.option(
-    "--server-timeout",
-    type=click.FloatRange(min=0, min_open=True),
-    default=600.0,
-    show_default=True,
-    help="Seconds the server may take to load the model and answer /health.",
-)
-@click.option("--no-progress", is_flag=True, help="Hide the progress line.")
+@opt.seed
+@opt.request_timeout(300.0)
+@opt.server_timeout()
+@opt.no_progress("Hide the progress line.")
 @config_options
 def soak(
     config: EngineConfig,
@@ -903,7 +747,7 @@ def _accuracy_variant(ctx: click.Context, param: click.Parameter, value: tuple[s
     default=None,
     help="Exit 1 when a variant's chosen-token logprob error exceeds this many nats on any prompt.",
 )
-@_output_json
+@opt.output_json
 def accuracy(
     config: EngineConfig, variants: list[Any], max_tokens: int, max_error: float | None, output_json: Path | None
 ) -> None:
