@@ -13,6 +13,11 @@ there. torch keys its directory by the extension's name alone, and ninja rebuild
 source path in its command changes, so two clones or installs sharing one cache used to rebuild
 each other's kernels on every start; now each build's inputs have one directory of their own.
 
+The headers the extensions share (``cpu_common/isa.h``: the run-time choice of an instruction-set variant) live
+under :data:`INCLUDE_ROOT` and are included by their path from there (``#include "cpu_common/isa.h"``). A build
+copies those its source includes (:func:`local_headers`) into ``include/`` in its directory, passed with ``-I``,
+and their bytes are part of the key: an edited header rebuilds every extension that includes it, and no other.
+
 Every extension is built with ``-fopenmp``: ``at::parallel_for`` is a header template that runs
 in parallel only when compiled with OpenMP, and the libgomp it links is matched by soname to the
 one torch has loaded, so ``torch.set_num_threads`` governs the kernels' threads too.
@@ -24,12 +29,14 @@ import functools
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
 import sysconfig
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from types import ModuleType
 
@@ -39,19 +46,35 @@ logger = logging.getLogger(__name__)
 
 _OPENMP_FLAGS = ("-fopenmp",)
 
+#: The folder the extensions' shared headers are included from: ``cpu_common/isa.h`` is ``INCLUDE_ROOT / "cpu_common"
+#: / "isa.h"``.
+INCLUDE_ROOT = Path(__file__).resolve().parent
+
+_QUOTED_INCLUDE = re.compile(rb'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.MULTILINE)
+
 
 class CppExtension:
     """One C++ source file built into one importable extension, lazily and once per process."""
 
-    def __init__(self, name: str, source: Path, cflags: list[str], description: str, build_seconds: int = 60) -> None:
+    def __init__(
+        self,
+        name: str,
+        source: Path,
+        cflags: list[str],
+        description: str,
+        build_seconds: int = 60,
+        include_root: Path = INCLUDE_ROOT,
+    ) -> None:
         """``name`` is the importable module's name (and starts its build directory's); ``cflags``
         are the compiler flags beyond ``-fopenmp``; ``description`` names the kernels in errors and
-        in the build message, with ``build_seconds`` as its estimate."""
+        in the build message, with ``build_seconds`` as its estimate; ``include_root`` is where the
+        headers the source includes with quotes are looked up (:func:`local_headers`)."""
         self.name = name
         self.source = source
         self.cflags = cflags
         self.description = description
         self.build_seconds = build_seconds
+        self.include_root = include_root
         self._module: ModuleType | None = None
         self._lock = threading.Lock()
 
@@ -90,25 +113,47 @@ class CppExtension:
                 self._module = self._build_or_load()
         return self._module
 
-    def build_directory(self, source: bytes) -> Path:
-        """Where the build of ``source`` (this extension's C++) with this torch and Python lives."""
+    def supported_isas(self) -> list[str]:
+        """The variants of the kernels this CPU can run, best last: the extension's ``supported_isas()``, which
+        an extension with variants defines through its ``tokenmill::IsaChoice`` (``cpu_common/isa.h``)."""
+        return list(self.load().supported_isas())
+
+    def isa(self) -> str:
+        """The variant the kernels run now: the best supported, unless :meth:`set_isa` said otherwise."""
+        return str(self.load().isa())
+
+    def set_isa(self, name: str) -> None:
+        """Run variant ``name`` (one of :meth:`supported_isas`, or ``"auto"`` for the best) in this process from
+        now on; ``ValueError`` names the supported ones."""
+        self.load().set_isa(name)
+
+    def build_directory(self, source: bytes, headers: Mapping[str, bytes] | None = None) -> Path:
+        """Where the build of ``source`` (this extension's C++) and ``headers`` (by default those it
+        includes, :func:`local_headers`) with this torch and Python lives."""
+        if headers is None:
+            headers = local_headers(source, self.include_root)
         root = os.environ.get("TORCH_EXTENSIONS_DIR") or _cpp_extension().get_default_build_root()
         toolchain = f"{_compiler()} ninja {_ninja_version()}"
         key = build_key(
-            source, [*self.cflags, *_OPENMP_FLAGS], [*_OPENMP_FLAGS], toolchain, torch.__version__, _python_abi()
+            source,
+            [*self.cflags, *_OPENMP_FLAGS],
+            [*_OPENMP_FLAGS],
+            toolchain,
+            torch.__version__,
+            _python_abi(),
+            headers=headers,
         )
         return Path(root) / f"{self.name}-{key}"
 
     def _build_or_load(self) -> ModuleType:
         source = self.source.read_bytes()
-        directory = self.build_directory(source)
-        directory.mkdir(parents=True, exist_ok=True)
-        # Compile a copy kept beside the build: ninja's command then names no clone's own path.
-        copy = directory / self.source.name
-        if not copy.exists() or copy.read_bytes() != source:
-            partial = copy.with_name(f"{copy.name}.{os.getpid()}.tmp")
-            partial.write_bytes(source)
-            partial.replace(copy)
+        headers = local_headers(source, self.include_root)
+        directory = self.build_directory(source, headers)
+        # Compile copies kept beside the build: ninja's command then names no clone's own path.
+        _write_if_changed(directory / self.source.name, source)
+        include = directory / "include"
+        for header, text in headers.items():
+            _write_if_changed(include / header, text)
         is_built = (directory / f"{self.name}.so").exists()
         if not is_built:
             logger.info(
@@ -120,7 +165,8 @@ class CppExtension:
         started = time.monotonic()
         module = _cpp_extension().load(
             name=self.name,
-            sources=[str(copy)],
+            sources=[str(directory / self.source.name)],
+            extra_include_paths=[str(include)] if headers else None,
             extra_cflags=[*self.cflags, *_OPENMP_FLAGS],
             extra_ldflags=[*_OPENMP_FLAGS],  # a list of its own: torch appends its libraries to it
             build_directory=str(directory),
@@ -132,17 +178,45 @@ class CppExtension:
 
 
 def build_key(
-    source: bytes, cflags: list[str], ldflags: list[str], toolchain: str, torch_version: str, python_abi: str
+    source: bytes,
+    cflags: list[str],
+    ldflags: list[str],
+    toolchain: str,
+    torch_version: str,
+    python_abi: str,
+    headers: Mapping[str, bytes] | None = None,
 ) -> str:
     """A short hash of everything a build depends on: the source's bytes, the flags, the toolchain (the
-    compiler's name and ninja's version), the torch version and the Python ABI (``cpython-311-x86_64-linux-gnu``).
+    compiler's name and ninja's version), the torch version, the Python ABI (``cpython-311-x86_64-linux-gnu``)
+    and the headers the source includes (their paths as included, and bytes; none leaves the key as it was).
 
     Ninja is in it because versions record commands differently: a build directory shared by two
     ninjas (a venv's and the system's) was rebuilt by each after the other."""
     digest = hashlib.sha256(source)
     for part in (" ".join(cflags), " ".join(ldflags), toolchain, torch_version, python_abi):
         digest.update(b"\0" + str(part).encode())
+    for name, text in sorted((headers or {}).items()):
+        digest.update(b"\0%s\0%d\0" % (name.encode(), len(text)) + text)
     return digest.hexdigest()[:16]
+
+
+def local_headers(source: bytes, root: Path = INCLUDE_ROOT) -> dict[str, bytes]:
+    """The headers ``source`` includes with quotes (``#include "cpu_common/isa.h"``) that are files under ``root``,
+    and those these include in the same way, each by its path as included: ``{"cpu_common/isa.h": bytes}``.
+
+    Paths are taken from ``root``, not from the including file's folder; other includes (``<torch/extension.h>``,
+    a name not under ``root``, an absolute one, one with ``..``) are left to the compiler's own search."""
+    headers: dict[str, bytes] = {}
+    pending = [source]
+    while pending:
+        for match in _QUOTED_INCLUDE.finditer(pending.pop()):
+            name = match.group(1).decode(errors="replace")
+            path = root / name
+            if name in headers or Path(name).is_absolute() or ".." in Path(name).parts or not path.is_file():
+                continue
+            headers[name] = path.read_bytes()
+            pending.append(headers[name])
+    return headers
 
 
 def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str] | None:
@@ -155,6 +229,17 @@ def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str] | None:
         if line.startswith("flags"):
             return frozenset(line.partition(":")[2].split())
     return None
+
+
+def _write_if_changed(path: Path, data: bytes) -> None:
+    """Put ``data`` at ``path`` unless it is there already, whole: a process reading it meanwhile sees the old
+    file or the new one."""
+    if path.exists() and path.read_bytes() == data:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    partial.write_bytes(data)
+    partial.replace(path)
 
 
 def _python_abi() -> str:

@@ -54,6 +54,49 @@ def test_build_key_changes_with_every_input_and_nothing_else() -> None:
     )
 
 
+def test_build_key_covers_the_included_headers() -> None:
+    inputs = (b'#include "cpu_common/isa.h"', ["-O3"], ["-fopenmp"], "c++ ninja 1.11.1", "2.13.0+cpu", "cpython-311")
+    header = {"cpu_common/isa.h": b"#pragma once\n"}
+    key = cpp_build.build_key(*inputs, headers=header)
+    assert key != cpp_build.build_key(*inputs)
+    assert cpp_build.build_key(*inputs, headers={}) == cpp_build.build_key(*inputs)  # no headers: the key as before
+    edited = {"cpu_common/isa.h": b"#pragma once\n// edited\n"}
+    moved = {"cpu_common/isa2.h": b"#pragma once\n"}
+    keys = {cpp_build.build_key(*inputs, headers=other) for other in (edited, moved)}
+    assert key not in keys and len(keys) == 2
+    # Each header's length is hashed with it: bytes moved from one header to the next still count.
+    one_way, other_way = {"a.h": b"12", "b.h": b"3"}, {"a.h": b"1", "b.h": b"23"}
+    assert cpp_build.build_key(*inputs, headers=one_way) != cpp_build.build_key(*inputs, headers=other_way)
+
+
+def test_local_headers_follows_quoted_includes_under_the_root(tmp_path: Path) -> None:
+    (tmp_path / "cpu_common").mkdir()
+    (tmp_path / "cpu_common" / "isa.h").write_text('#pragma once\n#include "cpu_common/util.h"\n#include <atomic>\n')
+    (tmp_path / "cpu_common" / "util.h").write_text('#pragma once\n  #  include "cpu_common/isa.h"\n')
+    (tmp_path / "outside.h").write_text("// not under the root's cpu_common, but under the root\n")
+    source = b'#include <torch/extension.h>\n#include "cpu_common/isa.h"\n#include "missing.h"\n#include "../x.h"\n'
+    source += f'#include "{tmp_path / "outside.h"}"\n'.encode()  # absolute: the compiler finds it, not a copy
+    headers = cpp_build.local_headers(source, tmp_path)
+    assert headers == {
+        "cpu_common/isa.h": (tmp_path / "cpu_common" / "isa.h").read_bytes(),
+        "cpu_common/util.h": (tmp_path / "cpu_common" / "util.h").read_bytes(),
+    }
+    assert cpp_build.local_headers(b'// #include "outside.h" in a comment\n', tmp_path) == {}
+
+
+def test_an_edited_header_gets_its_own_build_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "cache"))
+    (tmp_path / "cpu_common").mkdir()
+    header = tmp_path / "cpu_common" / "isa.h"
+    header.write_text("#pragma once\n")
+    source = tmp_path / "kernel.cpp"
+    source.write_text('#include "cpu_common/isa.h"\n')
+    extension = CppExtension("tokenmill_test", source, ["-O3"], "test kernels", include_root=tmp_path)
+    directory = extension.build_directory(source.read_bytes())
+    header.write_text("#pragma once\n// edited\n")
+    assert extension.build_directory(source.read_bytes()) != directory
+
+
 def test_two_clones_share_one_build_directory_and_an_edit_gets_its_own(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -107,3 +150,55 @@ def test_a_build_logs_one_line_and_a_cached_load_none(
     CppExtension("tokenmill_test", source, ["-O3"], "test kernels").load()  # a new process: built already
     assert len(calls) == 2 and not [r for r in caplog.records if r.levelno >= logging.INFO]
     assert calls[1][2] == build_directory  # the first load changed nothing the key depends on
+
+
+def test_a_build_compiles_copies_of_its_headers_on_an_include_path_of_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch's ``load`` is replaced: what it is given names only the build directory, which holds the copies."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "cache"))
+    (tmp_path / "cpu_common").mkdir()
+    (tmp_path / "cpu_common" / "isa.h").write_text("// the shared header\n")
+    source = tmp_path / "kernel.cpp"
+    source.write_text('#include "cpu_common/isa.h"\n')
+    calls = []
+
+    def fake_load(name: str, build_directory: str, extra_include_paths: list[str] | None, **_: object) -> ModuleType:
+        calls.append((build_directory, extra_include_paths))
+        return ModuleType(name)
+
+    monkeypatch.setattr(cpp_build._cpp_extension(), "load", fake_load)
+    monkeypatch.setattr(CppExtension, "missing", lambda self: [])
+    CppExtension("tokenmill_test", source, ["-O3"], "test kernels", include_root=tmp_path).load()
+    [(build_directory, include_paths)] = calls
+    assert include_paths == [str(Path(build_directory) / "include")]
+    assert (Path(build_directory) / "include" / "cpu_common" / "isa.h").read_text() == "// the shared header\n"
+
+    plain = tmp_path / "plain.cpp"
+    plain.write_text("// includes nothing of ours\n")
+    CppExtension("tokenmill_plain", plain, [], "test kernels", include_root=tmp_path).load()
+    assert calls[1][1] is None and not (Path(calls[1][0]) / "include").exists()
+
+
+def test_the_isa_calls_go_to_the_extension(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``supported_isas``, ``isa`` and ``set_isa`` are the compiled module's (``tokenmill::IsaChoice::def``), with
+    their results as Python lists and strings; the module's ``ValueError`` reaches the caller."""
+    chosen = ["avx512"]
+
+    def set_isa(name: str) -> None:
+        if name not in ("auto", "avx2", "avx512"):
+            raise ValueError(f'isa must be "auto" or one this CPU supports (avx2, avx512), got "{name}"')
+        chosen[0] = "avx512" if name == "auto" else name
+
+    module = ModuleType("tokenmill_fake")
+    module.supported_isas = lambda: ("avx2", "avx512")  # type: ignore[attr-defined]
+    module.isa = lambda: chosen[0]  # type: ignore[attr-defined]
+    module.set_isa = set_isa  # type: ignore[attr-defined]
+    extension = CppExtension("tokenmill_fake", Path("unused.cpp"), [], "test kernels")
+    monkeypatch.setattr(extension, "_module", module)
+    assert extension.supported_isas() == ["avx2", "avx512"]
+    extension.set_isa("avx2")
+    assert extension.isa() == "avx2"
+    with pytest.raises(ValueError, match='got "sse2"'):
+        extension.set_isa("sse2")
+    assert extension.isa() == "avx2"
