@@ -64,12 +64,12 @@ def linear(x: Tensor, packed: Tensor, out_features: int, bias: Tensor | None = N
 
 def supported_isas() -> list[str]:
     """The kernel variants this CPU can run, best last: ``"avx2"``, then ``"avx512"``."""
-    return list(load().supported_isas())
+    return _EXTENSION.supported_isas()
 
 
 def isa() -> str:
     """The variant :func:`linear` uses now."""
-    return str(load().isa())
+    return _EXTENSION.isa()
 
 
 def set_isa(name: str) -> None:
@@ -77,4 +77,4 @@ def set_isa(name: str) -> None:
 
     Raises ``ValueError`` for a variant the CPU lacks. Outputs do not change, only speed.
     """
-    load().set_isa(name)
+    _EXTENSION.set_isa(name)

@@ -79,12 +79,12 @@ def paged_attention(
 def supported_isas() -> list[str]:
     """The kernel variants this CPU can run, best last: ``"avx2"``, and ``"avx512"`` (the loops over head_dim
     on 512-bit vectors) where the CPU has AVX-512 F, BW, VL and DQ."""
-    return list(_EXTENSION.load().supported_isas())
+    return _EXTENSION.supported_isas()
 
 
 def isa() -> str:
     """The variant :func:`paged_attention` runs now (the best supported, unless :func:`set_isa` said otherwise)."""
-    return str(_EXTENSION.load().isa())
+    return _EXTENSION.isa()
 
 
 def set_isa(name: str) -> None:
@@ -92,4 +92,4 @@ def set_isa(name: str) -> None:
 
     For tests and benchmarks; the variants differ in float32 summation order only. ``ValueError`` names the
     supported ones."""
-    _EXTENSION.load().set_isa(name)
+    _EXTENSION.set_isa(name)

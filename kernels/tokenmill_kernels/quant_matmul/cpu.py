@@ -92,12 +92,12 @@ def quantize_activations(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 def supported_isas() -> list[str]:
     """The kernel variants this CPU can run, best last: ``"avx2"``, then ``"avx_vnni"``, ``"avx512"``."""
-    return list(load().supported_isas())
+    return _EXTENSION.supported_isas()
 
 
 def isa() -> str:
     """The variant :func:`matmul_int8` and :func:`matmul_int4` use now."""
-    return str(load().isa())
+    return _EXTENSION.isa()
 
 
 def set_isa(name: str) -> None:
@@ -105,4 +105,4 @@ def set_isa(name: str) -> None:
 
     Raises ``ValueError`` for a variant the CPU lacks. Outputs do not change, only speed.
     """
-    load().set_isa(name)
+    _EXTENSION.set_isa(name)

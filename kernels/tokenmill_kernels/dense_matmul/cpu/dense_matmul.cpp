@@ -21,10 +21,10 @@
 #include <torch/extension.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
-#include <string>
 #include <vector>
+
+#include "cpu_common/isa.h"
 
 namespace {
 
@@ -173,17 +173,14 @@ void matmul(const Problem& p) {
 }
 
 enum class Isa { kAvx2, kAvx512 };
-constexpr const char* kIsaNames[] = {"avx2", "avx512"};  // indexed by Isa
 
-// What this CPU (and OS, for the AVX-512 state) supports, best last; AVX2 + FMA is checked before the build.
-std::vector<Isa> supported_isas() {
+// What linear runs; set_isa changes it. The variants this CPU (and OS, for the AVX-512 state) supports, best last;
+// AVX2 + FMA is checked before the build.
+tokenmill::IsaChoice<Isa> g_isa({"avx2", "avx512"}, [] {
   std::vector<Isa> isas{Isa::kAvx2};
-  __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f")) isas.push_back(Isa::kAvx512);
   return isas;
-}
-
-std::atomic<Isa> g_isa{supported_isas().back()};  // what linear runs; set_isa changes it
+});
 
 torch::Tensor pack(const torch::Tensor& weight) {
   TORCH_CHECK_VALUE(weight.dim() == 2 && weight.scalar_type() == torch::kFloat32 && weight.device().is_cpu(),
@@ -221,38 +218,12 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_
   auto y = torch::empty({M, N}, x.options());
   if (M == 0) return y;
   const Problem p{x.data_ptr<float>(), packed.data_ptr<float>(), bias_ptr, y.data_ptr<float>(), M, N, K};
-  if (g_isa.load() == Isa::kAvx512) {
+  if (g_isa.get() == Isa::kAvx512) {
     matmul<Avx512>(p);
   } else {
     matmul<Avx2>(p);
   }
   return y;
-}
-
-std::vector<std::string> supported_isa_names() {
-  std::vector<std::string> names;
-  for (Isa isa : supported_isas()) names.emplace_back(kIsaNames[static_cast<int>(isa)]);
-  return names;
-}
-
-std::string isa_name() { return kIsaNames[static_cast<int>(g_isa.load())]; }
-
-void set_isa(const std::string& name) {
-  const std::vector<Isa> isas = supported_isas();
-  if (name == "auto") {
-    g_isa = isas.back();
-    return;
-  }
-  for (Isa isa : isas) {
-    if (name == kIsaNames[static_cast<int>(isa)]) {
-      g_isa = isa;
-      return;
-    }
-  }
-  std::string known;
-  for (const std::string& n : supported_isa_names()) known += ", " + n;
-  TORCH_CHECK_VALUE(false, "isa must be \"auto\" or one this CPU supports (", known.substr(2), "), got \"", name,
-                    "\"");
 }
 
 }  // namespace
@@ -262,7 +233,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "float32 weight [N, K] -> panels [ceil(N/32), K, 32]", py::arg("weight"));
   m.def("linear", &linear, "x [M, K] f32 @ W.T (+ bias) -> [M, N] f32, W given as pack(W)", py::arg("x"),
         py::arg("packed"), py::arg("N"), py::arg("bias") = py::none());
-  m.def("supported_isas", &supported_isa_names, "the kernel variants this CPU can run, best last");
-  m.def("isa", &isa_name, "the variant linear uses now");
-  m.def("set_isa", &set_isa, "use this variant from now on (\"auto\": the best supported)", py::arg("name"));
+  g_isa.def(m, "the variant linear uses now");
 }

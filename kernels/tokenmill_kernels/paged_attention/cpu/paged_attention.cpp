@@ -21,13 +21,13 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <atomic>
-#include <string>
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
+
+#include "cpu_common/isa.h"
 
 namespace {
 
@@ -618,24 +618,21 @@ void attend_items(const Problem<T>& p, int64_t begin, int64_t end) {
 }
 
 enum class Isa { kAvx2, kAvx512 };
-constexpr const char* kIsaNames[] = {"avx2", "avx512"};  // indexed by Isa
 
-// What this CPU supports, best last (AVX2 + FMA + F16C are checked before the build).
-std::vector<Isa> supported_isas() {
+// What paged_attention runs; set_isa changes it. The variants this CPU supports, best last (AVX2 + FMA + F16C are
+// checked before the build).
+tokenmill::IsaChoice<Isa> g_isa({"avx2", "avx512"}, [] {
   std::vector<Isa> isas{Isa::kAvx2};
-  __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")) {
     isas.push_back(Isa::kAvx512);
   }
   return isas;
-}
-
-std::atomic<Isa> g_isa{supported_isas().back()};  // what paged_attention runs; set_isa changes it
+});
 
 template <typename T>
 void attend(const Problem<T>& p) {
-  const Isa isa = g_isa.load(std::memory_order_relaxed);
+  const Isa isa = g_isa.get();
   at::parallel_for(0, int64_t(p.num_tokens) * p.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     if (isa == Isa::kAvx512) {
       Avx512Ops::attend_range(p, begin, end);
@@ -745,26 +742,11 @@ torch::Tensor paged_attention(const torch::Tensor& query,         // [num_tokens
   return out;
 }
 
-// The supported variants are a prefix of Isa's values, so a name's index is its Isa.
-std::vector<std::string> supported_isa_names() { return {kIsaNames, kIsaNames + supported_isas().size()}; }
-
-std::string isa_name() { return kIsaNames[static_cast<int>(g_isa.load())]; }
-
-void set_isa(const std::string& name) {
-  const std::vector<std::string> names = supported_isa_names();
-  const auto found = name == "auto" ? names.end() - 1 : std::find(names.begin(), names.end(), name);
-  TORCH_CHECK_VALUE(found != names.end(), "isa must be \"auto\" or one this CPU supports (",
-                    c10::Join(", ", names), "), got \"", name, "\"");
-  g_isa = static_cast<Isa>(found - names.begin());
-}
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv_cache", &write_kv_cache, "Write new keys and values into their cache slots");
   m.def("paged_attention", &paged_attention, "Causal attention of each token over its request's paged cache",
         py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"), py::arg("token_req"),
         py::arg("positions"), py::arg("scale"), py::arg("sliding_window"), py::arg("tree_start") = py::none(),
         py::arg("tree_bits") = py::none());
-  m.def("supported_isas", &supported_isa_names, "the kernel variants this CPU can run, best last");
-  m.def("isa", &isa_name, "the variant paged_attention uses now");
-  m.def("set_isa", &set_isa, "use this variant from now on (\"auto\": the best supported)", py::arg("name"));
+  g_isa.def(m, "the variant paged_attention uses now");
 }

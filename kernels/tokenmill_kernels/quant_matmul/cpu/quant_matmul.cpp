@@ -23,13 +23,14 @@
 #include <torch/extension.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
 #include <string>
 #include <tuple>
 #include <vector>
+
+#include "cpu_common/isa.h"
 
 namespace {
 
@@ -488,13 +489,11 @@ inline void finish_tile(const Problem& p, int64_t n0, int64_t m0, typename V::Ac
 }
 
 enum class Isa { kAvx2, kAvxVnni, kAvx512, kAvx512Vnni };
-constexpr const char* kIsaNames[] = {"avx2", "avx_vnni", "avx512", "avx512_vnni16"};  // indexed by Isa
 
-// What this CPU (and OS, for the AVX-512 state) supports, best last; AVX2 + FMA is checked before the build,
-// F16C (which every AVX2 CPU has) by matmul.
-std::vector<Isa> supported_isas() {
+// What matmul_* run; set_isa changes it. The variants this CPU (and OS, for the AVX-512 state) supports, best last;
+// AVX2 + FMA is checked before the build, F16C (which every AVX2 CPU has) by matmul.
+tokenmill::IsaChoice<Isa> g_isa({"avx2", "avx_vnni", "avx512", "avx512_vnni16"}, [] {
   std::vector<Isa> isas{Isa::kAvx2};
-  __builtin_cpu_init();
   if (__builtin_cpu_supports("avxvnni")) isas.push_back(Isa::kAvxVnni);
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl")) {
@@ -502,14 +501,7 @@ std::vector<Isa> supported_isas() {
     if (__builtin_cpu_supports("avx512vnni")) isas.push_back(Isa::kAvx512Vnni);
   }
   return isas;
-}
-
-Isa best_isa() {
-  const std::vector<Isa> isas = supported_isas();
-  return isas.back();
-}
-
-std::atomic<Isa> g_isa{best_isa()};  // what matmul_* run; set_isa changes it
+});
 
 // One tile of `rows` (1 .. I::kMaxActTile) activation rows against weight rows n0 .. n0+NR.
 template <bool kInt4, int NR, class I>
@@ -653,7 +645,7 @@ at::Tensor matmul(const at::Tensor& x, const at::Tensor& qweight, const at::Tens
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
   check_f16c();
-  Isa isa = g_isa.load(std::memory_order_relaxed);
+  Isa isa = g_isa.get();
   if (isa == Isa::kAvx512Vnni && !(int4 && M >= kVnniMinRows)) isa = Isa::kAvx512;
   const QuantizedActivations act = quantize_activations(x.data_ptr<float>(), M, K, isa == Isa::kAvx512Vnni);
   const Problem p{static_cast<const uint8_t*>(qweight.data_ptr()),
@@ -704,32 +696,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_activations_op(const at:
   return {q, d, s};
 }
 
-std::vector<std::string> supported_isa_names() {
-  std::vector<std::string> names;
-  for (Isa isa : supported_isas()) names.emplace_back(kIsaNames[static_cast<int>(isa)]);
-  return names;
-}
-
-std::string isa_name() { return kIsaNames[static_cast<int>(g_isa.load())]; }
-
-void set_isa(const std::string& name) {
-  const std::vector<Isa> isas = supported_isas();
-  if (name == "auto") {
-    g_isa = isas.back();
-    return;
-  }
-  for (Isa isa : isas) {
-    if (name == kIsaNames[static_cast<int>(isa)]) {
-      g_isa = isa;
-      return;
-    }
-  }
-  std::string known;
-  for (const std::string& n : supported_isa_names()) known += ", " + n;
-  TORCH_CHECK_VALUE(false, "isa must be \"auto\" or one this CPU supports (", known.substr(2), "), got \"", name,
-                    "\"");
-}
-
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -741,7 +707,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("bias") = py::none());
   m.def("quantize_activations", &quantize_activations_op,
         "x [M,K] f32 -> the kernels' int16 codes [M,K], scales d and block sums s [M,K/32]", py::arg("x"));
-  m.def("supported_isas", &supported_isa_names, "the kernel variants this CPU can run, best last");
-  m.def("isa", &isa_name, "the variant matmul_* use now");
-  m.def("set_isa", &set_isa, "use this variant from now on (\"auto\": the best supported)", py::arg("name"));
+  g_isa.def(m, "the variant matmul_* use now");
 }

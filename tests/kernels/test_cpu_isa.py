@@ -1,0 +1,66 @@
+"""The run-time choice of a kernel variant, the same in every CPU extension that has variants: each keeps a
+``tokenmill::IsaChoice`` (``tokenmill_kernels/cpu_common/isa.h``) and its launcher passes the calls on through
+``CppExtension``. Builds the three extensions (a minute or two on a first run)."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import pytest
+from tokenmill_kernels import cpp_build
+from tokenmill_kernels.dense_matmul import cpu as dense_matmul
+from tokenmill_kernels.paged_attention import cpu as paged_attention
+from tokenmill_kernels.quant_matmul import cpu as quant_matmul
+
+# Each launcher with every variant its C++ knows, in its order (best last).
+VARIANTS = {
+    dense_matmul: ("avx2", "avx512"),
+    paged_attention: ("avx2", "avx512"),
+    quant_matmul: ("avx2", "avx_vnni", "avx512", "avx512_vnni16"),
+}
+
+
+@pytest.mark.parametrize("kernel", ["paged_attention", "quant_matmul", "dense_matmul"])
+def test_the_kernels_with_variants_build_with_the_shared_header(kernel: str) -> None:
+    """Their sources include it, so it is copied into their builds and is part of their keys."""
+    source = (cpp_build.INCLUDE_ROOT / kernel / "cpu" / f"{kernel}.cpp").read_bytes()
+    header = (cpp_build.INCLUDE_ROOT / "cpu_common" / "isa.h").read_bytes()
+    assert cpp_build.local_headers(source) == {"cpu_common/isa.h": header}
+
+
+@pytest.fixture(params=list(VARIANTS), ids=lambda launcher: launcher.__name__.split(".")[1])
+def launcher(request: pytest.FixtureRequest) -> object:
+    module: ModuleType = request.param
+    if not module.is_available():
+        pytest.skip("needs AVX2+FMA and a C++ toolchain")
+    before = module.isa()
+    yield module
+    module.set_isa(before)
+
+
+def test_auto_picks_the_best_supported_variant(launcher: ModuleType) -> None:
+    supported = launcher.supported_isas()
+    assert supported[0] == "avx2"
+    assert [name for name in VARIANTS[launcher] if name in supported] == supported  # the C++'s order, best last
+    for name in supported:
+        launcher.set_isa(name)
+        assert launcher.isa() == name
+    launcher.set_isa("auto")
+    assert launcher.isa() == supported[-1]
+
+
+def test_an_unknown_variant_is_one_line_naming_the_supported_ones(launcher: ModuleType) -> None:
+    launcher.set_isa("avx2")
+    with pytest.raises(ValueError) as raised:
+        launcher.set_isa("sse2")
+    supported = ", ".join(launcher.supported_isas())
+    assert str(raised.value) == f'isa must be "auto" or one this CPU supports ({supported}), got "sse2"'
+    assert launcher.isa() == "avx2"  # unchanged
+
+
+def test_a_variant_the_cpu_lacks_is_refused_like_an_unknown_one(launcher: ModuleType) -> None:
+    lacking = [name for name in VARIANTS[launcher] if name not in launcher.supported_isas()]
+    if not lacking:
+        pytest.skip("this CPU supports every variant")
+    with pytest.raises(ValueError, match=f'got "{lacking[0]}"'):
+        launcher.set_isa(lacking[0])
