@@ -109,16 +109,22 @@ def test_loads_an_asymmetric_compressed_tensors_checkpoint_as_its_tool_runs_it()
 
 
 def test_keeps_activation_quantization_of_w8a8_and_fp8_checkpoints() -> None:
-    """Decompressing at load would drop their int8 / FP8 activation rounding; the reference must keep it."""
-    from safetensors.torch import load_file
+    """Decompressing at load would drop their int8 / FP8 activation rounding; the reference must keep it.
 
+    The stored logits are matched to 1e-2: activations that land next to a rounding boundary of FP8 round
+    differently on different CPUs (up to 2.5e-3 seen on a Sapphire Rapids Xeon), while the decompressed model,
+    whose activations stay float, is off by over 0.1 on both checkpoints."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    prompt = torch.tensor([[17, 260, 301, 45, 99, 400, 12, 7, 388, 261, 262, 263]])
     for name in ("ct-w8a8-int8", "ct-fp8-dynamic"):
         checkpoint = Path(__file__).parents[1] / "models" / "quantized" / "checkpoints" / name
-        reference = load_file(checkpoint / "reference.safetensors")
+        reference = load_file(checkpoint / "reference.safetensors")["logits.0"]
+        decompressed = AutoModelForCausalLM.from_pretrained(
+            checkpoint, dtype=torch.float32, quantization_config=CompressedTensorsConfig(run_compressed=False)
+        )
         with torch.no_grad():
-            logits = (
-                HFModel.load(checkpoint)
-                .model(torch.tensor([[17, 260, 301, 45, 99, 400, 12, 7, 388, 261, 262, 263]]))
-                .logits[0]
-            )
-        torch.testing.assert_close(logits, reference["logits.0"], atol=1e-5, rtol=0)
+            error = (HFModel.load(checkpoint).model(prompt).logits[0] - reference).abs().max().item()
+            dropped = (decompressed.eval()(prompt).logits[0] - reference).abs().max().item()
+        assert error < 1e-2 < dropped, (name, error, dropped)

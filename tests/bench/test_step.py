@@ -19,7 +19,7 @@ def test_step_times_a_decode_step_and_its_parts(tmp_path: Path) -> None:
     assert min(results["step_ms"], results["linear_ms"], results["attention_ms"]) > 0
     assert results["other_ms"] == pytest.approx(results["step_ms"] - results["linear_ms"] - results["attention_ms"])
     assert results["output_throughput"] == pytest.approx(3 / (results["step_ms"] / 1000))
-    assert parameters["attention_backend"] == engine.runner.loaded.attention.name
+    assert parameters["attention_backend"] == engine.loaded.attention.name
     assert parameters["quantization"] == "none"
     assert not engine.has_unfinished_requests()  # its requests are aborted, their blocks free
 
@@ -29,7 +29,7 @@ def test_step_times_a_decode_step_and_its_parts(tmp_path: Path) -> None:
 
 def test_attention_specs_one_per_layer(tmp_path: Path) -> None:
     save_hf_model("llama-tiny", tmp_path)
-    loaded = make_engine(tmp_path).runner.loaded
+    loaded = make_engine(tmp_path).loaded
     specs = loaded.model.attention_specs()
     assert len(specs) == loaded.arch.num_layers
     assert {(s.num_heads, s.num_kv_heads, s.head_dim) for s in specs} == {

@@ -97,7 +97,7 @@ def _logits_of_fresh_prompt(engine: EngineCore) -> torch.Tensor:
     """Logits [num_tokens, vocab] of every position of one prompt, run on the engine's runner before any
     request (its blocks 0..4 are free and never registered in the prefix cache)."""
     chunk = SequenceChunk(_prompt(9, 19), 0, list(range(5)))
-    return engine.runner.execute([chunk], all_logits=True)
+    return engine.executor.runner.execute([chunk], all_logits=True)
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -133,7 +133,7 @@ def test_logits_match(pair: Pair) -> None:
 def test_greedy_batch_matches(pair: Pair) -> None:
     """Mixed lengths batched, chunked prefill, a shared prefix and preemption: the same tokens at TP=2."""
     sent: list[type] = []
-    workers = pair.tp2.runner.workers  # type: ignore[attr-defined]  # a ShardedModelRunner
+    workers = pair.tp2.executor.runner.workers  # type: ignore[attr-defined]  # a ShardedModelRunner
     send = workers.send
     workers.send = lambda message: (sent.append(type(message)), send(message))[1]
     expected = run_to_completion(pair.tp1, _requests("b"))
@@ -159,7 +159,7 @@ def test_greedy_alone_matches(pair: Pair) -> None:
 def test_shards_hold_their_part(pair: Pair) -> None:
     """Each shard's KV cache holds half the KV heads, and its layers half the heads and the vocabulary."""
     arch = pair.tp1.loaded.arch
-    (cache1, *_), (cache2, *_) = pair.tp1.runner.kv_caches, pair.tp2.runner.kv_caches
+    (cache1, *_), (cache2, *_) = pair.tp1.executor.runner.kv_caches, pair.tp2.executor.runner.kv_caches
     assert cache2.shape[-2] * 2 == cache1.shape[-2] == arch.num_kv_heads
     spec = pair.tp2.loaded.model.attention_specs()[0]
     assert (spec.num_heads, spec.num_kv_heads) == (arch.num_attention_heads // 2, arch.num_kv_heads // 2)

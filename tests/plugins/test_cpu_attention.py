@@ -107,4 +107,4 @@ def test_quantized_model_gets_a_float16_cache_read_alike_by_both_backends(tmp_pa
     )
     assert run_to_completion(engine, requests) == run_to_completion(reference, requests)
     exact = make_engine(tmp_path, model={"quantization": "int8"}, cache={"kv_cache_dtype": "float32"})
-    assert {cache.dtype for cache in exact.runner.kv_caches} == {torch.float32}
+    assert {cache.dtype for cache in exact.executor.runner.kv_caches} == {torch.float32}

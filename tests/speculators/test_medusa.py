@@ -24,7 +24,7 @@ from torch import nn
 from tokenmill.config import ConfigError, EngineConfig, load_config
 from tokenmill.model_loader import LoadedModel, load_model
 from tokenmill.plugin_manager import Slot, resolve_plugins
-from tokenmill.speculator import Proposal, SpeculationInput, SpeculatorContext
+from tokenmill.speculative.speculator import Proposal, SpeculationInput, SpeculatorContext
 from tokenmill.testing import check_speculator, make_engine, run_to_completion, save_tiny_model
 from tokenmill.weights.format import WeightsError
 
@@ -253,7 +253,8 @@ def test_an_attention_backend_without_trees_refuses_a_configured_tree(
             tied_dir, attention={"backend": "cpu"}, speculative_config={**spec, "speculative_token_tree": "[(0,)]"}
         )
     engine = make_engine(tied_dir, attention={"backend": "cpu"}, speculative_config=spec)  # the stored tree: chains
-    assert engine.speculator is not None and engine.speculator.tree is None  # type: ignore[attr-defined]
+    proposer = engine.executor.proposer
+    assert proposer is not None and proposer.speculator.tree is None  # type: ignore[attr-defined]
 
 
 def test_legacy_pt_file_loads_like_safetensors(make: Factory, tmp_path: Path) -> None:

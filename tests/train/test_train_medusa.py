@@ -19,12 +19,12 @@ from tokenmill_plugins.speculators.medusa_heads import write_medusa_heads
 
 from tokenmill.cli import main
 from tokenmill.config import load_config
-from tokenmill.draft_tree import parse_token_tree
 from tokenmill.llm import LLM
 from tokenmill.model_loader import load_model
 from tokenmill.plugin_manager import resolve_plugins
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.speculator import SpeculatorContext
+from tokenmill.speculative.draft_tree import parse_token_tree
+from tokenmill.speculative.speculator import SpeculatorContext
 
 MAX_NEW_TOKENS = 24
 

@@ -64,7 +64,7 @@ def paged_attention(
     """Attention of each token over its request's keys at positions ``<= positions[t]`` (and within
     ``sliding_window``); returns [num_tokens, heads, head_dim]. The cache must already hold them.
 
-    With ``tree_start`` and ``tree_bits`` (draft trees, ``tokenmill.draft_tree``): a token with
+    With ``tree_start`` and ``tree_bits`` (draft trees, ``tokenmill.speculative.draft_tree``): a token with
     ``tree_start[t] >= 0`` sees a key at position ``p >= tree_start[t]`` only when bit
     ``p - tree_start[t]`` of ``tree_bits[t]`` is set (itself and its ancestors; at most 64 nodes).
 

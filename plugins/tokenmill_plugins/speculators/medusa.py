@@ -5,7 +5,7 @@ last token and predicts the token ``i + 1`` positions after it (``medusa_heads``
 the heads' math and their checkpoint format, FasterDecoding's). Drafts are deterministic (no ``draft_probs``),
 which is exact for sampled requests too. They come in one of two shapes:
 
-- a **tree** (Medusa's tree attention, ``tokenmill.draft_tree``): several candidates per head, verified
+- a **tree** (Medusa's tree attention, ``tokenmill.speculative.draft_tree``): several candidates per head, verified
   together. Its shape is ``speculative_config.speculative_token_tree`` (vLLM's key: each node the path of
   candidate ranks, ``(1, 0)`` being head 1's top-1 after head 0's second candidate) or, when unset, the
   ``medusa_choices`` stored in the heads' ``config.json`` (``tokenmill train medusa`` writes the nodes that
@@ -57,12 +57,12 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.config import ConfigError
-from tokenmill.draft_tree import TokenTree, parse_token_tree, tree_parents
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.quantizer import Quantizer
 from tokenmill.model_loader import LoadedModel, select_quantizer
 from tokenmill.plugin_manager import PluginError, Slot
-from tokenmill.speculator import Proposal, SpeculationInput, Speculator, SpeculatorContext
+from tokenmill.speculative.draft_tree import TokenTree, parse_token_tree, tree_parents
+from tokenmill.speculative.speculator import Proposal, SpeculationInput, Speculator, SpeculatorContext
 from tokenmill.weights.format import WeightsError
 from tokenmill_plugins.speculators.medusa_heads import (
     DRAFT_VOCAB,

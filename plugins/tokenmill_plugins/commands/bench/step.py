@@ -63,7 +63,7 @@ def run_step(engine: EngineCore, *, batch_size: int, context_len: int, num_steps
         prefilling -= {output.request_id for output in engine.step() if output.new_token_ids}
     for _ in range(2):
         engine.step()  # warm-up decode steps
-    device, dtype = engine.runner.loaded.device, engine.runner.loaded.dtype
+    device, dtype = engine.loaded.device, engine.loaded.dtype
     # On a GPU the host returns before the kernels finish: every timed call ends in a synchronize.
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     step_ms = _median_ms(engine.step, num_steps, sync)
@@ -71,7 +71,7 @@ def run_step(engine: EngineCore, *, batch_size: int, context_len: int, num_steps
     engine.abort_requests(request_ids)
 
     # The parts, over the same shapes as the steps just timed.
-    runner = engine.runner
+    runner = engine.executor.runner
     model = runner.loaded.model
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     inputs = {id(m): torch.randn(batch_size, m.in_features, device=device, dtype=dtype) for m in linears}
