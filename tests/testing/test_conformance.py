@@ -282,6 +282,24 @@ def test_sampler_that_ignores_seeds_fails() -> None:
     _fails(check_sampler, Unseeded, match="seed must give the same tokens")
 
 
+def test_sampler_that_verifies_drafts_without_distributions_fails() -> None:
+    from tokenmill.sampling.sampler import SamplingMetadata, TorchSampler
+
+    class Unnormalised(TorchSampler):
+        def target_probs(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+            return logits.softmax(-1) * 2
+
+    _fails(check_sampler, Unnormalised, match="are not distributions")
+
+    class Undeclared(TorchSampler):
+        verifies_drafts = False
+
+        def target_probs(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+            raise AssertionError("a sampler that does not verify drafts is never asked")
+
+    check_sampler(Undeclared)
+
+
 def test_logits_processor_that_changes_inactive_rows_fails() -> None:
     from tokenmill.sampling.logits_processor import LogitBiasLogitsProcessor
 

@@ -89,7 +89,8 @@ def check_sampler(
     processor in the metadata. A seeded row draws the same token twice and whatever else is in the batch;
     a token with logit -inf is never drawn; sampling with a temperature follows ``softmax(logits / T)``
     (total variation below 0.06 over 4,000 draws); logprobs, when asked, are those of the raw logits, equal
-    to ``TorchSampler``'s. The logits given are never changed.
+    to ``TorchSampler``'s. The logits given are never changed. A sampler that sets ``verifies_drafts`` gives
+    distributions from ``target_probs``, one-hot on its own token for greedy rows.
 
     :param sampler: the class (built with no arguments, as the engine builds it) or an instance.
     :raises AssertionError: naming the case and what differs.
@@ -139,6 +140,8 @@ def check_sampler(
         fail(f"{name} drew a token whose logit is -inf: {drawn.tolist()}")
 
     _check_distribution(candidate, logits[0], device)
+    if type(candidate).verifies_drafts:
+        _check_target_probs(candidate, logits, device)
 
     params = [SamplingParams(temperature=0, logprobs=3), SamplingParams(logprobs=0, seed=3), _GREEDY]
     processors = [_BanTokens([int(logits[0].argmax())])]  # logprobs must come from the raw logits
@@ -155,6 +158,24 @@ def check_sampler(
         fail(f"{name}: logprobs are not the raw log-softmax of the sampled tokens (before processors)")
     if not torch.equal(got_output.top_token_ids[0].cpu(), expected_output.top_token_ids[0].cpu()):  # type: ignore[index]
         fail(f"{name}: top_token_ids are not the most likely raw tokens, most likely first")
+
+
+def _check_target_probs(candidate: Sampler, logits: torch.Tensor, device: str) -> None:
+    """A sampler that verifies drafts gives distributions: rows of non-negative numbers summing to 1, one-hot on
+    the token ``__call__`` picks for a greedy row."""
+    params = [_GREEDY, SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, top_k=4), _GREEDY]
+    metadata = _metadata(params, logits.shape[-1], device)
+    name = type(candidate).__name__
+    try:
+        probs = candidate.target_probs(logits[:4], metadata).cpu()  # [4, vocab_size]
+    except NotImplementedError:
+        fail(f"{name} sets verifies_drafts but does not implement target_probs")
+    greedy = candidate(logits[:4], _metadata(params, logits.shape[-1], device)).token_ids.cpu()
+    if bool((probs < 0).any()) or not torch.allclose(probs.sum(-1), torch.ones(4), atol=1e-4):
+        fail(f"{name}.target_probs rows are not distributions (sums {probs.sum(-1).tolist()})")
+    for row in (0, 3):
+        if probs[row, greedy[row]] != 1.0:
+            fail(f"{name}.target_probs is not one-hot on the greedy token {int(greedy[row])} for a greedy row")
 
 
 def _check_distribution(candidate: Sampler, row_logits: torch.Tensor, device: str) -> None:
