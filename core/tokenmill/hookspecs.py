@@ -177,7 +177,9 @@ def tokenmill_register_kv_cache_managers(register: Register) -> None:
 
     :param register: ``register(name, import_path)``; the import path names a
         ``tokenmill.interfaces.KVCacheManager`` subclass, built as
-        ``cls(num_blocks, block_size, enable_prefix_caching=..., hash_salt=...)``.
+        ``cls(num_blocks, block_size, enable_prefix_caching=..., hash_salt=...)``, plus
+        ``tiers=`` (a ``KVTierStack``, the configured KV tiers nearest first) only when
+        there are KV tiers, and ``options=`` when its plugin declares options.
     :return: nothing; every implementation is called.
 
     Called once per engine process at start-up. Selected by
