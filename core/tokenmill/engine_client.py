@@ -67,7 +67,8 @@ class EngineDeadError(TokenmillError):
 
 class EngineProcess(Protocol):
     """An engine the front end started and brings back after it dies: a ``LocalEngineProcess`` on this host, or
-    a replica on a Ray cluster (``tokenmill.ray_replicas.RayEngineReplica``). Called from the front end's event
+    a replica an engine backend placed (``tokenmill.engine_backend``; the Ray backend's is
+    ``tokenmill_plugins.ray_backend.replicas.RayEngineReplica``). Called from the front end's event
     loop; nothing here blocks for long."""
 
     @property

@@ -62,7 +62,7 @@ def run_engine_process(
     :param config_data: the resolved ``EngineConfig`` as builtins (it crosses a process boundary).
     :param watch_parent: exit when the process that started this one dies.
     :param stop: set from another thread to stop the engine after its step; with it, the engine runs on any thread
-        and installs no signal handlers (a Ray actor's, ``tokenmill.ray_replicas``).
+        and installs no signal handlers (a Ray actor's: ``tokenmill_plugins.ray_backend.replicas``).
     :param security: the endpoint's keys, instead of those the config's ``[transport]`` files hold.
     """
     from tokenmill.config import EngineConfig

@@ -288,6 +288,27 @@ def tokenmill_register_transports(register: Register) -> None:
     """
 
 
+@hookspec
+def tokenmill_register_engine_backends(register: Register) -> None:
+    """Register engine backends (slot ``engine_backend``): where a server's engine replicas run.
+
+    :param register: ``register(name, import_path)``; the import path names a
+        ``tokenmill.interfaces.EngineBackend`` subclass, built as ``cls(config)`` (the
+        resolved ``EngineConfig``), plus ``options=`` when its plugin declares options.
+    :return: nothing; every implementation is called.
+
+    Called once per process at start-up; only the API front end (``tokenmill serve``)
+    builds a backend, once, so engine and worker processes need not have its plugin
+    installed (and its module must not import torch). Selected by ``server.backend``
+    (``--backend``): ``local``, the default, is the core's own engine processes on
+    this host and selects no plugin; the first-party plugin ``ray_backend`` adds
+    ``ray`` (replicas as Ray actors). The front end calls the backend's ``connect``
+    before it installs its signal handlers, then ``start_engines`` and, on its way
+    out, ``close``.
+    Since: 0.1. Stability: provisional.
+    """
+
+
 # ---------------------------------------------------------------- registration: the command line
 
 

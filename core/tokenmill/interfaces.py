@@ -20,6 +20,7 @@ slot                      interface                       built in
 ``kv_tier``               ``KVTier``                      ``cpu``, ``disk``, ``zmq-push``, ``zmq-pull``
 ``router``                ``Router``                      ``round_robin``; plugin ``routers``: ``least_loaded``, ...
 ``transport``             ``Transport``                   ``zmq``
+``engine_backend``        ``EngineBackend``               ``local`` (core, no plugin); plugin ``ray_backend``: ``ray``
 ========================  ==============================  ======================================
 
 Names are imported on first use, so a front-end process that imports a
@@ -43,7 +44,9 @@ _EXPORTS: dict[str, str] = {
     "AttentionMetadata": "tokenmill.attention.backend",
     "CausalLM": "tokenmill.models.base",
     "DraftTokens": "tokenmill.scheduler",
+    "EngineBackend": "tokenmill.engine_backend",
     "EngineEndpoint": "tokenmill.transport.base",
+    "EngineProcess": "tokenmill.engine_client",
     "EngineState": "tokenmill.routing",
     "FrontendConnection": "tokenmill.transport.base",
     "KVCacheManager": "tokenmill.kv_cache.manager",

@@ -77,6 +77,7 @@ class Slot(enum.StrEnum):
     KV_TIER = "kv_tier"
     ROUTER = "router"
     TRANSPORT = "transport"
+    ENGINE_BACKEND = "engine_backend"
 
     @property
     def hook_name(self) -> str:
@@ -269,9 +270,11 @@ class PluginSystem:
 def slot_selections(config: EngineConfig) -> dict[Slot, tuple[str, list[str]]]:
     """For every slot, the setting that selects it and the names the config selects there (``auto`` kept;
     the built-in logits processors, which always run, first). The one place that maps settings to slots."""
+    from tokenmill.config.server import LOCAL_BACKEND
     from tokenmill.sampling.plugin import BUILTIN_LOGITS_PROCESSORS
 
     weight_format = config.model.weight_format
+    backend = config.server.backend
     return {
         Slot.ARCHITECTURE: ("the checkpoint's architectures[0]", []),
         Slot.WEIGHT_FORMAT: ("model.weight_format", [weight_format] if weight_format is not None else []),
@@ -288,6 +291,7 @@ def slot_selections(config: EngineConfig) -> dict[Slot, tuple[str, list[str]]]:
         Slot.KV_TIER: ("kv_tiers", [tier.name for tier in config.kv_tiers]),
         Slot.ROUTER: ("server.router", [config.server.router]),
         Slot.TRANSPORT: ("transport.backend", [config.transport.backend]),
+        Slot.ENGINE_BACKEND: ("server.backend", [backend] if backend != LOCAL_BACKEND else []),
     }  # fmt: skip
 
 
@@ -494,7 +498,7 @@ def _add_commands(
 
 
 #: Slots only the API front end builds: an engine process does not need their plugins installed.
-FRONT_END_SLOTS: tuple[Slot, ...] = (Slot.ROUTER,)
+FRONT_END_SLOTS: tuple[Slot, ...] = (Slot.ROUTER, Slot.ENGINE_BACKEND)
 
 
 def resolve_plugins(config: EngineConfig, skip: Iterable[Slot] = ()) -> PluginSystem:

@@ -289,3 +289,29 @@ def test_an_engine_does_not_need_the_front_ends_router_installed() -> None:
     with pytest.raises(PluginError, match="server.router: unknown router"):
         load_plugins(autoload=False).check_config(config)
     load_plugins(autoload=False).check_config(config, skip=FRONT_END_SLOTS)  # what an engine process checks
+
+
+def test_server_backend_names_an_engine_backend_and_local_is_the_cores_own() -> None:
+    system = load_plugins(allowlist=[])
+    assert system.registry.get(Slot.ENGINE_BACKEND, "ray").plugin == "ray_backend"
+    system.check_config(load_config())  # 'local': engine processes on this host, no plugin selected
+    config = load_config(overrides={"server": {"backend": "kubernetes"}})
+    with pytest.raises(PluginError) as excinfo:
+        system.check_config(config)
+    assert str(excinfo.value) == "server.backend: unknown engine_backend 'kubernetes'; installed: ray"
+    system.check_config(config, skip=FRONT_END_SLOTS)  # an engine process never builds one
+
+
+def test_plugins_json_lists_the_engine_backend_slot_with_ray() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "tokenmill.cli", "plugins", "--json", "--backend", "ray"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    slots = {slot["slot"]: slot for slot in report["slots"]}
+    assert slots["engine_backend"]["setting"] == "server.backend" and slots["engine_backend"]["selected"] == ["ray"]
+    assert "ray" in slots["engine_backend"]["installed"]
+    listing = {info["name"]: info for info in report["plugins"]}
+    assert listing["ray_backend"]["provides"] == {"engine_backend": ["ray"]}
+    assert listing["ray_backend"]["hooks"] == ["tokenmill_register_engine_backends"]

@@ -316,7 +316,11 @@ def test_a_ray_address_nobody_answers_at_is_one_line() -> None:
 
 
 def test_the_front_end_imports_ray_only_for_backend_ray() -> None:
-    code = "import sys, tokenmill.cli, tokenmill.server.serve, tokenmill.engine_client; print('ray' in sys.modules)"
+    # Loading the plugins registers the backend by import path; only connecting to it imports Ray.
+    code = (
+        "import sys, tokenmill.cli, tokenmill.server.serve, tokenmill.engine_client, tokenmill.plugin_manager as pm; "
+        "pm.load_plugins().load(pm.Slot.ENGINE_BACKEND, 'ray'); print('ray' in sys.modules)"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert result.stdout.strip() == "False"
 

@@ -8,6 +8,9 @@ import msgspec
 
 from tokenmill.config.base import ConfigSection, NonNegativeInt, PositiveInt, describe
 
+#: ``backend``'s default: engine processes on this host, started by the core itself (no engine backend plugin).
+LOCAL_BACKEND = "local"
+
 
 class ServerConfig(ConfigSection, frozen=True):
     host: Annotated[str, describe("Address the HTTP server listens on.")] = "127.0.0.1"
@@ -49,16 +52,17 @@ class ServerConfig(ConfigSection, frozen=True):
     ] = 256
     data_parallel_size: Annotated[
         PositiveInt,
-        describe("Engines to start, each a full model replica: processes on this host, or Ray actors (backend)."),
+        describe("Engines to start, each a full model replica: processes on this host, or placed by backend."),
     ] = 1
     backend: Annotated[
-        Literal["local", "ray"],
+        str,
         describe(
-            "Where the data_parallel_size engines run: 'local' starts them as processes on this host; 'ray' "
-            "places them as actors on a Ray cluster (ray_address), each serving ZeroMQ tcp:// with CURVE keys, "
-            "and Ray restarts one that dies (`pip install tokenmill[ray]`; docs/deployment.md)."
+            "Where the data_parallel_size engines run: 'local' starts them as processes on this host; any other "
+            "name is an engine backend plugin: 'ray' (first-party plugin ray_backend) places them as actors on a "
+            "Ray cluster (ray_address), each serving ZeroMQ tcp:// with CURVE keys, and Ray restarts one that "
+            "dies (`pip install tokenmill[ray]`; docs/deployment.md)."
         ),
-    ] = "local"
+    ] = LOCAL_BACKEND
     ray_address: Annotated[
         str | None,
         describe(
@@ -133,9 +137,9 @@ class ServerConfig(ConfigSection, frozen=True):
     ] = 60.0
 
     def __post_init__(self) -> None:
-        if self.backend == "ray" and (self.engines or self.disaggregated_prefill):
+        if self.backend != LOCAL_BACKEND and (self.engines or self.disaggregated_prefill):
             setting = "server.engines (--engine)" if self.engines else "server.disaggregated_prefill"
             raise ValueError(
-                f"server.backend = 'ray' starts its own engines on the Ray cluster: it cannot be combined with "
-                f"{setting}; unset one of them"
+                f"server.backend = {self.backend!r} starts its own engines where that backend runs them: it cannot "
+                f"be combined with {setting}; unset one of them"
             )

@@ -1,9 +1,13 @@
 """`tokenmill serve`: start (or connect to) the engines, then serve HTTP until told to stop.
 
-A router plugin (``server.router``) picks the engine of each request
-(``RoutedEngineGroup``). With ``server.disaggregated_prefill`` the engines are a
-prefill engine and a decode engine joined by a ZeroMQ KV connector
-(``DisaggregatedGroup``), and no router is built.
+The engines are processes this server starts on its host (``server.backend``
+``'local'``), engines already running (``server.engines``), or replicas that an
+engine backend plugin places elsewhere (any other ``server.backend``, such as
+``ray``: ``tokenmill.engine_backend``). A router plugin (``server.router``)
+picks the engine of each request (``RoutedEngineGroup``). With
+``server.disaggregated_prefill`` the engines are a prefill engine and a decode
+engine joined by a ZeroMQ KV connector (``DisaggregatedGroup``), and no router
+is built.
 
 Supervision (``EngineClient``): when an engine's process exits or its
 heartbeats stop, its in-flight requests fail at once with 503 and the engine is
@@ -33,13 +37,14 @@ import signal
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import msgspec
 import uvicorn
 
 from tokenmill.config import ConfigError, EngineConfig
 from tokenmill.config.cache import KVTierConfig
+from tokenmill.config.server import LOCAL_BACKEND
+from tokenmill.engine_backend import EngineBackend
 from tokenmill.engine_client import (
     DisaggregatedGroup,
     EngineClient,
@@ -56,9 +61,6 @@ from tokenmill.server.tenants import Tenants
 from tokenmill.tokenizer import Tokenizer
 from tokenmill.transport.base import Transport
 from tokenmill.transport.security import check_supported, frontend_security
-
-if TYPE_CHECKING:
-    from tokenmill.ray_replicas import RayCluster
 
 logger = logging.getLogger(__name__)
 
@@ -139,8 +141,10 @@ async def _serve(config: EngineConfig) -> int:
     plugins = resolve_plugins(config)
     transport = plugins.create(Slot.TRANSPORT, config.transport.backend)
     tenants = Tenants.from_config(config.server)  # a bad keys file fails here, before any engine starts
-    # Before the signal handlers: ray.init installs a SIGTERM handler of its own.
-    cluster = _connect_ray(config) if config.server.backend == "ray" else None
+    backend: EngineBackend | None = None
+    if config.server.backend != LOCAL_BACKEND:
+        backend = plugins.create(Slot.ENGINE_BACKEND, config.server.backend, config)
+        backend.connect()  # before the signal handlers: ray.init, for one, installs a SIGTERM handler of its own
     shutdown = _Shutdown()
     loop = asyncio.get_running_loop()
     signals = (signal.SIGINT, signal.SIGTERM)
@@ -149,10 +153,10 @@ async def _serve(config: EngineConfig) -> int:
     socket_dir = tempfile.mkdtemp(prefix="tokenmill-")  # the engines' sockets; removed on the way out
     try:
         group: EngineGroup
-        if cluster is not None:
+        if backend is not None:
             # Placing the replicas is part of starting them (_start), where a signal can stop the wait.
             router, router_plugin = _router(config, plugins)
-            group = RoutedEngineGroup(cluster.start_engines(transport), router, config.server.router, router_plugin)
+            group = RoutedEngineGroup(backend.start_engines(transport), router, config.server.router, router_plugin)
         else:
             group = _engine_group(config, transport, plugins, socket_dir)
         shutdown.group = group
@@ -167,21 +171,8 @@ async def _serve(config: EngineConfig) -> int:
         for signum in signals:
             loop.remove_signal_handler(signum)
         shutil.rmtree(socket_dir, ignore_errors=True)
-        if cluster is not None:
-            cluster.close()
-
-
-def _connect_ray(config: EngineConfig) -> RayCluster:
-    """Join (or start) the Ray cluster that ``server.backend = 'ray'`` places the engines on."""
-    try:
-        from tokenmill.ray_replicas import RayCluster
-    except ModuleNotFoundError as exc:
-        if exc.name != "ray":
-            raise
-        raise ConfigError(
-            "server.backend 'ray' (--backend ray) needs Ray, which is not installed: pip install 'tokenmill[ray]'"
-        ) from None
-    return RayCluster.connect(config)
+        if backend is not None:
+            backend.close()
 
 
 def _router(config: EngineConfig, plugins: PluginSystem) -> tuple[Router, str]:

@@ -20,8 +20,9 @@ client asks it for its (new) address and keys, starts its engine and
 reconnects; ``server.max_engine_restarts`` bounds the failed attempts in a row,
 as for local engines. The other replicas serve throughout.
 
-Only ``tokenmill.server.serve`` imports this module, and only with ``backend =
-'ray'``: Ray is an optional extra (``pip install tokenmill[ray]``).
+Only ``RayEngineBackend.connect`` (``tokenmill_plugins.ray_backend.backend``)
+imports this module, when ``server.backend = 'ray'``: Ray is an optional extra
+(``pip install tokenmill[ray]``).
 """
 
 from __future__ import annotations
