@@ -2,8 +2,8 @@
 
 The weight is packed once (:func:`pack`) into panels of 32 outputs, k-major, and :func:`linear` multiplies by it
 reading every weight once for up to 12 input rows (3 with AVX2 alone): a decode step of one request streams the weights
-at the memory's speed, and a step verifying a few speculative tokens costs about as much (docs/benchmarks.md,
-"Dense float32 linears: tokenmill's kernels against oneDNN").
+at the memory's speed, and a step verifying a few speculative tokens costs about as much
+(docs/benchmarks-history.md, "Dense float32 linears: the cpu layer kernels against oneDNN").
 
 The C++ is compiled on first use (see ``tokenmill_kernels.cpp_build``), like the quantized matmul kernels. The
 variants are ``"avx2"`` (tiles of up to 3 rows x 32 outputs) and ``"avx512"`` (12 rows x 32 outputs); the best the

@@ -9,7 +9,7 @@ The kernels come in one variant per instruction set, all multiplying int16 activ
 widened to int16: ``"avx2"`` (``vpmaddwd`` on 256-bit vectors, a group of 32 in two halves), ``"avx_vnni"``
 (the same with ``vpdpwssd`` adding the halves) and ``"avx512"`` (one 512-bit ``vpmaddwd`` per group, 32
 vector registers, 4 x 4 tiles), and ``"avx512_vnni16"`` (AVX512-VNNI ``vpdpwssd`` over four groups at once,
-for int4 weights and inputs of 5 rows or more, in tiles of up to 6 rows, about 1.1-1.2x ``"avx512"`` there;
+for int4 weights and inputs of 5 rows or more, in tiles of up to 6 rows, faster than ``"avx512"`` there;
 ``"avx512"``'s tiles otherwise).
 The best one the CPU supports is used; :func:`supported_isas` lists them and :func:`set_isa` forces one, e.g.
 to compare speeds. ``"avx2"`` and ``"avx_vnni"`` give bit-identical outputs; the 512-bit variants sum 16

@@ -56,12 +56,10 @@ and then, with integer block dot products ``dot_g = sum_j qw[n, g, j] * qx[m, g,
 where the float16 ``dw`` and ``mw`` are converted to float32 (exactly), and ``dw * dx`` is rounded to float32
 before it multiplies ``dot_g``, as in the kernels.
 
-Why int16, not int8 like llama.cpp's Q8_1: on the default model (SmolLM2-135M Q4_1) int8 activations moved the
-chosen token's logprob by up to 0.44 nats against transformers float32 on the same dequantized weights and flipped
-near-tied greedy choices ("What is the capital of France?" answered "L'Étoile, ..."); int16 activations stay within
-0.006 nats there, most of it the float16 KV cache's (docs/performance.md, "Accuracy of the quantized path"). On
-AVX-512 they run as fast as the int8 ones did (a group's 32 codes fill one 512-bit register); with 256-bit vectors
-only, 8-35% slower. Using the quantized block sum ``sx`` rather than the exact one keeps the error of a Q4_1 group
+Why int16, not int8 like llama.cpp's Q8_1: int8 activations flip near-tied greedy choices on the default model,
+int16 stays within the float16 KV cache's own error, and on AVX-512 costs nothing more (a group's 32 codes fill one
+512-bit register; docs/performance.md, "Accuracy of the quantized path"). Using the quantized block sum ``sx``
+rather than the exact one keeps the error of a Q4_1 group
 at ``sum_j w_j * (x_hat_j - x_j)``: with the exact sum it would be ``sum_j (w_j - m) * (x_hat_j - x_j)``, larger
 since ``w - m`` spans the whole group range.
 """

@@ -7,7 +7,7 @@
 // bytes), broadcasts each row's x[m, k] and adds their products into 2 x rows accumulator registers, so each weight
 // is read from memory once for all the rows. A decode step of one request (1 row) then streams the weights at the
 // memory's speed, and a verification step of a few speculative tokens (2-12 rows) costs little more; oneDNN's
-// packed linear, which this replaces, cost 1.25x its one-row time at 8 rows (docs/benchmarks.md).
+// packed linear, which this replaces, does not.
 //
 // Large inputs (prefill) are blocked twice: rows in blocks whose activations stay in L2/L3 while every panel passes
 // over them, and k in chunks whose panel slice stays in L2 while every row tile of the block passes over it.
@@ -99,8 +99,7 @@ struct Avx512 {
 };
 
 // AVX2: up to 3 rows x the whole panel in 4 x MR ymm accumulators (12 of the 16 registers), one pass over the
-// weights as avx512's. (Tiles of 6 rows x half a panel, the two halves one after the other, were 1.2-1.5x slower
-// at 1 to 12 rows.)
+// weights as avx512's.
 struct Avx2 {
   static constexpr int kMaxRows = 3;
 

@@ -1,8 +1,8 @@
 // CPU layer kernels (AVX2, FMA) for float32: RMSNorm with the residual add before it, and rope.
 //
 // In torch each is several operators (an add, the norm; rope's chunk, four products, two sums and a
-// concatenation), each a dispatch and a pass over its data: about 27 us per layer at one token on a
-// 2-vCPU Zen 5, 0.8 ms of a 7 ms step of the default model. Here each is one pass.
+// concatenation), each a dispatch and a pass over its data, and at one token the dispatches are the
+// cost. Here each is one pass.
 //
 // Rows run on one thread up to kRowsPerTask rows; longer batches (prompt chunks) split rows across
 // torch's threads.

@@ -534,9 +534,7 @@ void attend_items(const Problem<T>& p, int64_t begin, int64_t end) {
         }
       }
       // Ask for the next span's rows now. They are short strided runs in blocks the hardware
-      // prefetcher cannot guess (they come from the block table). Batch 32 x 256 context, 30
-      // layers: 21.4 -> 17.7 ms over a float16 cache, 21.3 -> 20.6 ms over float32 (one block of 16
-      // at a time then); two blocks ahead measured no better than one.
+      // prefetcher cannot guess (they come from the block table). One span ahead is enough.
       if (span_start + span <= last) {
         const int64_t next_start = span_start + span;
         const int next_n = int(std::min<int64_t>(span, last - next_start + 1));
@@ -550,9 +548,8 @@ void attend_items(const Problem<T>& p, int64_t begin, int64_t end) {
           }
           // A thread takes the kv heads of a token one after another: with a float16 cache, its
           // first head also pulls the later heads' rows (the rest of each slot, one contiguous
-          // run) into L2. Batch 32 x 256 context, 30 layers: 18.7 -> 14.2-16.4 ms; with a float32
-          // cache, twice the bytes, the same measured 10% slower, so it is not done there (a
-          // quantized cache, half float16's bytes, does it too).
+          // run) into L2. Not over a float32 cache: twice the bytes, and the prefetch costs more
+          // than it saves (a quantized cache, half float16's bytes, does it too).
           if constexpr (sizeof(T) <= 2) {
             if (kv_head == 0 || item == begin) {
               const char* k_slot = k_row - kv_head * row_len * sizeof(T);

@@ -6,10 +6,9 @@
 // (Q4_1: w = d * q + m). Decoding one token is bound by how fast the weights stream from memory, so the kernels
 // read 5 (int4) or 8.5 (int8) bits per weight, float16 scales and mins included, instead of 32. Each activation
 // row is quantized to int16 per 32-block so that the block dot products are integer dot products (int16 x int16
-// pairs, vpmaddwd), scaled once per block. int16 rather than int8 (llama.cpp's Q8_1): int8 activations moved
-// SmolLM2's chosen-token logprobs by up to 0.44 nats against float32 on the same weights, int16 by 0.006, most
-// of it the float16 KV cache's (see docs/performance.md, "Accuracy of the quantized path"). reference.py defines the formats and the numerics
-// exactly; these kernels differ from it only in the order of the float32 sums.
+// pairs, vpmaddwd), scaled once per block. int16 rather than int8 (llama.cpp's Q8_1): int8 activations flip
+// near-tied greedy choices (see docs/performance.md, "Accuracy of the quantized path"). reference.py defines the
+// formats and the numerics exactly; these kernels differ from it only in the order of the float32 sums.
 //
 // The file builds with -mavx2 -mfma -mf16c. The tiles come in one variant per instruction set (struct Avx2,
 // AvxVnni, Avx512 below), picked at run time from the CPU's features; the others are compiled with
@@ -249,15 +248,14 @@ struct AvxVnni : Ymm {
 
 // AVX-512 (Skylake-SP, Ice Lake, Zen 4 and later): a group's 32 int16 codes fill one 512-bit register, so a
 // block's dot product is one vpmaddwd into 16 lanes, converted and scaled by one instruction each: half the
-// instructions of the 256-bit variants (on Zen 5, all linears of SmolLM2 at 32 rows: 30 ms against avx_vnni's
-// 42, and against 30 ms for the int8-activation kernels before it).
+// instructions of the 256-bit variants.
 #define AVX512_TARGET "avx512f,avx512bw,avx512vl"
 struct Avx512 {
   using Weights = __m512i;
   using Codes = __m512i;
   using Acc = __m512;
   static constexpr int kMinLanes = 16;
-  static constexpr int64_t kWeightTile = 4;  // 30 ms against 32.5 with 2, same test as above
+  static constexpr int64_t kWeightTile = 4;  // 4 x 4 accumulators fit AVX-512's 32 registers
   static constexpr int64_t kMaxActTile = kActTile;
 
   __attribute__((target(AVX512_TARGET))) static inline Weights widen_int4(const uint8_t* p) {
@@ -292,7 +290,7 @@ struct Avx512 {
 };
 
 // AVX-512 VNNI on int16 codes (vpdpwssd; Ice Lake, Zen 4 and later), variant avx512_vnni16, for int4
-// weights: four groups at a time. (An earlier avx512_vnni variant ran int8 activation codes through vpdpbusd.)
+// weights: four groups at a time.
 // Avx512 spends three instructions per group and pair of rows (vpmaddwd, the int32 -> float32 conversion, the
 // scaled add), which makes several-row inputs (verifying drafts, small batches) compute-bound. Here one 512-bit
 // register holds a quarter of each of four groups, one per 128-bit lane, so four vpdpwssd sum a block of four
@@ -301,19 +299,14 @@ struct Avx512 {
 // weights need no new layout: four groups' 64 bytes, split into low and high nibbles and unpacked with zeros
 // within each 128-bit lane, give that order directly; the activations are laid out to match (interleave_block).
 // A row's last block may hold fewer than four groups (K = 576: 18); masked loads leave the rest zero.
-// Measured on Zen 5 (2 cores), one forward of SmolLM2's linears with the weights streaming from memory:
-// 1.06-1.12x Avx512's speed from 5 rows up (docs/benchmarks.md), with the weights in cache 1.15-1.5x; under 5
-// rows 0.8-1.0x, where the 2-row weight tiles stream memory worse than Avx512's 4, so matmul runs Avx512's
-// tiles there (kVnniMinRows). int8 weights (the output projection) run Avx512's: gathering their bytes into
-// this order cost what it saved (0.9-1.0x).
+// Under kVnniMinRows rows the 2-row weight tiles stream memory worse than Avx512's 4, so matmul runs Avx512's
+// tiles there; int8 weights always do, since gathering their bytes into this order costs what it saves.
 #define AVX512_VNNI_TARGET "avx512f,avx512bw,avx512vl,avx512vnni"
 struct Avx512Vnni {
   // 2 weight rows per tile: with four registers per weight row, 4 would need more than the 32 there are.
   static constexpr int64_t kWeightTile = 2;
   // Up to 6 activation rows per tile: 12 accumulators, 8 weight and 4 code registers, the scales and constants fit
-  // the 32 registers, and 5..12 rows take one or two tiles instead of two or three. SmolLM2's int4 linears, same
-  // process, three alternating runs: 5 rows 3.84-4.12 ms against 4.33-4.63 with tiles of 4, 9 rows 6.25-6.32
-  // against 6.55-6.99, 32 rows 19.8-20.3 against 20.3-20.8.
+  // the 32 registers, and 5..12 rows take one or two tiles instead of two or three.
   static constexpr int64_t kMaxActTile = 6;
 
   template <bool kInt4, int NR, int MR>

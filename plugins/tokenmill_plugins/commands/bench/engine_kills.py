@@ -20,7 +20,7 @@ end it reports the server's resident memory (RSS), open file descriptors and
 listening ports after the warm-up (before the first kill) and after the last
 restart; then it stops the server with SIGTERM and reports its exit status,
 the processes still alive among all that ever ran under it, whether its port
-and the engines' socket directory are gone. The target (issue 18): each
+and the engines' socket directory are gone. The targets: each
 ``fail_s`` under 5 s, each ``serve_s`` under the model's load time + 10 s, and
 nothing left behind.
 

@@ -346,9 +346,8 @@ def _warm_up(
 ) -> None:
     """Untimed requests (fresh random prompts of ``input_len``, or ``prompt``), so one-time costs are not
     measured: one, or ``concurrency`` at once, so that batches as large as the load's are seen too (on a GPU,
-    Triton compiles kernels for new batch shapes on first use: on an H100 the first sweep's TTFT p95 at c=64
-    was 715 ms, the next ones' 259-278 ms). Raises ``SuiteError`` when one fails: the measured requests
-    would fail too."""
+    Triton compiles kernels for new batch shapes on first use). Raises ``SuiteError`` when one fails: the
+    measured requests would fail too."""
     results = _run_load(
         server,
         replace(options, show_progress=False),
