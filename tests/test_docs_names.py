@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from scripts.docgen import hookspec_versions
 from tokenmill import hookspecs
-from tokenmill.docgen import hookspec_versions
 from tokenmill.plugin_manager import Slot
 
 REPO = Path(__file__).resolve().parents[1]

@@ -97,9 +97,9 @@ def test_python_blocks_in_docs_run(markdown: str, smollm2_gguf: Path) -> None:
 
 
 def test_generated_reference_pages_are_current() -> None:
-    from tokenmill.docgen import generated_pages
+    from scripts.docgen import generated_pages
 
     for relative, text in generated_pages().items():
         assert (REPO / "docs" / relative).read_text() == text, (
-            f"docs/{relative} is stale: python -m tokenmill.docgen docs"
+            f"docs/{relative} is stale: python scripts/docgen.py docs"
         )
