@@ -5,12 +5,15 @@ forward, logits, sampling, output bookkeeping). Then its parts are timed alone o
 model with the same shapes: every linear layer of one forward (the output projection
 included) and every layer's attention (cache write plus paged attention) over the model
 runner's batch layout of the next decode step. What the parts do not account for is the
-rest of the step: norms, rope, activations, residual adds, Python and the sampler.
+rest of the step ("other"), broken down further: the scheduler's two calls (``schedule``,
+``update``), the batch layout (``prepare_batch``), sampling (the sampler and its metadata over
+the step's logits), and what is left: norms, rope, activations, residual adds and Python.
 
 Timing the parts separately, rather than through a profiler, keeps the numbers honest for
 C++ kernels that a profiler does not see and costs nothing in the engine's hot path. Only
-public API is used: the engine's ``add_request``/``step``/``abort_requests`` and its model
-runner's ``prepare_batch``, model and KV cache tensors.
+public API is used: the engine's ``add_request``/``abort_requests``, its step loop's three
+calls (what ``EngineCore.step`` runs), its executor's sampler and logits processors, and its
+model runner's ``prepare_batch``, model and KV cache tensors.
 """
 
 from __future__ import annotations
@@ -35,7 +38,12 @@ class StepBreakdown:
     step_ms: float  # one decode step through EngineCore.step, median
     linear_ms: float  # every linear of one forward, lm_head included
     attention_ms: float  # every layer's K/V write and attention
-    other_ms: float  # step - linear - attention: norms, rope, activations, Python, sampling
+    other_ms: float  # step - linear - attention, of which:
+    schedule_ms: float  # Scheduler.schedule
+    update_ms: float  # Scheduler.update_from_output (and drafts or KV tier writes, if any)
+    batch_ms: float  # the batch layout and the attention backend's prepare
+    sampling_ms: float  # sampling metadata and the sampler over the step's logits
+    rest_ms: float  # other - the four above: norms, rope, activations, residual adds, Python
     output_throughput: float  # batch_size / step time
 
 
@@ -51,6 +59,8 @@ def run_step(engine: EngineCore, *, batch_size: int, context_len: int, num_steps
     from tokenmill.engine import now
     from tokenmill.layers.linear import Linear
     from tokenmill.messages import EngineCoreRequest
+    from tokenmill.sampling.logits_processor import SamplingRow
+    from tokenmill.sampling.sampler import SamplingMetadata
     from tokenmill.sampling_params import SamplingParams
 
     prompts = random_token_ids([context_len] * batch_size, seed=seed, vocab_size=engine.vocab_size)
@@ -66,7 +76,7 @@ def run_step(engine: EngineCore, *, batch_size: int, context_len: int, num_steps
     device, dtype = engine.loaded.device, engine.loaded.dtype
     # On a GPU the host returns before the kernels finish: every timed call ends in a synchronize.
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    step_ms = _median_ms(engine.step, num_steps, sync)
+    step_ms, schedule_ms, update_ms = _time_step_calls(engine, num_steps, sync)
     # The parts below write K/V wherever their batch says: free the requests' blocks first.
     engine.abort_requests(request_ids)
 
@@ -86,7 +96,8 @@ def run_step(engine: EngineCore, *, batch_size: int, context_len: int, num_steps
             model.compute_logits(hidden)
 
     # The next decode step of the timed ones: each request has context_len + 2 + num_steps tokens cached.
-    _, metadata = runner.prepare_batch(_decode_chunks(batch_size, context_len + 2 + num_steps, runner))
+    chunks = _decode_chunks(batch_size, context_len + 2 + num_steps, runner)
+    _, metadata = runner.prepare_batch(chunks)
     backend = runner.loaded.attention
     specs = model.attention_specs()
     spec = specs[0]
@@ -99,16 +110,38 @@ def run_step(engine: EngineCore, *, batch_size: int, context_len: int, num_steps
         for layer_spec, kv_cache in zip(specs, runner.kv_caches, strict=True):
             backend.forward(layer_spec, query, key, value, kv_cache, metadata)
 
+    executor = engine.executor
+    logits = torch.randn(batch_size, runner.loaded.arch.vocab_size, device=device)  # [batch, vocab] float32
+    rows = [SamplingRow(f"step-{i}", params, prompt, [1, 2, 3], ()) for i, prompt in enumerate(prompts)]
+
+    def sample() -> None:  # as the executor samples a decode step: its metadata, the sampler, the tokens read
+        sampling = SamplingMetadata.from_requests(
+            rows,
+            generators=[None] * batch_size,
+            vocab_size=logits.shape[-1],
+            device=device,
+            logits_processors=executor.logits_processors,
+        )
+        executor.sampler(logits, sampling).token_ids.tolist()
+
     with torch.inference_mode():
         linear_ms = _median_ms(all_linears, num_steps, sync)
         attention_ms = _median_ms(all_attention, num_steps, sync)
+        batch_ms = _median_ms(lambda: runner.prepare_batch(chunks), num_steps, sync)
+        sampling_ms = _median_ms(sample, num_steps, sync)
+    other_ms = step_ms - linear_ms - attention_ms
     summary = StepBreakdown(
         batch_size=batch_size,
         context_len=context_len,
         step_ms=step_ms,
         linear_ms=linear_ms,
         attention_ms=attention_ms,
-        other_ms=step_ms - linear_ms - attention_ms,
+        other_ms=other_ms,
+        schedule_ms=schedule_ms,
+        update_ms=update_ms,
+        batch_ms=batch_ms,
+        sampling_ms=sampling_ms,
+        rest_ms=other_ms - schedule_ms - update_ms - batch_ms - sampling_ms,
         output_throughput=batch_size / (step_ms / 1000),
     )
     parameters = {
@@ -140,6 +173,31 @@ def _decode_chunks(batch_size: int, num_computed_tokens: int, runner: ModelRunne
     ]
 
 
+def _time_step_calls(engine: EngineCore, repeats: int, sync: Callable[[], Any]) -> tuple[float, float, float]:
+    """Medians of whole decode steps and of their scheduler calls (ms): the step, ``schedule``, ``update``.
+    Each step runs as ``EngineCore.step`` does, its loop's three calls, each timed."""
+    loop = engine.loop
+    steps, schedules, updates = [], [], []
+    for _ in range(repeats):
+        sync()
+        started = time.perf_counter()
+        scheduler_output = loop.schedule()
+        scheduled = time.perf_counter()
+        runner_output = loop.execute(scheduler_output)  # no sync here: a step that runs ahead must not wait
+        executed = time.perf_counter()
+        loop.update(scheduler_output, runner_output)
+        sync()
+        finished = time.perf_counter()
+        steps.append(finished - started)
+        schedules.append(scheduled - started)
+        updates.append(finished - executed)
+    return _median(steps) * 1000, _median(schedules) * 1000, _median(updates) * 1000
+
+
+def _median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
+
+
 def _median_ms(function: Callable[[], Any], repeats: int, sync: Callable[[], Any]) -> float:
     times = []
     for _ in range(repeats):
@@ -148,5 +206,4 @@ def _median_ms(function: Callable[[], Any], repeats: int, sync: Callable[[], Any
         function()
         sync()
         times.append((time.perf_counter() - started) * 1000)
-    times.sort()
-    return times[len(times) // 2]
+    return _median(times)
