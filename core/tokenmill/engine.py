@@ -96,14 +96,16 @@ class EngineCore:
 
     def _choose_loop(self) -> SyncLoop:
         """The loop variant, once: with KV tiers, with async scheduling when nothing rules it out, else plain."""
-        executor, proposer = self.executor, self.executor.proposer
         if self.kv_tiers:
-            return KVTierLoop(self.scheduler, executor, proposer, self.kv_cache, self.kv_tier_stack, self._enqueue,
-                              self.layout.block_size, self.kv_cache_hash_salt)  # fmt: skip
-        blockers = {"speculative decoding": proposer is not None, "tensor parallelism": self.shards is not None}
+            return KVTierLoop(self.scheduler, self.executor, self._enqueue, self.layout.block_size,
+                              self.kv_cache_hash_salt)  # fmt: skip
+        blockers = {
+            "speculative decoding": self.executor.proposer is not None,
+            "tensor parallelism": self.shards is not None,
+        }
         if uses_async_scheduling(self.config, self.scheduler, blockers):
-            return AsyncSchedulingLoop(self.scheduler, executor)
-        return SyncLoop(self.scheduler, executor, proposer)
+            return AsyncSchedulingLoop(self.scheduler, self.executor)
+        return SyncLoop(self.scheduler, self.executor)
 
     def _kv_tier_class(self, tier: KVTierConfig) -> type[KVTier]:
         cls: type[KVTier] = self.plugins.load(Slot.KV_TIER, tier.name)

@@ -23,13 +23,11 @@ from typing import ClassVar
 from tokenmill.config import EngineConfig
 from tokenmill.executor import LaunchedStep, ModelExecutor
 from tokenmill.kv_cache.block_hash import block_hashes
-from tokenmill.kv_cache.manager import KVCacheManager
 from tokenmill.kv_cache.tier_stack import KVTierStack
 from tokenmill.messages import EngineCoreOutput, EngineCoreRequest
 from tokenmill.request import Request
 from tokenmill.sampling.logits_processor import SamplingRow
 from tokenmill.scheduler import ModelRunnerOutput, Scheduler, SchedulerOutput
-from tokenmill.speculative.proposer import Proposer
 
 logger = logging.getLogger(__name__)
 
@@ -45,10 +43,10 @@ class SyncLoop:
     runs_ahead: ClassVar[bool] = False
     num_steps_run_ahead = 0
 
-    def __init__(self, scheduler: Scheduler, executor: ModelExecutor, proposer: Proposer | None = None) -> None:
+    def __init__(self, scheduler: Scheduler, executor: ModelExecutor) -> None:
         self.scheduler = scheduler
         self.executor = executor
-        self.proposer = proposer
+        self.proposer = executor.proposer  # with a speculator: drafts for the next step, after each update
 
     def schedule(self) -> SchedulerOutput:
         return self.scheduler.schedule()
@@ -86,16 +84,14 @@ class KVTierLoop(SyncLoop):
         self,
         scheduler: Scheduler,
         executor: ModelExecutor,
-        proposer: Proposer | None,
-        kv_cache: KVCacheManager,
-        kv_tier_stack: KVTierStack,
         enqueue: Callable[[EngineCoreRequest], None],
         block_size: int,
         hash_salt: str,
     ) -> None:
-        super().__init__(scheduler, executor, proposer)
-        self.kv_cache = kv_cache
-        self.kv_tier_stack = kv_tier_stack
+        super().__init__(scheduler, executor)
+        assert executor.kv_tier_stack is not None, "an engine with KV tiers"
+        self.kv_cache = executor.kv_cache
+        self.kv_tier_stack: KVTierStack = executor.kv_tier_stack
         self.enqueue = enqueue
         self.block_size = block_size
         self.hash_salt = hash_salt
