@@ -96,6 +96,16 @@ TOKENMILL_DENSE_CPU_MATMUL: EnvVar[str] = EnvVar(
     "`cpu` kernels read a weight packed in panels once for up to 12 rows; layer kernels without one leave it to "
     "oneDNN), `onednn` (weights packed for oneDNN) or `torch` (`F.linear`, MKL: 2-3x slower on AMD CPUs).",
 )
+TOKENMILL_CPU_ISA: EnvVar[str] = EnvVar(
+    "TOKENMILL_CPU_ISA",
+    str.lower,
+    "auto",
+    "Caps the instruction set of the CPU kernels that come in variants (the int4/int8 and dense float32 matmuls, "
+    "paged attention), for the process and the engines it starts: `avx2`, `avx_vnni`, `avx512` or `avx512_vnni16` "
+    "runs each kernel's best variant at or below that level, as on a CPU that has nothing above it (`avx_vnni` "
+    "is below `avx512`); `auto` the best the CPU has. Read by the kernels as they load "
+    "(`tokenmill_kernels.cpu_isa`); `tokenmill bench isa` compares the levels.",
+)
 RAY_ADDRESS: EnvVar[str | None] = EnvVar(
     "RAY_ADDRESS",
     str,
@@ -111,5 +121,6 @@ ALL_ENV_VARS: tuple[EnvVar, ...] = (
     TOKENMILL_DISABLE_PLUGIN_AUTOLOAD,
     TOKENMILL_LOG_LEVEL,
     TOKENMILL_DENSE_CPU_MATMUL,
+    TOKENMILL_CPU_ISA,
     RAY_ADDRESS,
 )

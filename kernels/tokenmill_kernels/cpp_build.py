@@ -42,6 +42,8 @@ from types import ModuleType
 
 import torch
 
+from tokenmill_kernels.cpu_isa import apply_level_from_env
+
 logger = logging.getLogger(__name__)
 
 _OPENMP_FLAGS = ("-fopenmp",)
@@ -110,7 +112,9 @@ class CppExtension:
                 missing = self.missing()
                 if missing:
                     raise RuntimeError(f"tokenmill's {self.description} need " + " and ".join(missing))
-                self._module = self._build_or_load()
+                module = self._build_or_load()
+                apply_level_from_env(module)  # TOKENMILL_CPU_ISA, before any caller sees it
+                self._module = module
         return self._module
 
     def supported_isas(self) -> list[str]:
