@@ -30,21 +30,19 @@ logger = logging.getLogger(__name__)
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed tensor, resident from the start. Zeros matter: attention multiplies unused slots by a
-    weight of 0, and uninitialised memory could hold NaN.
+    """A zeroed tensor. Zeros matter: attention multiplies unused slots by a weight of 0, and uninitialised
+    memory could hold NaN.
 
-    On CPU the cache is numpy's calloc-backed zeros (which numpy advises the kernel to back with huge
-    pages), then written once through torch's parallel ``zero_``. Without that write the OS maps each page
-    only when a block first lands on it, and since the block pool hands out free blocks oldest first, RSS
-    would grow under load until the whole pool was used, hiding leaks and overcommitting memory. Written at
-    start-up, growth under load means a leak (docs/serving.md, "Faults and shutdown")."""
+    On CPU the cache is numpy's calloc-backed zeros, which the OS maps page by page as blocks are first
+    written, so a start costs no time for the pool's size (zeroing 4 GiB took 4-14 s on 2 cores). The block
+    pool hands out the blocks already used before untouched ones, so the resident part grows only with the
+    load the cache has held; ``num_touched_blocks`` (the ``kv_cache_touched_bytes`` gauge) says how much,
+    and ``bench soak`` counts RSS growth net of it."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     element_size = torch.empty((), dtype=dtype).element_size()
     raw = numpy.zeros(shape, dtype={1: numpy.int8, 2: numpy.int16, 4: numpy.int32, 8: numpy.int64}[element_size])
-    cache = torch.from_numpy(raw)
-    cache.zero_()  # every page written once: resident now, not when a block first lands on it
-    return cache.view(dtype)
+    return torch.from_numpy(raw).view(dtype)
 
 
 class ModelRunner:
@@ -77,7 +75,7 @@ class ModelRunner:
             _zeros(shape, loaded.kv_cache_dtype, loaded.device) for _ in range(arch.num_layers)
         ]  # each [2, num_cache_blocks, block_size, num_kv_heads, head_dim (+ 4 scale bytes if quantized)] by default
         logger.info(
-            "KV cache allocated and zeroed on %s: %.1f MiB in %.2f s",
+            "KV cache allocated on %s: %.1f MiB in %.2f s",
             loaded.device, sum(c.nbytes for c in self.kv_caches) / 2**20, time.perf_counter() - started,
         )  # fmt: skip
         self.cuda_graphs: CudaGraphRunner | None = None
@@ -88,6 +86,18 @@ class ModelRunner:
                 cuda_graph_batch_sizes, scratch_block=num_blocks,
             )  # fmt: skip
             self.cuda_graphs.capture()
+        else:
+            self.warm_up()
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """One forward of one token into block 0 before the first request: it waits for kernels still building
+        on a first start (their plugins start the builds when selected, so they overlap the weights' loading)
+        and takes first-call set-up out of the first request's latency. Block 0's slot is garbage to the KV
+        cache manager either way: a request's own tokens overwrite a slot before anything reads it."""
+        started = time.perf_counter()
+        self.execute([SequenceChunk([0], 0, [0])])
+        logger.info("model warmed up in %.2f s", time.perf_counter() - started)
 
     @torch.inference_mode()
     def read_blocks(self, block_ids: list[int]) -> list[torch.Tensor]:

@@ -18,6 +18,13 @@ under :data:`INCLUDE_ROOT` and are included by their path from there (``#include
 copies those its source includes (:func:`local_headers`) into ``include/`` in its directory, passed with ``-I``,
 and their bytes are part of the key: an edited header rebuilds every extension that includes it, and no other.
 
+A first start builds only the extensions the selected kernels use, and builds them side by side: each plugin's
+constructor calls :meth:`CppExtension.prepare`, which starts a missing build on a thread of its own (the compiler
+runs in a subprocess, so the builds share the cores while the weights load), and the first call that needs the
+module waits for it in :meth:`CppExtension.load`, logging every 15 s how long it has waited. The extensions
+include a lean set of torch headers (``cpu_common/extension.h``), not ``<torch/extension.h>``, which alone took
+22 s of each build.
+
 Every extension is built with ``-fopenmp``: ``at::parallel_for`` is a header template that runs
 in parallel only when compiled with OpenMP, and the libgomp it links is matched by soname to the
 one torch has loaded, so ``torch.set_num_threads`` governs the kernels' threads too.
@@ -52,6 +59,8 @@ _OPENMP_FLAGS = ("-fopenmp",)
 #: / "isa.h"``.
 INCLUDE_ROOT = Path(__file__).resolve().parent
 
+_WAIT_LOG_SECONDS = 15.0
+
 _QUOTED_INCLUDE = re.compile(rb'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.MULTILINE)
 
 
@@ -64,21 +73,20 @@ class CppExtension:
         source: Path,
         cflags: list[str],
         description: str,
-        build_seconds: int = 60,
         include_root: Path = INCLUDE_ROOT,
     ) -> None:
         """``name`` is the importable module's name (and starts its build directory's); ``cflags``
         are the compiler flags beyond ``-fopenmp``; ``description`` names the kernels in errors and
-        in the build message, with ``build_seconds`` as its estimate; ``include_root`` is where the
-        headers the source includes with quotes are looked up (:func:`local_headers`)."""
+        in the build messages; ``include_root`` is where the headers the source includes with quotes
+        are looked up (:func:`local_headers`)."""
         self.name = name
         self.source = source
         self.cflags = cflags
         self.description = description
-        self.build_seconds = build_seconds
         self.include_root = include_root
         self._module: ModuleType | None = None
         self._lock = threading.Lock()
+        self._background: threading.Thread | None = None
 
     def missing(self) -> list[str]:
         """What stops the extension from building or running here; empty when nothing does."""
@@ -103,11 +111,28 @@ class CppExtension:
         """True when the CPU can run the kernels and the toolchain to build them is present."""
         return self._module is not None or not self.missing()
 
+    def prepare(self) -> None:
+        """Start building (or loading) the extension on a background thread and return at once; :meth:`load` waits
+        for it. Does nothing when it is loaded or started already, or cannot build here (:meth:`load` then says
+        why). The thread is not a daemon: a process that exits meanwhile finishes the build, rather than leaving
+        torch's lock file behind for the next start to wait on."""
+        with self._lock:
+            if self._module is not None or self._background is not None or self.missing():
+                return
+            self._background = threading.Thread(target=self._load_in_background, name=f"build {self.name}")
+            self._background.start()
+
     def load(self) -> ModuleType:
         """The compiled extension, built on first call; raises ``RuntimeError`` naming what is missing."""
         if self._module is not None:
             return self._module
-        with self._lock:
+        started = time.monotonic()
+        while not self._lock.acquire(timeout=_WAIT_LOG_SECONDS):
+            logger.info(
+                "still building tokenmill's %s (%.0f s so far; first start only)",
+                self.description, time.monotonic() - started,
+            )  # fmt: skip
+        try:
             if self._module is None:
                 missing = self.missing()
                 if missing:
@@ -115,7 +140,15 @@ class CppExtension:
                 module = self._build_or_load()
                 apply_level_from_env(module)  # TOKENMILL_CPU_ISA, before any caller sees it
                 self._module = module
+        finally:
+            self._lock.release()
         return self._module
+
+    def _load_in_background(self) -> None:
+        try:
+            self.load()
+        except Exception:  # the caller's own load() builds again and raises it where it can be reported
+            logger.debug("background build of %s failed", self.name, exc_info=True)
 
     def supported_isas(self) -> list[str]:
         """The variants of the kernels this CPU can run, best last: the extension's ``supported_isas()``, which
@@ -160,12 +193,7 @@ class CppExtension:
             _write_if_changed(include / header, text)
         is_built = (directory / f"{self.name}.so").exists()
         if not is_built:
-            logger.info(
-                "building tokenmill's %s (first start only, about %d s) in %s",
-                self.description,
-                self.build_seconds,
-                directory,
-            )
+            logger.info("building tokenmill's %s (first start only) in %s", self.description, directory)
         started = time.monotonic()
         module = _cpp_extension().load(
             name=self.name,
@@ -177,7 +205,7 @@ class CppExtension:
             verbose=False,
         )
         if not is_built:
-            logger.debug("built %s in %.0f s", self.name, time.monotonic() - started)
+            logger.info("built tokenmill's %s in %.0f s", self.description, time.monotonic() - started)
         return module
 
 

@@ -4,6 +4,8 @@ builds, and what it logs."""
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -117,7 +119,7 @@ def test_two_clones_share_one_build_directory_and_an_edit_gets_its_own(
     assert flagged.build_directory(sources[0].read_bytes()) != directory
 
 
-def test_a_build_logs_one_line_and_a_cached_load_none(
+def test_a_build_logs_its_start_and_end_and_a_cached_load_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The message comes before torch's build, and not when the built library is already there;
@@ -139,17 +141,74 @@ def test_a_build_logs_one_line_and_a_cached_load_none(
     monkeypatch.setattr(CppExtension, "missing", lambda self: [])
     caplog.set_level(logging.DEBUG, logger=cpp_build.__name__)
 
-    CppExtension("tokenmill_test", source, ["-O3"], "test kernels", build_seconds=30).load()
+    CppExtension("tokenmill_test", source, ["-O3"], "test kernels").load()
     (name, compiled, build_directory), *_ = calls
     assert compiled == [str(Path(build_directory) / "kernel.cpp")]  # the copy, not this clone's file
     assert (Path(build_directory) / "kernel.cpp").read_text() == "// a kernel\n"
     infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
-    assert len(infos) == 1 and infos[0].startswith("building tokenmill's test kernels (first start only, about 30 s)")
+    assert len(infos) == 2 and infos[0].startswith("building tokenmill's test kernels (first start only) in ")
+    assert infos[1].startswith("built tokenmill's test kernels in ")  # the time it took, not an estimate
 
     caplog.clear()
     CppExtension("tokenmill_test", source, ["-O3"], "test kernels").load()  # a new process: built already
     assert len(calls) == 2 and not [r for r in caplog.records if r.levelno >= logging.INFO]
     assert calls[1][2] == build_directory  # the first load changed nothing the key depends on
+
+
+def test_prepared_extensions_build_side_by_side_and_load_waits_for_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``prepare`` returns at once; two prepared builds run at the same time (each waits for the other to start
+    before it finishes); ``load`` waits for its own, logs while it waits, and builds nothing twice."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(cpp_build, "_WAIT_LOG_SECONDS", 0.05)
+    both_started = threading.Barrier(2, timeout=10)
+    calls = []
+
+    def fake_load(name: str, build_directory: str, **_: object) -> ModuleType:
+        calls.append(name)
+        both_started.wait()  # raises BrokenBarrierError if the builds ran one after the other
+        time.sleep(0.2)
+        return ModuleType(name)
+
+    monkeypatch.setattr(cpp_build._cpp_extension(), "load", fake_load)
+    monkeypatch.setattr(CppExtension, "missing", lambda self: [])
+    caplog.set_level(logging.INFO, logger=cpp_build.__name__)
+    extensions = []
+    for name in ("tokenmill_a", "tokenmill_b"):
+        (tmp_path / f"{name}.cpp").write_text(f"// {name}\n")
+        extensions.append(CppExtension(name, tmp_path / f"{name}.cpp", ["-O3"], f"{name} kernels"))
+    started = time.monotonic()
+    for extension in extensions:
+        extension.prepare()
+        extension.prepare()  # once is enough
+    assert time.monotonic() - started < 0.15
+    assert [extension.load().__name__ for extension in extensions] == ["tokenmill_a", "tokenmill_b"]
+    assert sorted(calls) == ["tokenmill_a", "tokenmill_b"]
+    assert any(r.getMessage().startswith("still building tokenmill's tokenmill_a kernels") for r in caplog.records)
+
+
+def test_a_build_that_fails_in_the_background_is_raised_by_load(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "cache"))
+    attempts = []
+    tried_in_background = threading.Event()
+
+    def fake_load(**_: object) -> ModuleType:
+        attempts.append(1)
+        tried_in_background.set()
+        raise RuntimeError("Error building extension 'tokenmill_test'")
+
+    monkeypatch.setattr(cpp_build._cpp_extension(), "load", fake_load)
+    monkeypatch.setattr(CppExtension, "missing", lambda self: [])
+    (tmp_path / "kernel.cpp").write_text("// a kernel\n")
+    extension = CppExtension("tokenmill_test", tmp_path / "kernel.cpp", ["-O3"], "test kernels")
+    extension.prepare()
+    assert tried_in_background.wait(10)
+    with pytest.raises(RuntimeError, match="Error building extension"):
+        extension.load()
+    assert len(attempts) == 2  # the background try, then the caller's own
 
 
 def test_a_build_compiles_copies_of_its_headers_on_an_include_path_of_its_own(

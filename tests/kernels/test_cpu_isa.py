@@ -12,6 +12,8 @@ from tokenmill_kernels.dense_matmul import cpu as dense_matmul
 from tokenmill_kernels.paged_attention import cpu as paged_attention
 from tokenmill_kernels.quant_matmul import cpu as quant_matmul
 
+from tests.cpu_machine import cpu_kernels_missing
+
 # Each launcher with every variant its C++ knows, in its order (best last).
 VARIANTS = {
     dense_matmul: ("avx2", "avx512"),
@@ -20,19 +22,22 @@ VARIANTS = {
 }
 
 
-@pytest.mark.parametrize("kernel", ["paged_attention", "quant_matmul", "dense_matmul"])
-def test_the_kernels_with_variants_build_with_the_shared_header(kernel: str) -> None:
-    """Their sources include it, so it is copied into their builds and is part of their keys."""
+@pytest.mark.parametrize("kernel", ["paged_attention", "quant_matmul", "dense_matmul", "layer_kernels"])
+def test_the_kernels_build_with_the_shared_headers(kernel: str) -> None:
+    """Their sources include them, so they are copied into their builds and are part of their keys; every one
+    includes torch through the lean ``extension.h``, and the ones with variants ``isa.h`` too."""
     source = (cpp_build.INCLUDE_ROOT / kernel / "cpu" / f"{kernel}.cpp").read_bytes()
-    header = (cpp_build.INCLUDE_ROOT / "cpu_common" / "isa.h").read_bytes()
-    assert cpp_build.local_headers(source) == {"cpu_common/isa.h": header}
+    names = ["cpu_common/extension.h"] + (["cpu_common/isa.h"] if kernel != "layer_kernels" else [])
+    headers = {name: (cpp_build.INCLUDE_ROOT / name).read_bytes() for name in names}
+    assert cpp_build.local_headers(source) == headers
+    assert b"#include <torch/extension.h>" not in source + b"".join(headers.values())
 
 
 @pytest.fixture(params=list(VARIANTS), ids=lambda launcher: launcher.__name__.split(".")[1])
 def launcher(request: pytest.FixtureRequest) -> object:
     module: ModuleType = request.param
-    if not module.is_available():
-        pytest.skip("needs AVX2+FMA and a C++ toolchain")
+    if cpu_kernels_missing() is not None:
+        pytest.skip(f"the CPU kernels need what is missing: {cpu_kernels_missing()}")
     before = module.isa()
     yield module
     module.set_isa(before)

@@ -8,12 +8,13 @@ import pytest
 import torch
 from tokenmill_kernels.paged_attention import cpu as kernels
 
+from tests.cpu_machine import needs_cpu_kernels
 from tokenmill.attention.backend import AttentionLayerSpec
 from tokenmill.attention.kv_quant import is_quantized_kv, quantize_kv
 from tokenmill.attention.torch_backend import TorchAttentionBackend
 from tokenmill.model_runner import SequenceChunk, build_batch
 
-pytestmark = pytest.mark.skipif(not kernels.is_available(), reason="the CPU kernels need AVX2, FMA and a compiler")
+pytestmark = needs_cpu_kernels
 
 # float32 arithmetic throughout (a float16 cache is widened as it is read, by the reference too);
 # the kernel sums in another order than SDPA, so results agree to rounding.

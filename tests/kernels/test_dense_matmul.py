@@ -13,9 +13,11 @@ import torch
 import torch.nn.functional as F
 from tokenmill_kernels.dense_matmul import cpu
 
+from tests.cpu_machine import needs_cpu_kernels
+
 RTOL = 1e-5
 
-pytestmark = pytest.mark.skipif(not cpu.is_available(), reason="needs AVX2+FMA and a C++ toolchain")
+pytestmark = needs_cpu_kernels
 
 # Rows: one decode step; the avx2 (3) and avx512 (12) tile sizes and one past them; a row block's worth at K=5000.
 M_VALUES = (0, 1, 2, 3, 4, 5, 12, 13, 25, 60)

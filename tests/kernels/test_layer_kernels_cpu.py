@@ -6,9 +6,10 @@ import pytest
 import torch
 from tokenmill_kernels.layer_kernels import cpu as kernels
 
+from tests.cpu_machine import needs_cpu_kernels
 from tokenmill.layers.kernels import TorchLayerKernels
 
-pytestmark = pytest.mark.skipif(not kernels.is_available(), reason="needs an AVX2 CPU and a C++ toolchain")
+pytestmark = needs_cpu_kernels
 REFERENCE = TorchLayerKernels()
 
 

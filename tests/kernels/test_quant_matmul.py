@@ -26,10 +26,11 @@ import torch
 from tokenmill_kernels import quant_matmul
 from tokenmill_kernels.quant_matmul import cpu, reference
 
+from tests.cpu_machine import needs_cpu_kernels
+
 TIGHT_RTOL = 1e-5
 LOOSE_RTOL = 1e-5
 
-needs_kernels = pytest.mark.skipif(not cpu.is_available(), reason="needs AVX2+FMA and a C++ toolchain")
 
 M_VALUES = (1, 2, 3, 4, 5, 8, 16, 33)
 K_VALUES = (32, 64, 576, 1536)
@@ -79,7 +80,7 @@ def _layer(kind: str, n: int, k: int) -> tuple[tuple[torch.Tensor, ...], torch.T
     return packed, _dequantize(kind, packed), torch.randn(n, generator=generator)
 
 
-@needs_kernels
+@needs_cpu_kernels
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 @pytest.mark.parametrize("k", K_VALUES)
 @pytest.mark.parametrize("m", M_VALUES)
@@ -114,7 +115,7 @@ def _skip_unless_supported(isa: str) -> None:
         pytest.skip(f"this CPU lacks {isa} (it supports {', '.join(cpu.supported_isas())})")
 
 
-@needs_kernels
+@needs_cpu_kernels
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_every_isa_variant_matches_reference(kind: str, isa: str) -> None:
@@ -138,7 +139,7 @@ def test_every_isa_variant_matches_reference(kind: str, isa: str) -> None:
         cpu.set_isa(before)
 
 
-@needs_kernels
+@needs_cpu_kernels
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_avx_vnni_is_bit_identical_to_avx2(kind: str) -> None:
     """Both hold a group as two 256-bit halves: exact integer dot products, then the same float32 operations in
@@ -159,7 +160,7 @@ def test_avx_vnni_is_bit_identical_to_avx2(kind: str) -> None:
         cpu.set_isa(before)
 
 
-@needs_kernels
+@needs_cpu_kernels
 def test_activation_codes_match_reference() -> None:
     """The kernels round activations exactly as reference.quantize_activations: same int16 codes, scales, sums."""
     generator = torch.Generator().manual_seed(23)
@@ -175,7 +176,7 @@ def test_activation_codes_match_reference() -> None:
         assert torch.equal(got, want)
 
 
-@needs_kernels
+@needs_cpu_kernels
 def test_set_isa() -> None:
     before = cpu.isa()
     supported = cpu.supported_isas()
@@ -191,7 +192,7 @@ def test_set_isa() -> None:
         cpu.set_isa(before)
 
 
-@needs_kernels
+@needs_cpu_kernels
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_kernel_is_deterministic_across_thread_counts(kind: str) -> None:
     generator = torch.Generator().manual_seed(7)
@@ -207,7 +208,7 @@ def test_kernel_is_deterministic_across_thread_counts(kind: str) -> None:
     assert torch.equal(_kernel(kind, x, packed, None), single)
 
 
-@needs_kernels
+@needs_cpu_kernels
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_empty_batch(kind: str) -> None:
     packed = _quantize(kind, torch.randn(7, 64))
@@ -336,7 +337,7 @@ def test_quantize_rejects_k_not_multiple_of_32(quantize: Callable[[torch.Tensor]
         quantize(torch.randn(4, 64, dtype=torch.float64))
 
 
-@needs_kernels
+@needs_cpu_kernels
 def test_matmul_rejects_bad_inputs() -> None:
     qweight, scales, mins = quant_matmul.quantize_int4(torch.randn(8, 64))
     q8, s8 = quant_matmul.quantize_int8(torch.randn(8, 64))
@@ -362,7 +363,7 @@ def test_matmul_rejects_bad_inputs() -> None:
         quant_matmul.matmul_int4(torch.randn(2, 64), qweight, scales, mins.float())
 
 
-@needs_kernels
+@needs_cpu_kernels
 def test_extension_checks_its_own_inputs() -> None:
     """The compiled ops validate too, so calling them directly cannot read out of bounds."""
     module = quant_matmul.load()

@@ -10,7 +10,7 @@
 // -I) and keys the build on its bytes, so an edit here rebuilds every extension that includes it.
 #pragma once
 
-#include <torch/extension.h>
+#include "cpu_common/extension.h"
 
 #include <algorithm>
 #include <atomic>

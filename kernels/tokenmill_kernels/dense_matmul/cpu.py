@@ -20,7 +20,7 @@ from torch import Tensor
 
 from tokenmill_kernels.cpp_build import CppExtension
 
-__all__ = ["PANEL", "is_available", "isa", "linear", "load", "pack", "set_isa", "supported_isas"]
+__all__ = ["PANEL", "is_available", "isa", "linear", "load", "pack", "prepare", "set_isa", "supported_isas"]
 
 #: Outputs per panel of a packed weight: ``pack`` returns ``[ceil(N / PANEL), K, PANEL]``.
 PANEL = 32
@@ -30,7 +30,6 @@ _EXTENSION = CppExtension(
     Path(__file__).resolve().parent / "cpu" / "dense_matmul.cpp",
     ["-O3", "-mavx2", "-mfma"],
     "dense matmul kernels",
-    build_seconds=25,
 )
 _module: ModuleType | None = None  # the loaded extension, kept here to skip a call per matmul
 
@@ -38,6 +37,12 @@ _module: ModuleType | None = None  # the loaded extension, kept here to skip a c
 def is_available() -> bool:
     """True when the CPU can run the kernels and the toolchain to build them is present."""
     return _EXTENSION.is_available()
+
+
+def prepare() -> None:
+    """Start building (first use on a machine) or loading the extension in the background and return; the first
+    call that needs it waits. Several extensions prepared together build side by side."""
+    _EXTENSION.prepare()
 
 
 def load() -> ModuleType:

@@ -12,20 +12,25 @@ from torch import Tensor
 
 from tokenmill_kernels.cpp_build import CppExtension
 
-__all__ = ["is_available", "load", "rms_norm", "rotary"]
+__all__ = ["is_available", "load", "prepare", "rms_norm", "rotary"]
 
 _EXTENSION = CppExtension(
     "tokenmill_layer_kernels",
     Path(__file__).resolve().parent / "cpu" / "layer_kernels.cpp",
     ["-O3", "-mavx2", "-mfma"],
     "CPU layer kernels",
-    build_seconds=25,
 )
 
 
 def is_available() -> bool:
     """True when the CPU can run the kernels and the toolchain to build them is present."""
     return _EXTENSION.is_available()
+
+
+def prepare() -> None:
+    """Start building (first use on a machine) or loading the extension in the background and return; the first
+    call that needs it waits. Several extensions prepared together build side by side."""
+    _EXTENSION.prepare()
 
 
 def load() -> None:

@@ -19,14 +19,13 @@ from torch import Tensor
 
 from tokenmill_kernels.cpp_build import CppExtension
 
-__all__ = ["is_available", "isa", "load", "paged_attention", "set_isa", "supported_isas", "write_kv_cache"]
+__all__ = ["is_available", "isa", "load", "paged_attention", "prepare", "set_isa", "supported_isas", "write_kv_cache"]
 
 _EXTENSION = CppExtension(
     "tokenmill_paged_attention",
     Path(__file__).resolve().parent / "cpu" / "paged_attention.cpp",
     ["-O3", "-mavx2", "-mfma", "-mf16c"],
     "CPU paged-attention kernels",
-    build_seconds=35,  # 27-37 s on 2 cores
 )
 
 
@@ -35,8 +34,14 @@ def is_available() -> bool:
     return _EXTENSION.is_available()
 
 
+def prepare() -> None:
+    """Start building (first use on a machine) or loading the extension in the background and return; the first
+    call that needs it waits. Several extensions prepared together build side by side."""
+    _EXTENSION.prepare()
+
+
 def load() -> None:
-    """Build (first use on a machine, ~30 s) or load the extension; raises ``RuntimeError`` naming
+    """Build (first use on a machine) or load the extension; raises ``RuntimeError`` naming
     what is missing. The launchers call it too; call it early to keep the build out of a step."""
     _EXTENSION.load()
 

@@ -32,6 +32,7 @@ __all__ = [
     "load",
     "matmul_int4",
     "matmul_int8",
+    "prepare",
     "quantize_activations",
     "set_isa",
     "supported_isas",
@@ -44,7 +45,6 @@ _EXTENSION = CppExtension(
     Path(__file__).resolve().parent / "cpu" / "quant_matmul.cpp",
     ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off"],
     "quantized matmul kernels",
-    build_seconds=35,  # 27-37 s on 2 cores
 )
 _module: ModuleType | None = None  # the loaded extension, kept here to skip a call per matmul
 
@@ -52,6 +52,12 @@ _module: ModuleType | None = None  # the loaded extension, kept here to skip a c
 def is_available() -> bool:
     """True when the CPU can run the kernels and the toolchain to build them is present."""
     return _EXTENSION.is_available()
+
+
+def prepare() -> None:
+    """Start building (first use on a machine) or loading the extension in the background and return; the first
+    call that needs it waits. Several extensions prepared together build side by side."""
+    _EXTENSION.prepare()
 
 
 def load() -> ModuleType:

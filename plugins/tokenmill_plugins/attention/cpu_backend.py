@@ -72,7 +72,7 @@ class CpuAttentionBackend(AttentionBackend):
         return kernels.is_available()
 
     def __init__(self) -> None:
-        kernels.load()  # build (first run on a machine) or load the C++ now, not inside the first step
+        kernels.prepare()  # start building (first run on a machine) or loading the C++ now, beside the weights
 
     def prepare(self, metadata: AttentionMetadata, block_size: int) -> None:
         query_lens = metadata.query_start_loc[1:] - metadata.query_start_loc[:-1]

@@ -35,9 +35,9 @@ class CpuLayerKernels(TorchLayerKernels):
         return kernels.is_available() and dense_matmul.is_available()
 
     def __init__(self) -> None:
-        # Build (first run on a machine) or load the C++ now, not inside the first step.
-        kernels.load()
-        dense_matmul.load()
+        # Start building (first run on a machine) or loading the C++ now, beside the weights. The dense matmul
+        # builds when a model first packs a float32 weight: the quantized default model never does.
+        kernels.prepare()
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if not _runs(x):

@@ -98,7 +98,7 @@ class CheckpointQuantizer(Quantizer):
         self.output_quantization = (options or QuantOptions()).output_quantization
         self._dtype = torch.float32
         if quant_cpu.is_available():  # a GPU host may lack AVX2 or a compiler; the CUDA paths need neither
-            quant_cpu.load()  # build or load the C++ now, not inside the first step
+            quant_cpu.prepare()  # start building or loading the C++ now, beside the weights
 
     def output_quantizer(self) -> Quantizer:
         # The tools this reads leave lm_head in float (configure refuses a checkpoint that quantized it);

@@ -46,7 +46,7 @@ class _WeightOnlyQuantizer(Quantizer):
         return quant_cpu.is_available()
 
     def __init__(self, options: object = None) -> None:  # the quant plugin's options; these read none
-        quant_cpu.load()  # build (first run on a machine) or load the C++ now, not inside the first step
+        quant_cpu.prepare()  # start building (first run on a machine) or loading the C++ now, beside the weights
 
     def create_weights(
         self, layer: nn.Module, in_features: int, out_features: int, bias: bool, dtype: torch.dtype

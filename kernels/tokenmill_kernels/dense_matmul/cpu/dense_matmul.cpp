@@ -16,14 +16,13 @@
 // CPUs that have AVX-512F; set_isa forces a variant (for tests and benchmarks). Both sum each output's products in
 // k order with fused multiply-adds, so the two variants give bit-identical outputs.
 
-#include <ATen/Parallel.h>
 #include <immintrin.h>
-#include <torch/extension.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <vector>
 
+#include "cpu_common/extension.h"
 #include "cpu_common/isa.h"
 
 namespace {
@@ -181,13 +180,13 @@ tokenmill::IsaChoice<Isa> g_isa({"avx2", "avx512"}, [] {
   return isas;
 });
 
-torch::Tensor pack(const torch::Tensor& weight) {
-  TORCH_CHECK_VALUE(weight.dim() == 2 && weight.scalar_type() == torch::kFloat32 && weight.device().is_cpu(),
+at::Tensor pack(const at::Tensor& weight) {
+  TORCH_CHECK_VALUE(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.device().is_cpu(),
                     "weight must be a 2-D float32 CPU tensor [N, K], got ", weight.scalar_type(), " ",
                     weight.sizes());
   const int64_t N = weight.size(0), K = weight.size(1), num_panels = (N + kPanel - 1) / kPanel;
   TORCH_CHECK_VALUE(N > 0 && K > 0, "weight must not be empty, got ", weight.sizes());
-  auto packed = torch::zeros({num_panels, K, kPanel}, weight.options());
+  auto packed = at::zeros({num_panels, K, kPanel}, weight.options());
   const int64_t full = N / kPanel;
   if (full > 0) packed.narrow(0, 0, full).copy_(weight.narrow(0, 0, full * kPanel).reshape({full, kPanel, K}).transpose(1, 2));
   if (N % kPanel != 0) packed[full].narrow(1, 0, N % kPanel).copy_(weight.narrow(0, full * kPanel, N % kPanel).t());
@@ -196,25 +195,25 @@ torch::Tensor pack(const torch::Tensor& weight) {
 
 // Inputs are checked here rather than in Python: it costs ~0.1 us instead of ~1 us per call, and
 // TORCH_CHECK_VALUE surfaces in Python as ValueError.
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N,
-                     const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK_VALUE(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.device().is_cpu(),
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                     const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
                     "x must be a contiguous 2-D float32 CPU tensor [M, K], got ", x.scalar_type(), " ", x.sizes());
   const int64_t M = x.size(0), K = x.size(1);
   const int64_t num_panels = (N + kPanel - 1) / kPanel;
-  TORCH_CHECK_VALUE(N > 0 && packed.scalar_type() == torch::kFloat32 && packed.is_contiguous() &&
-                        packed.device().is_cpu() && packed.sizes() == torch::IntArrayRef({num_panels, K, kPanel}),
+  TORCH_CHECK_VALUE(N > 0 && packed.scalar_type() == at::kFloat && packed.is_contiguous() &&
+                        packed.device().is_cpu() && packed.sizes() == at::IntArrayRef({num_panels, K, kPanel}),
                     "packed must be pack(weight) of a float32 weight [", N, ", ", K, "], i.e. [", num_panels, ", ", K,
                     ", ", kPanel, "], got ", packed.scalar_type(), " ", packed.sizes());
   const float* bias_ptr = nullptr;
   if (bias.has_value()) {
-    const torch::Tensor& b = *bias;
-    TORCH_CHECK_VALUE(b.scalar_type() == torch::kFloat32 && b.is_contiguous() && b.device().is_cpu() &&
-                          b.sizes() == torch::IntArrayRef({N}),
+    const at::Tensor& b = *bias;
+    TORCH_CHECK_VALUE(b.scalar_type() == at::kFloat && b.is_contiguous() && b.device().is_cpu() &&
+                          b.sizes() == at::IntArrayRef({N}),
                       "bias must be a contiguous float32 CPU tensor [", N, "], got ", b.scalar_type(), " ", b.sizes());
     bias_ptr = b.data_ptr<float>();
   }
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   const Problem p{x.data_ptr<float>(), packed.data_ptr<float>(), bias_ptr, y.data_ptr<float>(), M, N, K};
   if (g_isa.get() == Isa::kAvx512) {

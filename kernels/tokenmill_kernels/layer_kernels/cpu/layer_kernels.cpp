@@ -7,11 +7,11 @@
 // Rows run on one thread up to kRowsPerTask rows; longer batches (prompt chunks) split rows across
 // torch's threads.
 
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <cmath>
+
+#include "cpu_common/extension.h"
 
 namespace {
 

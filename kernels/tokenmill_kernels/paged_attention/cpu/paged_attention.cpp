@@ -16,8 +16,6 @@
 // plus 4. Key rows are widened and scaled once for the group (as float16 ones are widened); value
 // rows are widened as they load and their scales folded into the softmax weights, so the inner
 // loops are those of the float16 cache.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -27,6 +25,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_common/extension.h"
 #include "cpu_common/isa.h"
 
 namespace {
@@ -192,22 +191,22 @@ inline void accumulate_values(float (*acc)[kMaxHeadDim], const float (*weights)[
 
 // Inputs are checked here, before the kernels index raw pointers: TORCH_CHECK_VALUE surfaces in
 // Python as ValueError, and costs far less than the same checks in Python twice per layer per step.
-void check_float(const torch::Tensor& t, const char* name, int64_t dim, const char* expected) {
+void check_float(const at::Tensor& t, const char* name, int64_t dim, const char* expected) {
   TORCH_CHECK_VALUE(t.dim() == dim && t.scalar_type() == at::kFloat && t.is_contiguous() && t.device().is_cpu(),
                     name, " must be a contiguous float32 CPU tensor ", expected, ", got ", t.scalar_type(), " ",
                     t.sizes());
 }
 
-bool is_quantized(const torch::Tensor& cache) {
+bool is_quantized(const at::Tensor& cache) {
   return cache.scalar_type() == at::kFloat8_e4m3fn || cache.scalar_type() == at::kChar;
 }
 
 // The cache's head_dim: its rows' length, less the scale of a quantized cache's rows.
-int64_t cache_head_dim(const torch::Tensor& cache) {
+int64_t cache_head_dim(const at::Tensor& cache) {
   return cache.size(3) - (is_quantized(cache) ? kScaleBytes : 0);
 }
 
-void check_cache(const torch::Tensor& key_cache, const torch::Tensor& value_cache) {
+void check_cache(const at::Tensor& key_cache, const at::Tensor& value_cache) {
   for (const auto* t : {&key_cache, &value_cache}) {
     const auto dtype = t->scalar_type();
     TORCH_CHECK_VALUE(t->dim() == 4 &&
@@ -230,7 +229,7 @@ void check_cache(const torch::Tensor& key_cache, const torch::Tensor& value_cach
                     kMaxHeadDim, ", got ", block_size, " and ", head_dim);
 }
 
-void check_index(const torch::Tensor& t, const char* name, at::ScalarType dtype, int64_t dim) {
+void check_index(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t dim) {
   TORCH_CHECK_VALUE(t.dim() == dim && t.scalar_type() == dtype && t.is_contiguous() && t.device().is_cpu(), name,
                     " must be a contiguous ", dim, "-D ", dtype, " CPU tensor, got ", t.scalar_type(), " ",
                     t.sizes());
@@ -643,11 +642,11 @@ void attend(const Problem<T>& p) {
 
 // Writes each new token's key and value into its cache slot (rounded to float16 for a float16 cache,
 // quantized with a scale per row for an fp8 or int8 one).
-void write_kv_cache(const torch::Tensor& key,          // [num_tokens, kv_heads, head_dim]
-                    const torch::Tensor& value,        // [num_tokens, kv_heads, head_dim]
-                    torch::Tensor& key_cache,          // [num_blocks, block_size, kv_heads, head_dim]
-                    torch::Tensor& value_cache,        // same
-                    const torch::Tensor& slot_mapping  // [num_tokens] int64
+void write_kv_cache(const at::Tensor& key,          // [num_tokens, kv_heads, head_dim]
+                    const at::Tensor& value,        // [num_tokens, kv_heads, head_dim]
+                    at::Tensor& key_cache,          // [num_blocks, block_size, kv_heads, head_dim]
+                    at::Tensor& value_cache,        // same
+                    const at::Tensor& slot_mapping  // [num_tokens] int64
 ) {
   check_cache(key_cache, value_cache);
   check_index(slot_mapping, "slot_mapping", at::kLong, 1);
@@ -676,15 +675,15 @@ void write_kv_cache(const torch::Tensor& key,          // [num_tokens, kv_heads,
   }
 }
 
-torch::Tensor paged_attention(const torch::Tensor& query,         // [num_tokens, heads, head_dim]
-                              const torch::Tensor& key_cache,     // [num_blocks, block_size, kv_heads, head_dim]
-                              const torch::Tensor& value_cache,   // same
-                              const torch::Tensor& block_tables,  // [num_reqs, max_blocks] int32
-                              const torch::Tensor& token_req,     // [num_tokens] int32: request of each token
-                              const torch::Tensor& positions,     // [num_tokens] int64: position of each token
+at::Tensor paged_attention(const at::Tensor& query,         // [num_tokens, heads, head_dim]
+                              const at::Tensor& key_cache,     // [num_blocks, block_size, kv_heads, head_dim]
+                              const at::Tensor& value_cache,   // same
+                              const at::Tensor& block_tables,  // [num_reqs, max_blocks] int32
+                              const at::Tensor& token_req,     // [num_tokens] int32: request of each token
+                              const at::Tensor& positions,     // [num_tokens] int64: position of each token
                               double scale, int64_t sliding_window /* <= 0: none */,
-                              const c10::optional<torch::Tensor>& tree_start,  // [num_tokens] int64, -1: no tree
-                              const c10::optional<torch::Tensor>& tree_bits    // [num_tokens] int64 bit masks
+                              const c10::optional<at::Tensor>& tree_start,  // [num_tokens] int64, -1: no tree
+                              const c10::optional<at::Tensor>& tree_bits    // [num_tokens] int64 bit masks
 ) {
   check_cache(key_cache, value_cache);
   check_float(query, "query", 3, "[num_tokens, heads, head_dim]");
@@ -705,7 +704,7 @@ torch::Tensor paged_attention(const torch::Tensor& query,         // [num_tokens
     TORCH_CHECK_VALUE(tree_start->size(0) == query.size(0) && tree_bits->size(0) == query.size(0),
                       "tree_start and tree_bits need one entry per query token");
   }
-  auto out = torch::empty_like(query);  // [num_tokens, heads, head_dim]
+  auto out = at::empty_like(query);  // [num_tokens, heads, head_dim]
   auto problem = [&](auto* element) {
     using T = std::remove_pointer_t<decltype(element)>;
     return Problem<T>{query.data_ptr<float>(),

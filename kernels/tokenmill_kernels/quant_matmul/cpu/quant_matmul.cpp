@@ -17,9 +17,7 @@
 // outputs; avx512 holds a group in one 512-bit register and sums 16 float lanes instead of 8 (outputs within
 // float32 rounding of the others). set_isa forces one (for tests and benchmarks).
 
-#include <ATen/Parallel.h>
 #include <immintrin.h>
-#include <torch/extension.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -29,6 +27,7 @@
 #include <tuple>
 #include <vector>
 
+#include "cpu_common/extension.h"
 #include "cpu_common/isa.h"
 
 namespace {
