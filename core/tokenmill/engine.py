@@ -199,7 +199,9 @@ class EngineCore:
     def stats(self) -> EngineStatsMessage:
         """A snapshot for metrics and routers; cheap to take every step. The prefix cache's changes are not in
         it: the engine process takes them (``take_prefix_cache_delta``) for each connection's summary."""
-        stats = self.scheduler.stats()
+        touched = self.kv_cache.num_touched_blocks
+        touched_bytes = (self.layout.num_blocks if touched is None else touched) * self.layout.bytes_per_block
+        stats = msgspec.structs.replace(self.scheduler.stats(), kv_cache_touched_bytes=touched_bytes)
         if not self.kv_tiers:
             return stats
         tiers = [

@@ -129,6 +129,9 @@ class EngineStatsMessage(msgspec.Struct, array_like=True, frozen=True, gc=False)
     num_outstanding_tokens: int = 0
     #: KV blocks an allocation can take now (free, plus cached ones not in use); routers' KV headroom.
     num_free_kv_blocks: int = 0
+    #: Bytes of the KV cache handed out at least once since start: on a CPU, about the cache's share of the
+    #: engine's RSS (its pages are mapped as blocks are first written).
+    kv_cache_touched_bytes: int = 0
     #: The prefix cache's contents as deltas, per connection (vLLM's KV events, compacted): the first 8 bytes
     #: (``PREFIX_KEY_SIZE``) of each block hash the cache gained (``prefix_cache_added``) or lost
     #: (``prefix_cache_removed``) since the last message to this front end, concatenated. With

@@ -23,6 +23,24 @@ def test_fresh_pool_hands_out_every_block_once() -> None:
     pool.check_invariants()
 
 
+def test_freed_blocks_are_reused_before_untouched_ones() -> None:
+    """The pool's memory is touched only as far as the load needs: a steady load of two blocks at a time keeps
+    using the same two, however long it runs, and unused blocks go out lowest id first."""
+    pool = BlockPool(100)
+    assert pool.num_touched_blocks == 0
+    assert pool.allocate(2) == [0, 1]
+    for _ in range(50):
+        first = pool.allocate(1)
+        pool.free(first)
+        again = pool.allocate(1)
+        assert again == first
+        pool.free(again)
+    assert pool.num_touched_blocks == 3
+    pool.free([0, 1])
+    assert sorted(pool.allocate(4)) == [0, 1, 2, 3] and pool.num_touched_blocks == 4
+    pool.check_invariants()
+
+
 def test_shared_block_is_free_only_after_its_last_reference() -> None:
     pool = BlockPool(4)
     (block_id,) = pool.allocate(1)

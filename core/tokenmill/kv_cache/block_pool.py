@@ -3,7 +3,9 @@
 Every block is in exactly one of three states:
 
 - referenced: its ref count (the number of block tables holding it) is > 0;
-- free: ref count 0 and no hash; its contents are garbage;
+- free: ref count 0 and no hash; its contents are garbage. The most recently freed is taken first, and
+  blocks never used yet, lowest id first, only when no used one is free: the cache's memory is touched
+  (on a CPU, made resident) only as far as the load has needed it (``num_touched_blocks``);
 - evictable: ref count 0 but it still holds a hash, so a later request with the
   same prefix can take it back. Evictable blocks are kept in LRU order (the
   order they dropped to ref count 0) and are reused, oldest first, only when
@@ -36,8 +38,10 @@ class BlockPool:
         self._num_blocks = num_blocks
         self._ref_counts = [0] * num_blocks
         self._hashes: list[bytes | None] = [None] * num_blocks
-        # OrderedDicts as O(1) linked lists: popitem(last=False) takes the oldest, pop(id) unlinks any.
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        # OrderedDicts as O(1) linked lists: popitem() takes the newest, popitem(last=False) the oldest, pop(id)
+        # unlinks any. Free blocks are taken newest first; the unused ones start at the old end, lowest id newest.
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks - 1, -1, -1))
+        self._num_touched = 0  # blocks 0 .. _num_touched - 1 have been allocated at least once
         self._evictable: OrderedDict[int, None] = OrderedDict()
         #: When set, every cached block that ``allocate`` evicts is appended to ``evicted`` as
         #: ``(block_id, block_hash)``, for its owner to write back to a KV tier before it is overwritten.
@@ -57,6 +61,11 @@ class BlockPool:
     def num_free_blocks(self) -> int:
         """Blocks an allocation can take: free ones plus evictable cached ones."""
         return len(self._free) + len(self._evictable)
+
+    @property
+    def num_touched_blocks(self) -> int:
+        """Blocks allocated at least once since start: always the lowest ids, ``0 .. num_touched_blocks - 1``."""
+        return self._num_touched
 
     @property
     def num_evictable_blocks(self) -> int:
@@ -84,7 +93,8 @@ class BlockPool:
     # ------------------------------------------------------------- operations
 
     def allocate(self, num_blocks: int) -> list[int]:
-        """Take ``num_blocks`` blocks with ref count 1: free ones first, then the least recently used evictable ones.
+        """Take ``num_blocks`` blocks with ref count 1: free ones first (the most recently freed, then ones never used,
+        lowest id first), then the least recently used evictable ones.
 
         The caller checks ``num_free_blocks`` first; asking for more is a bug.
         """
@@ -92,7 +102,8 @@ class BlockPool:
         block_ids: list[int] = []
         for _ in range(num_blocks):
             if self._free:
-                block_id, _ = self._free.popitem(last=False)
+                block_id, _ = self._free.popitem()
+                self._num_touched = max(self._num_touched, block_id + 1)
             else:
                 block_id, _ = self._evictable.popitem(last=False)
                 block_hash = self._hashes[block_id]
@@ -207,5 +218,7 @@ class BlockPool:
             if block_hash is not None:
                 assert self._index.get(block_hash) == block_id, f"hash of block {block_id} maps elsewhere"
         assert num_referenced + self.num_free_blocks == self._num_blocks
+        for block_id in range(self._num_touched, self._num_blocks):
+            assert self._ref_counts[block_id] == 0 and self._hashes[block_id] is None, f"untouched {block_id} in use"
         for block_hash, block_id in self._index.items():
             assert self._hashes[block_id] == block_hash, f"index entry for block {block_id} is stale"

@@ -113,6 +113,12 @@ class KVCacheManager(ABC):
         scheduled ahead."""
         return 0
 
+    @property
+    def num_touched_blocks(self) -> int | None:
+        """Blocks handed out at least once since start (on a CPU, the cache memory made resident): what the
+        ``kv_cache_touched_bytes`` gauge reports. None (a manager that does not say) counts every block."""
+        return None
+
     @abstractmethod
     def lookup_prefix(self, token_ids: Sequence[int], cache_salt: str | None = None) -> PrefixMatch:
         """The longest run of leading full blocks of ``token_ids`` that is cached. Once per admission attempt."""
@@ -233,6 +239,10 @@ class PagedKVCacheManager(KVCacheManager):
     def num_free_blocks(self) -> int:
         """Blocks an allocation can take now: free plus evictable cached ones. Read by the scheduler per step."""
         return self._pool.num_free_blocks
+
+    @property
+    def num_touched_blocks(self) -> int:
+        return self._pool.num_touched_blocks
 
     @property
     def usage(self) -> float:

@@ -81,6 +81,12 @@ class _EngineCollector(Collector):
             f"{PREFIX}kv_cache_usage_perc", "KV cache usage: the fraction of blocks held by requests (1 means 100%).",
             labels=_LABELS,
         )  # fmt: skip
+        touched = GaugeMetricFamily(
+            f"{PREFIX}kv_cache_touched_bytes",
+            "KV cache bytes handed out at least once since start: on a CPU, about the cache's share of the engine's "
+            "resident memory, which grows with the load the cache has held, up to its size.",
+            labels=_LABELS,
+        )
         restarts = CounterMetricFamily(f"{PREFIX}engine_restarts", "Times the engine was restarted after it died.",
                                        labels=_LABELS)  # fmt: skip
         counters = {
@@ -121,6 +127,7 @@ class _EngineCollector(Collector):
             running.add_metric(labels, stats.num_running)
             waiting.add_metric(labels, stats.num_waiting)
             usage.add_metric(labels, stats.kv_cache_usage)
+            touched.add_metric(labels, stats.kv_cache_touched_bytes)
             for key, family in counters.items():
                 family.add_metric(labels, getattr(stats, key))
             for position, count in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
@@ -149,8 +156,8 @@ class _EngineCollector(Collector):
         router_name = getattr(self.group, "router_name", "")
         for reason, count in getattr(self.group, "num_router_fallbacks", {}).items():
             fallbacks.add_metric([self.model_name, router_name, reason], count)
-        yield from (running, waiting, usage, restarts, *counters.values(), per_pos, *tier_counters.values(), dropped,
-                    refused, outstanding, cached_blocks, fallbacks)  # fmt: skip
+        yield from (running, waiting, usage, touched, restarts, *counters.values(), per_pos, *tier_counters.values(),
+                    dropped, refused, outstanding, cached_blocks, fallbacks)  # fmt: skip
 
 
 class ServerMetrics:

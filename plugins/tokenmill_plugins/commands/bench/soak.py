@@ -70,6 +70,7 @@ _MIB = 2**20
 
 #: The engines' gauges (each summed over engines): a fraction of KV blocks in use, and request counts.
 _KV_USAGE = "tokenmill:kv_cache_usage_perc"
+_KV_TOUCHED = "tokenmill:kv_cache_touched_bytes"
 _RUNNING = "tokenmill:num_requests_running"
 _WAITING = "tokenmill:num_requests_waiting"
 
@@ -409,6 +410,7 @@ class Sample:
     phase: str  # warmup, load, drain, idle
     rss_bytes: dict[str, int]
     kv_cache_usage: float | None
+    kv_cache_touched_bytes: float | None  # over the engines: KV memory handed out at least once, resident on a CPU
     num_running: float | None
     num_waiting: float | None
     requests_sent: int
@@ -460,6 +462,7 @@ class _Sampler:
                 phase=phase or self.phase,
                 rss_bytes=rss,
                 kv_cache_usage=samples.get(_KV_USAGE),
+                kv_cache_touched_bytes=samples.get(_KV_TOUCHED),
                 num_running=samples.get(_RUNNING),
                 num_waiting=samples.get(_WAITING),
                 requests_sent=self.tally.sent,
@@ -588,13 +591,19 @@ class _Progress:
 
 def _rss_table(samples: list[Sample], *, max_growth_pct: float) -> list[dict[str, Any]]:
     """Per process (and ``total``): RSS at the end of the warm-up, at the end of the load, when idle, the peak,
-    and the growth from the first to the second. A process that was not there at both points has no growth."""
+    and the growth from the first to the second. A process that was not there at both points has no growth.
+
+    Growth is net of the KV cache's first touches (``kv_cache_touched_bytes``): a CPU engine maps its cache's
+    pages as blocks are first used, so the prefix cache filling up is not a leak. The engines' growth of it is
+    split evenly between the engine processes (data-parallel engines serve alike loads)."""
     load = [s for s in samples if s.phase == "load"]
     if not load:
         return []
     first, last = load[0], load[-1]
     idle = next((s for s in reversed(samples) if s.phase == "idle"), None)
     keys = list(dict.fromkeys(key for s in samples for key in s.rss_bytes))
+    engines = [key for key in keys if key.partition("-")[0] == "engine"]
+    kv_growth = (last.kv_cache_touched_bytes or 0) - (first.kv_cache_touched_bytes or 0)
     rows = []
     for key in [*keys, "total"]:
 
@@ -605,11 +614,12 @@ def _rss_table(samples: list[Sample], *, max_growth_pct: float) -> list[dict[str
 
         start, end = value(first), value(last)
         peak = max((v for s in samples if (v := value(s)) is not None), default=None)
-        growth = None if not start or end is None else round(100 * (end - start) / start, 2)
+        kv = kv_growth if key == "total" else kv_growth / len(engines) if key in engines else 0
+        growth = None if not start or end is None else round(100 * (end - start - kv) / start, 2)
         rows.append({
             "process": key,
             "warmup_end_mib": _mib(start), "end_mib": _mib(end), "idle_mib": _mib(value(idle)),
-            "peak_mib": _mib(peak), "growth_pct": growth,
+            "peak_mib": _mib(peak), "kv_touched_growth_mib": _mib(int(kv)), "growth_pct": growth,
             "growth_ok": None if growth is None else growth < max_growth_pct,
         })  # fmt: skip
     return rows
@@ -710,12 +720,13 @@ def format_soak(report: dict[str, Any]) -> str:
         f"at the end: KV cache usage {r['kv_cache_usage_at_end']}, running {r['num_running_at_end']}, "
         f"waiting {r['num_waiting_at_end']} ({'idle' if r['idle_at_end'] else 'NOT idle'})",
         "",
-        "| process | RSS at warm-up end MiB | at load end MiB | idle MiB | peak MiB | growth % |",
-        "|---|---|---|---|---|---|",
+        "| process | RSS at warm-up end MiB | at load end MiB | idle MiB | peak MiB | KV first touches MiB | "
+        "growth % (net of them) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for row in r["rss"]:
         lines.append(f"| {row['process']} | {row['warmup_end_mib']} | {row['end_mib']} | {row['idle_mib']} | "
-                     f"{row['peak_mib']} | {row['growth_pct']} |")  # fmt: skip
+                     f"{row['peak_mib']} | {row['kv_touched_growth_mib']} | {row['growth_pct']} |")  # fmt: skip
     verdicts = {True: "ok", False: "FAILED", None: "not measured"}
     checks = ", ".join(f"{name} {verdicts[ok]}" for name, ok in r["checks"].items())
     lines += ["", f"checks: {checks}", f"files: {p['output_dir']}/report.json, samples.csv, rss.svg"]
