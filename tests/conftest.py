@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
 
 import pytest
+
+from tests.cpu_machine import cpu_kernels_missing
 
 _WEIGHT_CACHE = "TOKENMILL_WEIGHT_CACHE_DIR"
 
@@ -27,6 +30,32 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 _weight_cache_key = pytest.StashKey[str]()
+
+# A skip for want of the CPU kernels says so: "need(s) AVX2", "a compiler", "a C++ toolchain".
+_KERNEL_SKIP = re.compile(r"AVX2|compiler|toolchain", re.IGNORECASE)
+_kernel_skips: list[str] = []  # "nodeid: reason", this run's
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.skipped and isinstance(report.longrepr, tuple) and _KERNEL_SKIP.search(str(report.longrepr[2])):
+        _kernel_skips.append(f"{report.nodeid}: {report.longrepr[2]}")
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Fail the run when tests skipped for want of the CPU kernels on a machine that can build and run them: a
+    kernel package reporting itself unavailable there is a bug, and its tests must not vanish unseen."""
+    skipped = _kernel_skips
+    if skipped and cpu_kernels_missing() is None:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.ensure_newline()
+            reporter.write_line(
+                f"{len(skipped)} tests skipped for want of the CPU kernels, on a machine with AVX2 and a compiler:",
+                red=True,
+            )
+            for line in skipped[:20]:
+                reporter.write_line(f"  {line}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(scope="session")
