@@ -50,7 +50,8 @@ def _report(
 @click.group(cls=_BenchGroup)
 def bench() -> None:
     """Benchmark a running server (serve), the offline engine (latency, throughput, step), or a server
-    started for the run against Hugging Face transformers on the same model (decode, sweep, prefix, prefill)."""
+    started for the run against Hugging Face transformers on the same model (decode, sweep, prefix, prefill);
+    compare the CPU kernels' ISA variants and llama-server (isa)."""
 
 
 @bench.command()
@@ -237,6 +238,106 @@ def linears(
         msgspec.structs.replace(config, model=msgspec.structs.replace(config.model, model=model)) for model in compare
     ]
     _report(run_linears(configs, rows, repeats, seed), output_json, format_linears)
+
+
+def _isa_levels(ctx: click.Context, param: click.Parameter, value: str | None) -> list[str] | None:
+    from tokenmill_kernels.cpu_isa import ISA_LEVELS
+
+    if value is None:
+        return None
+    levels = [part.strip() for part in value.split(",") if part.strip()]
+    unknown = [level for level in levels if level not in ISA_LEVELS]
+    if not levels or unknown:
+        raise click.BadParameter(f"{value!r}: give one or more of {', '.join(ISA_LEVELS)}, comma-separated")
+    return levels
+
+
+@bench.command()
+@config_options
+@click.option(
+    "--isa",
+    "levels",
+    default=None,
+    callback=_isa_levels,
+    help="Comma-separated ISA levels to run (avx2, avx_vnni, avx512, avx512_vnni16), each one this CPU's kernels "
+    "support; at a level each kernel runs its best variant at or below it.  [default: every supported level]",
+)
+@click.option(
+    "--repeats",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Rounds over the levels (and llama-server), alternating v1, v2, ..., v1, v2, ...; figures are medians.",
+)
+@opt.int_list("--batch-size", "1,32", "Comma-separated batch sizes of the bench step runs.")
+@click.option(
+    "--context-len", type=click.IntRange(min=1), default=256, show_default=True, help="bench step: cached tokens."
+)
+@click.option("--num-steps", type=click.IntRange(min=1), default=20, show_default=True, help="bench step: timed steps.")
+@opt.int_list("--concurrency", "1,32", "Comma-separated streams at once of the end-to-end decode runs.")
+@opt.input_len(128, "Decode runs: prompt tokens per request.")
+@opt.output_len(128, "Decode runs: generated tokens per request.")
+@opt.num_requests(None, "Decode runs: requests per concurrency level.  [default: max(2 x concurrency, 8)]")
+@click.option(
+    "--llama-server",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="A llama-server binary to run the decode workloads against too, on the same GGUF, after the levels in "
+    "each round (-np = the largest --concurrency, -cb, threads = tokenmill's).",
+)
+@opt.seed
+@opt.server_timeout("Seconds each server (tokenmill or llama-server) may take to load the model and answer /health.")
+@opt.request_timeout()
+@opt.no_progress()
+@click.option(
+    "--output-json",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=Path("bench-isa.json"),
+    show_default=True,
+    help="Where to write the report, with every parameter, the CPU and the commit.",
+)
+def isa(
+    config: EngineConfig,
+    levels: list[str] | None,
+    repeats: int,
+    batch_size: list[int],
+    context_len: int,
+    num_steps: int,
+    concurrency: list[int],
+    input_len: int,
+    output_len: int,
+    num_requests: int | None,
+    llama_server: Path | None,
+    seed: int,
+    server_timeout: float,
+    timeout: float,
+    no_progress: bool,
+    output_json: Path,
+) -> None:
+    """The same workloads at every ISA level the CPU kernels support (bench step at each --batch-size, decode
+    through a real server at each --concurrency) and on llama-server when given; prints a markdown table for
+    docs/benchmarks.md."""
+    from tokenmill_plugins.commands.bench.isa import (
+        IsaBenchError,
+        IsaBenchOptions,
+        check_levels,
+        format_isa,
+        kernel_launchers,
+        run_isa,
+        supported_levels,
+    )
+
+    try:
+        checked = check_levels(levels, supported_levels(kernel_launchers()))
+    except IsaBenchError as exc:
+        raise click.BadParameter(str(exc), param_hint="'--isa'") from None
+    options = IsaBenchOptions(
+        levels=checked, repeats=repeats, batch_sizes=tuple(batch_size), context_len=context_len,
+        num_steps=num_steps, concurrency=tuple(concurrency), input_len=input_len, output_len=output_len,
+        num_requests=num_requests, llama_server=llama_server, seed=seed, server_timeout_s=server_timeout,
+        request_timeout_s=timeout, show_progress=not no_progress,
+    )  # fmt: skip
+    _report(run_isa(config, options), output_json, format_isa)
 
 
 # ------------------------------------------------ the comparison suite (bench.suite)
