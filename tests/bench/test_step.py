@@ -18,7 +18,7 @@ def test_step_times_a_decode_step_and_its_parts(tmp_path: Path) -> None:
     assert report["benchmark"] == "step" and (results["batch_size"], results["context_len"]) == (3, 10)
     assert min(results["step_ms"], results["linear_ms"], results["attention_ms"]) > 0
     assert results["other_ms"] == pytest.approx(results["step_ms"] - results["linear_ms"] - results["attention_ms"])
-    parts = [results[name] for name in ("schedule_ms", "update_ms", "batch_ms", "sampling_ms")]
+    parts = [results[name] for name in ("schedule_ms", "update_ms", "batch_ms", "sampling_ms", "layer_kernels_ms")]
     assert min(parts) > 0 and results["rest_ms"] == pytest.approx(results["other_ms"] - sum(parts))
     assert results["output_throughput"] == pytest.approx(3 / (results["step_ms"] / 1000))
     assert parameters["attention_backend"] == engine.loaded.attention.name

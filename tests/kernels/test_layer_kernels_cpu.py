@@ -33,6 +33,26 @@ def test_rms_norm_with_and_without_the_residual(rows: int, hidden: int) -> None:
     torch.testing.assert_close(x, x_before, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("rows", [0, 1, 7, 100])
+@pytest.mark.parametrize("inner", [8, 1536, 1100])  # 1100: a tail after the 8-wide loop
+def test_silu_and_mul_matches_torch(rows: int, inner: int) -> None:
+    gate_up = _randn(rows, 2 * inner, seed=6, scale=4.0)
+    gate_up[:, :4] = torch.tensor([-100.0, -20.0, 0.0, 100.0])[: min(4, inner)]  # saturated and exact cases
+    before = gate_up.clone()
+    out = kernels.silu_and_mul(gate_up)
+    torch.testing.assert_close(out, REFERENCE.silu_and_mul(gate_up), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(gate_up, before, atol=0, rtol=0)
+
+
+def test_silu_and_mul_of_a_row_view() -> None:
+    """A slice of wider rows (stride beyond the width) is read in place; an odd width is a ValueError."""
+    wide = _randn(3, 40, seed=7)
+    view = wide[:, :16]
+    torch.testing.assert_close(kernels.silu_and_mul(view), REFERENCE.silu_and_mul(view), atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match="even"):
+        kernels.silu_and_mul(wide[:, :15])
+
+
 def test_rms_norm_of_strided_heads_and_of_row_views() -> None:
     projection = _randn(5, 6, 32, seed=3)
     heads, weight = projection[:, :4], _randn(32, seed=4)  # q/k norms: a strided slice of the heads

@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.layers.fast_module import FastModule
+
 
 class LayerKernels(ABC):
     """The elementwise and normalisation kernels of a transformer layer, on tensors of the model's dtype.
@@ -113,7 +115,7 @@ class TorchLayerKernels(LayerKernels):
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
-class UsesLayerKernels(nn.Module):
+class UsesLayerKernels(FastModule):
     """A module that calls layer kernels: it reads them from ``self.layer_kernels``, the torch reference until
     the model loader installs the selected ones (``install_layer_kernels``)."""
 

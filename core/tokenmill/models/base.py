@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import ClassVar
 
 import torch
-from torch import nn
 
 from tokenmill.attention.backend import AttentionLayerSpec, AttentionMetadata
 from tokenmill.layers.embedding import VocabParallelEmbedding
+from tokenmill.layers.fast_module import FastModule
 from tokenmill.layers.linear import Linear, MergedLinear
 from tokenmill.weights.format import LoadedTensor, WeightsError
 
@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-class CausalLM(nn.Module):
+class CausalLM(FastModule):
     """A decoder-only language model over a paged KV cache.
 
     Built by the model loader as ``cls(arch_config, attention_backend,

@@ -1,7 +1,8 @@
 """Launcher for the CPU layer kernels in ``cpu/layer_kernels.cpp`` (AVX2, FMA), float32 only.
 
 ``rms_norm`` normalises rows, after adding the residual when given (returning the sum too); ``rotary`` applies
-rope in place on a strided [tokens, heads, head_dim] view. One pass each, where torch runs several operators.
+rope in place on a strided [tokens, heads, head_dim] view; ``silu_and_mul`` is SiLU of a row's first half times
+its second. One pass each, where torch runs several operators.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from torch import Tensor
 
 from tokenmill_kernels.cpp_build import CppExtension
 
-__all__ = ["is_available", "load", "prepare", "rms_norm", "rotary"]
+__all__ = ["is_available", "load", "prepare", "rms_norm", "rotary", "silu_and_mul"]
 
 _EXTENSION = CppExtension(
     "tokenmill_layer_kernels",
@@ -60,3 +61,9 @@ def rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     [tokens, 1, head_dim // 2]; returns ``x``."""
     _EXTENSION.load().rotary(x, cos, sin)
     return x
+
+
+def silu_and_mul(gate_up: Tensor) -> Tensor:
+    """``silu(gate) * up`` for ``gate_up`` [tokens, 2 * inner] (rows contiguous) holding gate then up ->
+    [tokens, inner]. The exponential is a vectorised polynomial within 2 ulp of exact."""
+    return _EXTENSION.load().silu_and_mul(gate_up)

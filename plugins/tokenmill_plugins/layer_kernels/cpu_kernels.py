@@ -1,11 +1,10 @@
-"""The ``cpu`` layer kernels: RMSNorm with the residual add, and rope, in one C++ pass each (AVX2, float32), and
-the dense float32 matmul of the ``none`` quantizer's weights (``tokenmill_kernels.dense_matmul``).
+"""The ``cpu`` layer kernels: RMSNorm with the residual add, rope, and SiLU times up, in one C++ pass each (AVX2,
+float32), and the dense float32 matmul of the ``none`` quantizer's weights (``tokenmill_kernels.dense_matmul``).
 
-At one token a Llama layer's norms and rope cost their dispatches in torch operators, not their work
+At one token a Llama layer's norms, rope and activation cost their dispatches in torch operators, not their work
 (docs/benchmarks-history.md, "Layer kernels on the CPU: C++ against torch operators"). ``auto`` picks these on a CPU
-that can build and run them (AVX2, FMA, a C++ compiler and ninja, as the ``cpu`` attention backend). SiLU times up
-stays torch's: two vectorised operators. Other dtypes than float32, and inputs that need gradients (the C++ has no
-backward), go to the torch reference.
+that can build and run them (AVX2, FMA, a C++ compiler and ninja, as the ``cpu`` attention backend). Other dtypes
+than float32, and inputs that need gradients (the C++ has no backward), go to the torch reference.
 
 The dense matmul packs each float32 weight into panels of 32 outputs and reads it once for up to 12 input rows
 (3 with AVX2 alone), so a few rows cost what one does, where oneDNN's packed linear, which it replaces by default,
@@ -52,6 +51,11 @@ class CpuLayerKernels(TorchLayerKernels):
         normed, total = kernels.rms_norm(x, weight, eps, residual)
         assert total is not None
         return normed, total
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if not _runs(gate_up):
+            return super().silu_and_mul(gate_up)
+        return kernels.silu_and_mul(gate_up)
 
     def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         if not _runs(x):

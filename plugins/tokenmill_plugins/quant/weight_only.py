@@ -78,7 +78,8 @@ class _WeightOnlyQuantizer(Quantizer):
             setattr(layer, name, value.to(device))
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        x = x.float().contiguous()
+        if x.dtype != torch.float32 or not x.is_contiguous():  # attribute reads: a no-op .float() is a dispatch
+            x = x.float().contiguous()
         # The layer's tensors, read through nn.Module's __getattr__ once (a microsecond a lookup, four per
         # linear, every step), and again whenever its first storage tensor is replaced.
         buffers = layer._buffers

@@ -1,8 +1,9 @@
-// CPU layer kernels (AVX2, FMA) for float32: RMSNorm with the residual add before it, and rope.
+// CPU layer kernels (AVX2, FMA) for float32: RMSNorm with the residual add before it, rope, and SiLU
+// times up.
 //
 // In torch each is several operators (an add, the norm; rope's chunk, four products, two sums and a
-// concatenation), each a dispatch and a pass over its data, and at one token the dispatches are the
-// cost. Here each is one pass.
+// concatenation; SiLU's chunk, silu and a product), each a dispatch and a pass over its data, and at one
+// token the dispatches are the cost. Here each is one pass.
 //
 // Rows run on one thread up to kRowsPerTask rows; longer batches (prompt chunks) split rows across
 // torch's threads.
@@ -12,6 +13,7 @@
 #include <cmath>
 
 #include "cpu_common/extension.h"
+#include "cpu_common/simd_math.h"
 
 namespace {
 
@@ -119,10 +121,39 @@ void rotary(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   });
 }
 
+void silu_and_mul_row(const float* gate, const float* up, float* out, int64_t n) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 g = _mm256_loadu_ps(gate + i);
+    const __m256 e = tokenmill::exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+    const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, e));  // torch's x / (1 + e^-x)
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(silu, _mm256_loadu_ps(up + i)));
+  }
+  for (; i < n; ++i) out[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+}
+
+// silu(gate) * up for gate_up [tokens, 2 * inner] holding gate then up in each row; a new [tokens, inner].
+at::Tensor silu_and_mul(const at::Tensor& gate_up) {
+  check_rows(gate_up, "gate_up");
+  TORCH_CHECK_VALUE(gate_up.size(1) % 2 == 0, "gate_up's width must be even, got ", gate_up.size(1));
+  const int64_t rows = gate_up.size(0), inner = gate_up.size(1) / 2, stride = gate_up.stride(0);
+  at::Tensor out = at::empty({rows, inner}, gate_up.options());
+  const float* gp = gate_up.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      silu_and_mul_row(gp + row * stride, gp + row * stride + inner, op + row * inner, inner);
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows, after adding the residual when given",
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("eps"), pybind11::arg("residual") = pybind11::none());
   m.def("rotary", &rotary, "Rope (rotate half) in place on float32 [tokens, heads, head_dim]");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up for float32 [tokens, 2 * inner] holding gate then up");
 }

@@ -27,6 +27,7 @@
 
 #include "cpu_common/extension.h"
 #include "cpu_common/isa.h"
+#include "cpu_common/simd_math.h"
 
 namespace {
 
@@ -106,22 +107,6 @@ inline __m256 sum8(const __m256 acc[8]) {
   return _mm256_set_m128(s4567, s0123);
 }
 
-// e^x for 8 floats (Cephes' polynomial, relative error ~2e-7); inputs below -88 give ~0.
-inline __m256 exp8(__m256 x) {
-  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.37626f)), _mm256_set1_ps(-88.37626f));
-  __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(x, x), x), _mm256_set1_ps(1.f));
-  const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(exponent));
-}
 
 inline float hmax(__m256 v) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -584,13 +569,13 @@ void attend_items(const Problem<T>& p, int64_t begin, int64_t end) {
         __m256 vsum = _mm256_setzero_ps();
         int j = 0;
         for (; j + 8 <= n; j += 8) {
-          const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), vblock_max));
+          const __m256 e = tokenmill::exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), vblock_max));
           _mm256_storeu_ps(s + j, e);
           vsum = _mm256_add_ps(vsum, e);
         }
         float sum = hsum(vsum);
         if (j < n) {  // a last partial run of 8, whose padding must stay out of the sum
-          _mm256_storeu_ps(s + j, exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), vblock_max)));
+          _mm256_storeu_ps(s + j, tokenmill::exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), vblock_max)));
           for (; j < n; ++j) sum += s[j];
         }
         running_sum[g] = running_sum[g] * correction[g] + sum;

@@ -7,7 +7,9 @@ included) and every layer's attention (cache write plus paged attention) over th
 runner's batch layout of the next decode step. What the parts do not account for is the
 rest of the step ("other"), broken down further: the scheduler's two calls (``schedule``,
 ``update``), the batch layout (``prepare_batch``), sampling (the sampler and its metadata over
-the step's logits), and what is left: norms, rope, activations, residual adds and Python.
+the step's logits), the layer kernels (every RMSNorm module of the model with its residual add,
+rope over each attention layer's queries and keys, SiLU-and-multiply over each layer's MLP), and
+what is left: the forward's Python and its glue operators (splits, views, the embedding).
 
 Timing the parts separately, rather than through a profiler, keeps the numbers honest for
 C++ kernels that a profiler does not see and costs nothing in the engine's hot path. Only
@@ -43,7 +45,8 @@ class StepBreakdown:
     update_ms: float  # Scheduler.update_from_output (and drafts or KV tier writes, if any)
     batch_ms: float  # the batch layout and the attention backend's prepare
     sampling_ms: float  # sampling metadata and the sampler over the step's logits
-    rest_ms: float  # other - the four above: norms, rope, activations, residual adds, Python
+    layer_kernels_ms: float  # norms with their residual adds, rope, SiLU-and-multiply: every layer's
+    rest_ms: float  # other - the five above: the forward's Python and glue operators
     output_throughput: float  # batch_size / step time
 
 
@@ -58,6 +61,8 @@ def run_step(engine: EngineCore, *, batch_size: int, context_len: int, num_steps
 
     from tokenmill.engine import now
     from tokenmill.layers.linear import Linear
+    from tokenmill.layers.norm import RMSNorm
+    from tokenmill.layers.rotary import RotaryEmbedding
     from tokenmill.messages import EngineCoreRequest
     from tokenmill.sampling.logits_processor import SamplingRow
     from tokenmill.sampling.sampler import SamplingMetadata
@@ -110,6 +115,24 @@ def run_step(engine: EngineCore, *, batch_size: int, context_len: int, num_steps
         for layer_spec, kv_cache in zip(specs, runner.kv_caches, strict=True):
             backend.forward(layer_spec, query, key, value, kv_cache, metadata)
 
+    # The layer kernels as the forward calls them: each norm with a residual, rope over one attention layer's
+    # queries and keys per layer, SiLU-and-multiply over one layer's gate and up projections per layer.
+    arch = runner.loaded.arch
+    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
+    rotary = next(m for m in model.modules() if isinstance(m, RotaryEmbedding))
+    residual = torch.randn_like(hidden)
+    query_and_key = torch.randn(batch_size, spec.num_heads + spec.num_kv_heads, spec.head_dim, device=device,
+                                dtype=dtype)  # fmt: skip
+    gate_up = torch.randn(batch_size, 2 * arch.intermediate_size // runner.loaded.tp.size, device=device, dtype=dtype)
+    rotary.set_positions(torch.full((batch_size,), context_len, device=device))
+
+    def all_layer_kernels() -> None:
+        for norm in norms:
+            norm(hidden, residual)
+        for _ in specs:
+            rotary.rotate(query_and_key)
+            rotary.layer_kernels.silu_and_mul(gate_up)
+
     executor = engine.executor
     logits = torch.randn(batch_size, runner.loaded.arch.vocab_size, device=device)  # [batch, vocab] float32
     rows = [SamplingRow(f"step-{i}", params, prompt, [1, 2, 3], ()) for i, prompt in enumerate(prompts)]
@@ -129,6 +152,7 @@ def run_step(engine: EngineCore, *, batch_size: int, context_len: int, num_steps
         attention_ms = _median_ms(all_attention, num_steps, sync)
         batch_ms = _median_ms(lambda: runner.prepare_batch(chunks), num_steps, sync)
         sampling_ms = _median_ms(sample, num_steps, sync)
+        layer_kernels_ms = _median_ms(all_layer_kernels, num_steps, sync)
     other_ms = step_ms - linear_ms - attention_ms
     summary = StepBreakdown(
         batch_size=batch_size,
@@ -141,7 +165,8 @@ def run_step(engine: EngineCore, *, batch_size: int, context_len: int, num_steps
         update_ms=update_ms,
         batch_ms=batch_ms,
         sampling_ms=sampling_ms,
-        rest_ms=other_ms - schedule_ms - update_ms - batch_ms - sampling_ms,
+        layer_kernels_ms=layer_kernels_ms,
+        rest_ms=other_ms - schedule_ms - update_ms - batch_ms - sampling_ms - layer_kernels_ms,
         output_throughput=batch_size / (step_ms / 1000),
     )
     parameters = {
