@@ -178,6 +178,10 @@ class _Header:
         start = end = position + 12
         if item_type in _SCALAR_FORMATS:
             end += count * struct.calcsize(_SCALAR_FORMATS[item_type])
+        elif item_type == _STRING:  # a tokenizer's tokens and merges: ~100k strings, walked without a call each
+            unpack_length = struct.Struct("<Q").unpack_from
+            for _ in range(count):
+                end += 8 + unpack_length(self.buffer, end)[0]
         else:
             for _ in range(count):  # strings and nested arrays have their own lengths
                 end = self._skip(item_type, end)[1]
