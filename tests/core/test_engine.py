@@ -212,3 +212,16 @@ def test_invalid_prompts_are_rejected_and_the_engine_keeps_serving(llama_dir: Pa
     with pytest.raises(InvalidRequestError, match=message.replace("(", r"\(").replace(")", r"\)")):
         engine.add_request(_request("bad", prompt))
     assert run_to_completion(engine, [_request("good", [1, 2, 3], SamplingParams(max_tokens=3))])["good"]
+
+
+def test_the_kv_cache_is_touched_only_as_far_as_the_load_has_needed(llama_dir: Path) -> None:
+    """The gauge counts blocks handed out at least once; a second request of the same size reuses the first
+    one's freed blocks (prefix caching off, so they hold no hash), however large the pool."""
+    engine = make_engine(llama_dir, cache={"enable_prefix_caching": False})
+    block_bytes = engine.layout.bytes_per_block
+    assert engine.stats().kv_cache_touched_bytes == 0
+    run_to_completion(engine, [_request("a", _prompts([40], seed=1)[0])])
+    touched = engine.stats().kv_cache_touched_bytes
+    assert touched == -(-(40 + 64) // engine.layout.block_size) * block_bytes
+    run_to_completion(engine, [_request("b", _prompts([40], seed=2)[0])])
+    assert engine.stats().kv_cache_touched_bytes == touched < engine.layout.num_bytes

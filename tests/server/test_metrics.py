@@ -70,11 +70,12 @@ def test_rejections_are_counted_by_code_or_status() -> None:
 def test_engine_state_is_read_from_heartbeats_and_restarts_from_the_client() -> None:
     stats = EngineStatsMessage(num_running=3, num_waiting=2, kv_cache_usage=0.25, prefix_cache_queries=40,
                                prefix_cache_hits=16, num_preemptions=1, num_prompt_tokens=40,
-                               num_generation_tokens=7)  # fmt: skip
+                               num_generation_tokens=7, kv_cache_touched_bytes=6 * 2**20)  # fmt: skip
     metrics = _metrics(_client(0, stats, num_restarts=2), _client(1))  # engine 1: no heartbeat yet, no num_restarts
     assert _value(metrics, "tokenmill:num_requests_running", engine="0") == 3
     assert _value(metrics, "tokenmill:num_requests_waiting", engine="0") == 2
     assert _value(metrics, "tokenmill:kv_cache_usage_perc", engine="0") == 0.25
+    assert _value(metrics, "tokenmill:kv_cache_touched_bytes", engine="0") == 6 * 2**20
     assert _value(metrics, "tokenmill:prompt_tokens_total", engine="0") == 40
     assert _value(metrics, "tokenmill:generation_tokens_total", engine="0") == 7
     assert _value(metrics, "tokenmill:prefix_cache_hits_total", engine="0") == 16
