@@ -37,6 +37,7 @@ if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and
     from tokenmill.plugin_manager import Slot as Slot
     from tokenmill.request import Request as Request
     from tokenmill.sampling_params import SamplingParams as SamplingParams
+    from tokenmill.sampling_params import StructuredOutputsParams as StructuredOutputsParams
     from tokenmill.scheduler import FCFSScheduler as FCFSScheduler
     from tokenmill.tokenizer import IncrementalDetokenizer as IncrementalDetokenizer
     from tokenmill.tokenizer import Tokenizer as Tokenizer
@@ -63,6 +64,7 @@ _LAZY_EXPORTS: dict[str, str] = {
     "RequestOutput": "tokenmill.outputs",
     "SamplingParams": "tokenmill.sampling_params",
     "Slot": "tokenmill.plugin_manager",
+    "StructuredOutputsParams": "tokenmill.sampling_params",
     "TokenLogprobs": "tokenmill.messages",
     "Tokenizer": "tokenmill.tokenizer",
     "WeightsError": "tokenmill.weights.format",

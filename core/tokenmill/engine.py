@@ -32,6 +32,7 @@ from tokenmill.kv_cache.tier import KVTier, check_tier_path
 from tokenmill.kv_cache.tier_stack import KVTierStack
 from tokenmill.memory import CacheLayout
 from tokenmill.messages import EngineCoreOutput, EngineCoreRequest, EngineStatsMessage, KVTierStatsMessage
+from tokenmill.model_files import resolve_tokenizer
 from tokenmill.model_loader import LoadedModel
 from tokenmill.parallel.shards import ShardWorkers
 from tokenmill.plugin_manager import FRONT_END_SLOTS, PluginSystem, Slot, resolve_plugins, slot_selections
@@ -42,6 +43,9 @@ from tokenmill.sampling_params import InvalidRequestError
 from tokenmill.scheduler import Scheduler
 from tokenmill.speculative.proposer import build_proposer
 from tokenmill.step_loop import AsyncSchedulingLoop, KVTierLoop, SyncLoop, uses_async_scheduling
+from tokenmill.structured_output.backend import StructuredOutputBackend
+from tokenmill.structured_output.manager import StructuredOutputManager, build_backend
+from tokenmill.tokenizer import Tokenizer
 from tokenmill.weights.cache import model_file_stats
 
 logger = logging.getLogger(__name__)
@@ -93,6 +97,16 @@ class EngineCore:
             runner, self.kv_cache, sampler, processors, proposer, self.kv_tier_stack if self.kv_tiers else None
         )
         self.loop = self._choose_loop()
+        #: Compiles requests' constraints (structured outputs) off the loop; its backend is built on first use.
+        self.structured_outputs = StructuredOutputManager(
+            self._structured_outputs_backend, config.structured_outputs_config.disable_any_whitespace
+        )
+
+    def _structured_outputs_backend(self) -> StructuredOutputBackend:
+        """The configured structured-output backend over the model's tokenizer (in a compile thread, once)."""
+        model = self.config.model
+        tokenizer = Tokenizer.from_path(resolve_tokenizer(model.model, model.tokenizer))
+        return build_backend(self.plugins, self.config.structured_outputs_config.backend, tokenizer, self.vocab_size)
 
     def _choose_loop(self) -> SyncLoop:
         """The loop variant, once: with KV tiers, with async scheduling when nothing rules it out, else plain."""
@@ -118,6 +132,7 @@ class EngineCore:
     def close(self) -> None:
         """Flush the KV tiers' pending writes and release them, and stop the tensor-parallel workers; once,
         when the engine stops."""
+        self.structured_outputs.close()
         self.kv_tier_stack.close()
         if self.shards is not None:
             self.shards.stop()
@@ -142,6 +157,7 @@ class EngineCore:
             self._enqueue(message)
 
     def _enqueue(self, message: EngineCoreRequest) -> None:
+        constraint = message.params.structured_outputs
         self.scheduler.add_request(
             Request(
                 request_id=message.request_id,
@@ -153,6 +169,7 @@ class EngineCore:
                 priority=message.priority,
                 cache_salt=message.cache_salt,
                 enqueued_at=time.monotonic(),
+                structured_output=self.structured_outputs.request(constraint) if constraint is not None else None,
             )
         )
 

@@ -4,9 +4,10 @@
 request state (vLLM's model runner role)::
 
     KV tier transfers (write-backs, prefix loads) -> copy-on-write block copies -> batch layout and forward
-    (ModelRunner) -> prompt logprobs -> sampling, or verification of drafts -> ModelRunnerOutput
+    (ModelRunner) -> prompt logprobs -> grammar masks -> sampling, or verification of drafts -> ModelRunnerOutput
 
-It owns the model runner (the model and the KV cache tensors), the sampler and logits processors, each seeded
+It owns the model runner (the model and the KV cache tensors), the sampler and logits processors, the token
+masks of constrained requests (structured outputs, applied to the logits before sampling), each seeded
 request's generator, and the reads and writes of KV blocks to the KV tiers. With async scheduling, ``launch``
 and ``collect`` split a step in two so the next one is scheduled while it runs (``tokenmill.step_loop``).
 """
@@ -36,6 +37,7 @@ from tokenmill.sampling.sampler import Sampler, SamplerOutput, SamplingMetadata
 from tokenmill.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from tokenmill.speculative.proposer import Proposer
 from tokenmill.speculative.verification import verify_drafts
+from tokenmill.structured_output.bitmask import mask_logits
 
 logger = logging.getLogger(__name__)
 
@@ -194,6 +196,7 @@ class ModelExecutor:
             logits = logits[index_tensor]
             hidden = hidden[index_tensor] if hidden is not None else None
         requests = [request for _, request in targets]
+        logits = mask_logits(logits, requests)  # structured outputs: what each grammar allows
         metadata = self._sampling_metadata(requests, logits)
         output = _sampled_output(requests, metadata, self.sampler(logits, metadata))
         if hidden is not None:

@@ -253,6 +253,25 @@ def tokenmill_register_kv_tiers(register: Register) -> None:
     """
 
 
+@hookspec
+def tokenmill_register_structured_outputs_backends(register: Register) -> None:
+    """Register structured-output backends (slot ``structured_outputs_backend``): grammar engines that constrain
+    a request's tokens to a JSON schema, a regex, a choice or a grammar.
+
+    :param register: ``register(name, import_path)``; the import path names a
+        ``tokenmill.interfaces.StructuredOutputBackend`` subclass, built as ``cls(tokenizer, vocab_size)``
+        (plus ``options=`` when its plugin declares options) on the first request that needs it.
+    :return: nothing; every implementation is called.
+
+    Called once per process at start-up. The API front end builds the selected backend to validate
+    constraints before it accepts a request; the engine builds it to compile and match them. Selected by
+    ``structured_outputs_config.backend`` (``--structured-outputs-config``); first party: ``guidance``
+    (llguidance, also ``llguidance``; the default) and ``xgrammar`` (plugins ``structured_outputs`` and
+    ``xgrammar``).
+    Since: 0.1. Stability: provisional.
+    """
+
+
 # ---------------------------------------------------------------- registration: serving
 
 

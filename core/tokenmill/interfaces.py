@@ -21,6 +21,7 @@ slot                      interface                       built in
 ``router``                ``Router``                      ``round_robin``; plugin ``routers``: ``least_loaded``, ...
 ``transport``             ``Transport``                   ``zmq``
 ``engine_backend``        ``EngineBackend``               ``local`` (core, no plugin); plugin ``ray_backend``: ``ray``
+``structured_outputs_backend`` ``StructuredOutputBackend``  plugin ``structured_outputs``: ``guidance``; ``xgrammar``
 ========================  ==============================  ======================================
 
 Names are imported on first use, so a front-end process that imports a
@@ -71,6 +72,8 @@ _EXPORTS: dict[str, str] = {
     "SlotAllocation": "tokenmill.kv_cache.manager",
     "SpeculationInput": "tokenmill.speculative.speculator",
     "SpeculatorContext": "tokenmill.speculative.speculator",
+    "StructuredOutputBackend": "tokenmill.structured_output.backend",
+    "StructuredOutputGrammar": "tokenmill.structured_output.backend",
     "Speculator": "tokenmill.speculative.speculator",
     "Transport": "tokenmill.transport.base",
     "TransportSecurity": "tokenmill.transport.base",

@@ -78,6 +78,7 @@ class Slot(enum.StrEnum):
     ROUTER = "router"
     TRANSPORT = "transport"
     ENGINE_BACKEND = "engine_backend"
+    STRUCTURED_OUTPUTS_BACKEND = "structured_outputs_backend"
 
     @property
     def hook_name(self) -> str:
@@ -292,6 +293,8 @@ def slot_selections(config: EngineConfig) -> dict[Slot, tuple[str, list[str]]]:
         Slot.ROUTER: ("server.router", [config.server.router]),
         Slot.TRANSPORT: ("transport.backend", [config.transport.backend]),
         Slot.ENGINE_BACKEND: ("server.backend", [backend] if backend != LOCAL_BACKEND else []),
+        Slot.STRUCTURED_OUTPUTS_BACKEND: ("structured_outputs_config.backend",
+                                          [config.structured_outputs_config.backend]),
     }  # fmt: skip
 
 

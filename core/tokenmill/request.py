@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokenmill.messages import TokenLogprobs
 from tokenmill.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tokenmill.structured_output.request import StructuredOutputRequest
 
 #: Stands in the token lists for a token that a step still running on the device is sampling (async
 #: scheduling, docs/engine.md): the next step is scheduled before the value is known, and the model runner
@@ -73,6 +76,9 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     #: When those drafts form a tree (``tokenmill.speculative.draft_tree``): each one's parent; None for a chain.
     spec_parents: list[int] | None = None
+    #: With ``params.structured_outputs``: its compile, then its grammar matcher (docs/structured_outputs.md).
+    #: The request waits until it is ready; the scheduler advances it with each token the request keeps.
+    structured_output: StructuredOutputRequest | None = None
     #: Plugins and engine-side helpers keep per-request state here, never as new attributes.
     stash: dict[Any, Any] = field(default_factory=dict)
     #: Prompt then output tokens, extended in place by ``append_token``: the engine reads it every

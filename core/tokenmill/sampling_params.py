@@ -6,6 +6,7 @@ Field names and defaults follow what users know from vLLM and OpenAI.
 
 from __future__ import annotations
 
+import json as _json
 from typing import Any
 
 import msgspec
@@ -15,6 +16,60 @@ from tokenmill.errors import TokenmillError
 
 class InvalidRequestError(TokenmillError, ValueError):
     """A request's parameters are invalid; the message names the parameter and the allowed range."""
+
+
+#: The kinds of constraint ``StructuredOutputsParams`` holds, in the order its fields are checked.
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+class StructuredOutputsParams(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
+    """A constraint on a request's output (vLLM's ``StructuredOutputsParams``): exactly one of ``json``,
+    ``regex``, ``choice``, ``grammar`` or ``json_object``. The engine's structured-output backend
+    (``structured_outputs_config.backend``) compiles it once, cached by its text, and masks every step's
+    logits so that only tokens the constraint allows can be sampled; the request ends when it is complete."""
+
+    json: str | dict[str, Any] | None = None
+    """A JSON schema (an object, or its text): the output is a JSON value valid against it."""
+    regex: str | None = None
+    """A regular expression the whole output matches."""
+    choice: list[str] | None = None
+    """The output is exactly one of these strings."""
+    grammar: str | None = None
+    """A context-free grammar: Lark syntax (llguidance; GBNF is converted) or EBNF/GBNF (xgrammar)."""
+    json_object: bool | None = None
+    """Any JSON object (OpenAI's ``response_format: {"type": "json_object"}``)."""
+    disable_any_whitespace: bool = False
+    """JSON without whitespace between its tokens (as ``json.dumps(separators=(",", ":"))`` writes it)."""
+    disable_additional_properties: bool = False
+    """A JSON schema's objects take no properties beyond those listed, unless it says otherwise."""
+
+    def __post_init__(self) -> None:
+        given = [kind for kind in STRUCTURED_OUTPUT_KINDS if getattr(self, kind) not in (None, False)]
+        if len(given) != 1:
+            found = ", ".join(given) if given else "none"
+            raise InvalidRequestError(
+                f"structured_outputs={self!r} is invalid: must set exactly one of "
+                f"{', '.join(STRUCTURED_OUTPUT_KINDS)} (got {found})"
+            )
+        if self.choice is not None and not self.choice:
+            raise InvalidRequestError("structured_outputs.choice=[] is invalid: must list at least one string")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: one of ``STRUCTURED_OUTPUT_KINDS``."""
+        return next(kind for kind in STRUCTURED_OUTPUT_KINDS if getattr(self, kind) not in (None, False))
+
+    @property
+    def spec(self) -> str:
+        """The constraint as text (a schema or a choice list as compact JSON with sorted keys): with ``kind``
+        and the two flags, the key its compiled grammar is cached by."""
+        kind = self.kind
+        if kind == "json_object":
+            return ""
+        value = getattr(self, kind)
+        if isinstance(value, str) and kind != "choice":
+            return value
+        return _json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
@@ -57,6 +112,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=Tr
     prompt_logprobs: int | None = None
     """Return each prompt token's logprob (and rank) under the model, with this many top alternatives (vLLM's
     ``prompt_logprobs``). The prompt is then computed in full: its cached prefix is not reused."""
+    structured_outputs: StructuredOutputsParams | None = None
+    """Constrain the output to a JSON schema, a regex, a choice or a grammar (vLLM's field;
+    docs/structured_outputs.md)."""
 
     def __post_init__(self) -> None:
         checks = [

@@ -246,6 +246,8 @@ class FCFSScheduler(Scheduler):
         # Per request id (completion 0's): its n, and how many of its completions have not finished yet.
         self._num_completions: dict[str, int] = {}
         self._num_live_completions: dict[str, int] = {}
+        #: Outputs of requests that failed while waiting (their constraint did not compile), for the next update.
+        self._failed: list[EngineCoreOutput] = []
         self.num_preemptions = 0
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
@@ -404,8 +406,18 @@ class FCFSScheduler(Scheduler):
         scheduler_output.in_flight = True
 
     def _admit_waiting(self, output: SchedulerOutput, budget: int) -> None:
+        compiling: list[tuple[Any, Request]] = []  # vLLM's WAITING_FOR_FSM: passed over until their grammar is ready
         while self._waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self._waiting[0][1]
+            constraint = request.structured_output
+            if constraint is not None and not constraint.is_ready():
+                compiling.append(heapq.heappop(self._waiting))
+                continue
+            if constraint is not None and constraint.error is not None:  # it failed to compile
+                heapq.heappop(self._waiting)
+                self._finish(request, RequestStatus.FINISHED_ABORTED)
+                self._failed.append(self._output(request, [], error=constraint.error))
+                continue
             # A prompt whose logprobs are asked for runs in full: a cached prefix would have no logits.
             prefix_tokens = () if request.needs_prompt_logits else request.all_token_ids
             prefix = self.kv_cache.lookup_prefix(prefix_tokens, request.cache_salt)
@@ -422,6 +434,8 @@ class FCFSScheduler(Scheduler):
             output.block_copies.extend(allocation.copies)
             output.scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
+        for entry in compiling:
+            heapq.heappush(self._waiting, entry)
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         """Schedule ``num_new`` tokens of ``request`` (its drafts included); an n > 1 request about to sample
@@ -452,6 +466,7 @@ class FCFSScheduler(Scheduler):
             num_cached_tokens=parent.num_cached_tokens,
             status=RequestStatus.RUNNING,
             enqueued_at=parent.enqueued_at,
+            structured_output=parent.structured_output.fork() if parent.structured_output is not None else None,
         )
         self.kv_cache.fork(parent.request_id, child.request_id)
         self.requests[child.request_id] = child
@@ -490,7 +505,7 @@ class FCFSScheduler(Scheduler):
             scored = self.requests.get(request_id)
             if scored is not None:  # (it may have finished in this very step)
                 scored.prompt_logprobs.extend(prompt_logprobs)
-        outputs = []
+        outputs, self._failed = self._failed, []
         for _, request in scheduler_output.sampling_requests:
             if request.is_finished:
                 continue
@@ -504,7 +519,11 @@ class FCFSScheduler(Scheduler):
             token_ids = runner_output.sampled_token_ids.get(request.request_id, [])
             logprobs = runner_output.logprobs.get(request.request_id)
             accepted = self._append(request, token_ids, logprobs, resolve=in_flight)
-            outputs.append(self._output(request, token_ids[:accepted], logprobs[:accepted] if logprobs else None))
+            constraint = request.structured_output
+            error = constraint.error if constraint is not None else None
+            outputs.append(
+                self._output(request, token_ids[:accepted], logprobs[:accepted] if logprobs else None, error=error)
+            )
         return outputs
 
     def _accepted_drafts(self, scheduled: ScheduledRequest, runner_output: ModelRunnerOutput) -> list[int]:
@@ -518,7 +537,14 @@ class FCFSScheduler(Scheduler):
         for request_id, draft in drafts.items():
             request = self.requests.get(request_id)
             if request is not None and request.status == RequestStatus.RUNNING and draft.token_ids:
-                request.spec_token_ids = list(draft.token_ids)
+                token_ids = list(draft.token_ids)
+                constraint = request.structured_output
+                if constraint is not None and constraint.grammar is not None and draft.parents is None:
+                    # Only drafts the grammar allows are worth verifying (vLLM trims them the same way).
+                    del token_ids[constraint.grammar.validate_tokens(token_ids) :]
+                    if not token_ids:
+                        continue
+                request.spec_token_ids = token_ids
                 request.spec_parents = list(draft.parents) if draft.parents is not None else None
 
     def _append(
@@ -529,7 +555,14 @@ class FCFSScheduler(Scheduler):
         num_before = len(request.output_token_ids) - resolve
         if token_ids and num_before == 0 and request.parent_id is None:
             self.num_prompt_tokens += request.num_prompt_tokens
+        constraint = request.structured_output
         for position, token_id in enumerate(token_ids):
+            if constraint is not None and not constraint.accept_tokens([token_id]):
+                # Only a backend whose masks are wrong gets here: the request fails, naming the token.
+                if resolve:
+                    request.drop_placeholder()
+                self._finish(request, RequestStatus.FINISHED_ABORTED)
+                return position
             if resolve:
                 assert len(token_ids) == 1
                 request.resolve_placeholder(token_id, logprobs[0] if logprobs else None)
@@ -537,6 +570,8 @@ class FCFSScheduler(Scheduler):
                 request.append_token(token_id, logprobs[position] if logprobs else None)
             self.num_generation_tokens += 1
             status = request.check_stop()
+            if status is None and constraint is not None and constraint.is_terminated():
+                status = RequestStatus.FINISHED_STOPPED  # the grammar is complete: nothing may follow
             if status is not None:
                 self._finish(request, status)
                 return position + 1

@@ -52,6 +52,8 @@ class SyncLoop:
         return self.scheduler.schedule()
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if not scheduler_output.scheduled and self.scheduler.has_unfinished_requests():
+            time.sleep(0.0005)  # requests wait for something (their grammar compiling): let it run, not spin
         return self.executor.execute(scheduler_output)
 
     def update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
@@ -106,7 +108,7 @@ class KVTierLoop(SyncLoop):
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         if not scheduler_output.scheduled:  # perhaps a prefix being read in the background: let it run, not spin
             time.sleep(0.0005)
-        return super().execute(scheduler_output)
+        return self.executor.execute(scheduler_output)
 
     def update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs = super().update(scheduler_output, runner_output)
@@ -182,10 +184,13 @@ class AsyncSchedulingLoop(SyncLoop):
         if scheduler_output.scheduled and (in_flight is not None or self._may_run_ahead(scheduler_output)):
             self.num_steps_run_ahead += in_flight is not None
             self._launched = self.executor.launch(scheduler_output, in_flight)
-        elif scheduler_output.scheduled:
+            return self.executor.collect(in_flight) if in_flight is not None else ModelRunnerOutput()
+        if scheduler_output.scheduled:
             assert in_flight is None
             return self.executor.execute(scheduler_output)
-        return self.executor.collect(in_flight) if in_flight is not None else ModelRunnerOutput()
+        if in_flight is not None:
+            return self.executor.collect(in_flight)
+        return super().execute(scheduler_output)  # nothing at all: waits a moment if requests are waiting
 
     def update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         in_flight, launched = self._in_flight, self._launched
@@ -220,6 +225,8 @@ class AsyncSchedulingLoop(SyncLoop):
         a placeholder may stand in its history."""
         params = request.params
         if request.needs_prompt_logits or params.repetition_penalty != 1.0:
+            return False
+        if request.structured_output is not None:  # its grammar's mask follows every token
             return False
         if params.presence_penalty != 0.0 or params.frequency_penalty != 0.0:
             return False

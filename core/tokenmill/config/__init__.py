@@ -10,6 +10,7 @@ from tokenmill.config.sampler import SamplerConfig
 from tokenmill.config.scheduler import SchedulerConfig
 from tokenmill.config.server import ServerConfig
 from tokenmill.config.speculative import SpeculativeConfig
+from tokenmill.config.structured_outputs import StructuredOutputsConfig
 from tokenmill.config.transport import TransportConfig
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "SchedulerConfig",
     "ServerConfig",
     "SpeculativeConfig",
+    "StructuredOutputsConfig",
     "TransportConfig",
     "load_config",
 ]

@@ -19,6 +19,7 @@ from tokenmill.config.sampler import SamplerConfig
 from tokenmill.config.scheduler import SchedulerConfig
 from tokenmill.config.server import ServerConfig
 from tokenmill.config.speculative import SpeculativeConfig
+from tokenmill.config.structured_outputs import StructuredOutputsConfig
 from tokenmill.config.transport import TransportConfig
 from tokenmill.errors import TokenmillError
 
@@ -53,6 +54,13 @@ class EngineConfig(ConfigSection, frozen=True):
         SpeculativeConfig,
         describe("Speculative decoding, as vLLM's JSON (`tokenmill.config.speculative`).", flag="--speculative-config"),
     ] = msgspec.field(default_factory=SpeculativeConfig)
+    structured_outputs_config: Annotated[
+        StructuredOutputsConfig,
+        describe(
+            "Structured outputs, as vLLM's JSON (`tokenmill.config.structured_outputs`).",
+            flag="--structured-outputs-config",
+        ),
+    ] = msgspec.field(default_factory=StructuredOutputsConfig)
     disable_plugins: Annotated[
         list[str],
         describe("Plugins (entry point names) not to load.", flag="--disable-plugin"),

@@ -3,8 +3,9 @@
 The executor calls ``verify_drafts`` for a step in which any request verifies drafts, with the logits of every
 sampling row and of each draft's position. Each draft position is a sampling row of its own whose token
 history includes the drafts before it, so penalties and logits processors see exactly what plain decoding
-would. All-greedy steps compare the sampler's greedy tokens (``verify_greedy``); any other step draws by
-rejection sampling (``rejection_sample``): accepted tokens have exactly the target's distribution.
+would, and a constrained request's rows are masked to what its grammar allows there. All-greedy steps compare
+the sampler's greedy tokens (``verify_greedy``); any other step draws by rejection sampling
+(``rejection_sample``): accepted tokens have exactly the target's distribution.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from tokenmill.scheduler import ModelRunnerOutput, SchedulerOutput
 from tokenmill.speculative.draft_tree import path
 from tokenmill.speculative.proposer import Proposer
 from tokenmill.speculative.rejection_sampler import rejection_sample, verify_greedy
+from tokenmill.structured_output.bitmask import mask_draft_logits
 
 
 def verify_drafts(
@@ -63,6 +65,9 @@ def verify_drafts(
                                     request.eos_token_ids))  # fmt: skip
     index_tensor = torch.tensor(row_index, device=logits.device)
     logits = logits[index_tensor]
+    # Structured outputs: every row masked to what the request's grammar allows after the drafts before it, so a
+    # draft that breaks the grammar has probability zero there and is rejected.
+    logits = mask_draft_logits(logits, requests, drafts, parents)
     metadata = SamplingMetadata.from_requests(
         rows, generators=[None] * len(rows), vocab_size=logits.shape[-1], device=logits.device,
         logits_processors=logits_processors,

@@ -1,0 +1,36 @@
+"""Structured outputs: which grammar backend constrains requests that ask for a JSON schema, a regex, a choice
+or a grammar (docs/structured_outputs.md).
+
+The table is vLLM's ``--structured-outputs-config`` (the same JSON keys)::
+
+    tokenmill serve --structured-outputs-config '{"backend": "xgrammar"}'
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from tokenmill.config.base import ConfigSection, describe
+
+#: The default backend setting: the first installed of ``AUTO_BACKENDS``, else any installed one.
+AUTO_BACKEND = "auto"
+#: What ``auto`` prefers, in order: llguidance (under vLLM's name for it), then xgrammar.
+AUTO_BACKENDS = ("guidance", "xgrammar")
+
+
+class StructuredOutputsConfig(ConfigSection, frozen=True):
+    backend: Annotated[
+        str,
+        describe(
+            "Structured-output backend plugin by name: 'guidance' (llguidance, also named 'llguidance') or "
+            "'xgrammar' (`pip install tokenmill[xgrammar]`); 'auto' takes 'guidance' when it is installed (it is a "
+            "dependency), else 'xgrammar', else any installed backend."
+        ),
+    ] = AUTO_BACKEND
+    disable_any_whitespace: Annotated[
+        bool,
+        describe(
+            "Generate JSON without whitespace between its tokens for every request (a request can also ask with "
+            "structured_outputs.disable_any_whitespace). Small models otherwise may pad JSON with whitespace."
+        ),
+    ] = False

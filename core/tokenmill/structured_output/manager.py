@@ -1,0 +1,120 @@
+"""``StructuredOutputManager``: the engine's structured-output backend, its compile threads and its cache.
+
+Built once per engine process. ``request`` is called on the engine loop for each new constrained request and
+returns at once: the constraint compiles in a thread pool (the first call also builds the backend, which
+reads the tokenizer's vocabulary), and the same constraint text compiles once (an LRU cache of the compiled
+grammars, failures included). The request waits in the scheduler meanwhile. Imports no torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import msgspec
+
+from tokenmill.config.structured_outputs import AUTO_BACKEND, AUTO_BACKENDS
+from tokenmill.plugin_manager import PluginError, PluginSystem, Slot
+from tokenmill.sampling_params import StructuredOutputsParams
+from tokenmill.structured_output.backend import StructuredOutputBackend
+from tokenmill.structured_output.request import GrammarFactory, StructuredOutputRequest
+from tokenmill.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+#: Compiled grammars kept for reuse.
+CACHE_SIZE = 1024
+
+
+def backend_name(plugins: PluginSystem, configured: str) -> str:
+    """The backend ``structured_outputs_config.backend`` selects: itself, or for ``auto`` the first installed of
+    ``AUTO_BACKENDS``, else the first installed by name; a ``PluginError`` when none is installed."""
+    if configured != AUTO_BACKEND:
+        return configured
+    installed = plugins.registry.names(Slot.STRUCTURED_OUTPUTS_BACKEND)
+    for name in (*AUTO_BACKENDS, *installed):
+        if name in installed:
+            return name
+    raise PluginError(
+        "structured_outputs_config.backend: no structured-output backend is installed "
+        "(pip install llguidance, or tokenmill[xgrammar])"
+    )
+
+
+def build_backend(
+    plugins: PluginSystem, configured: str, tokenizer: Tokenizer, vocab_size: int
+) -> StructuredOutputBackend:
+    """The configured backend over ``tokenizer``, for logits ``vocab_size`` wide."""
+    name = backend_name(plugins, configured)
+    backend: StructuredOutputBackend = plugins.create(Slot.STRUCTURED_OUTPUTS_BACKEND, name, tokenizer, vocab_size)
+    return backend
+
+
+def cache_key(params: StructuredOutputsParams) -> tuple[str, str, bool, bool]:
+    """What a compiled grammar depends on: the kind of constraint, its text and the flags."""
+    return (params.kind, params.spec, params.disable_any_whitespace, params.disable_additional_properties)
+
+
+class StructuredOutputManager:
+    """Compiles constraints off the engine loop and hands each request its ``StructuredOutputRequest``.
+
+    :param make_backend: builds the backend (called once, in a compile thread, on the first constrained
+        request), so an engine that never sees one never reads the vocabulary for it.
+    :param disable_any_whitespace: ``structured_outputs_config.disable_any_whitespace``, applied to every
+        request.
+    """
+
+    def __init__(
+        self,
+        make_backend: Callable[[], StructuredOutputBackend],
+        disable_any_whitespace: bool = False,
+        max_workers: int | None = None,
+    ) -> None:
+        self._make_backend = make_backend
+        self._backend: StructuredOutputBackend | None = None
+        self._backend_lock = threading.Lock()
+        self.disable_any_whitespace = disable_any_whitespace
+        workers = max_workers or max(1, min(4, (os.cpu_count() or 2) // 2))
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tokenmill-grammar")
+        self._cache: OrderedDict[tuple[str, str, bool, bool], Future[GrammarFactory]] = OrderedDict()
+        #: Compiles started (cache misses) and requests served from the cache, for tests and stats.
+        self.num_compiles = 0
+        self.num_cache_hits = 0
+
+    def request(self, params: StructuredOutputsParams) -> StructuredOutputRequest:
+        """The state of one new constrained request; its compile starts now unless the same constraint is
+        cached. Called on the engine loop; never waits."""
+        if self.disable_any_whitespace and not params.disable_any_whitespace:
+            params = msgspec.structs.replace(params, disable_any_whitespace=True)
+        key = cache_key(params)
+        future = self._cache.get(key)
+        if future is None:
+            self.num_compiles += 1
+            future = self._pool.submit(self._compile, params)
+            self._cache[key] = future
+            if len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        else:
+            self.num_cache_hits += 1
+            self._cache.move_to_end(key)
+        return StructuredOutputRequest(params, future)
+
+    def backend(self) -> StructuredOutputBackend:
+        """The backend, built on first use (in whichever thread asks first)."""
+        with self._backend_lock:
+            if self._backend is None:
+                self._backend = self._make_backend()
+            return self._backend
+
+    def _compile(self, params: StructuredOutputsParams) -> GrammarFactory:
+        backend = self.backend()
+        compiled = backend.compile_grammar(params)
+        return lambda: backend.grammar(compiled)
+
+    def close(self) -> None:
+        """Stop the compile threads (compiles under way finish); once, when the engine stops."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
