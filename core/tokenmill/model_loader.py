@@ -157,13 +157,24 @@ def _select_by_priority(
     return plugins.instantiate(slot, name, implementation)
 
 
-def select_attention_backend(name: str, device: torch.device, plugins: PluginSystem, head_dim: int) -> AttentionBackend:
+def select_attention_backend(
+    name: str, device: torch.device, plugins: PluginSystem, head_dim: int, needs_logits_soft_cap: bool = False
+) -> AttentionBackend:
     """The named backend, or for ``"auto"`` the one with the highest priority among those that may be picked for
-    a model of ``head_dim`` on ``device`` (``AttentionBackend.auto_selectable``)."""
-    return _select_by_priority(
+    a model of ``head_dim`` on ``device`` (``AttentionBackend.auto_selectable``) and, for a model whose attention
+    caps its scores, that apply the cap (``supports_logits_soft_cap``)."""
+    backend: AttentionBackend = _select_by_priority(
         plugins, Slot.ATTENTION_BACKEND, name, device, "attention.backend",
-        lambda cls: cls.auto_selectable(device, head_dim),
+        lambda cls: cls.auto_selectable(device, head_dim)
+        and (cls.supports_logits_soft_cap or not needs_logits_soft_cap),
     )  # fmt: skip
+    if needs_logits_soft_cap and not backend.supports_logits_soft_cap:
+        capable = [n for n, cls in _loadable(plugins.registry, Slot.ATTENTION_BACKEND) if cls.supports_logits_soft_cap]
+        raise PluginError(
+            f"attention.backend={name!r} does not cap attention scores, which this model needs "
+            f"(attn_logit_softcapping); use 'auto' or one of: {', '.join(capable)}"
+        )
+    return backend
 
 
 def select_layer_kernels(name: str, device: torch.device, plugins: PluginSystem) -> LayerKernels:
@@ -287,7 +298,9 @@ def load_model(
     arch = ArchitectureConfig.from_hf_config(hf_config)
     model_class = plugins.load(Slot.ARCHITECTURE, arch.architecture)
     device = resolve_device(config.device.device)
-    attention = select_attention_backend(config.attention.backend, device, plugins, arch.head_dim)
+    attention = select_attention_backend(
+        config.attention.backend, device, plugins, arch.head_dim, arch.attention_logits_soft_cap is not None
+    )
     layer_kernels = select_layer_kernels(config.model.layer_kernels, device, plugins)
     quantizer = select_quantizer(
         config.model.quantization, arch, device, plugins, _quantization_config(hf_config, path)

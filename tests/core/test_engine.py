@@ -33,7 +33,9 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return directory
 
 
-@pytest.mark.parametrize("name", ["llama-tiny", "qwen2-tiny", "qwen3-tiny", "mistral-tiny"])
+@pytest.mark.parametrize(
+    "name", ["llama-tiny", "qwen2-tiny", "qwen3-tiny", "mistral-tiny", "gemma2-tiny", "gemma3-tiny", "phi3-longrope"]
+)
 def test_greedy_matches_transformers_generate(name: str, tmp_path: Path) -> None:
     hf_model = save_hf_model(name, tmp_path)
     engine = make_engine(tmp_path, scheduler={"max_num_batched_tokens": 24})  # forces chunked prefill

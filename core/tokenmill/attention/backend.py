@@ -85,6 +85,9 @@ class AttentionLayerSpec:
     head_dim: int
     scale: float
     sliding_window: int | None = None  # attend to at most this many latest tokens (incl. itself)
+    #: Scores (after ``scale``) pass through ``cap * tanh(score / cap)`` before the softmax (Gemma 2); only
+    #: backends with ``supports_logits_soft_cap`` take a layer that sets it.
+    logits_soft_cap: float | None = None
 
 
 class AttentionBackend(ABC):
@@ -125,6 +128,10 @@ class AttentionBackend(ABC):
     #: Whether ``prepare`` and ``forward`` apply ``metadata.draft_tree`` (tree tokens see only their own
     #: branch of the tree). Speculators draft chains with a backend without it.
     supports_draft_trees: ClassVar[bool] = False
+
+    #: Whether ``forward`` applies ``AttentionLayerSpec.logits_soft_cap``. The model loader picks, and
+    #: accepts by name, only backends with it for a model whose attention caps its scores (Gemma 2).
+    supports_logits_soft_cap: ClassVar[bool] = False
 
     #: Head sizes ``forward`` takes; None: any. ``attention.backend = "auto"`` passes over a backend
     #: that does not take the model's ``head_dim``.

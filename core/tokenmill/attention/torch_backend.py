@@ -32,6 +32,7 @@ class _StepState:
 class TorchAttentionBackend(AttentionBackend):
     name: ClassVar[str] = "torch"
     supports_draft_trees: ClassVar[bool] = True
+    supports_logits_soft_cap: ClassVar[bool] = True
     kv_cache_dtypes: ClassVar[tuple[torch.dtype, ...]] = (
         torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.int8,
     )  # fmt: skip
@@ -97,12 +98,30 @@ class TorchAttentionBackend(AttentionBackend):
         if layer.sliding_window is not None:
             window = state.key_positions > state.query_positions - layer.sliding_window
             mask = mask & window[:, None]
-        out = F.scaled_dot_product_attention(
-            padded_query.transpose(1, 2),
-            keys,
-            values,
-            attn_mask=mask,
-            scale=layer.scale,
-            enable_gqa=layer.num_heads != layer.num_kv_heads,
-        )  # [num_reqs, heads, max_query_len, dim]
+        if layer.logits_soft_cap is not None:
+            out = _soft_capped_attention(padded_query.transpose(1, 2), keys, values, mask, layer)
+        else:
+            out = F.scaled_dot_product_attention(
+                padded_query.transpose(1, 2),
+                keys,
+                values,
+                attn_mask=mask,
+                scale=layer.scale,
+                enable_gqa=layer.num_heads != layer.num_kv_heads,
+            )  # [num_reqs, heads, max_query_len, dim]
         return out.transpose(1, 2)[state.token_req, state.token_row]
+
+
+def _soft_capped_attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, layer: AttentionLayerSpec
+) -> torch.Tensor:
+    """Attention whose scaled scores pass through ``cap * tanh(score / cap)`` (SDPA has no such step), the softmax
+    in float32; ``query`` [num_reqs, heads, max_q, dim], ``keys``/``values`` [num_reqs, kv_heads, max_s, dim]."""
+    assert layer.logits_soft_cap is not None
+    group = layer.num_heads // layer.num_kv_heads
+    keys = keys.repeat_interleave(group, dim=1) if group > 1 else keys  # [num_reqs, heads, max_s, dim]
+    values = values.repeat_interleave(group, dim=1) if group > 1 else values
+    scores = torch.matmul(query, keys.transpose(-1, -2)).float() * layer.scale  # [num_reqs, heads, max_q, max_s]
+    scores = torch.tanh(scores / layer.logits_soft_cap) * layer.logits_soft_cap
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1).to(values.dtype)
+    return torch.matmul(probs, values)  # [num_reqs, heads, max_q, dim]

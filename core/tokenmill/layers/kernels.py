@@ -74,6 +74,13 @@ class LayerKernels(ABC):
         float32 ``cos`` and ``sin`` [num_tokens, 1, head_dim // 2]. May rotate ``x`` in place; returns the
         rotated tensor."""
 
+    def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``gelu(gate, approximate="tanh") * up`` for ``gate_up`` [num_tokens, 2 * inner] holding gate then up;
+        [num_tokens, inner] (Gemma's GeGLU). Optional: the default is torch's ops, which kernels without a fused
+        GeGLU keep."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
     def pack_dense_weight(self, weight: torch.Tensor) -> torch.Tensor | None:
         """``weight`` [out, in] in the layout :meth:`dense_linear` reads, or None where these kernels have no dense
         matmul for it (its dtype or device): the ``none`` quantizer then uses its own (oneDNN on the CPU, else

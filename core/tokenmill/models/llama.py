@@ -3,6 +3,10 @@
 One implementation serves them all; their differences are fields of
 ``ArchitectureConfig`` (biases, q/k norm, sliding windows, tied embeddings).
 Module and parameter names follow Hugging Face's so checkpoints load by name.
+
+Other families build on it (the ``architectures`` plugin: Gemma, Phi-3, the mixtures of experts): a subclass
+names its own parts (``attention_class``, ``norm_class``, ``LlamaModel.build_layer``, ``mlp=``) instead of copying
+the rest.
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ def _shard(tp: TensorParallelGroup, dim: int) -> LinearShard | None:
 
 
 class LlamaAttention(FastModule):
+    #: The q/k norm (``config.qk_norm``).
+    norm_class: ClassVar[type[RMSNorm]] = RMSNorm
+
     def __init__(
         self,
         config: ArchitectureConfig,
@@ -49,17 +56,22 @@ class LlamaAttention(FastModule):
         self.qkv_proj = MergedLinear(hidden, qkv_sizes, config.qkv_bias, quantizer, dtype, _shard(tp, 0))
         self.o_proj = Linear(heads * head_dim, hidden, config.o_proj_bias, quantizer, dtype, _shard(tp, 1))
         self.tp = tp
-        self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
-        self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
+        self.q_norm = self.norm_class(head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
+        self.k_norm = self.norm_class(head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
         self.spec = AttentionLayerSpec(
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
-            scale=head_dim**-0.5,
+            scale=self.attention_scale(config),
             sliding_window=config.sliding_windows[layer_index],
+            logits_soft_cap=config.attention_logits_soft_cap,
         )
         self.backend = backend
         self.rotary = [rotary]  # in a list: shared by all layers, not a child module of each
+
+    def attention_scale(self, config: ArchitectureConfig) -> float:
+        """What scores are multiplied by before the softmax; called once, by the constructor."""
+        return float(config.head_dim**-0.5)
 
     def forward(
         self,
@@ -93,12 +105,19 @@ class LlamaMLP(UsesLayerKernels):
         self.gate_up_proj = MergedLinear(hidden, (inner, inner), bias, quantizer, dtype, _shard(tp, 0))
         self.down_proj = Linear(inner, hidden, bias, quantizer, dtype, _shard(tp, 1))
         self.tp = tp
+        self.is_gelu = config.hidden_act == "gelu_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.down_proj(self.layer_kernels.silu_and_mul(self.gate_up_proj(x))))
+        gate_up = self.gate_up_proj(x)
+        if self.is_gelu:
+            return self.tp.all_reduce(self.down_proj(self.layer_kernels.gelu_tanh_and_mul(gate_up)))
+        return self.tp.all_reduce(self.down_proj(self.layer_kernels.silu_and_mul(gate_up)))
 
 
 class LlamaDecoderLayer(FastModule):
+    attention_class: ClassVar[type[LlamaAttention]] = LlamaAttention
+    norm_class: ClassVar[type[RMSNorm]] = RMSNorm
+
     def __init__(
         self,
         config: ArchitectureConfig,
@@ -108,12 +127,14 @@ class LlamaDecoderLayer(FastModule):
         quantizer: Quantizer,
         dtype: torch.dtype,
         tp: TensorParallelGroup,
+        mlp: nn.Module | None = None,
     ) -> None:
+        """``mlp``: the feed-forward block in place of the dense ``LlamaMLP`` (a mixture of experts)."""
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_index, rotary, backend, quantizer, dtype, tp)
-        self.mlp = LlamaMLP(config, quantizer, dtype, tp)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.self_attn = self.attention_class(config, layer_index, rotary, backend, quantizer, dtype, tp)
+        self.mlp = mlp if mlp is not None else LlamaMLP(config, quantizer, dtype, tp)
+        self.input_layernorm = self.norm_class(config.hidden_size, config.rms_norm_eps, dtype)
+        self.post_attention_layernorm = self.norm_class(config.hidden_size, config.rms_norm_eps, dtype)
 
     def forward(
         self,
@@ -136,6 +157,9 @@ class LlamaDecoderLayer(FastModule):
 
 
 class LlamaModel(FastModule):
+    norm_class: ClassVar[type[RMSNorm]] = RMSNorm
+    layer_class: ClassVar[type[LlamaDecoderLayer]] = LlamaDecoderLayer
+
     def __init__(
         self,
         config: ArchitectureConfig,
@@ -147,15 +171,44 @@ class LlamaModel(FastModule):
     ) -> None:
         super().__init__()
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, max_position)
+        # Sliding-window layers with a rope of their own (Gemma 3's local base) share a second table.
+        self.sliding_rotary = (
+            RotaryEmbedding(config.sliding_rope, config.head_dim, max_position) if config.sliding_rope else None
+        )
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, tp)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, self.rotary, backend, quantizer, dtype, tp) for i in range(config.num_layers)
+            self.build_layer(config, i, backend, quantizer, dtype, tp) for i in range(config.num_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.norm = self.norm_class(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def layer_rotary(self, config: ArchitectureConfig, layer_index: int) -> RotaryEmbedding:
+        """The rope table layer ``layer_index`` rotates with."""
+        if self.sliding_rotary is not None and config.sliding_windows[layer_index] is not None:
+            return self.sliding_rotary
+        return self.rotary
+
+    def build_layer(
+        self,
+        config: ArchitectureConfig,
+        layer_index: int,
+        backend: AttentionBackend,
+        quantizer: Quantizer,
+        dtype: torch.dtype,
+        tp: TensorParallelGroup,
+    ) -> nn.Module:
+        """Decoder layer ``layer_index`` (a ``layer_class``); called once per layer by the constructor."""
+        rotary = self.layer_rotary(config, layer_index)
+        return self.layer_class(config, layer_index, rotary, backend, quantizer, dtype, tp)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The first layer's input for ``input_ids`` [num_tokens]: [num_tokens, hidden]."""
+        return self.embed_tokens(input_ids)
 
 
 class LlamaForCausalLM(CausalLM):
     supports_tensor_parallel: ClassVar[bool] = True
+    #: The decoder stack a subclass builds instead.
+    model_class: ClassVar[type[LlamaModel]] = LlamaModel
     packed_modules: ClassVar[dict[str, tuple[str, ...]]] = {
         "qkv_proj": ("q_proj", "k_proj", "v_proj"),
         "gate_up_proj": ("gate_proj", "up_proj"),
@@ -175,7 +228,7 @@ class LlamaForCausalLM(CausalLM):
         self.backend = backend
         self.tp = tp = tp if tp is not None else single_process_group()
         max_position = max_position or config.max_position_embeddings
-        self.model = LlamaModel(config, backend, quantizer, dtype, max_position, tp)
+        self.model = self.model_class(config, backend, quantizer, dtype, max_position, tp)
         # A tied, dense output projection reads the embedding itself; otherwise it is a Linear of its
         # own (a quantized copy of a tied embedding costs its quantized size and saves reading the
         # float embedding every step: a fifth of SmolLM2-135M's weights).
@@ -194,19 +247,25 @@ class LlamaForCausalLM(CausalLM):
         kv_caches: list[torch.Tensor],
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        hidden_states = self.model.embed_tokens(input_ids)  # [num_tokens, hidden]
-        self.model.rotary.set_positions(positions)
+        model = self.model
+        hidden_states = model.embed(input_ids)  # [num_tokens, hidden]
+        model.rotary.set_positions(positions)
+        if model.sliding_rotary is not None:
+            model.sliding_rotary.set_positions(positions)
         residual = None
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+        for layer, kv_cache in zip(model.layers, kv_caches, strict=True):
             hidden_states, residual = layer(positions, hidden_states, residual, kv_cache, metadata)
         assert residual is not None, "a model has at least one layer"
-        return self.model.norm(hidden_states, residual)[0]
+        return model.norm(hidden_states, residual)[0]
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:  # a dense quantizer multiplies by the embedding module's ``weight`` (no bias)
             logits = self.head_quantizer.apply(self.model.embed_tokens, hidden_states).float()
         else:
             logits = self.lm_head(hidden_states).float()
+        cap = self.config.final_logits_soft_cap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
         return self.tp.gather_last_dim(logits)  # [num_selected, vocab] on rank 0
 
     def skip_checkpoint_tensor(self, name: str) -> bool:

@@ -67,6 +67,52 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2-tiny": ("Qwen2Config", {}),
     "qwen2-sliding": ("Qwen2Config", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
     "qwen3-tiny": ("Qwen3Config", {"head_dim": 32}),
+    # Scores and logits capped low enough that the caps change them; an 8-token window on even layers.
+    "gemma2-tiny": (
+        "Gemma2Config",
+        {
+            "head_dim": 16,
+            "query_pre_attn_scalar": 24,
+            "sliding_window": 8,
+            "attn_logit_softcapping": 2.0,
+            "final_logit_softcapping": 5.0,
+        },
+    ),
+    # A local rope base for the sliding layer, a linearly scaled global one.
+    "gemma3-tiny": (
+        "Gemma3TextConfig",
+        {
+            "architectures": ["Gemma3ForCausalLM"],
+            "head_dim": 16,
+            "query_pre_attn_scalar": 24,
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+            },
+        },
+    ),
+    "phi3-tiny": ("Phi3Config", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
+    # Phi-4-mini's shape: half of each head rotates, LongRoPE with a context extended 2x (its attention factor
+    # scales cos and sin); the test prompts stay inside the original context, where the short factors apply.
+    "phi3-longrope": (
+        "Phi3Config",
+        {
+            "pad_token_id": 0,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "original_max_position_embeddings": 512,
+            "rope_parameters": {
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.5,
+                "original_max_position_embeddings": 512,
+                "short_factor": [1.0, 1.3, 1.9, 2.6],
+                "long_factor": [1.5, 2.5, 4.0, 8.0],
+            },
+        },
+    ),
 }
 
 #: The tiny tokenizer's special tokens; ids 0, 1 and 2.
@@ -84,8 +130,9 @@ def make_hf_model(name: str, seed: int = 0, **config_overrides: Any) -> torch.nn
 
     config_class_name, overrides = TINY_CONFIGS[name]
     config_class = getattr(transformers, config_class_name)
-    architecture = config_class_name.replace("Config", "ForCausalLM")
-    config = config_class(**{**_BASE, **overrides, **config_overrides}, architectures=[architecture])
+    settings = {**_BASE, **overrides, **config_overrides}
+    architecture = settings.pop("architectures", [config_class_name.replace("Config", "ForCausalLM")])[0]
+    config = config_class(**settings, architectures=[architecture])
     torch.manual_seed(seed)
     model = getattr(transformers, architecture)._from_config(config, attn_implementation="eager")
     with torch.no_grad():

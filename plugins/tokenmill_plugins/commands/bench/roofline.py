@@ -65,8 +65,12 @@ def known_peak_bandwidth_gbs(device_name: str) -> float | None:
     return None
 
 
+#: Model types whose layers normalise the attention and MLP outputs too.
+_FOUR_NORM_MODEL_TYPES = frozenset({"gemma2", "gemma3", "gemma3_text"})
+
+
 def count_parameters(arch: ArchitectureConfig) -> int:
-    """The number of parameters of a Llama-family model (the architectures tokenmill ships)."""
+    """The number of parameters of a Llama-family model, Gemma's (two more norms a layer) and Phi-3's."""
     hidden, inter, head_dim = arch.hidden_size, arch.intermediate_size, arch.head_dim
     q_width, kv_width = arch.num_attention_heads * head_dim, arch.num_kv_heads * head_dim
     attention = hidden * q_width + 2 * hidden * kv_width + q_width * hidden
@@ -77,7 +81,8 @@ def count_parameters(arch: ArchitectureConfig) -> int:
     if arch.qk_norm:
         attention += 2 * head_dim
     mlp = 3 * hidden * inter + ((2 * inter + hidden) if arch.mlp_bias else 0)
-    per_layer = attention + mlp + 2 * hidden  # two RMSNorms
+    norms = 4 if arch.model_type in _FOUR_NORM_MODEL_TYPES else 2  # Gemma 2/3 also norm each sublayer's output
+    per_layer = attention + mlp + norms * hidden
     embeddings = arch.vocab_size * hidden * (1 if arch.tie_word_embeddings else 2)  # input table and lm_head
     return embeddings + arch.num_layers * per_layer + hidden  # the final norm
 

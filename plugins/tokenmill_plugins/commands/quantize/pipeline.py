@@ -176,7 +176,10 @@ def _quantize_layer_awq(
     hidden: list[torch.Tensor],
     scheme: QuantScheme,
 ) -> dict[str, QuantizedWeight]:
+    from tokenmill.models.llama import LlamaMLP
+
     attention, mlp = layer.self_attn, layer.mlp
+    assert isinstance(mlp, LlamaMLP), "AWQ smooths a dense MLP's gate/up and down"
     qkv, o_proj, gate_up, down = attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj
     with _capture_inputs({"qkv": qkv, "o": o_proj, "gate_up": gate_up, "down": down}) as captured:
         calibration.run_layer(model, layer, hidden)

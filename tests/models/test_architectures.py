@@ -1,0 +1,61 @@
+"""What the reference-match tests cannot reach on tiny prompts: LongRoPE's long factors, Gemma's older configs,
+and the attention backends a soft-capped model may run on."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.factories import TINY_CONFIGS, make_hf_model, save_hf_model
+from tokenmill.config import load_config
+from tokenmill.layers.rotary import RotaryEmbedding
+from tokenmill.model_loader import load_model
+from tokenmill.models.architecture import ArchitectureConfig
+from tokenmill.plugin_manager import PluginError
+
+
+def test_longrope_uses_the_long_factors_from_the_original_context_on() -> None:
+    from transformers.modeling_rope_utils import _compute_longrope_parameters
+
+    hf_model = make_hf_model("phi3-longrope")
+    arch = ArchitectureConfig.from_hf_config(hf_model.config.to_dict())
+    rotary = RotaryEmbedding(arch.rope, arch.head_dim, 1024)
+    original = arch.rope.original_max_position_embeddings
+    rotary.set_positions(torch.tensor([original - 1, original, 1000]))
+    for row, position, seq_len in ((0, original - 1, None), (1, original, original + 1), (2, 1000, original + 1)):
+        inv_freq, attention_factor = _compute_longrope_parameters(hf_model.config, seq_len=seq_len)
+        angles = position * inv_freq.double()
+        cos, sin = rotary._step_cos[row, 0].double(), rotary._step_sin[row, 0].double()
+        torch.testing.assert_close(cos, angles.cos() * attention_factor, atol=1e-5, rtol=0)
+        torch.testing.assert_close(sin, angles.sin() * attention_factor, atol=1e-5, rtol=0)
+    assert rotary.rotary_dim == arch.head_dim // 2
+
+
+@pytest.mark.parametrize(
+    ("model_type", "extra", "expected"),
+    [
+        ("gemma2", {}, (8, None, 8, None)),
+        ("gemma3_text", {"sliding_window_pattern": 2}, (8, None, 8, None)),
+        ("gemma3_text", {}, (8, 8, 8, 8)),  # every sixth layer is global
+    ],
+)
+def test_gemma_configs_without_layer_types_alternate_windows(model_type: str, extra: dict, expected: tuple) -> None:
+    hf = {
+        "architectures": ["X"], "model_type": model_type, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 4, "num_attention_heads": 4, "vocab_size": 512, "sliding_window": 8, **extra,
+    }  # fmt: skip
+    assert ArchitectureConfig.from_hf_config(hf).sliding_windows == expected
+
+
+def test_soft_capped_attention_picks_a_backend_that_caps(tmp_path: Path) -> None:
+    save_hf_model("gemma2-tiny", tmp_path)
+    overrides = {"model": {"model": str(tmp_path)}, "device": {"device": "cpu"}}
+    assert load_model(load_config(overrides=overrides)).attention.supports_logits_soft_cap
+    with pytest.raises(PluginError, match="does not cap attention scores.*torch"):
+        load_model(load_config(overrides={**overrides, "attention": {"backend": "cpu"}}))
+
+
+def test_new_tiny_configs_are_registered() -> None:
+    assert {"gemma2-tiny", "gemma3-tiny", "phi3-tiny", "phi3-longrope"} <= set(TINY_CONFIGS)
