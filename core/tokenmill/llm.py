@@ -18,6 +18,7 @@ from tokenmill.model_files import resolve_tokenizer
 from tokenmill.output_processor import OutputProcessor
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import InvalidRequestError, SamplingParams
+from tokenmill.structured_output.validator import ConstraintValidator
 from tokenmill.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -84,6 +85,7 @@ class LLM:
         tokenizer_path = resolve_tokenizer(self.config.model.model, self.config.model.tokenizer)
         self.tokenizer = Tokenizer.from_path(tokenizer_path)
         self._ids = itertools.count()
+        self._validator: ConstraintValidator | None = None
 
     def get_tokenizer(self) -> Tokenizer:
         return self.tokenizer
@@ -149,6 +151,8 @@ class LLM:
         on_finished: Callable[[int, RequestOutput], None] | None = None,
     ) -> list[RequestOutput]:
         params_list = _params_per_prompt(sampling_params, len(encoded))
+        for params in params_list:
+            self._check_constraint(params)
         processor = OutputProcessor(self.tokenizer)
         results: dict[str, RequestOutput] = {}
         request_ids = []
@@ -172,6 +176,19 @@ class LLM:
                         if on_finished is not None:
                             on_finished(index, output)
         return [results[request_id] for request_id in request_ids]
+
+    def _check_constraint(self, params: SamplingParams) -> None:
+        """A ``structured_outputs`` constraint that cannot compile raises ``InvalidRequestError`` naming the problem,
+        before anything is queued (when the backend checks without compiling in the engine)."""
+        if params.structured_outputs is None:
+            return
+        if self._validator is None:
+            backend = self.config.structured_outputs_config.backend
+            self._validator = ConstraintValidator(self.engine.plugins, backend, self.tokenizer, self.engine.vocab_size)
+        try:
+            self._validator.validate(params.structured_outputs)
+        except ValueError as exc:
+            raise InvalidRequestError(f"structured_outputs cannot be used: {exc}") from None
 
 
 def _params_per_prompt(

@@ -32,12 +32,14 @@ from tokenmill.engine_client import EngineDeadError, EngineGroup, RequestStream
 from tokenmill.messages import EngineCoreOutput, EngineCoreRequest
 from tokenmill.output_processor import CompletionDelta, OutputProcessor
 from tokenmill.outputs import RequestOutput
+from tokenmill.plugin_manager import PluginError, PluginSystem
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.server import protocol
+from tokenmill.server import protocol, tools
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.openapi import openapi_document
 from tokenmill.server.protocol import ProtocolError
 from tokenmill.server.tenants import KeyState, Lease, RateLimited, Tenants
+from tokenmill.structured_output.validator import ConstraintValidator
 from tokenmill.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -57,6 +59,9 @@ class ServerState:
     is_draining: bool = False
     #: Keys, tenants and their limits; None: built from ``config.server`` (``Tenants.from_config``).
     tenants: Tenants | None = None
+    #: The front end's plugins: its structured-output backend checks constraints before requests are accepted
+    #: (None: the engines' compile reports a bad constraint).
+    plugins: PluginSystem | None = None
 
 
 class _ClosingStreamingResponse(StreamingResponse):
@@ -111,6 +116,7 @@ class _Generation:
     first_token_at: float | None = None
     queue_time: float = 0.0  # in the engine, before its first step
     lease: Lease | None = None  # its key's: tokens are charged to it as they arrive
+    forced_tool_call: tools.ForcedToolCall | None = None  # chat: the output is a forced tool call
 
 
 Endpoint = Callable[[Request], Awaitable[Response]]
@@ -128,6 +134,7 @@ class OpenAIServer:
             __version__, [state.model_name], api_key=self.tenants.requires_key, public_metrics=config.public_metrics
         )
         self._openapi = msgspec.json.encode(document)  # encoded once: it never changes while serving
+        self._validator: ConstraintValidator | None = None
 
     # ------------------------------------------------------------------ plumbing
 
@@ -321,9 +328,34 @@ class OpenAIServer:
 
     # ------------------------------------------------------------------ endpoints
 
+    async def _check_constraint(
+        self, body: protocol.CompletionRequest | protocol.ChatCompletionRequest, params: SamplingParams
+    ) -> None:
+        """A constraint that cannot compile is the request's 400, naming the field that carried it and the
+        problem, before the request reaches an engine (when the backend can check without torch)."""
+        constraint = params.structured_outputs
+        if constraint is None or self.state.plugins is None:
+            return
+        if body.response_format is not None and body.response_format.type != "text":
+            param = "response_format"
+        elif body.structured_outputs is not None:
+            param = "structured_outputs"
+        else:
+            param = "tools"
+        try:
+            if self._validator is None:
+                config = self.state.config.structured_outputs_config
+                self._validator = ConstraintValidator(
+                    self.state.plugins, config.backend, self.state.tokenizer, self.state.tokenizer.vocab_size
+                )
+            await asyncio.to_thread(self._validator.validate, constraint)
+        except (ValueError, PluginError) as exc:
+            raise ProtocolError(400, f"{param} cannot be used: {exc}", param=param) from None
+
     async def completions(self, request: Request) -> Response:
         body, params = protocol.decode_completion_request(await self._body(request))
         self._check_model(body.model)
+        await self._check_constraint(body, params)
         prompt = protocol.completion_prompt(body)
         if isinstance(prompt, str):
             prompt_text: str | None = prompt
@@ -338,19 +370,22 @@ class OpenAIServer:
     async def chat_completions(self, request: Request) -> Response:
         body, params = protocol.decode_chat_request(await self._body(request))
         self._check_model(body.model)
-        prompt_text = self._chat_prompt(body.messages, add_generation_prompt=True)
+        await self._check_constraint(body, params)
+        # The template sees the tools (a template that knows them tells the model how to call them).
+        template_tools = msgspec.to_builtins(body.tools) if body.tools and body.tool_choice != "none" else None
+        prompt_text = self._chat_prompt(body.messages, add_generation_prompt=True, tools=template_tools)
         token_ids = self.state.tokenizer.encode(prompt_text, add_special_tokens=False)
         top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         return await self._respond(
             request, body, params, prompt_text, token_ids, "chatcmpl", top_logprobs,
-            self._stream_chat, protocol.chat_response,
+            self._stream_chat, protocol.chat_response, forced_tool_call=protocol.forced_tool_call(body),
         )  # fmt: skip
 
-    def _chat_prompt(self, messages: list[protocol.ChatMessage], add_generation_prompt: bool) -> str:
+    def _chat_prompt(self, messages: list[protocol.ChatMessage], add_generation_prompt: bool, tools: Any = None) -> str:
         """The conversation through the model's chat template; a template that fails is the request's 400."""
         try:
             text = self.state.tokenizer.apply_chat_template(
-                protocol.chat_messages(messages), add_generation_prompt=add_generation_prompt
+                protocol.chat_messages(messages), add_generation_prompt=add_generation_prompt, tools=tools
             )
         except ValueError as exc:
             raise ProtocolError(400, str(exc).splitlines()[0], param="messages") from None
@@ -369,12 +404,14 @@ class OpenAIServer:
         stream: Callable[[_Generation, bool, int | None], AsyncIterator[bytes]],
         build_response: Callable[..., dict[str, Any]],
         echo: bool = False,
+        forced_tool_call: tools.ForcedToolCall | None = None,
     ) -> Response:
         """What both endpoints do once the prompt is tokenized: start, then stream or wait and answer."""
         protocol.check_context_length(body, params, len(token_ids), self.state.group.max_model_len)
         lease = getattr(request.state, "lease", None)
         generation = self._start(token_ids, prompt_text, params, body.priority, id_prefix, lease, body.cache_salt)
         generation.echo = echo
+        generation.forced_tool_call = forced_tool_call
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return _ClosingStreamingResponse(
@@ -384,6 +421,8 @@ class OpenAIServer:
         options = {"echo": self._echo(generation)} if echo else {}
         response = build_response(generation.request_id, self.state.model_name, self.state.created, output,
                                   len(token_ids), num_top_logprobs=num_top_logprobs, **options)  # fmt: skip
+        if forced_tool_call is not None:
+            tools.apply_tool_calls(response, forced_tool_call)
         return JSONResponse(response)
 
     def _echo(self, generation: _Generation) -> protocol.Echo:
@@ -446,8 +485,23 @@ class OpenAIServer:
             for index in range(generation.params.n):
                 role = {"role": "assistant", "content": ""}
                 yield protocol.sse_event(protocol.chat_chunk(request_id, model, created, index, role))
+            forced = generation.forced_tool_call
+            calls = {index: tools.ToolCallStream(forced) for index in range(generation.params.n)} if forced else {}
+            texts = dict.fromkeys(calls, "")
             async with aclosing(self._stream_text(generation)) as deltas:
                 async for delta in deltas:
+                    if forced is not None:  # the output streams as tool-call argument deltas
+                        texts[delta.index] += delta.text
+                        for call in calls[delta.index].feed(texts[delta.index]):
+                            chunk = protocol.chat_chunk(request_id, model, created, delta.index, {"tool_calls": [call]})
+                            yield protocol.sse_event(chunk)
+                        if delta.finish_reason is not None:
+                            reason = delta.finish_reason
+                            if reason == "stop" and calls[delta.index].num_calls:
+                                reason = "tool_calls"
+                            chunk = protocol.chat_chunk(request_id, model, created, delta.index, {}, reason)
+                            yield protocol.sse_event(chunk)
+                        continue
                     if delta.text or delta.text_tokens:
                         logprobs = None
                         if delta.text_tokens is not None:

@@ -16,7 +16,8 @@ from typing import Annotated, Any, Literal, TypeVar, cast
 import msgspec
 
 from tokenmill.outputs import Logprob, RequestOutput, TextToken
-from tokenmill.sampling_params import InvalidRequestError, SamplingParams
+from tokenmill.sampling_params import InvalidRequestError, SamplingParams, StructuredOutputsParams
+from tokenmill.server.tools import ChatTool, ForcedToolCall, ResponseFormat, ToolChoice, ToolError, request_constraint
 
 logger = logging.getLogger(__name__)
 
@@ -152,6 +153,11 @@ class _RequestBase(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     cache_salt: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_CACHE_SALT_LENGTH)] | None = None
     """vLLM's: requests share prefix-cache blocks only with requests of the same salt (and, with tenants, of
     the same tenant), so a prompt's cached prefix cannot be probed by timing from outside the group."""
+    response_format: ResponseFormat | None = None
+    """OpenAI's: ``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema": {"schema": ...}}``
+    constrains the output (docs/structured_outputs.md)."""
+    structured_outputs: StructuredOutputsParams | None = None
+    """vLLM's: one of ``json``, ``regex``, ``choice``, ``grammar``, ``json_object`` constrains the output."""
 
 
 class CompletionRequest(_RequestBase, kw_only=True, forbid_unknown_fields=True):
@@ -189,9 +195,11 @@ class ChatCompletionRequest(_RequestBase, kw_only=True, forbid_unknown_fields=Tr
     max_completion_tokens: MaxTokens | None = None  # wins over max_tokens
     logprobs: bool | None = False
     top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
-    response_format: Any = None  # the three below: only null
-    tools: Any = None
-    tool_choice: Any = None
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None
+    """``none``, ``auto`` (needs ``--enable-auto-tool-choice``), ``required`` or a named function: the last two
+    are enforced by a grammar, so the arguments always match the function's parameters."""
+    parallel_tool_calls: bool | None = None
 
 
 class TokenizeCompletionRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -302,17 +310,43 @@ def decode_completion_request(body: bytes) -> tuple[CompletionRequest, SamplingP
     return request, _check_common(request)
 
 
-def decode_chat_request(body: bytes) -> tuple[ChatCompletionRequest, SamplingParams]:
+def decode_chat_request(body: bytes, auto_tool_choice: bool = False) -> tuple[ChatCompletionRequest, SamplingParams]:
     """Decode and check a ``/v1/chat/completions`` body, building its SamplingParams once; raises
-    ProtocolError (400) naming the bad parameter."""
+    ProtocolError (400) naming the bad parameter. ``auto_tool_choice``: the server parses tool calls from
+    free text (``--enable-auto-tool-choice``), so ``tool_choice: "auto"`` is allowed."""
     request = _decode(body, ChatCompletionRequest)
-    for name in ("response_format", "tools", "tool_choice"):
-        if getattr(request, name) is not None:
-            raise _unsupported(name)
     _check_messages(request.messages)
     if request.top_logprobs is not None and not request.logprobs:
         raise _bad("top_logprobs", "top_logprobs requires logprobs to be true")
-    return request, _check_common(request)
+    for i, tool in enumerate(request.tools or []):
+        if tool.function.parameters is not None:
+            _check_free_form(f"tools[{i}].function.parameters", tool.function.parameters)
+    return request, _check_common(request, auto_tool_choice)
+
+
+def forced_tool_call(request: CompletionRequest | ChatCompletionRequest) -> ForcedToolCall | None:
+    """Whether the request's output is a forced tool call (``tool_choice`` ``required`` or a named function),
+    and of which kind; decode_chat_request() has checked the fields."""
+    if not isinstance(request, ChatCompletionRequest) or request.tool_choice in (None, "none", "auto"):
+        return None
+    return _constraint(request, auto_tool_choice=True)[1]
+
+
+def _constraint(
+    request: CompletionRequest | ChatCompletionRequest, auto_tool_choice: bool
+) -> tuple[StructuredOutputsParams | None, ForcedToolCall | None]:
+    is_chat = isinstance(request, ChatCompletionRequest)
+    tools = request.tools if is_chat else None  # type: ignore[union-attr]
+    tool_choice = request.tool_choice if is_chat else None  # type: ignore[union-attr]
+    parallel = request.parallel_tool_calls if is_chat else None  # type: ignore[union-attr]
+    try:
+        return request_constraint(
+            request.response_format, request.structured_outputs, tools, tool_choice, parallel, auto_tool_choice
+        )
+    except ToolError as exc:
+        raise _bad(exc.param, str(exc)) from None
+    except InvalidRequestError as exc:
+        raise _bad("response_format", str(exc)) from None
 
 
 def _check_messages(messages: list[ChatMessage]) -> None:
@@ -347,15 +381,17 @@ def decode_detokenize_request(body: bytes) -> DetokenizeRequest:
     return _decode(body, DetokenizeRequest)
 
 
-def _check_common(request: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
+def _check_common(request: CompletionRequest | ChatCompletionRequest, auto_tool_choice: bool = False) -> SamplingParams:
     if request.stream_options is not None and not request.stream:
         raise _bad("stream_options", "stream_options is only allowed when stream is true")
     if request.prompt_logprobs is not None and request.stream:
         raise _bad("prompt_logprobs", "prompt_logprobs is not supported with stream")
     if request.vllm_xargs is not None:
         _check_free_form("vllm_xargs", request.vllm_xargs)
+    constraint, _ = _constraint(request, auto_tool_choice)
     # A missing max_tokens stays None: the engine stops at the context window.
-    return _sampling_params(request, _requested_max_tokens(request))
+    params = _sampling_params(request, _requested_max_tokens(request))
+    return msgspec.structs.replace(params, structured_outputs=constraint) if constraint is not None else params
 
 
 def completion_prompt(request: CompletionRequest) -> str | list[int]:

@@ -161,7 +161,7 @@ async def _serve(config: EngineConfig) -> int:
             group = _engine_group(config, transport, plugins, socket_dir)
         shutdown.group = group
         try:
-            state = await _start(config, group, shutdown, tenants)
+            state = await _start(config, group, shutdown, tenants, plugins)
             if state is None:  # a signal came first
                 return 128 + shutdown.forced_by if shutdown.forced_by is not None else 0
             return await _run(config, state, shutdown)
@@ -202,8 +202,8 @@ def _engine_group(config: EngineConfig, transport: Transport, plugins: PluginSys
     return RoutedEngineGroup(clients, router, config.server.router, router_plugin)
 
 
-async def _start(config: EngineConfig, group: EngineGroup, shutdown: _Shutdown,
-                 tenants: Tenants | None = None) -> ServerState | None:  # fmt: skip
+async def _start(config: EngineConfig, group: EngineGroup, shutdown: _Shutdown, tenants: Tenants | None = None,
+                 plugins: PluginSystem | None = None) -> ServerState | None:  # fmt: skip
     """Wait for every engine's handshake and load the tokenizer; None if a signal came first."""
 
     async def start() -> Tokenizer:
@@ -223,7 +223,7 @@ async def _start(config: EngineConfig, group: EngineGroup, shutdown: _Shutdown,
         return None
     tokenizer = starting.result()  # raises what starting raised
     name = served_model_name(config)
-    return ServerState(config, group, tokenizer, name, ServerMetrics(group, name), tenants=tenants)
+    return ServerState(config, group, tokenizer, name, ServerMetrics(group, name), tenants=tenants, plugins=plugins)
 
 
 async def _run(config: EngineConfig, state: ServerState, shutdown: _Shutdown) -> int:

@@ -68,6 +68,10 @@ class StructuredOutputBackend(ABC):
 
     #: Registered name.
     name: ClassVar[str]
+    #: Whether ``validate`` checks anything without importing torch; the API front end then builds the backend
+    #: to refuse a constraint that cannot compile with a 400 before the request is accepted. Without it, the
+    #: request fails in the engine, with the compile's message.
+    validates: ClassVar[bool] = False
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
         self.tokenizer = tokenizer
@@ -75,9 +79,9 @@ class StructuredOutputBackend(ABC):
 
     def validate(self, params: StructuredOutputsParams) -> None:
         """Raise ``ValueError`` with a one-line message naming the problem when ``params`` can never compile.
-        Called in the API front end (and by ``LLM``) once per request before it is sent to an engine, in a worker
-        thread: it must not import torch. The default checks nothing, and a constraint that then fails to
-        compile fails its request in the engine, with the same message."""
+        Called, when ``validates`` is set, in the API front end (and by ``LLM``) once per distinct constraint
+        before a request is sent to an engine, in a worker thread: it must not import torch. The default checks
+        nothing."""
 
     @abstractmethod
     def compile_grammar(self, params: StructuredOutputsParams) -> Any:

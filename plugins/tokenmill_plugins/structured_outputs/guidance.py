@@ -89,6 +89,7 @@ class GuidanceBackend(StructuredOutputBackend):
     """llguidance over the model's tokenizer (read once, from its ``tokenizer.json`` form)."""
 
     name: ClassVar[str] = "guidance"
+    validates: ClassVar[bool] = True
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
         super().__init__(tokenizer, vocab_size)

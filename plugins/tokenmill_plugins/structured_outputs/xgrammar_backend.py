@@ -11,13 +11,12 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any, ClassVar
 
-import xgrammar
-
 from tokenmill.sampling_params import StructuredOutputsParams
 from tokenmill.structured_output.backend import StructuredOutputBackend, StructuredOutputGrammar
 
 if TYPE_CHECKING:
     import torch
+    import xgrammar
 
     from tokenmill.tokenizer import Tokenizer
 
@@ -63,6 +62,7 @@ class XgrammarBackend(StructuredOutputBackend):
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
         super().__init__(tokenizer, vocab_size)
+        import xgrammar  # imports torch: here, not when the API front end loads this class to see it validates nothing
         from transformers import PreTrainedTokenizerFast  # xgrammar's own dependency
 
         hf_tokenizer = PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend)
@@ -94,4 +94,6 @@ class XgrammarBackend(StructuredOutputBackend):
             raise ValueError(" ".join(lines[:3]) or type(exc).__name__) from None
 
     def grammar(self, compiled: Any) -> StructuredOutputGrammar:
+        import xgrammar
+
         return XgrammarGrammar(xgrammar.GrammarMatcher(compiled))
