@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and
     from tokenmill.interfaces import *  # noqa: F403
     from tokenmill.kv_cache.block_hash import block_hashes as block_hashes
     from tokenmill.llm import LLM as LLM
+    from tokenmill.lora.request import LoRARequest as LoRARequest
     from tokenmill.messages import (
         EngineCoreOutput as EngineCoreOutput,
     )
@@ -57,6 +58,7 @@ _LAZY_EXPORTS: dict[str, str] = {
     "FCFSScheduler": "tokenmill.scheduler",
     "IncrementalDetokenizer": "tokenmill.tokenizer",
     "LLM": "tokenmill.llm",
+    "LoRARequest": "tokenmill.lora.request",
     "ModelConfig": "tokenmill.config",
     "PluginError": "tokenmill.plugin_manager",
     "Register": "tokenmill.hookspecs",

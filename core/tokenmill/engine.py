@@ -30,6 +30,9 @@ from tokenmill.executor import ModelExecutor, load_runner
 from tokenmill.kv_cache.manager import KVCacheManager
 from tokenmill.kv_cache.tier import KVTier, check_tier_path
 from tokenmill.kv_cache.tier_stack import KVTierStack
+from tokenmill.lora.adapter import LoRAAdapterError
+from tokenmill.lora.manager import LoRAManager, build_lora_manager
+from tokenmill.lora.request import lora_cache_salt
 from tokenmill.memory import CacheLayout
 from tokenmill.messages import EngineCoreOutput, EngineCoreRequest, EngineStatsMessage, KVTierStatsMessage
 from tokenmill.model_files import resolve_tokenizer
@@ -67,6 +70,8 @@ class EngineCore:
         self.loaded: LoadedModel = runner.loaded
         self.max_model_len = self.loaded.max_model_len
         self.vocab_size = self.loaded.arch.vocab_size
+        #: With ``lora.enable_lora``: the adapters, in host memory and in the model's slots.
+        self.lora: LoRAManager | None = build_lora_manager(config, self.plugins, self.loaded)
         #: Salts every prefix-cache block hash: what the K/V of the same tokens depends on, so a KV tier that
         #: outlives this process (a disk) never serves blocks of other weights, dtypes or block sizes.
         self.kv_cache_hash_salt = kv_fingerprint(config, self.loaded, self.layout)
@@ -84,17 +89,27 @@ class EngineCore:
             enable_prefix_caching=config.cache.enable_prefix_caching, hash_salt=self.kv_cache_hash_salt,
             **({"tiers": self.kv_tier_stack} if self.kv_tiers else {}),
         )  # fmt: skip
+        if self.lora is not None and not self.plugins.load(Slot.SCHEDULER, config.scheduler.policy).supports_lora:
+            raise ConfigError(f"scheduler.policy={config.scheduler.policy!r} does not run LoRA adapters; "
+                              "choose 'fcfs' or 'priority', or turn lora.enable_lora off")  # fmt: skip
         self.scheduler: Scheduler = self.plugins.create(
             Slot.SCHEDULER, config.scheduler.policy, self.kv_cache,
             max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
             max_num_seqs=config.scheduler.max_num_seqs,
+            **({"max_loras": config.lora.max_loras} if self.lora is not None else {}),
         )  # fmt: skip
         sampler: Sampler = self.plugins.create(Slot.SAMPLER, config.sampler.sampler)
         _, processor_names = slot_selections(config)[Slot.LOGITS_PROCESSOR]
         processors: list[LogitsProcessor] = [self.plugins.create(Slot.LOGITS_PROCESSOR, n) for n in processor_names]
         proposer = build_proposer(config, sampler, self.loaded, self.plugins, self.layout)
         self.executor = ModelExecutor(
-            runner, self.kv_cache, sampler, processors, proposer, self.kv_tier_stack if self.kv_tiers else None
+            runner,
+            self.kv_cache,
+            sampler,
+            processors,
+            proposer,
+            self.kv_tier_stack if self.kv_tiers else None,
+            self.lora,
         )
         self.loop = self._choose_loop()
         #: Compiles requests' constraints (structured outputs) off the loop; its backend is built on first use.
@@ -153,8 +168,26 @@ class EngineCore:
         bad = next((t for t in message.params.logit_bias or () if t >= self.vocab_size), None)
         if bad is not None:
             raise InvalidRequestError(f"logit_bias token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})")
+        if message.lora_request is not None:
+            message = self._with_adapter(message)
         if not self.loop.hold(message):
             self._enqueue(message)
+
+    def _with_adapter(self, message: EngineCoreRequest) -> EngineCoreRequest:
+        """Read the request's adapter (once per adapter) and salt its prefix cache with it; raises
+        ``InvalidRequestError`` when LoRA is off or the adapter cannot be used."""
+        lora_request = message.lora_request
+        assert lora_request is not None
+        if self.lora is None:
+            raise InvalidRequestError(
+                f"the request names LoRA adapter {lora_request.lora_name!r}, but LoRA is not enabled; "
+                "start the engine with --enable-lora"
+            )
+        try:
+            self.lora.add_adapter(lora_request)
+        except LoRAAdapterError as exc:
+            raise InvalidRequestError(str(exc)) from None
+        return msgspec.structs.replace(message, cache_salt=lora_cache_salt(lora_request, message.cache_salt))
 
     def _enqueue(self, message: EngineCoreRequest) -> None:
         constraint = message.params.structured_outputs
@@ -169,6 +202,7 @@ class EngineCore:
                 priority=message.priority,
                 cache_salt=message.cache_salt,
                 enqueued_at=time.monotonic(),
+                lora_request=message.lora_request,
                 structured_output=self.structured_outputs.request(constraint) if constraint is not None else None,
             )
         )

@@ -25,6 +25,7 @@ from tokenmill.cuda_graphs import cuda_graph_batch_sizes
 from tokenmill.device_copy import to_device
 from tokenmill.kv_cache.manager import KVCacheManager, KVTransfers
 from tokenmill.kv_cache.tier_stack import KVTierStack
+from tokenmill.lora.manager import LoRAManager
 from tokenmill.memory import CacheLayout, plan_kv_cache
 from tokenmill.model_loader import load_model
 from tokenmill.model_runner import ModelRunner, SequenceChunk
@@ -59,7 +60,8 @@ def load_runner(
     if shards is not None:  # no CUDA graphs across shards yet: every step runs eagerly
         return ShardedModelRunner(loaded, layout.num_blocks, layout.block_size, shards), layout
     graph_batch_sizes = cuda_graph_batch_sizes(
-        config.device.cuda_graphs, config.device.cuda_graph_batch_sizes, config.scheduler.max_num_seqs,
+        config.device.cuda_graphs and not config.lora.enable_lora,  # adapters run eagerly
+        config.device.cuda_graph_batch_sizes, config.scheduler.max_num_seqs,
         loaded.device, loaded.attention,
     )  # fmt: skip
     runner = ModelRunner(loaded, layout.num_blocks, layout.block_size, cuda_graph_batch_sizes=graph_batch_sizes)
@@ -90,6 +92,7 @@ class ModelExecutor:
         logits_processors: list[LogitsProcessor],
         proposer: Proposer | None = None,
         kv_tier_stack: KVTierStack | None = None,
+        lora: LoRAManager | None = None,
     ) -> None:
         self.runner = runner
         self.kv_cache = kv_cache
@@ -97,6 +100,8 @@ class ModelExecutor:
         self.logits_processors = logits_processors
         self.proposer = proposer
         self.kv_tier_stack = kv_tier_stack
+        #: With LoRA enabled: puts each step's adapters in slots before its forward.
+        self.lora = lora
         #: Steps that ran the model (the engine process sends stats after each, even with no output).
         self.num_steps = 0
 
@@ -111,6 +116,8 @@ class ModelExecutor:
         self.transfer_kv(scheduler_output.kv_transfers)
         self.runner.copy_blocks(scheduler_output.block_copies)
         chunks = [self._chunk(s) for s in scheduler_output.scheduled]
+        if self.lora is not None:
+            self.lora.set_step(scheduler_output.scheduled)
         # Rows of logits: each sampling request's last token, plus its drafts' positions when verifying.
         logits_indices: list[int] = []
         first_row: dict[int, int] = {}  # scheduled index -> its first logits row
@@ -150,6 +157,8 @@ class ModelExecutor:
         self.num_steps += 1
         self.runner.copy_blocks(scheduler_output.block_copies)
         chunks = [self._chunk(s) for s in scheduler_output.scheduled]
+        if self.lora is not None:
+            self.lora.set_step(scheduler_output.scheduled)
         input_ids = None
         if previous is not None:
             index = [previous.rows[s.request.request_id] for s in scheduler_output.scheduled]

@@ -13,6 +13,7 @@ from tqdm import tqdm
 from tokenmill.config import ConfigError, EngineConfig, load_config
 from tokenmill.config.options import flag_specs
 from tokenmill.engine import EngineCore, now
+from tokenmill.lora.request import LoRARequest
 from tokenmill.messages import EngineCoreRequest
 from tokenmill.model_files import resolve_tokenizer
 from tokenmill.output_processor import OutputProcessor
@@ -96,15 +97,17 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         on_finished: Callable[[int, RequestOutput], None] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; returns one ``RequestOutput`` per prompt, in order.
 
         ``on_finished(i, output)`` is called as soon as prompt ``i`` finishes, so a caller
-        can write results while the rest are still running.
+        can write results while the rest are still running. ``lora_request``: the LoRA adapter every prompt
+        runs with, or one per prompt (None: the base model); needs ``LLM(..., enable_lora=True)``.
         """
         prompt_list = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         encoded = [self._encode(p) for p in prompt_list]
-        return self._run(encoded, sampling_params, use_tqdm, on_finished)
+        return self._run(encoded, sampling_params, use_tqdm, on_finished, lora_request)
 
     def chat(
         self,
@@ -112,16 +115,18 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         **template_kwargs: Any,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation, then generate."""
+        """Apply the model's chat template to each conversation, then generate (with ``lora_request`` as in
+        ``generate``)."""
         conversations = cast(
             list[Conversation], [messages] if messages and isinstance(messages[0], dict) else list(messages)
         )
         encoded: list[tuple[str | None, list[int]]] = [
             self.render_chat(c, add_generation_prompt, **template_kwargs) for c in conversations
         ]
-        return self._run(encoded, sampling_params, use_tqdm)
+        return self._run(encoded, sampling_params, use_tqdm, lora_request=lora_request)
 
     def render_chat(
         self, conversation: Conversation, add_generation_prompt: bool = True, **template_kwargs: Any
@@ -149,17 +154,21 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool,
         on_finished: Callable[[int, RequestOutput], None] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         params_list = _params_per_prompt(sampling_params, len(encoded))
+        loras = _loras_per_prompt(lora_request, len(encoded))
         for params in params_list:
             self._check_constraint(params)
         processor = OutputProcessor(self.tokenizer)
         results: dict[str, RequestOutput] = {}
         request_ids = []
-        for (prompt, token_ids), params in zip(encoded, params_list, strict=True):
+        for (prompt, token_ids), params, lora in zip(encoded, params_list, loras, strict=True):
             request_id = str(next(self._ids))
             self.engine.add_request(
-                EngineCoreRequest(request_id, token_ids, params, list(self.tokenizer.eos_token_ids), now())
+                EngineCoreRequest(
+                    request_id, token_ids, params, list(self.tokenizer.eos_token_ids), now(), lora_request=lora
+                )
             )
             results[request_id] = processor.add_request(request_id, prompt, token_ids, params)
             request_ids.append(request_id)
@@ -202,3 +211,14 @@ def _params_per_prompt(
     if len(params) != count:
         raise InvalidRequestError(f"got {len(params)} SamplingParams for {count} prompts")
     return params
+
+
+def _loras_per_prompt(
+    lora_request: LoRARequest | Sequence[LoRARequest | None] | None, count: int
+) -> list[LoRARequest | None]:
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * count
+    loras = list(lora_request)
+    if len(loras) != count:
+        raise InvalidRequestError(f"got {len(loras)} LoRA requests for {count} prompts")
+    return loras

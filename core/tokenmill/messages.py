@@ -10,6 +10,7 @@ from typing import Any
 
 import msgspec
 
+from tokenmill.lora.request import LoRARequest
 from tokenmill.sampling_params import SamplingParams
 
 PROTOCOL_VERSION = 1
@@ -46,6 +47,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, fro
     #: Disaggregated prefill (vLLM's names): ``{"do_remote_decode": true}`` on the prefill engine's request,
     #: ``{"do_remote_prefill": true}`` on the decode engine's, which waits for the prompt's blocks to arrive.
     kv_transfer_params: dict[str, Any] | None = None
+    #: The LoRA adapter the request runs with (None: the base model); the engine adds it to the prefix-cache salt.
+    lora_request: LoRARequest | None = None
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

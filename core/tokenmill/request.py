@@ -17,6 +17,7 @@ from tokenmill.messages import TokenLogprobs
 from tokenmill.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from tokenmill.lora.request import LoRARequest
     from tokenmill.structured_output.request import StructuredOutputRequest
 
 #: Stands in the token lists for a token that a step still running on the device is sampling (async
@@ -79,6 +80,8 @@ class Request:
     #: With ``params.structured_outputs``: its compile, then its grammar matcher (docs/structured_outputs.md).
     #: The request waits until it is ready; the scheduler advances it with each token the request keeps.
     structured_output: StructuredOutputRequest | None = None
+    #: The LoRA adapter it runs with (None: the base model); its ``cache_salt`` already includes it.
+    lora_request: LoRARequest | None = None
     #: Plugins and engine-side helpers keep per-request state here, never as new attributes.
     stash: dict[Any, Any] = field(default_factory=dict)
     #: Prompt then output tokens, extended in place by ``append_token``: the engine reads it every

@@ -30,6 +30,7 @@ import heapq
 import logging
 import time
 from abc import ABC, abstractmethod
+from collections import Counter
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -161,6 +162,10 @@ class Scheduler(ABC):
     name: ClassVar[str]
     #: Whether requests may set ``priority``; a scheduler without it refuses a nonzero one.
     supports_priority: ClassVar[bool] = False
+    #: Whether it runs requests with LoRA adapters (``Request.lora_request``): the engine then builds it with
+    #: ``max_loras=`` too, and it never has requests of more than that many adapters running at once (a request
+    #: whose adapter would be one more waits while others run). Without it, an engine with LoRA refuses to start.
+    supports_lora: ClassVar[bool] = False
 
     @abstractmethod
     def add_request(self, request: Request) -> None:
@@ -235,9 +240,15 @@ class FCFSScheduler(Scheduler):
     """
 
     name: ClassVar[str] = "fcfs"
+    supports_lora: ClassVar[bool] = True
 
-    def __init__(self, kv_cache: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+    def __init__(
+        self, kv_cache: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int, max_loras: int | None = None
+    ) -> None:
         self.kv_cache = kv_cache
+        self.max_loras = max_loras
+        #: Running requests per adapter (``lora_int_id``): at most ``max_loras`` adapters run at once.
+        self.running_loras: Counter[int] = Counter()
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.requests: dict[str, Request] = {}
@@ -308,6 +319,10 @@ class FCFSScheduler(Scheduler):
             raise InvalidRequestError(
                 f"priority={request.priority} was given, but the {self.name!r} scheduler ignores priorities; "
                 "start the engine with --scheduling-policy priority"
+            )
+        if request.lora_request is not None and self.max_loras is None:
+            raise InvalidRequestError(
+                f"the request names LoRA adapter {request.lora_request.lora_name!r}, but LoRA is not enabled"
             )
         if request.request_id in self.requests or request.request_id in self._num_live_completions:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
@@ -407,11 +422,15 @@ class FCFSScheduler(Scheduler):
 
     def _admit_waiting(self, output: SchedulerOutput, budget: int) -> None:
         compiling: list[tuple[Any, Request]] = []  # vLLM's WAITING_FOR_FSM: passed over until their grammar is ready
+        no_slot: list[tuple[Any, Request]] = []
         while self._waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self._waiting[0][1]
             constraint = request.structured_output
             if constraint is not None and not constraint.is_ready():
                 compiling.append(heapq.heappop(self._waiting))
+                continue
+            if not self._has_lora_slot(request):  # its adapter finds no slot: it waits, others run
+                no_slot.append(heapq.heappop(self._waiting))
                 continue
             if constraint is not None and constraint.error is not None:  # it failed to compile
                 heapq.heappop(self._waiting)
@@ -431,10 +450,11 @@ class FCFSScheduler(Scheduler):
             request.num_computed_tokens = prefix.num_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            self._count_lora(request, 1)
             output.block_copies.extend(allocation.copies)
             output.scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
-        for entry in compiling:
+        for entry in compiling + no_slot:
             heapq.heappush(self._waiting, entry)
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
@@ -459,6 +479,7 @@ class FCFSScheduler(Scheduler):
             arrival_time=parent.arrival_time,
             priority=parent.priority,
             cache_salt=parent.cache_salt,
+            lora_request=parent.lora_request,
             parent_id=parent.request_id,
             index=index,
             # Its prompt is computed once this step's forward has run; it is not scheduled before then.
@@ -472,6 +493,7 @@ class FCFSScheduler(Scheduler):
         self.requests[child.request_id] = child
         self._num_live_completions[parent.request_id] += 1
         self.running.append(child)
+        self._count_lora(child, 1)
         return child
 
     def update_from_output(
@@ -582,10 +604,28 @@ class FCFSScheduler(Scheduler):
     def _push_waiting(self, request: Request) -> None:
         heapq.heappush(self._waiting, (self.sort_key(request), request))
 
+    def _has_lora_slot(self, request: Request) -> bool:
+        """Whether ``request`` may start running as far as adapters go: it has none, its adapter runs already,
+        or fewer than ``max_loras`` adapters do."""
+        lora = request.lora_request
+        if lora is None or lora.lora_int_id in self.running_loras:
+            return True
+        assert self.max_loras is not None, "add_request refuses adapters without max_loras"
+        return len(self.running_loras) < self.max_loras
+
+    def _count_lora(self, request: Request, delta: int) -> None:
+        """A request with an adapter started (+1) or stopped (-1) running."""
+        if request.lora_request is not None:
+            lora_id = request.lora_request.lora_int_id
+            self.running_loras[lora_id] += delta
+            if self.running_loras[lora_id] <= 0:
+                del self.running_loras[lora_id]
+
     def _preempt(self, request: Request) -> None:
         self.kv_cache.free(request.request_id)
         request.spec_token_ids, request.spec_parents = [], None
         self.running.remove(request)
+        self._count_lora(request, -1)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -605,6 +645,7 @@ class FCFSScheduler(Scheduler):
             heapq.heapify(self._waiting)
         elif request in self.running:
             self.running.remove(request)
+            self._count_lora(request, -1)
         self.requests.pop(request.request_id, None)
         root = request.parent_id or request.request_id
         self._num_live_completions[root] -= 1

@@ -4,6 +4,7 @@ from tokenmill.config.attention import AttentionConfig
 from tokenmill.config.cache import CacheConfig
 from tokenmill.config.device import DeviceConfig
 from tokenmill.config.engine import ConfigError, EngineConfig, load_config
+from tokenmill.config.lora import LoRAConfig
 from tokenmill.config.model import ModelConfig
 from tokenmill.config.parallel import ParallelConfig
 from tokenmill.config.sampler import SamplerConfig
@@ -19,6 +20,7 @@ __all__ = [
     "ConfigError",
     "DeviceConfig",
     "EngineConfig",
+    "LoRAConfig",
     "ModelConfig",
     "ParallelConfig",
     "SamplerConfig",

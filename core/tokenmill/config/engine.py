@@ -13,6 +13,7 @@ from tokenmill.config.attention import AttentionConfig
 from tokenmill.config.base import ConfigSection, describe
 from tokenmill.config.cache import CacheConfig, KVTierConfig, kv_tier_entry
 from tokenmill.config.device import DeviceConfig
+from tokenmill.config.lora import LoRAConfig
 from tokenmill.config.model import ModelConfig
 from tokenmill.config.parallel import ParallelConfig
 from tokenmill.config.sampler import SamplerConfig
@@ -40,6 +41,7 @@ class EngineConfig(ConfigSection, frozen=True):
     attention: AttentionConfig = msgspec.field(default_factory=AttentionConfig)
     sampler: SamplerConfig = msgspec.field(default_factory=SamplerConfig)
     transport: TransportConfig = msgspec.field(default_factory=TransportConfig)
+    lora: LoRAConfig = msgspec.field(default_factory=LoRAConfig)
     kv_tiers: Annotated[
         list[KVTierConfig],
         describe(
@@ -80,6 +82,7 @@ class EngineConfig(ConfigSection, frozen=True):
             unsupported = [
                 (self.speculative_config.method is not None, "speculative decoding (speculative_config.method)"),
                 (bool(self.kv_tiers), "KV tiers (kv_tiers)"),
+                (self.lora.enable_lora, "LoRA adapters (lora.enable_lora)"),
             ]
             for is_set, what in unsupported:
                 if is_set:

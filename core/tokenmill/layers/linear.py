@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from tokenmill.layers.kernels import UsesLayerKernels
 from tokenmill.layers.quantizer import Quantizer
+
+if TYPE_CHECKING:
+    from tokenmill.lora.layers import LinearLoRA
 
 
 @dataclass(frozen=True)
@@ -118,8 +121,13 @@ class Linear(UsesLayerKernels):
         """Store a whole float ``weight`` ``[out, in]`` or ``bias`` ``[out]`` directly (tests, tools)."""
         self.quantizer.load_weight(self, param_name, tensor)
 
+    #: With LoRA enabled (``tokenmill.lora``): the adapters' slots, added on top of the quantizer's matmul.
+    lora: LinearLoRA | None = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.quantizer.apply(self, x)
+        if self.lora is None:
+            return self.quantizer.apply(self, x)
+        return self.lora.apply(x, self.quantizer.apply(self, x))
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, bias={self.has_bias}, quant={self.quantizer.name}"

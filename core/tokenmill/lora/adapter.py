@@ -1,0 +1,251 @@
+"""Reading and checking a LoRA adapter in the PEFT format, without torch.
+
+An adapter directory holds ``adapter_config.json`` (``r``, ``lora_alpha``, ``use_rslora``, ``target_modules``,
+``rank_pattern``, ``alpha_pattern``, ...) and ``adapter_model.safetensors``, whose tensors are named
+``base_model.model.<module>.lora_A.weight`` ``[r, in]`` and ``...lora_B.weight`` ``[out, r]`` for each adapted
+linear ``<module>`` of the base model (``model.layers.0.self_attn.q_proj``). ``read_adapter`` reads the config and
+the safetensors header (not the tensors) and checks them against the base model's linears: a wrong base (a shape,
+a module it does not have, a target module it does not know) is a ``LoRAAdapterError`` with one line naming it.
+
+The arithmetic is PEFT's ``LoraLayer``: ``y = W x + B A x * scaling`` with ``scaling = alpha / r``, or
+``alpha / sqrt(r)`` with rsLoRA; ``rank_pattern`` and ``alpha_pattern`` give some modules their own ``r`` and
+``alpha``, matched as PEFT's ``get_pattern_key`` matches them.
+
+Both the API front end (checking an adapter before it accepts it, against the shapes ``linear_shapes`` derives
+from the base's config) and the engine (against its model's own linears) call ``read_adapter``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tokenmill.errors import TokenmillError
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+#: PEFT's prefix of every tensor name in a saved adapter.
+_PEFT_PREFIX = "base_model.model."
+#: The linears of a decoder layer that adapters apply to, by their Hugging Face names.
+SUPPORTED_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+#: Header larger than this is not a safetensors file we read.
+_MAX_HEADER_BYTES = 100 * 2**20
+
+
+class LoRAAdapterError(TokenmillError, ValueError):
+    """An adapter cannot be used with this base model or these settings; the message says why, in one line."""
+
+
+@dataclass(frozen=True)
+class LoRAModule:
+    """One adapted linear: its tensors' names, rank and scaling."""
+
+    module: str  # the base model's module name (``model.layers.0.self_attn.q_proj``)
+    lora_a: str  # tensor names in the safetensors file
+    lora_b: str
+    rank: int
+    scaling: float
+
+
+@dataclass(frozen=True)
+class LoRAAdapter:
+    """A checked adapter: where its weights are and what each adapted module takes."""
+
+    path: Path
+    modules: dict[str, LoRAModule]  # by module name
+
+    @property
+    def max_rank(self) -> int:
+        return max(m.rank for m in self.modules.values())
+
+    @property
+    def weights_path(self) -> Path:
+        return self.path / ADAPTER_WEIGHTS
+
+
+def linear_shapes(
+    num_layers: int, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, intermediate_size: int
+) -> dict[str, tuple[int, int]]:
+    """``module name -> (in_features, out_features)`` of a Llama-family model's adaptable linears, from its
+    config: what the front end checks an adapter against without building the model."""
+    per_layer = {
+        "self_attn.q_proj": (hidden_size, num_heads * head_dim),
+        "self_attn.k_proj": (hidden_size, num_kv_heads * head_dim),
+        "self_attn.v_proj": (hidden_size, num_kv_heads * head_dim),
+        "self_attn.o_proj": (num_heads * head_dim, hidden_size),
+        "mlp.gate_proj": (hidden_size, intermediate_size),
+        "mlp.up_proj": (hidden_size, intermediate_size),
+        "mlp.down_proj": (intermediate_size, hidden_size),
+    }
+    return {f"model.layers.{i}.{name}": shape for i in range(num_layers) for name, shape in per_layer.items()}
+
+
+def read_adapter(
+    path: str | Path, linear_shapes: Mapping[str, tuple[int, int]] | None, max_lora_rank: int
+) -> LoRAAdapter:
+    """Read ``path``'s config and tensor header and check them.
+
+    :param linear_shapes: the base model's adaptable linears, ``module name -> (in_features, out_features)``;
+        None checks the adapter on its own (no shapes, no module names).
+    :param max_lora_rank: the largest rank an adapter may have (``lora.max_lora_rank``).
+    Raises ``LoRAAdapterError`` naming the problem: a missing file, an option tokenmill does not implement
+    (DoRA, biases, ``modules_to_save``), a target module the base does not have, a shape that does not fit.
+    """
+    directory = Path(path)
+    where = f"LoRA adapter {str(directory)!r}"
+    config = _read_config(directory, where)
+    targets = config.get("target_modules")
+    module_names = set(linear_shapes) if linear_shapes is not None else None
+    if isinstance(targets, list) and module_names is not None:
+        leaves = sorted({name.rsplit(".", 1)[-1] for name in module_names})
+        for target in targets:
+            leaf = str(target).rsplit(".", 1)[-1]
+            if leaf not in leaves:
+                raise LoRAAdapterError(
+                    f"{where}: target module {target!r} is not one tokenmill adapts in this base model "
+                    f"({', '.join(leaves)})"
+                )
+    header = _read_header(directory / ADAPTER_WEIGHTS, where)
+    pairs: dict[str, dict[str, str]] = {}
+    for tensor_name in header:
+        if tensor_name == "__metadata__":
+            continue
+        module, kind = _parse_tensor_name(tensor_name, where)
+        pairs.setdefault(module, {})[kind] = tensor_name
+    if not pairs:
+        raise LoRAAdapterError(f"{where}: {ADAPTER_WEIGHTS} holds no lora_A/lora_B weights")
+    modules: dict[str, LoRAModule] = {}
+    for module, names in sorted(pairs.items()):
+        missing = {"lora_A", "lora_B"} - set(names)
+        if missing:
+            raise LoRAAdapterError(f"{where}: {module} has no {missing.pop()}.weight")
+        modules[module] = _check_module(
+            where, config, module, names, header, linear_shapes, module_names, max_lora_rank
+        )
+    return LoRAAdapter(directory, modules)
+
+
+def _read_config(directory: Path, where: str) -> dict[str, Any]:
+    if not directory.is_dir():
+        raise LoRAAdapterError(f"{where}: no such directory")
+    config_path = directory / ADAPTER_CONFIG
+    try:
+        config = json.loads(config_path.read_text())
+    except FileNotFoundError:
+        raise LoRAAdapterError(f"{where}: no {ADAPTER_CONFIG} (a PEFT adapter directory has one)") from None
+    except (OSError, ValueError) as exc:
+        raise LoRAAdapterError(f"{where}: {ADAPTER_CONFIG} is not valid JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise LoRAAdapterError(f"{where}: {ADAPTER_CONFIG} is not a JSON object")
+    peft_type = str(config.get("peft_type", "LORA")).upper()
+    if peft_type != "LORA":
+        raise LoRAAdapterError(f"{where}: peft_type is {peft_type!r}; tokenmill serves LoRA adapters only")
+    unsupported = [
+        (bool(config.get("use_dora")), "use_dora (DoRA)"),
+        (config.get("bias", "none") != "none", f"bias={config.get('bias')!r} (trained biases)"),
+        (bool(config.get("lora_bias")), "lora_bias"),
+        (bool(config.get("modules_to_save")), "modules_to_save (fully trained modules)"),
+        (bool(config.get("fan_in_fan_out")), "fan_in_fan_out (GPT-2 style Conv1D weights)"),
+    ]
+    for is_set, what in unsupported:
+        if is_set:
+            raise LoRAAdapterError(f"{where}: {what} is not supported; only lora_A/lora_B on linears are")
+    for key in ("r", "lora_alpha"):
+        value = config.get(key)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+            raise LoRAAdapterError(f"{where}: {ADAPTER_CONFIG} has {key}={value!r}; expected a positive number")
+    for key in ("rank_pattern", "alpha_pattern"):
+        if not isinstance(config.get(key) or {}, dict):
+            raise LoRAAdapterError(f"{where}: {key} must be an object of module pattern -> number")
+    return config
+
+
+def _read_header(weights_path: Path, where: str) -> dict[str, Any]:
+    """The safetensors header: tensor name -> {dtype, shape, data_offsets}."""
+    try:
+        with weights_path.open("rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            if length > _MAX_HEADER_BYTES:
+                raise ValueError(f"a header of {length} bytes")
+            header = json.loads(f.read(length))
+    except FileNotFoundError:
+        other = [p.name for p in weights_path.parent.glob("adapter_model.*")]
+        hint = f" (found {', '.join(other)}: save it with safe_serialization=True)" if other else ""
+        raise LoRAAdapterError(f"{where}: no {ADAPTER_WEIGHTS}{hint}") from None
+    except (OSError, ValueError, struct.error) as exc:
+        raise LoRAAdapterError(f"{where}: {ADAPTER_WEIGHTS} is not a safetensors file ({exc})") from None
+    if not isinstance(header, dict):
+        raise LoRAAdapterError(f"{where}: {ADAPTER_WEIGHTS} is not a safetensors file")
+    return header
+
+
+def _parse_tensor_name(tensor_name: str, where: str) -> tuple[str, str]:
+    """``(module, "lora_A" | "lora_B")`` of a PEFT tensor name."""
+    name = tensor_name.removeprefix(_PEFT_PREFIX)
+    for kind in ("lora_A", "lora_B"):
+        suffix = f".{kind}.weight"
+        if name.endswith(suffix):
+            return name.removesuffix(suffix), kind
+    raise LoRAAdapterError(
+        f"{where}: tensor {tensor_name!r} is not a lora_A/lora_B weight; tokenmill applies LoRA to linears only "
+        "(no embeddings, DoRA magnitudes or biases)"
+    )
+
+
+def _pattern_value(patterns: Mapping[str, Any], module: str, default: float) -> float:
+    """PEFT's ``get_pattern_key``: the first pattern that matches the end of the module name wins."""
+    for key, value in patterns.items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return float(value)
+    return default
+
+
+def _check_module(
+    where: str,
+    config: Mapping[str, Any],
+    module: str,
+    names: dict[str, str],
+    header: Mapping[str, Any],
+    linear_shapes: Mapping[str, tuple[int, int]] | None,
+    module_names: set[str] | None,
+    max_lora_rank: int,
+) -> LoRAModule:
+    a_shape = list(header[names["lora_A"]].get("shape", []))
+    b_shape = list(header[names["lora_B"]].get("shape", []))
+    if len(a_shape) != 2 or len(b_shape) != 2 or a_shape[0] != b_shape[1]:
+        raise LoRAAdapterError(
+            f"{where}: {module} has lora_A {a_shape} and lora_B {b_shape}; expected [r, in], [out, r]"
+        )
+    rank = int(a_shape[0])
+    if module_names is not None and linear_shapes is not None:
+        if module not in module_names:
+            leaf = module.rsplit(".", 1)[-1]
+            if leaf not in SUPPORTED_TARGET_MODULES and not any(n.endswith(f".{leaf}") for n in module_names):
+                raise LoRAAdapterError(
+                    f"{where}: it adapts {leaf!r}, which tokenmill does not apply adapters to "
+                    f"(only {', '.join(SUPPORTED_TARGET_MODULES)})"
+                )
+            raise LoRAAdapterError(f"{where}: it has weights for {module}, which the base model does not have "
+                                   "(an adapter for another model?)")  # fmt: skip
+        in_features, out_features = linear_shapes[module]
+        if (a_shape[1], b_shape[0]) != (in_features, out_features):
+            raise LoRAAdapterError(
+                f"{where}: {module} is {a_shape[1]} -> {b_shape[0]} in the adapter but {in_features} -> "
+                f"{out_features} in the base model (an adapter for another model?)"
+            )
+    expected_rank = _pattern_value(config.get("rank_pattern") or {}, module, float(config["r"]))
+    if rank != expected_rank:
+        raise LoRAAdapterError(f"{where}: {module} has rank {rank} but its config says r={expected_rank:g}")
+    if rank > max_lora_rank:
+        raise LoRAAdapterError(
+            f"{where}: {module} has rank {rank}, above lora.max_lora_rank={max_lora_rank}; raise --max-lora-rank"
+        )
+    alpha = _pattern_value(config.get("alpha_pattern") or {}, module, float(config["lora_alpha"]))
+    scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    return LoRAModule(module, names["lora_A"], names["lora_B"], rank, scaling)

@@ -1,0 +1,78 @@
+"""``LinearLoRA``: the adapter slots of one linear layer, added on top of its base matmul.
+
+A ``tokenmill.layers.Linear`` holds one of these in ``lora`` when LoRA is enabled (``LoRAManager`` installs them).
+A merged linear (``qkv_proj``: q, k and v; ``gate_up_proj``: gate and up) holds the adapters of each of its parts:
+one ``lora_a`` for all parts, their ranks side by side, so one shrink serves them, and one ``lora_b`` per part,
+expanded into that part's columns of the merged output. Ranks below ``max_lora_rank`` are zero-padded, and the
+scaling is folded into B. The base matmul stays the quantizer's, whatever it stores (float, int4, int8, GPTQ).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from itertools import accumulate
+
+import torch
+
+from tokenmill.lora.kernels import LoRABatch, LoRAKernels
+
+
+@dataclass
+class LoRAContext:
+    """What every adapted linear of a model reads in a forward: the kernels, and the step's layout by adapter
+    (None: no token of the step uses an adapter). Set by ``LoRAManager.set_step`` once per step."""
+
+    kernels: LoRAKernels
+    batch: LoRABatch | None = field(default=None)
+
+
+class LinearLoRA:
+    """Slots of adapter weights for one (possibly merged) linear of ``in_features`` inputs and ``part_sizes``
+    outputs per part."""
+
+    def __init__(
+        self,
+        context: LoRAContext,
+        in_features: int,
+        part_sizes: tuple[int, ...],
+        max_loras: int,
+        max_lora_rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.context = context
+        self.max_lora_rank = max_lora_rank
+        self.offsets = (0, *accumulate(part_sizes))[:-1]
+        rank = max_lora_rank
+        self.lora_a = torch.zeros(
+            (max_loras, len(part_sizes) * rank, in_features), dtype=dtype, device=device
+        )  # [max_loras, num_parts * max_lora_rank, in_features]
+        self.lora_b = [
+            torch.zeros((max_loras, size, rank), dtype=dtype, device=device) for size in part_sizes
+        ]  # each [max_loras, part_size, max_lora_rank]
+
+    def set_slot(self, slot: int, part: int, lora_a: torch.Tensor, lora_b: torch.Tensor) -> None:
+        """Put one adapter's ``lora_a`` ``[r, in]`` and scaled ``lora_b`` ``[out, r]`` for ``part`` in ``slot``."""
+        rank = lora_a.shape[0]
+        start = part * self.max_lora_rank
+        self.lora_a[slot, start : start + rank].copy_(lora_a)
+        self.lora_b[part][slot, :, :rank].copy_(lora_b)
+
+    def clear_slot(self, slot: int) -> None:
+        """Zero ``slot`` (before another adapter moves in: one that adapts fewer modules leaves the rest zero)."""
+        self.lora_a[slot].zero_()
+        for lora_b in self.lora_b:
+            lora_b[slot].zero_()
+
+    def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The base output ``y`` ``[num_tokens, out]`` of input ``x`` with each token's adapter added, in place."""
+        batch = self.context.batch
+        if batch is None:
+            return y
+        assert batch.num_tokens == x.shape[0], f"the step has {batch.num_tokens} tokens, the input {x.shape[0]}"
+        kernels = self.context.kernels
+        h = kernels.shrink(batch, x, self.lora_a)  # [num_tokens, num_parts * max_lora_rank]
+        rank = self.max_lora_rank
+        for part, (lora_b, offset) in enumerate(zip(self.lora_b, self.offsets, strict=True)):
+            kernels.expand(batch, h[:, part * rank : (part + 1) * rank], lora_b, y, offset)
+        return y
