@@ -29,12 +29,14 @@ from starlette.routing import Route
 from tokenmill import __version__
 from tokenmill.config import EngineConfig
 from tokenmill.engine_client import EngineDeadError, EngineGroup, RequestStream
+from tokenmill.lora.request import LoRARequest
 from tokenmill.messages import EngineCoreOutput, EngineCoreRequest
 from tokenmill.output_processor import CompletionDelta, OutputProcessor
 from tokenmill.outputs import RequestOutput
 from tokenmill.plugin_manager import PluginError, PluginSystem
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server import protocol, tools
+from tokenmill.server.lora import LoRAEndpoints
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.openapi import openapi_document
 from tokenmill.server.protocol import ProtocolError
@@ -116,6 +118,7 @@ class _Generation:
     first_token_at: float | None = None
     queue_time: float = 0.0  # in the engine, before its first step
     lease: Lease | None = None  # its key's: tokens are charged to it as they arrive
+    model: str = ""  # what the request's ``model`` named: the base model or a LoRA adapter
     forced_tool_call: tools.ForcedToolCall | None = None  # chat: the output is a forced tool call
 
 
@@ -134,6 +137,8 @@ class OpenAIServer:
             __version__, [state.model_name], api_key=self.tenants.requires_key, public_metrics=config.public_metrics
         )
         self._openapi = msgspec.json.encode(document)  # encoded once: it never changes while serving
+        #: With ``lora.enable_lora``: the adapters served, by name.
+        self.lora = LoRAEndpoints.from_config(state.config, state.model_name)
         self._validator: ConstraintValidator | None = None
 
     # ------------------------------------------------------------------ plumbing
@@ -204,9 +209,14 @@ class OpenAIServer:
             chunks.append(chunk)
         return b"".join(chunks)
 
-    def _check_model(self, model: str) -> None:
-        if model != self.state.model_name:
+    def _check_model(self, model: str) -> LoRARequest | None:
+        """The LoRA adapter ``model`` names (None: the base model); any other name is OpenAI's 404."""
+        if model == self.state.model_name:
+            return None
+        lora = self.lora.resolve(model) if self.lora is not None else None
+        if lora is None:
             raise protocol.model_not_found(model)
+        return lora
 
     def _check_capacity(self) -> None:
         if self.state.is_draining:
@@ -225,15 +235,17 @@ class OpenAIServer:
             )  # fmt: skip
 
     def _start(self, prompt_token_ids: list[int], prompt: str | None, params: SamplingParams, priority: int,
-               prefix: str, lease: Lease | None = None, cache_salt: str | None = None) -> _Generation:  # fmt: skip
+               prefix: str, lease: Lease | None = None, cache_salt: str | None = None,
+               lora_request: LoRARequest | None = None) -> _Generation:  # fmt: skip
         protocol.check_token_ids(params, prompt_token_ids, self.state.tokenizer.vocab_size)
         self._check_capacity()
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         arrival = time.monotonic()
         tenant = lease.tenant if lease is not None else None
         salt = self.tenants.cache_salt(tenant, cache_salt) if tenant is not None else cache_salt
+        eos_token_ids = list(self.state.tokenizer.eos_token_ids)
         message = EngineCoreRequest(
-            request_id, prompt_token_ids, params, list(self.state.tokenizer.eos_token_ids), arrival, priority, salt
+            request_id, prompt_token_ids, params, eos_token_ids, arrival, priority, salt, lora_request=lora_request
         )
         try:
             stream = self.state.group.add_request(message)
@@ -409,8 +421,10 @@ class OpenAIServer:
         """What both endpoints do once the prompt is tokenized: start, then stream or wait and answer."""
         protocol.check_context_length(body, params, len(token_ids), self.state.group.max_model_len)
         lease = getattr(request.state, "lease", None)
-        generation = self._start(token_ids, prompt_text, params, body.priority, id_prefix, lease, body.cache_salt)
+        generation = self._start(token_ids, prompt_text, params, body.priority, id_prefix, lease, body.cache_salt,
+                                 self._check_model(body.model))  # fmt: skip
         generation.echo = echo
+        generation.model = body.model
         generation.forced_tool_call = forced_tool_call
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -419,7 +433,7 @@ class OpenAIServer:
             )
         output = await self._until_finished(request, generation)
         options = {"echo": self._echo(generation)} if echo else {}
-        response = build_response(generation.request_id, self.state.model_name, self.state.created, output,
+        response = build_response(generation.request_id, generation.model, self.state.created, output,
                                   len(token_ids), num_top_logprobs=num_top_logprobs, **options)  # fmt: skip
         if forced_tool_call is not None:
             tools.apply_tool_calls(response, forced_tool_call)
@@ -444,7 +458,7 @@ class OpenAIServer:
     async def _stream_completion(
         self, generation: _Generation, include_usage: bool, num_top_logprobs: int | None
     ) -> AsyncIterator[bytes]:
-        model, created = self.state.model_name, self.state.created
+        model, created = generation.model or self.state.model_name, self.state.created
         echoed: set[int] = set()  # choices whose prompt went out
         echo_length = 0
         try:
@@ -480,7 +494,8 @@ class OpenAIServer:
     async def _stream_chat(
         self, generation: _Generation, include_usage: bool, num_top_logprobs: int | None
     ) -> AsyncIterator[bytes]:
-        model, created, request_id = self.state.model_name, self.state.created, generation.request_id
+        model, created = generation.model or self.state.model_name, self.state.created
+        request_id = generation.request_id
         try:
             for index in range(generation.params.n):
                 role = {"role": "assistant", "content": ""}
@@ -523,17 +538,35 @@ class OpenAIServer:
     ) -> dict[str, Any]:
         prompt_tokens = len(generation.output.prompt_token_ids)
         completion_tokens = sum(len(c.token_ids) for c in generation.output.outputs)
+        model = generation.model or self.state.model_name
         return protocol.usage_chunk(
-            generation.request_id, self.state.model_name, self.state.created, kind, prompt_tokens, completion_tokens
+            generation.request_id, model, self.state.created, kind, prompt_tokens, completion_tokens
         )
 
     async def models(self, request: Request) -> Response:
-        return JSONResponse(protocol.models_response([self.state.model_name], self.state.created))
+        response = protocol.models_response([self.state.model_name], self.state.created)
+        if self.lora is not None:
+            response["data"] += self.lora.model_cards(self.state.created, self.state.model_name)
+        return JSONResponse(response)
 
     async def model(self, request: Request) -> Response:
         model_id = request.path_params["model_id"]
-        self._check_model(model_id)
+        if self._check_model(model_id) is not None:
+            assert self.lora is not None
+            cards = self.lora.model_cards(self.state.created, self.state.model_name)
+            return JSONResponse(next(card for card in cards if card["id"] == model_id))
         return JSONResponse(protocol.model_response(model_id, self.state.created))
+
+    def _lora_endpoints(self) -> LoRAEndpoints:
+        if self.lora is None:
+            raise ProtocolError(404, "LoRA adapters are not enabled; start the server with --enable-lora")
+        return self.lora
+
+    async def load_lora_adapter(self, request: Request) -> Response:
+        return self._lora_endpoints().load(await self._body(request))
+
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        return self._lora_endpoints().unload(await self._body(request))
 
     async def tokenize(self, request: Request) -> Response:
         body = protocol.decode_tokenize_request(await self._body(request))
@@ -593,6 +626,8 @@ def build_app(state: ServerState) -> Starlette:
         Route("/v1/chat/completions", endpoint(server.chat_completions, limited=True), methods=["POST"]),
         Route("/v1/models", endpoint(server.models), methods=["GET"]),
         Route("/v1/models/{model_id:path}", endpoint(server.model), methods=["GET"]),
+        Route("/v1/load_lora_adapter", endpoint(server.load_lora_adapter), methods=["POST"]),
+        Route("/v1/unload_lora_adapter", endpoint(server.unload_lora_adapter), methods=["POST"]),
         Route("/tokenize", endpoint(server.tokenize), methods=["POST"]),
         Route("/detokenize", endpoint(server.detokenize), methods=["POST"]),
         Route("/openapi.json", endpoint(server.openapi), methods=["GET"]),
