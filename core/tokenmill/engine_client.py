@@ -36,6 +36,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine_launcher import LocalEngineProcess
 from tokenmill.errors import TokenmillError
 from tokenmill.kv_cache.block_hash import block_hashes
+from tokenmill.lora.request import lora_cache_salt
 from tokenmill.messages import (
     PROTOCOL_VERSION,
     AbortRequests,
@@ -524,7 +525,8 @@ class RoutedEngineGroup(EngineGroup):
         ready = next((client.ready for client in self.clients if client.ready is not None), None)
         if ready is None:
             return ()
-        return block_hashes(request.prompt_token_ids, ready.block_size, ready.hash_salt, request.cache_salt)
+        salt = lora_cache_salt(request.lora_request, request.cache_salt)  # as the engine salts an adapter's
+        return block_hashes(request.prompt_token_ids, ready.block_size, ready.hash_salt, salt)
 
 
 class DisaggregatedGroup(EngineGroup):
