@@ -138,6 +138,23 @@ def tokenmill_register_attention_backends(register: Register) -> None:
 
 
 @hookspec
+def tokenmill_register_fused_experts(register: Register) -> None:
+    """Register fused-experts kernels (slot ``fused_expert``): a mixture-of-experts layer's expert matmuls over
+    the tokens routed to each expert, each active expert's weights read once per step.
+
+    :param register: ``register(name, import_path)``; the import path names a
+        ``tokenmill.interfaces.FusedExperts`` subclass, built with no arguments (plus ``options=`` when its plugin
+        declares options).
+    :return: nothing; every implementation is called.
+
+    Called once per process at start-up. Selected by ``model.fused_experts`` (``--fused-experts``; built in:
+    ``torch``); ``auto`` picks, among those whose ``auto_selectable(device)`` holds, the one with the highest
+    ``auto_priority``. Models without experts never call it.
+    Since: 0.1. Stability: provisional.
+    """
+
+
+@hookspec
 def tokenmill_register_layer_kernels(register: Register) -> None:
     """Register layer kernels (slot ``layer_kernel``): RMSNorm with the residual add, rope, SiLU times up, and
     optionally a dense matmul for the ``none`` quantizer's weights (``pack_dense_weight``, ``dense_linear``).

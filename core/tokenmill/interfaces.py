@@ -7,11 +7,12 @@ through that same hook (``tokenmill plugins`` lists them all):
 ========================  ==============================  ======================================
 slot                      interface                       built in
 ========================  ==============================  ======================================
-``architecture``          ``CausalLM``                    Llama, Mistral, Qwen2, Qwen3
+``architecture``          ``CausalLM``                    Llama, Mistral, Qwen2, Qwen3; plugin ``architectures``: ...
 ``weight_format``         ``WeightFormat``                ``safetensors``, ``gguf``
 ``quantizer``             ``Quantizer``                   ``none``, ``int8``, ``int4``
 ``attention_backend``     ``AttentionBackend``            ``torch``, ``cpu``, ``triton``, ``cuda``
 ``layer_kernel``          ``LayerKernels``                ``torch``; plugin ``layer_kernels``: ``cpu``, ``triton``
+``fused_expert``          ``FusedExperts``                ``torch``
 ``scheduler``             ``Scheduler``                   ``fcfs``, ``priority``
 ``kv_cache_manager``      ``KVCacheManager``              ``paged``
 ``sampler``               ``Sampler``                     ``torch``
@@ -50,6 +51,7 @@ _EXPORTS: dict[str, str] = {
     "EngineProcess": "tokenmill.engine_client",
     "EngineState": "tokenmill.routing",
     "FrontendConnection": "tokenmill.transport.base",
+    "FusedExperts": "tokenmill.layers.fused_experts",
     "KVCacheManager": "tokenmill.kv_cache.manager",
     "KVTier": "tokenmill.kv_cache.tier",
     "KVTierStats": "tokenmill.kv_cache.tier",

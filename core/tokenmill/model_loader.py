@@ -18,6 +18,7 @@ from torch import nn
 
 from tokenmill.attention.backend import AttentionBackend
 from tokenmill.config import EngineConfig
+from tokenmill.layers.fused_experts import FusedExperts, UsesFusedExperts, install_fused_experts
 from tokenmill.layers.kernels import LayerKernels, install_layer_kernels
 from tokenmill.layers.quantizer import Quantizer
 from tokenmill.model_files import resolve_model
@@ -185,6 +186,14 @@ def select_layer_kernels(name: str, device: torch.device, plugins: PluginSystem)
     )
 
 
+def select_fused_experts(name: str, device: torch.device, plugins: PluginSystem) -> FusedExperts:
+    """The named fused-experts kernels, or for ``"auto"`` those with the highest priority among the ones that may be
+    picked on ``device`` (``FusedExperts.auto_selectable``)."""
+    return _select_by_priority(
+        plugins, Slot.FUSED_EXPERT, name, device, "model.fused_experts", lambda cls: cls.auto_selectable(device)
+    )
+
+
 def select_quantizer(
     name: str,
     arch: ArchitectureConfig,
@@ -343,6 +352,10 @@ def load_model(
         model = model_class(arch, attention, quantizer, dtype, max_position, **({"tp": tp} if tp.size > 1 else {}))
     materialize_empty(model, device)
     install_layer_kernels(model, layer_kernels)
+    if any(isinstance(module, UsesFusedExperts) for module in model.modules()):
+        fused_experts = select_fused_experts(config.model.fused_experts, device, plugins)
+        logger.info("mixture-of-experts layers run on fused experts %s", fused_experts.name)
+        install_fused_experts(model, fused_experts)
     # A warm start reads the repacked weights.
     load_model_weights(model, path, weight_format, dtype, device, (tp.rank, tp.size))
     model.eval()

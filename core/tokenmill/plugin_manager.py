@@ -69,6 +69,7 @@ class Slot(enum.StrEnum):
     QUANTIZER = "quantizer"
     ATTENTION_BACKEND = "attention_backend"
     LAYER_KERNEL = "layer_kernel"
+    FUSED_EXPERT = "fused_expert"
     SCHEDULER = "scheduler"
     KV_CACHE_MANAGER = "kv_cache_manager"
     SAMPLER = "sampler"
@@ -282,6 +283,7 @@ def slot_selections(config: EngineConfig) -> dict[Slot, tuple[str, list[str]]]:
         Slot.QUANTIZER: ("model.quantization", [config.model.quantization]),
         Slot.ATTENTION_BACKEND: ("attention.backend", [config.attention.backend]),
         Slot.LAYER_KERNEL: ("model.layer_kernels", [config.model.layer_kernels]),
+        Slot.FUSED_EXPERT: ("model.fused_experts", [config.model.fused_experts]),
         Slot.SCHEDULER: ("scheduler.policy", [config.scheduler.policy]),
         Slot.KV_CACHE_MANAGER: ("cache.kv_cache_manager", [config.cache.kv_cache_manager]),
         Slot.SAMPLER: ("sampler.sampler", [config.sampler.sampler]),

@@ -34,7 +34,19 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.parametrize(
-    "name", ["llama-tiny", "qwen2-tiny", "qwen3-tiny", "mistral-tiny", "gemma2-tiny", "gemma3-tiny", "phi3-longrope"]
+    "name",
+    [
+        "llama-tiny",
+        "qwen2-tiny",
+        "qwen3-tiny",
+        "mistral-tiny",
+        "gemma2-tiny",
+        "gemma3-tiny",
+        "phi3-longrope",
+        "qwen3-moe-tiny",
+        "qwen2-moe-tiny",
+        "mixtral-tiny",
+    ],
 )
 def test_greedy_matches_transformers_generate(name: str, tmp_path: Path) -> None:
     hf_model = save_hf_model(name, tmp_path)

@@ -6,13 +6,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from tokenmill_plugins.architectures.plugin import ARCHITECTURES
 
 from tests.factories import make_engine, run_to_completion, save_tiny_model
 from tokenmill.engine import now
 from tokenmill.messages import EngineCoreRequest
 from tokenmill.plugin_manager import Slot, load_plugins
 from tokenmill.sampling_params import SamplingParams
-from tokenmill_plugins.architectures.plugin import ARCHITECTURES
 
 
 def test_registered_through_its_entry_point() -> None:

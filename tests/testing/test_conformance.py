@@ -32,6 +32,7 @@ from tokenmill.plugin_manager import FIRST_PARTY_DISTRIBUTION, Slot, load_plugin
 from tokenmill.testing import (
     DictKVTier,
     check_attention_backend,
+    check_fused_experts,
     check_kv_cache_manager,
     check_kv_tier,
     check_layer_kernels,
@@ -96,6 +97,8 @@ def test_first_party_implementation_passes_its_check(slot: Slot, name: str, tmp_
         check_attention_backend(cls, **grid)
     elif slot is Slot.LAYER_KERNEL:
         check_layer_kernels(cls, device=DEVICE, dtypes=(torch.float32, torch.float16, torch.bfloat16))
+    elif slot is Slot.FUSED_EXPERT:
+        check_fused_experts(cls, device=DEVICE)
     elif slot is Slot.QUANTIZER:
         check_quantizer(cls)
     elif slot is Slot.SAMPLER:
@@ -158,6 +161,16 @@ def test_reference_speculator_passes() -> None:
 def _fails(check: Callable[..., None], implementation: Any, *args: Any, match: str, **kwargs: Any) -> None:
     with pytest.raises(AssertionError, match=match):
         check(implementation, *args, **kwargs)
+
+
+def test_fused_experts_that_drop_the_router_weights_fail() -> None:
+    from tokenmill.layers.fused_experts import TorchFusedExperts
+
+    class Unweighted(TorchFusedExperts):
+        def apply(self, experts, x, topk_weights, topk_ids):  # type: ignore[no-untyped-def]
+            return super().apply(experts, x, torch.ones_like(topk_weights), topk_ids)
+
+    _fails(check_fused_experts, Unweighted, match=r"Unweighted.apply\(tokens=1\): differs from the torch reference")
 
 
 def test_attention_backend_with_a_wrong_scale_fails() -> None:

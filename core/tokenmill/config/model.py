@@ -44,6 +44,15 @@ class ModelConfig(ConfigSection, frozen=True):
             flag="--layer-kernels",
         ),
     ] = "auto"
+    fused_experts: Annotated[
+        str,
+        describe(
+            "Fused-experts kernels for mixture-of-experts layers (the experts' matmuls over the tokens routed to "
+            "them): 'torch' is the built-in reference, one matmul pair per active expert through its quantizer; "
+            "'auto' picks the fastest installed one that runs on the device.",
+            flag="--fused-experts",
+        ),
+    ] = "auto"
     dtype: Annotated[
         DType,
         describe(

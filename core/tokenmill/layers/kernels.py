@@ -26,21 +26,15 @@ from torch import nn
 from tokenmill.layers.fast_module import FastModule
 
 
-class LayerKernels(ABC):
-    """The elementwise and normalisation kernels of a transformer layer, on tensors of the model's dtype.
-
-    Built once per engine process (with no arguments, plus ``options=`` when its plugin declares options).
-    Every method is called inside the forward, also while a CUDA graph is captured: it must not wait on the
-    device or read a device value on the host. Results must match ``TorchLayerKernels`` up to float rounding
-    (``tokenmill.testing.check_layer_kernels`` runs a plugin's against it); rounding to the model's dtype
-    happens where the reference rounds.
-    """
+class SelectableKernels(ABC):
+    """What a kernels plugin slot's implementations share: a name, the devices they run on, and how ``auto`` picks
+    among them (layer kernels here, fused experts in ``tokenmill.layers.fused_experts``)."""
 
     #: Registered name.
     name: ClassVar[str]
     #: Device types it runs on.
     supported_devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
-    #: For ``model.layer_kernels = "auto"``: the highest priority among those ``auto_selectable`` wins.
+    #: For ``"auto"``: the highest priority among those ``auto_selectable`` wins.
     auto_priority: ClassVar[int] = 0
 
     @classmethod
@@ -52,6 +46,17 @@ class LayerKernels(ABC):
     def auto_selectable(cls, device: torch.device) -> bool:
         """Whether ``auto`` may pick it for a model on ``device``."""
         return device.type in cls.supported_devices and cls.is_available()
+
+
+class LayerKernels(SelectableKernels):
+    """The elementwise and normalisation kernels of a transformer layer, on tensors of the model's dtype.
+
+    Built once per engine process (with no arguments, plus ``options=`` when its plugin declares options).
+    Every method is called inside the forward, also while a CUDA graph is captured: it must not wait on the
+    device or read a device value on the host. Results must match ``TorchLayerKernels`` up to float rounding
+    (``tokenmill.testing.check_layer_kernels`` runs a plugin's against it); rounding to the model's dtype
+    happens where the reference rounds.
+    """
 
     @abstractmethod
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -30,7 +30,7 @@ class RMSNorm(UsesLayerKernels):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The norm of ``x``; with ``residual``, the norm of ``x + residual`` and that sum (one kernel where the
         layer kernels fuse them)."""
-        weight = self.weight
+        weight: torch.Tensor = self.weight
         if self.weight_offset:  # [hidden], in float32 before rounding to the model's dtype: a few hundred floats
             weight = (weight.float() + self.weight_offset).to(weight.dtype)
         if residual is None:

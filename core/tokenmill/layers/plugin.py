@@ -1,5 +1,5 @@
-"""Registers the built-in quantizer ``none`` and layer kernels ``torch`` (registration only: no torch import
-here)."""
+"""Registers the built-in quantizer ``none``, layer kernels ``torch`` and fused experts ``torch`` (registration
+only: no torch import here)."""
 
 from __future__ import annotations
 
@@ -14,3 +14,8 @@ def tokenmill_register_quantizers(register: Register) -> None:
 @hookimpl
 def tokenmill_register_layer_kernels(register: Register) -> None:
     register("torch", "tokenmill.layers.kernels:TorchLayerKernels")
+
+
+@hookimpl
+def tokenmill_register_fused_experts(register: Register) -> None:
+    register("torch", "tokenmill.layers.fused_experts:TorchFusedExperts")

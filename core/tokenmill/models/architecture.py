@@ -89,7 +89,7 @@ class ArchitectureConfig:
         num_layers = _required(hf, "num_hidden_layers")
         head_dim = hf.get("head_dim") or hidden_size // num_heads
         attention_bias = bool(hf.get("attention_bias", False))
-        is_qwen2 = model_type == "qwen2"
+        is_qwen2 = model_type in ("qwen2", "qwen2_moe")  # q/k/v biased, o not
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         return cls(
@@ -225,7 +225,7 @@ def _sliding_windows(hf: dict[str, Any], model_type: str, num_layers: int) -> tu
     if model_type in ("gemma3", "gemma3_text"):  # before layer_types: every sliding_window_pattern-th is global
         pattern = int(hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or 6)
         return tuple(None if (i + 1) % pattern == 0 else window for i in range(num_layers))
-    if model_type in ("qwen2", "qwen3"):
+    if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
         # Qwen only slides when asked to, and then from layer max_window_layers on.
         if not hf.get("use_sliding_window", False):
             return (None,) * num_layers

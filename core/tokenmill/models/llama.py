@@ -11,7 +11,7 @@ the rest.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -198,7 +198,13 @@ class LlamaModel(FastModule):
     ) -> nn.Module:
         """Decoder layer ``layer_index`` (a ``layer_class``); called once per layer by the constructor."""
         rotary = self.layer_rotary(config, layer_index)
-        return self.layer_class(config, layer_index, rotary, backend, quantizer, dtype, tp)
+        mlp = self.build_mlp(config, layer_index, quantizer, dtype, tp)
+        return self.layer_class(config, layer_index, rotary, backend, quantizer, dtype, tp, mlp=mlp)
+
+    def build_mlp(self, config: ArchitectureConfig, layer_index: int, *args: Any) -> nn.Module | None:
+        """Layer ``layer_index``'s feed-forward block when it is not the dense ``LlamaMLP`` (None); called by
+        ``build_layer`` with ``(config, layer_index, quantizer, dtype, tp)``."""
+        return None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The first layer's input for ``input_ids`` [num_tokens]: [num_tokens, hidden]."""

@@ -93,6 +93,30 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
             },
         },
     ),
+    # 8 experts, top 2, every other layer sparse in qwen3-moe; a shared expert behind a sigmoid gate in qwen2-moe.
+    "qwen3-moe-tiny": (
+        "Qwen3MoeConfig",
+        {
+            "head_dim": 32,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [1],
+        },
+    ),
+    "qwen2-moe-tiny": (
+        "Qwen2MoeConfig",
+        {
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 48,
+            "norm_topk_prob": False,
+        },
+    ),
+    "mixtral-tiny": ("MixtralConfig", {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32}),
     "phi3-tiny": ("Phi3Config", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     # Phi-4-mini's shape: half of each head rotates, LongRoPE with a context extended 2x (its attention factor
     # scales cos and sin); the test prompts stay inside the original context, where the short factors apply.

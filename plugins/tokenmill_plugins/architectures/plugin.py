@@ -9,6 +9,9 @@ ARCHITECTURES = {
     "Gemma2ForCausalLM": "tokenmill_plugins.architectures.gemma:GemmaForCausalLM",
     "Gemma3ForCausalLM": "tokenmill_plugins.architectures.gemma:GemmaForCausalLM",
     "Phi3ForCausalLM": "tokenmill_plugins.architectures.phi3:Phi3ForCausalLM",
+    "Qwen3MoeForCausalLM": "tokenmill_plugins.architectures.moe:MoEForCausalLM",
+    "Qwen2MoeForCausalLM": "tokenmill_plugins.architectures.moe:MoEForCausalLM",
+    "MixtralForCausalLM": "tokenmill_plugins.architectures.moe:MoEForCausalLM",
 }
 
 

@@ -14,6 +14,7 @@ from tokenmill._lazy import lazy_getattr
 if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and IDEs
     from tokenmill.testing.conformance._util import ConformanceError  # noqa: F401
     from tokenmill.testing.conformance.attention import ATTENTION_TOLERANCES, check_attention_backend  # noqa: F401
+    from tokenmill.testing.conformance.fused_experts import check_fused_experts  # noqa: F401
     from tokenmill.testing.conformance.kv_cache import check_kv_cache_manager, check_kv_tier  # noqa: F401
     from tokenmill.testing.conformance.layer_kernels import (  # noqa: F401
         LAYER_KERNEL_TOLERANCES,
@@ -29,6 +30,7 @@ _EXPORTS: dict[str, str] = {
     "ATTENTION_TOLERANCES": "tokenmill.testing.conformance.attention",
     "ConformanceError": "tokenmill.testing.conformance._util",
     "check_attention_backend": "tokenmill.testing.conformance.attention",
+    "check_fused_experts": "tokenmill.testing.conformance.fused_experts",
     "check_kv_cache_manager": "tokenmill.testing.conformance.kv_cache",
     "check_kv_tier": "tokenmill.testing.conformance.kv_cache",
     "check_layer_kernels": "tokenmill.testing.conformance.layer_kernels",

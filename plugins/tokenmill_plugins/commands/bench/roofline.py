@@ -69,8 +69,23 @@ def known_peak_bandwidth_gbs(device_name: str) -> float | None:
 _FOUR_NORM_MODEL_TYPES = frozenset({"gemma2", "gemma3", "gemma3_text"})
 
 
+def _moe_mlp_parameters(arch: ArchitectureConfig, layer_index: int) -> int | None:
+    """The parameters of a mixture-of-experts layer's feed-forward block (router, experts, a shared expert and its
+    gate), or None for a dense layer; from the Hugging Face config as Qwen-MoE and Mixtral state it."""
+    hf, hidden = arch.hf_config, arch.hidden_size
+    num_experts = hf.get("num_experts") or hf.get("num_local_experts") or 0
+    step = int(hf.get("decoder_sparse_step") or 1)
+    if not num_experts or layer_index in (hf.get("mlp_only_layers") or ()) or (layer_index + 1) % step:
+        return None
+    expert_inner = int(hf.get("moe_intermediate_size") or arch.intermediate_size)
+    shared_inner = int(hf.get("shared_expert_intermediate_size") or 0)
+    shared = 3 * hidden * shared_inner + hidden if shared_inner else 0  # and its 1-output gate
+    return num_experts * hidden + num_experts * 3 * hidden * expert_inner + shared
+
+
 def count_parameters(arch: ArchitectureConfig) -> int:
-    """The number of parameters of a Llama-family model, Gemma's (two more norms a layer) and Phi-3's."""
+    """The number of parameters of a Llama-family model, Gemma's (two more norms a layer), Phi-3's and the
+    mixtures of experts' (every expert)."""
     hidden, inter, head_dim = arch.hidden_size, arch.intermediate_size, arch.head_dim
     q_width, kv_width = arch.num_attention_heads * head_dim, arch.num_kv_heads * head_dim
     attention = hidden * q_width + 2 * hidden * kv_width + q_width * hidden
@@ -82,9 +97,12 @@ def count_parameters(arch: ArchitectureConfig) -> int:
         attention += 2 * head_dim
     mlp = 3 * hidden * inter + ((2 * inter + hidden) if arch.mlp_bias else 0)
     norms = 4 if arch.model_type in _FOUR_NORM_MODEL_TYPES else 2  # Gemma 2/3 also norm each sublayer's output
-    per_layer = attention + mlp + norms * hidden
+    layers = 0
+    for layer_index in range(arch.num_layers):
+        moe = _moe_mlp_parameters(arch, layer_index)
+        layers += attention + (mlp if moe is None else moe) + norms * hidden
     embeddings = arch.vocab_size * hidden * (1 if arch.tie_word_embeddings else 2)  # input table and lm_head
-    return embeddings + arch.num_layers * per_layer + hidden  # the final norm
+    return embeddings + layers + hidden  # the final norm
 
 
 def kv_bytes_read(arch: ArchitectureConfig, seq_lens: Sequence[int], dtype_bytes: int) -> int:

@@ -1,0 +1,91 @@
+"""Fused experts (slot ``fused_expert``): a mixture-of-experts layer's expert matmuls for the tokens routed to them.
+
+A step's tokens each pick ``top_k`` of the layer's experts (``tokenmill.layers.moe``). What costs is the experts'
+weights: reading every expert for every token would cost the whole model's weights per token. A ``FusedExperts``
+implementation sorts the step's (token, expert) pairs by expert and runs each expert that has tokens once, over all
+of them, then adds each result back to its token scaled by the router's weight (vLLM's ``FusedMoE``, SGLang's
+``moe_align_block_size``, llama.cpp's ``ggml_mul_mat_id``). So a step's cost grows with the experts it touches, not
+the experts the model has.
+
+``TorchFusedExperts`` (``torch``) is the reference, built in: one gate/up and one down matmul per active expert
+through the expert's own linears, whatever their quantizer (``int8``, ``int4``, GPTQ, AWQ...), so quantized experts
+need nothing more. It reads the active experts on the host (one device sync per MoE layer), so a step with
+experts is not captured in a CUDA graph. Faster kernels (a Triton fused-MoE, CPU grouped int4/int8 matmuls) are
+plugins: they may read the experts' dense weights stacked (``Experts.stacked_weights``).
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+from torch import nn
+
+from tokenmill.layers.fast_module import FastModule
+from tokenmill.layers.kernels import SelectableKernels
+
+if TYPE_CHECKING:
+    from tokenmill.layers.moe import Experts
+
+
+class FusedExperts(SelectableKernels):
+    """Runs a MoE layer's experts over a step's tokens.
+
+    Built once per engine process (with no arguments, plus ``options=`` when its plugin declares options). ``apply``
+    is called once per MoE layer per step inside the forward; it must not call hooks or keep references to a step's
+    tensors. Results must match ``TorchFusedExperts`` up to float rounding (``tokenmill.testing.check_fused_experts``).
+    ``auto`` (``model.fused_experts``) picks by ``auto_priority`` among those ``auto_selectable`` on the device.
+    """
+
+    @abstractmethod
+    def apply(
+        self, experts: Experts, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """``sum_k topk_weights[t, k] * expert[topk_ids[t, k]](x[t])`` for every token ``t``: [num_tokens, hidden].
+
+        :param experts: the layer's experts (``experts[e]`` is an ``ExpertMLP``; ``num_experts`` of them).
+        :param x: [num_tokens, hidden] in the model's dtype.
+        :param topk_weights: [num_tokens, top_k], the router's weights in ``x``'s dtype.
+        :param topk_ids: [num_tokens, top_k] int64, each token's experts (distinct per token).
+        """
+
+
+class TorchFusedExperts(FusedExperts):
+    """The reference: tokens grouped by expert, each active expert's linears run once over its tokens."""
+
+    name: ClassVar[str] = "torch"
+
+    def apply(
+        self, experts: Experts, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        top_k = topk_ids.shape[1]
+        flat_ids = topk_ids.reshape(-1)  # [num_tokens * top_k]
+        order = flat_ids.argsort(stable=True)  # the pairs, grouped by expert
+        token_of_pair = order // top_k  # [num_tokens * top_k]
+        weight_of_pair = topk_weights.reshape(-1)[order, None]  # [num_tokens * top_k, 1]
+        counts = torch.bincount(flat_ids, minlength=len(experts)).tolist()  # the one host read
+        sorted_x = x[token_of_pair]  # [num_tokens * top_k, hidden]
+        out = torch.zeros_like(x)  # [num_tokens, hidden]
+        start = 0
+        for expert_id, count in enumerate(counts):
+            if count == 0:
+                continue
+            rows = slice(start, start + count)
+            out.index_add_(0, token_of_pair[rows], experts[expert_id](sorted_x[rows]) * weight_of_pair[rows])
+            start += count
+        return out
+
+
+class UsesFusedExperts(FastModule):
+    """A module that runs experts: it reads the fused-experts kernels from ``self.fused_experts``, the torch
+    reference until the model loader installs the selected ones (``install_fused_experts``)."""
+
+    fused_experts: FusedExperts = TorchFusedExperts()
+
+
+def install_fused_experts(model: nn.Module, kernels: FusedExperts) -> None:
+    """Make every ``UsesFusedExperts`` module of ``model`` call ``kernels``."""
+    for module in model.modules():
+        if isinstance(module, UsesFusedExperts):
+            module.fused_experts = kernels

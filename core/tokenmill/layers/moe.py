@@ -1,0 +1,143 @@
+"""A mixture-of-experts feed-forward block: a router picks ``top_k`` experts per token, the experts' MLPs run on
+the tokens routed to them (``tokenmill.layers.fused_experts``), and a shared expert, where the model has one, runs
+on every token.
+
+Weights are stored per expert, under the checkpoints' names (``experts.{e}.gate_proj``/``up_proj`` merged into
+``gate_up_proj``, ``experts.{e}.down_proj``), each a ``Linear`` over the model's quantizer; ``Experts.stacked_weights``
+stacks the dense ones for kernels that run all experts in one call. With tensor parallelism each shard holds a
+slice of every expert's inner dimension (as a dense MLP's) and the block sums the shards once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.layers.fast_module import FastModule
+from tokenmill.layers.fused_experts import UsesFusedExperts
+from tokenmill.layers.kernels import UsesLayerKernels
+from tokenmill.layers.linear import Linear, LinearShard, MergedLinear
+from tokenmill.layers.quantizer import Quantizer, layer_tensor
+from tokenmill.parallel.group import TensorParallelGroup
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts block's shape and routing, as a model family states it."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's inner width
+    #: Renormalise the top-k router probabilities to sum to one (Mixtral always; Qwen's ``norm_topk_prob``).
+    renormalize: bool
+    #: A shared expert on every token, its inner width (0: none), and whether a sigmoid gate scales it (Qwen2-MoE).
+    shared_intermediate_size: int = 0
+    has_shared_expert_gate: bool = False
+    hidden_act: str = "silu"
+
+
+def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over the experts (float32), then the ``top_k`` largest, renormalised to sum to one when asked:
+    ``(topk_weights [num_tokens, top_k] float32, topk_ids [num_tokens, top_k] int64)``."""
+    probs = router_logits.float().softmax(dim=-1)  # [num_tokens, num_experts]
+    topk_weights, topk_ids = probs.topk(top_k, dim=-1)
+    if renormalize:
+        topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+    return topk_weights, topk_ids
+
+
+def _shard(tp: TensorParallelGroup, dim: int) -> LinearShard | None:
+    return LinearShard(dim, tp.rank, tp.size) if tp.size > 1 else None
+
+
+class ExpertMLP(UsesLayerKernels):
+    """One expert (or the shared expert): ``down(act(gate(x)) * up(x))``, without the tensor-parallel sum."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        hidden_act: str,
+        quantizer: Quantizer,
+        dtype: torch.dtype,
+        tp: TensorParallelGroup,
+    ) -> None:
+        super().__init__()
+        inner = intermediate_size // tp.size
+        self.gate_up_proj = MergedLinear(hidden_size, (inner, inner), False, quantizer, dtype, _shard(tp, 0))
+        self.down_proj = Linear(inner, hidden_size, False, quantizer, dtype, _shard(tp, 1))
+        self.is_gelu = hidden_act == "gelu_tanh"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        kernels = self.layer_kernels
+        return self.down_proj(kernels.gelu_tanh_and_mul(gate_up) if self.is_gelu else kernels.silu_and_mul(gate_up))
+
+
+class Experts(nn.ModuleList):
+    """The routed experts, ``experts[e]`` an ``ExpertMLP`` (checkpoint names ``experts.{e}.*``)."""
+
+    def stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every expert's dense weights stacked: ``gate_up`` [num_experts, 2 * inner, hidden] and ``down``
+        [num_experts, hidden, inner], for kernels that run all experts in one call. A copy, made on each call: a
+        kernel keeps it (from a ``FusedExperts.apply``'s first call, say). Only for the ``none`` quantizer's
+        weights (a quantized expert's layout belongs to its quantizer)."""
+        experts = [expert for expert in self if isinstance(expert, ExpertMLP)]
+        assert len(experts) == len(self)
+        gate_up = torch.stack([layer_tensor(expert.gate_up_proj, "weight") for expert in experts])
+        down = torch.stack([layer_tensor(expert.down_proj, "weight") for expert in experts])
+        return gate_up, down
+
+
+class Router(FastModule):
+    """The router's linear (``gate``), kept in the model's dtype whatever the quantizer, as quantized MoE
+    checkpoints keep it: [num_tokens, hidden] -> [num_tokens, num_experts] logits."""
+
+    def __init__(self, hidden_size: int, num_outputs: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_outputs, hidden_size, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class SparseMoeBlock(UsesFusedExperts):
+    """The feed-forward block of a MoE layer, named as Hugging Face's (``gate``, ``experts``, ``shared_expert``,
+    ``shared_expert_gate``), so that it takes an ``mlp``'s place in a decoder layer."""
+
+    def __init__(
+        self,
+        config: MoEConfig,
+        hidden_size: int,
+        quantizer: Quantizer,
+        dtype: torch.dtype,
+        tp: TensorParallelGroup,
+    ) -> None:
+        super().__init__()
+        self.top_k = config.top_k
+        self.renormalize = config.renormalize
+        self.tp = tp
+        self.gate = Router(hidden_size, config.num_experts, dtype)
+        self.experts = Experts(
+            ExpertMLP(hidden_size, config.intermediate_size, config.hidden_act, quantizer, dtype, tp)
+            for _ in range(config.num_experts)
+        )
+        self.shared_expert = (
+            ExpertMLP(hidden_size, config.shared_intermediate_size, config.hidden_act, quantizer, dtype, tp)
+            if config.shared_intermediate_size
+            else None
+        )
+        self.shared_expert_gate = Router(hidden_size, 1, dtype) if config.has_shared_expert_gate else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        topk_weights, topk_ids = select_experts(self.gate(x), self.top_k, self.renormalize)
+        out = self.fused_experts.apply(self.experts, x, topk_weights.to(x.dtype), topk_ids)  # [num_tokens, hidden]
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
+        return self.tp.all_reduce(out)

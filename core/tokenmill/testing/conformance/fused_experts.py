@@ -1,0 +1,59 @@
+"""``check_fused_experts``: fused-experts kernels against the torch reference (``TorchFusedExperts``)."""
+
+from __future__ import annotations
+
+import torch
+
+from tokenmill.layers.fused_experts import FusedExperts, TorchFusedExperts
+from tokenmill.testing.conformance._util import conformance_check, fail, instantiate
+
+
+@conformance_check
+def check_fused_experts(
+    kernels: type[FusedExperts] | FusedExperts,
+    *,
+    device: str = "cpu",
+    num_tokens: tuple[int, ...] = (1, 7, 33, 0),
+    seed: int = 0,
+    atol: float = 1e-4,
+) -> None:
+    """Check ``apply`` against ``TorchFusedExperts`` on a random MoE layer (8 experts of hidden 64, inner 48, top
+    2, float32 dense weights): tokens routed so that some experts get none, one or all of them; the result's shape
+    and dtype, its values within ``atol``, and its inputs unchanged.
+
+    :param kernels: the class (built with no arguments, as the engine builds it) or an instance.
+    :raises AssertionError: naming the case and what differs.
+    """
+    from tokenmill.layers.dense import DenseQuantizer
+    from tokenmill.layers.moe import ExpertMLP, Experts
+    from tokenmill.parallel.group import single_process_group
+
+    candidate = instantiate(kernels)
+    name = type(candidate).__name__
+    generator = torch.Generator().manual_seed(seed)
+    num_experts, top_k, hidden, inner = 8, 2, 64, 48
+    experts = Experts(
+        ExpertMLP(hidden, inner, "silu", DenseQuantizer(), torch.float32, single_process_group())
+        for _ in range(num_experts)
+    )
+    with torch.no_grad():
+        for parameter in experts.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.1)
+    experts.to(device)
+    for tokens in num_tokens:
+        x = torch.randn(tokens, hidden, generator=generator).to(device)
+        # Experts 6 and 7 never chosen; expert 0 chosen by every token.
+        others = torch.randint(1, num_experts - 2, (tokens, 1), generator=generator)
+        topk_ids = torch.cat([torch.zeros(tokens, 1, dtype=torch.long), others], dim=1).to(device)
+        topk_weights = torch.rand(tokens, top_k, generator=generator).to(device)
+        before = (x.clone(), topk_ids.clone(), topk_weights.clone())
+        expected = TorchFusedExperts().apply(experts, x, topk_weights, topk_ids)
+        actual = candidate.apply(experts, x, topk_weights, topk_ids)
+        case = f"{name}.apply(tokens={tokens})"
+        if not isinstance(actual, torch.Tensor) or actual.shape != expected.shape or actual.dtype != expected.dtype:
+            got = (actual.shape, actual.dtype) if isinstance(actual, torch.Tensor) else type(actual).__name__
+            fail(f"{case}: returned {got}, expected {(expected.shape, expected.dtype)}")
+        if not torch.allclose(actual, expected, atol=atol, rtol=0):
+            fail(f"{case}: differs from the torch reference by up to {(actual - expected).abs().max().item():.3g}")
+        if not all(torch.equal(a, b) for a, b in zip(before, (x, topk_ids, topk_weights), strict=True)):
+            fail(f"{case}: modified its inputs")
