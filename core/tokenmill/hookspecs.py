@@ -170,6 +170,22 @@ def tokenmill_register_layer_kernels(register: Register) -> None:
     """
 
 
+@hookspec
+def tokenmill_register_lora_kernels(register: Register) -> None:
+    """Register LoRA kernels (slot ``lora_kernel``): shrink and expand over a batch whose tokens use different
+    adapters (Punica's SGMV/BGMV).
+
+    :param register: ``register(name, import_path)``; the import path names a
+        ``tokenmill.interfaces.LoRAKernels`` subclass, built with no arguments (plus ``options=`` when its plugin
+        declares options).
+    :return: nothing; every implementation is called.
+
+    Called once per process at start-up; only an engine with ``lora.enable_lora`` builds one. Selected by
+    ``lora.lora_kernels`` (``--lora-kernels``; built in: ``torch``).
+    Since: 0.1. Stability: provisional.
+    """
+
+
 # ---------------------------------------------------------------- registration: the engine step
 
 

@@ -23,6 +23,7 @@ slot                      interface                       built in
 ``transport``             ``Transport``                   ``zmq``
 ``engine_backend``        ``EngineBackend``               ``local`` (core, no plugin); plugin ``ray_backend``: ``ray``
 ``structured_outputs_backend`` ``StructuredOutputBackend``  plugin ``structured_outputs``: ``guidance``; ``xgrammar``
+``lora_kernel``           ``LoRAKernels``                 ``torch``
 ========================  ==============================  ======================================
 
 Names are imported on first use, so a front-end process that imports a
@@ -58,6 +59,8 @@ _EXPORTS: dict[str, str] = {
     "MemoryKVTier": "tokenmill.kv_cache.memory_tier",
     "LayerKernels": "tokenmill.layers.kernels",
     "LoadedTensor": "tokenmill.weights.format",
+    "LoRABatch": "tokenmill.lora.kernels",
+    "LoRAKernels": "tokenmill.lora.kernels",
     "LogitsProcessor": "tokenmill.sampling.logits_processor",
     "ModelRunnerOutput": "tokenmill.scheduler",
     "PrefixMatch": "tokenmill.kv_cache.manager",

@@ -51,6 +51,7 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "tokenmill.attention.plugin",
     "tokenmill.weights.plugin",
     "tokenmill.layers.plugin",
+    "tokenmill.lora.plugin",
     "tokenmill.scheduler",
     "tokenmill.kv_cache.plugin",
     "tokenmill.sampling.plugin",
@@ -80,6 +81,7 @@ class Slot(enum.StrEnum):
     TRANSPORT = "transport"
     ENGINE_BACKEND = "engine_backend"
     STRUCTURED_OUTPUTS_BACKEND = "structured_outputs_backend"
+    LORA_KERNEL = "lora_kernel"
 
     @property
     def hook_name(self) -> str:
@@ -297,6 +299,7 @@ def slot_selections(config: EngineConfig) -> dict[Slot, tuple[str, list[str]]]:
         Slot.ENGINE_BACKEND: ("server.backend", [backend] if backend != LOCAL_BACKEND else []),
         Slot.STRUCTURED_OUTPUTS_BACKEND: ("structured_outputs_config.backend",
                                           [config.structured_outputs_config.backend]),
+        Slot.LORA_KERNEL: ("lora.lora_kernels", [config.lora.lora_kernels] if config.lora.enable_lora else []),
     }  # fmt: skip
 
 
