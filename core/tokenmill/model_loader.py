@@ -109,6 +109,28 @@ def _quantization_config(hf_config: Mapping[str, Any], path: Path) -> Mapping[st
     return None if quantization_config.get("quant_method") == "gguf" else quantization_config
 
 
+#: The registered name of the architecture that runs any transformers decoder (``model.model_impl``; vLLM's name
+#: for its own fallback).
+FALLBACK_ARCHITECTURE = "TransformersForCausalLM"
+
+
+def select_architecture(name: str, model_impl: str, plugins: PluginSystem) -> tuple[str, type[CausalLM]]:
+    """The registered name and class that run architecture ``name``: its native plugin's, or for ``model_impl``
+    ``"transformers"`` (and ``"auto"`` when no plugin registers ``name``) the transformers fallback's, logged."""
+    names = plugins.registry.names(Slot.ARCHITECTURE)
+    is_native = name in names and name != FALLBACK_ARCHITECTURE
+    if model_impl == "tokenmill" or (model_impl == "auto" and is_native) or FALLBACK_ARCHITECTURE not in names:
+        if model_impl == "transformers" and FALLBACK_ARCHITECTURE not in names:
+            raise PluginError(
+                f"model.model_impl='transformers' needs the {FALLBACK_ARCHITECTURE} architecture (plugin "
+                "'architectures'), which is not installed"
+            )
+        return name, plugins.load(Slot.ARCHITECTURE, name)
+    if model_impl == "auto":
+        logger.info("architecture %s has no native plugin: running it through %s", name, FALLBACK_ARCHITECTURE)
+    return FALLBACK_ARCHITECTURE, plugins.load(Slot.ARCHITECTURE, FALLBACK_ARCHITECTURE)
+
+
 def select_weight_format(path: Path, plugins: PluginSystem, name: str | None) -> WeightFormat:
     """The named format, or the first registered one that recognises ``path``."""
     if name is not None:
@@ -304,8 +326,10 @@ def load_model(
     path = resolve_model(config.model.model)
     weight_format = select_weight_format(path, plugins, config.model.weight_format)
     hf_config = weight_format.read_config(path)
-    arch = ArchitectureConfig.from_hf_config(hf_config)
-    model_class = plugins.load(Slot.ARCHITECTURE, arch.architecture)
+    architectures = hf_config.get("architectures") or [""]
+    implementation, model_class = select_architecture(str(architectures[0]), config.model.model_impl, plugins)
+    # The fallback runs what tokenmill's own layers would refuse (another rope scaling, activation).
+    arch = ArchitectureConfig.from_hf_config(hf_config, lenient=implementation == FALLBACK_ARCHITECTURE)
     device = resolve_device(config.device.device)
     attention = select_attention_backend(
         config.attention.backend, device, plugins, arch.head_dim, arch.attention_logits_soft_cap is not None

@@ -46,6 +46,8 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "qwen3-moe-tiny",
         "qwen2-moe-tiny",
         "mixtral-tiny",
+        "granite-tiny",
+        "olmo2-tiny",
     ],
 )
 def test_greedy_matches_transformers_generate(name: str, tmp_path: Path) -> None:

@@ -59,3 +59,34 @@ def test_soft_capped_attention_picks_a_backend_that_caps(tmp_path: Path) -> None
 
 def test_new_tiny_configs_are_registered() -> None:
     assert {"gemma2-tiny", "gemma3-tiny", "phi3-tiny", "phi3-longrope"} <= set(TINY_CONFIGS)
+
+
+def _load(directory: Path, **model: str):  # type: ignore[no-untyped-def]
+    return load_model(load_config(overrides={"model": {"model": str(directory), **model}, "device": {"device": "cpu"}}))
+
+
+def test_an_architecture_without_a_native_plugin_runs_through_the_fallback_named_in_the_log(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    save_hf_model("granite-tiny", tmp_path)
+    with caplog.at_level("INFO", logger="tokenmill"):
+        loaded = _load(tmp_path)
+    assert type(loaded.model).__name__ == "TransformersForCausalLM"
+    assert "GraniteForCausalLM has no native plugin: running it through TransformersForCausalLM" in caplog.text
+    with pytest.raises(PluginError, match="unknown architecture 'GraniteForCausalLM'"):
+        _load(tmp_path, model_impl="tokenmill")
+    with pytest.raises(ValueError, match="transformers fallback runs GraniteForCausalLM with dense weights only"):
+        _load(tmp_path, quantization="int8")
+
+
+def test_the_fallback_on_a_native_architecture_gives_the_native_logits(tmp_path: Path) -> None:
+    from tokenmill.model_runner import ModelRunner, SequenceChunk
+
+    save_hf_model("qwen3-tiny", tmp_path)
+    logits = []
+    for impl in ("tokenmill", "transformers"):
+        loaded = _load(tmp_path, model_impl=impl)
+        runner = ModelRunner(loaded, num_blocks=16, block_size=4)
+        logits.append(runner.execute([SequenceChunk(list(range(3, 30)), 0, list(range(7)))], all_logits=True))
+    assert type(loaded.model).__name__ == "TransformersForCausalLM"
+    torch.testing.assert_close(logits[1], logits[0], atol=1e-4, rtol=0)

@@ -53,6 +53,15 @@ class ModelConfig(ConfigSection, frozen=True):
             flag="--fused-experts",
         ),
     ] = "auto"
+    model_impl: Annotated[
+        Literal["auto", "tokenmill", "transformers"],
+        describe(
+            "Which implementation runs the checkpoint's architecture (vLLM's model_impl): 'tokenmill' its native "
+            "architecture plugin; 'transformers' transformers' own model class on tokenmill's paged KV cache "
+            "(the TransformersForCausalLM fallback: dense weights, no tensor parallelism); 'auto' the native one "
+            "where a plugin registers it, else the fallback, named in the log.",
+        ),
+    ] = "auto"
     dtype: Annotated[
         DType,
         describe(

@@ -9,10 +9,13 @@ explicit description that model code can read without knowing the family.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from tokenmill.errors import TokenmillError
+
+_T = TypeVar("_T")
 
 
 class ArchitectureError(TokenmillError, ValueError):
@@ -78,8 +81,12 @@ class ArchitectureConfig:
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
-    def from_hf_config(cls, hf: dict[str, Any]) -> ArchitectureConfig:
-        """Normalise a Hugging Face ``config.json`` dict."""
+    def from_hf_config(cls, hf: dict[str, Any], lenient: bool = False) -> ArchitectureConfig:
+        """Normalise a Hugging Face ``config.json`` dict.
+
+        :param lenient: take defaults for what only tokenmill's own layers need (a rope scaling or activation
+            they lack), for a model that runs its own layers (the transformers fallback).
+        """
         architectures = hf.get("architectures") or []
         if not architectures:
             raise ArchitectureError("config has no 'architectures' entry; cannot choose the model class")
@@ -103,7 +110,7 @@ class ArchitectureConfig:
             num_kv_heads=hf.get("num_key_value_heads") or num_heads,
             head_dim=head_dim,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope=_rope_config(hf, "full_attention"),
+            rope=_lenient(lambda: _rope_config(hf, "full_attention"), RopeConfig(), lenient),
             max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=True if is_qwen2 else attention_bias,
@@ -112,15 +119,24 @@ class ArchitectureConfig:
             qk_norm=model_type in _QK_NORM_MODEL_TYPES,
             sliding_windows=_sliding_windows(hf, model_type, num_layers),
             attention_logits_soft_cap=_optional_float(hf, "attn_logit_softcapping"),
-            sliding_rope=_sliding_rope(hf),
+            sliding_rope=_lenient(lambda: _sliding_rope(hf), None, lenient),
             final_logits_soft_cap=_optional_float(hf, "final_logit_softcapping"),
-            hidden_act=_hidden_act(hf),
+            hidden_act=_lenient(lambda: _hidden_act(hf), "silu", lenient),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
             torch_dtype=hf.get("torch_dtype") or hf.get("dtype"),
             stored_weight_type=_stored_weight_type(hf.get("quantization_config")),
             hf_config=dict(hf),
         )
+
+
+def _lenient(read: Callable[[], _T], default: _T, lenient: bool) -> _T:
+    try:
+        return read()
+    except ArchitectureError:
+        if not lenient:
+            raise
+        return default
 
 
 def _required(hf: dict[str, Any], key: str) -> int:

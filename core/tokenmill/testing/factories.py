@@ -117,6 +117,17 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
     "mixtral-tiny": ("MixtralConfig", {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32}),
+    # No native plugin: these run through the transformers fallback. Granite's multipliers all differ from one.
+    "granite-tiny": (
+        "GraniteConfig",
+        {
+            "embedding_multiplier": 2.0,
+            "residual_multiplier": 0.5,
+            "attention_multiplier": 0.2,
+            "logits_scaling": 1.5,
+        },
+    ),
+    "olmo2-tiny": ("Olmo2Config", {"pad_token_id": 0, "eos_token_id": 2}),
     "phi3-tiny": ("Phi3Config", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     # Phi-4-mini's shape: half of each head rotates, LongRoPE with a context extended 2x (its attention factor
     # scales cos and sin); the test prompts stay inside the original context, where the short factors apply.

@@ -12,6 +12,8 @@ ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "tokenmill_plugins.architectures.moe:MoEForCausalLM",
     "Qwen2MoeForCausalLM": "tokenmill_plugins.architectures.moe:MoEForCausalLM",
     "MixtralForCausalLM": "tokenmill_plugins.architectures.moe:MoEForCausalLM",
+    # The fallback for every other architecture (model.model_impl).
+    "TransformersForCausalLM": "tokenmill_plugins.architectures.transformers_fallback:TransformersForCausalLM",
 }
 
 

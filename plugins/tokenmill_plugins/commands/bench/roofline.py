@@ -65,6 +65,8 @@ def known_peak_bandwidth_gbs(device_name: str) -> float | None:
     return None
 
 
+#: Model types that normalise q and k over all heads at once (OLMo 2, through the transformers fallback).
+_WHOLE_QK_NORM_MODEL_TYPES = frozenset({"olmo2"})
 #: Model types whose layers normalise the attention and MLP outputs too.
 _FOUR_NORM_MODEL_TYPES = frozenset({"gemma2", "gemma3", "gemma3_text"})
 
@@ -95,6 +97,8 @@ def count_parameters(arch: ArchitectureConfig) -> int:
         attention += hidden
     if arch.qk_norm:
         attention += 2 * head_dim
+    if arch.model_type in _WHOLE_QK_NORM_MODEL_TYPES:  # q and k normalised over the whole projection
+        attention += q_width + kv_width
     mlp = 3 * hidden * inter + ((2 * inter + hidden) if arch.mlp_bias else 0)
     norms = 4 if arch.model_type in _FOUR_NORM_MODEL_TYPES else 2  # Gemma 2/3 also norm each sublayer's output
     layers = 0
