@@ -204,13 +204,13 @@ def _engine_group(config: EngineConfig, transport: Transport, plugins: PluginSys
 
 async def _start(config: EngineConfig, group: EngineGroup, shutdown: _Shutdown, tenants: Tenants | None = None,
                  plugins: PluginSystem | None = None) -> ServerState | None:  # fmt: skip
-    """Wait for every engine's handshake and load the tokenizer; None if a signal came first."""
+    """Wait for every engine's handshake and load the tokenizer meanwhile; None if a signal came first."""
 
     async def start() -> Tokenizer:
-        await asyncio.gather(*(client.start(ENGINE_START_TIMEOUT_S) for client in group.clients))
-        return await asyncio.to_thread(
-            Tokenizer.from_path, resolve_tokenizer(config.model.model, config.model.tokenizer)
-        )
+        path = resolve_tokenizer(config.model.model, config.model.tokenizer)
+        loading = asyncio.ensure_future(asyncio.to_thread(Tokenizer.from_path, path))
+        await asyncio.gather(loading, *(client.start(ENGINE_START_TIMEOUT_S) for client in group.clients))
+        return loading.result()
 
     starting = asyncio.create_task(start())
     signalled = asyncio.create_task(shutdown.requested.wait())
