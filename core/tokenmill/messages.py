@@ -145,6 +145,11 @@ class EngineStatsMessage(msgspec.Struct, array_like=True, frozen=True, gc=False)
     prefix_cache_reset: bool = False
     prefix_cache_added: bytes = b""
     prefix_cache_removed: bytes = b""
+    #: With LoRA: the adapters (``lora_name``) of the running and of the waiting requests, each once, in order of
+    #: first appearance (vLLM's ``running_lora_adapters``/``waiting_lora_adapters``), and ``lora.max_loras``.
+    running_lora_adapters: list[str] = msgspec.field(default_factory=list)
+    waiting_lora_adapters: list[str] = msgspec.field(default_factory=list)
+    max_loras: int = 0
 
 
 class Ready(msgspec.Struct, array_like=True, frozen=True, gc=False, tag=True):

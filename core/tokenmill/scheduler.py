@@ -298,7 +298,15 @@ class FCFSScheduler(Scheduler):
             spec_decode_num_accepted_tokens_per_pos=list(self.spec_decoding.num_accepted_tokens_per_pos),
             num_outstanding_tokens=self.num_outstanding_tokens(),
             num_free_kv_blocks=self.kv_cache.num_free_blocks,
+            **(self._lora_stats() if self.max_loras is not None else {}),
         )
+
+    def _lora_stats(self) -> dict[str, Any]:
+        """The adapters of the running and of the waiting requests (``EngineStatsMessage``'s LoRA fields)."""
+        running = {r.lora_request.lora_name: None for r in self.running if r.lora_request is not None}
+        waiting = {r.lora_request.lora_name: None for _, r in self._waiting if r.lora_request is not None}
+        return {"running_lora_adapters": list(running), "waiting_lora_adapters": list(waiting),
+                "max_loras": self.max_loras}  # fmt: skip
 
     def num_outstanding_tokens(self) -> int:
         """Tokens of work left over the unfinished requests: prompt tokens not computed yet plus tokens still

@@ -5,12 +5,13 @@ Every metric is vLLM's ``vllm:<name>`` as ``tokenmill:<name>``, with vLLM's unit
 prefix is replaced. Latencies are measured in the front end, where a client's experience is: time to first
 token, inter-token latency, end-to-end, prefill and decode time per request; queue time comes from the engine
 (enqueue to first scheduled step). Engine-wide gauges and counters (running, waiting, KV usage, tokens, prefix
-cache, preemptions, speculative decoding, KV tiers, restarts) are read from the engines' latest heartbeats
-when Prometheus scrapes.
+cache, preemptions, speculative decoding, KV tiers, restarts, LoRA adapters) are read from the engines' latest
+heartbeats when Prometheus scrapes.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -146,10 +147,20 @@ class _EngineCollector(Collector):
             f"{PREFIX}prefix_cache_summary_blocks", "Blocks the front end knows the engine's prefix cache holds, "
             "from its stats (what prefix_aware matches prompts against).", labels=_LABELS,
         )  # fmt: skip
+        lora_info = GaugeMetricFamily(
+            f"{PREFIX}lora_requests_info", "LoRA adapters of the running and waiting requests (comma-separated "
+            "names), and max_loras; the value is when it was read (Unix time), as vLLM's.",
+            labels=[*_LABELS, "max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+        )  # fmt: skip
         for client in self.group.clients:
             labels = [self.model_name, str(client.index)]
             if client.stats is not None:
                 outstanding.add_metric(labels, client.stats.num_outstanding_tokens)
+                if client.stats.max_loras:
+                    lora_info.add_metric(
+                        [*labels, str(client.stats.max_loras), ",".join(client.stats.waiting_lora_adapters),
+                         ",".join(client.stats.running_lora_adapters)], time.time(),
+                    )  # fmt: skip
             summary = getattr(client, "prefix_cache", None)
             if summary is not None:
                 cached_blocks.add_metric(labels, len(summary.keys))
@@ -157,7 +168,7 @@ class _EngineCollector(Collector):
         for reason, count in getattr(self.group, "num_router_fallbacks", {}).items():
             fallbacks.add_metric([self.model_name, router_name, reason], count)
         yield from (running, waiting, usage, touched, restarts, *counters.values(), per_pos, *tier_counters.values(),
-                    dropped, refused, outstanding, cached_blocks, fallbacks)  # fmt: skip
+                    dropped, refused, outstanding, cached_blocks, fallbacks, lora_info)  # fmt: skip
 
 
 class ServerMetrics:
@@ -226,6 +237,23 @@ class ServerMetrics:
             "(requests_per_minute, tokens_per_minute, max_concurrent_requests, or request_rejected's reasons).",
             [*tenant_labels, "reason"], registry=self.registry,
         )  # fmt: skip
+
+        # Per LoRA adapter (docs/lora.md#metrics): requests and tokens of those naming it (or a key's default).
+        self.lora_requests, self.lora_prompt_tokens, self.lora_generation_tokens = (
+            Counter(f"{PREFIX}lora_{name}", f"{text}, by LoRA adapter.", ["model_name", "lora_name"],
+                    registry=self.registry)
+            for name, text in (("requests", "Generation requests sent to the engines"),
+                               ("prompt_tokens", "Prompt tokens sent to the engines"),
+                               ("generation_tokens", "Tokens generated"))
+        )  # fmt: skip
+
+    def observe_lora_request(self, lora_name: str, num_prompt_tokens: int) -> None:
+        """A request with adapter ``lora_name`` went to an engine with its prompt of ``num_prompt_tokens``."""
+        self.lora_requests.labels(self.model_name, lora_name).inc()
+        self.lora_prompt_tokens.labels(self.model_name, lora_name).inc(num_prompt_tokens)
+
+    def observe_lora_tokens(self, lora_name: str, num_generation_tokens: int) -> None:
+        self.lora_generation_tokens.labels(self.model_name, lora_name).inc(num_generation_tokens)
 
     def add_tenants(self, tenants: list[str]) -> None:
         """Start every tenant's usage series at zero, so a dashboard sees them at once."""

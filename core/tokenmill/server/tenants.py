@@ -9,6 +9,8 @@
     requests_per_minute = 60
     tokens_per_minute = 100000
     max_concurrent_requests = 4
+    lora_adapters = ["team-a-sql"]        # the LoRA adapters the key may use (docs/lora.md#tenants)
+    default_lora_adapter = "team-a-sql"   # what a request naming the base model runs with
 
 The key of ``server.api_key`` (if set) belongs to tenant ``default``, with no limits; so does every request
 when no key is configured at all.
@@ -33,6 +35,12 @@ Prefix caching: with tenants (``server.api_keys`` set), each request's prefix-ca
 ``cache_salt`` field, so one tenant never gets a prefix-cache hit on blocks another tenant computed (no
 time-to-first-token side channel) unless ``server.tenant_prefix_caching`` is ``shared``; ``cache_salt``
 separates caches further within a tenant, as in vLLM.
+
+LoRA adapters (``lora.enable_lora``): a key with ``lora_adapters`` may use those adapters and no other; an adapter
+that some key lists (or names as its ``default_lora_adapter``) belongs to those keys, and every other key gets the
+404 of a model that does not exist for it (never the base model instead). A key without ``lora_adapters`` may use
+the adapters no key lists. With ``default_lora_adapter``, a request of the key naming the base model runs with
+that adapter.
 """
 
 from __future__ import annotations
@@ -68,6 +76,10 @@ class ApiKeyEntry(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
     requests_per_minute: _PositiveInt | None = None
     tokens_per_minute: _PositiveInt | None = None
     max_concurrent_requests: _PositiveInt | None = None
+    #: The LoRA adapters (served names) the key may use; None: those no key lists.
+    lora_adapters: list[str] | None = None
+    #: The adapter a request of the key runs with when it names the base model (allowed even if not listed).
+    default_lora_adapter: str | None = None
 
     def __repr__(self) -> str:  # never print the key
         return f"ApiKeyEntry(tenant={self.tenant!r}, ...)"
@@ -228,8 +240,36 @@ class Tenants:
             if entry.tokens_per_minute is not None:
                 state.tokens = TokenBucket(entry.tokens_per_minute, now)
             self._by_digest[_digest(entry.key)] = state
+        #: Adapters some key lists: only those keys may use them.
+        self.claimed_adapters = {
+            name
+            for entry in entries
+            for name in [*(entry.lora_adapters or ()), *filter(None, [entry.default_lora_adapter])]
+        }
         #: Every tenant name, for metrics that start at zero.
         self.names = sorted({state.tenant for state in self._by_digest.values()} | {DEFAULT_TENANT})
+
+    @property
+    def restricts_adapters(self) -> bool:
+        """Whether some key lists adapters or names a default one (``ConfigError`` without ``lora.enable_lora``)."""
+        return any(e.lora_adapters is not None or e.default_lora_adapter is not None for e in self._entries())
+
+    def may_use_adapter(self, state: KeyState | None, name: str) -> bool:
+        """Whether ``state``'s key may use (or load, or unload) the adapter served as ``name``: one it lists or
+        names as its default, or, for a key that lists none, one no key lists."""
+        entry = state.entry if state is not None else None
+        if entry is not None and name == entry.default_lora_adapter:
+            return True
+        if entry is None or entry.lora_adapters is None:
+            return name not in self.claimed_adapters
+        return name in entry.lora_adapters
+
+    def default_adapter(self, state: KeyState | None) -> str | None:
+        """The adapter a request of ``state``'s key runs with when it names the base model (None: the base)."""
+        return state.entry.default_lora_adapter if state is not None and state.entry is not None else None
+
+    def _entries(self) -> list[ApiKeyEntry]:
+        return [state.entry for state in self._by_digest.values() if state.entry is not None]
 
     @classmethod
     def from_config(cls, config: ServerConfig) -> Tenants:
