@@ -9,6 +9,7 @@ and exit status 1; a traceback means a bug.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import Sequence
@@ -119,11 +120,27 @@ def plugins(config: EngineConfig, as_json: bool) -> None:
     for slot in report["slots"]:
         chosen = f"{slot['setting']} = {', '.join(slot['selected'])}" if slot["selected"] else slot["setting"]
         click.echo(f"  {slot['slot']}: {chosen}; {', '.join(slot['installed']) or 'none yet'}")
+    click.echo("")
+    click.echo("architecture: class (plugin); supports")
+    for row in report["architectures"]:
+        click.echo(f"  {row['architecture']}: {row['implementation']} ({row['plugin']}); {_supports(row)}")
+
+
+def _supports(row: dict[str, Any]) -> str:
+    """What one architecture row supports, in words."""
+    if row["error"]:
+        return f"FAILED: {row['error']}"
+    features = ["fallback for any architecture without a native plugin"] if row["is_fallback"] else ["native"]
+    features.append("quantized weights" if row["supports_quantization"] else "dense weights only")
+    features += ["tensor parallel"] if row["supports_tensor_parallel"] else []
+    features += ["GGUF"] if row["reads_gguf"] else []
+    return ", ".join(features)
 
 
 def _plugins_report(system: Any, config: EngineConfig) -> dict[str, Any]:
     import msgspec
 
+    from tokenmill.models.catalog import architecture_table
     from tokenmill.plugin_manager import slot_selections
 
     plugins = []
@@ -138,7 +155,8 @@ def _plugins_report(system: Any, config: EngineConfig) -> dict[str, Any]:
         {"slot": slot.value, "setting": setting, "selected": names, "installed": system.registry.names(slot)}
         for slot, (setting, names) in slot_selections(config).items()
     ]
-    return {"plugins": plugins, "slots": slots}
+    architectures = [dataclasses.asdict(row) for row in architecture_table(system.registry)]
+    return {"plugins": plugins, "slots": slots, "architectures": architectures}
 
 
 @main.group()

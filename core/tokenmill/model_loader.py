@@ -24,6 +24,7 @@ from tokenmill.layers.quantizer import Quantizer
 from tokenmill.model_files import resolve_model
 from tokenmill.models.architecture import ArchitectureConfig
 from tokenmill.models.base import CausalLM
+from tokenmill.models.catalog import FALLBACK_ARCHITECTURE
 from tokenmill.parallel.group import TensorParallelGroup, single_process_group
 from tokenmill.parallel.sharding import TensorParallelError, check_shardable, shard_num_threads
 from tokenmill.plugin_manager import PluginError, PluginSystem, Registry, Slot, resolve_plugins
@@ -107,11 +108,6 @@ def _quantization_config(hf_config: Mapping[str, Any], path: Path) -> Mapping[st
     if not isinstance(quantization_config, Mapping):
         raise WeightsError(f"{path}: quantization_config is a {type(quantization_config).__name__}, not an object")
     return None if quantization_config.get("quant_method") == "gguf" else quantization_config
-
-
-#: The registered name of the architecture that runs any transformers decoder (``model.model_impl``; vLLM's name
-#: for its own fallback).
-FALLBACK_ARCHITECTURE = "TransformersForCausalLM"
 
 
 def select_architecture(name: str, model_impl: str, plugins: PluginSystem) -> tuple[str, type[CausalLM]]:

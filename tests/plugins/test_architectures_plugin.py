@@ -29,3 +29,15 @@ def test_serves_a_request(name: str, tmp_path: Path) -> None:
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     tokens = run_to_completion(engine, [EngineCoreRequest("a", [5, 6, 7], params, [], now())])
     assert len(tokens["a"]) == 5
+
+
+def test_docs_models_lists_every_installed_architecture() -> None:
+    from tokenmill.models.catalog import architecture_table
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "models.md").read_text()
+    rows = architecture_table(load_plugins(allowlist=["architectures"]).registry)
+    for row in rows:
+        if not row.is_fallback:
+            assert f"| `{row.architecture}` | `{row.implementation}` (" in page, row.architecture
+    fallback = "| any other decoder transformers implements | `TransformersForCausalLM` (`architectures`) | fallback"
+    assert fallback in page

@@ -36,6 +36,8 @@ class CausalLM(FastModule):
     #: Whether the constructor takes ``tp=`` and builds one shard of the model (the loader refuses
     #: ``parallel.tensor_parallel_size`` > 1 for architectures without it).
     supports_tensor_parallel: ClassVar[bool] = False
+    #: Whether its linears run over the selected ``Quantizer`` (the loader's quantizer other than ``none``).
+    supports_quantization: ClassVar[bool] = True
 
     def forward(
         self,

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -74,6 +74,8 @@ def _no_init_weights() -> contextlib.AbstractContextManager[Any]:
 
 class TransformersForCausalLM(CausalLM):
     """A transformers ``AutoModelForCausalLM`` behind tokenmill's ``CausalLM`` interface."""
+
+    supports_quantization: ClassVar[bool] = False
 
     def __init__(
         self,
