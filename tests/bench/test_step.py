@@ -21,6 +21,8 @@ def test_step_times_a_decode_step_and_its_parts(tmp_path: Path) -> None:
     parts = [results[name] for name in ("schedule_ms", "update_ms", "batch_ms", "sampling_ms", "layer_kernels_ms")]
     assert min(parts) > 0 and results["rest_ms"] == pytest.approx(results["other_ms"] - sum(parts))
     assert results["output_throughput"] == pytest.approx(3 / (results["step_ms"] / 1000))
+    in_step = [results[f"{name}_in_step_ms"] for name in ("linear", "attention", "layer_kernels", "other")]
+    assert min(in_step) > 0 and sum(in_step) == pytest.approx(results["step_in_step_ms"])
     assert parameters["attention_backend"] == engine.loaded.attention.name
     assert parameters["quantization"] == "none"
     assert not engine.has_unfinished_requests()  # its requests are aborted, their blocks free

@@ -12,7 +12,12 @@ rope over each attention layer's queries and keys, SiLU-and-multiply over each l
 what is left: the forward's Python and its glue operators (splits, views, the embedding).
 
 Timing the parts separately, rather than through a profiler, keeps the numbers honest for
-C++ kernels that a profiler does not see and costs nothing in the engine's hot path. Only
+C++ kernels that a profiler does not see and costs nothing in the engine's hot path. Parts timed
+alone run with warm caches; inside a step each waits for memory the others evicted. So on a CPU
+the parts are also timed where the forward calls them, over as many real decode steps (``*_in_step``:
+each linear's, the attention backend's and the layer kernels' calls wrapped in a timer, about half a
+microsecond a call): ``other_in_step_ms``, the step less those, is the host time of a step (Python,
+glue operators, scheduler, batch layout, sampling), without the parts' cache misses. Only
 public API is used: the engine's ``add_request``/``abort_requests``, its step loop's three
 calls (what ``EngineCore.step`` runs), its executor's sampler and logits processors, and its
 model runner's ``prepare_batch``, model and KV cache tensors.
@@ -47,6 +52,12 @@ class StepBreakdown:
     sampling_ms: float  # sampling metadata and the sampler over the step's logits
     layer_kernels_ms: float  # norms with their residual adds, rope, SiLU-and-multiply: every layer's
     rest_ms: float  # other - the five above: the forward's Python and glue operators
+    # Inside real steps (CPU only; None on a GPU, whose kernels run after their calls return):
+    step_in_step_ms: float | None  # a step with the parts' calls timed, median
+    linear_in_step_ms: float | None  # the linears' calls in it (the output projection included)
+    attention_in_step_ms: float | None  # the attention backend's calls in it
+    layer_kernels_in_step_ms: float | None  # the layer kernels' calls in it
+    other_in_step_ms: float | None  # step_in_step - the three above: the step's host time
     output_throughput: float  # batch_size / step time
 
 
@@ -82,6 +93,7 @@ def run_step(engine: EngineCore, *, batch_size: int, context_len: int, num_steps
     # On a GPU the host returns before the kernels finish: every timed call ends in a synchronize.
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     step_ms, schedule_ms, update_ms = _time_step_calls(engine, num_steps, sync)
+    in_step = _time_parts_in_steps(engine, num_steps) if device.type == "cpu" else None
     # The parts below write K/V wherever their batch says: free the requests' blocks first.
     engine.abort_requests(request_ids)
 
@@ -167,6 +179,11 @@ def run_step(engine: EngineCore, *, batch_size: int, context_len: int, num_steps
         sampling_ms=sampling_ms,
         layer_kernels_ms=layer_kernels_ms,
         rest_ms=other_ms - schedule_ms - update_ms - batch_ms - sampling_ms - layer_kernels_ms,
+        step_in_step_ms=in_step["step"] if in_step else None,
+        linear_in_step_ms=in_step["linear"] if in_step else None,
+        attention_in_step_ms=in_step["attention"] if in_step else None,
+        layer_kernels_in_step_ms=in_step["layer_kernels"] if in_step else None,
+        other_in_step_ms=in_step["other"] if in_step else None,
         output_throughput=batch_size / (step_ms / 1000),
     )
     parameters = {
@@ -217,6 +234,60 @@ def _time_step_calls(engine: EngineCore, repeats: int, sync: Callable[[], Any]) 
         schedules.append(scheduled - started)
         updates.append(finished - executed)
     return _median(steps) * 1000, _median(schedules) * 1000, _median(updates) * 1000
+
+
+def _time_parts_in_steps(engine: EngineCore, repeats: int) -> dict[str, float]:
+    """Medians over ``repeats`` decode steps (ms) of the step and of the time inside it spent in calls to each
+    part, timed where the forward makes them, and the step's median less the parts' (``other``). CPU only: the calls return
+    when their work is done. The timers are instance attributes over the parts' methods, removed at the end."""
+    from tokenmill.layers.kernels import UsesLayerKernels
+    from tokenmill.layers.linear import Linear
+
+    model = engine.executor.runner.loaded.model
+    spent = dict.fromkeys(("linear", "attention", "layer_kernels"), 0.0)
+    inside = [False]  # a part calling another (a norm calling a norm) is timed once, as the outer one
+
+    def timed(kind: str, function: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if inside[0]:
+                return function(*args, **kwargs)
+            inside[0] = True
+            started = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                spent[kind] += time.perf_counter() - started
+                inside[0] = False
+
+        return call
+
+    targets: list[tuple[object, str, str]] = [
+        (m, "forward", "linear") for m in model.modules() if isinstance(m, Linear)
+    ]
+    if getattr(model, "lm_head", None) is None:  # a tied output projection reads the embedding: not a Linear
+        targets.append((model, "compute_logits", "linear"))
+    targets.append((engine.executor.runner.loaded.attention, "forward", "attention"))
+    kernels = {id(m.layer_kernels): m.layer_kernels for m in model.modules() if isinstance(m, UsesLayerKernels)}
+    for layer_kernels in kernels.values():
+        targets += [(layer_kernels, name, "layer_kernels") for name in ("rms_norm", "add_rms_norm", "rotary",
+                                                                         "silu_and_mul")]  # fmt: skip
+    for target, name, kind in targets:
+        setattr(target, name, timed(kind, getattr(target, name)))
+    samples: dict[str, list[float]] = {key: [] for key in ("step", *spent)}
+    try:
+        for _ in range(repeats):
+            before = dict(spent)
+            started = time.perf_counter()
+            engine.step()
+            samples["step"].append(time.perf_counter() - started)
+            for kind in spent:
+                samples[kind].append(spent[kind] - before[kind])
+    finally:
+        for target, name, _ in targets:
+            delattr(target, name)  # the instance attribute: the class's method again
+    medians = {kind: _median(values) * 1000 for kind, values in samples.items()}
+    medians["other"] = medians["step"] - sum(medians[kind] for kind in spent)  # so that the parts add up
+    return medians
 
 
 def _median(values: list[float]) -> float:
