@@ -401,7 +401,8 @@ def run_isa(config: EngineConfig, options: IsaBenchOptions) -> dict[str, Any]:
 
 def format_isa(report: dict[str, Any]) -> str:
     """A markdown section for docs/benchmarks.md: the CPU as its heading, what ran, and one table with a row per
-    level (and llama-server): each ``bench step`` batch's step ms with its linears / attention / other, each
+    level (and llama-server): each ``bench step`` batch's step ms with its linears / attention / other and its
+    host time (``other_in_step_ms``), each
     concurrency's output tok/s and ITL p50, and the speedups against llama-server (first level's ITL, last
     level's throughput)."""
     parameters, results = report["parameters"], report["results"]
@@ -412,7 +413,7 @@ def format_isa(report: dict[str, Any]) -> str:
     batch_sizes, levels = parameters["batch_sizes"], [str(c) for c in parameters["concurrency"]]
     llama = results["llama_server"]
     header = [
-        "variant", "kernels", *(f"step b={b} ms (linears / attention / other)" for b in batch_sizes),
+        "variant", "kernels", *(f"step b={b} ms (linears / attention / other; host)" for b in batch_sizes),
         *(cell for c in levels for cell in (f"c={c} tok/s", f"c={c} ITL p50 ms")),
     ]  # fmt: skip
     if llama:
@@ -450,8 +451,9 @@ def format_isa(report: dict[str, Any]) -> str:
 
 
 def _step_cell(figures: dict[str, Any]) -> str:
-    parts = (figures[name] for name in ("linear_ms", "attention_ms", "other_ms"))
-    return f"{format_value(figures['step_ms'])} ({' / '.join(format_value(part) for part in parts)})"
+    parts = " / ".join(format_value(figures[name]) for name in ("linear_ms", "attention_ms", "other_ms"))
+    host = figures.get("other_in_step_ms")  # None on a GPU, absent from reports of older trees
+    return f"{format_value(figures['step_ms'])} ({parts}{'' if host is None else f'; host {format_value(host)}'})"
 
 
 def _decode_cells(decode: dict[str, dict[str, Any]], levels: Sequence[str]) -> list[str]:
