@@ -17,6 +17,7 @@ from tokenmill.messages import TokenLogprobs
 from tokenmill.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from tokenmill.lora.manager import AdapterLoad
     from tokenmill.lora.request import LoRARequest
     from tokenmill.structured_output.request import StructuredOutputRequest
 
@@ -82,6 +83,9 @@ class Request:
     structured_output: StructuredOutputRequest | None = None
     #: The LoRA adapter it runs with (None: the base model); its ``cache_salt`` already includes it.
     lora_request: LoRARequest | None = None
+    #: With ``lora_request``, in an engine: its adapter's read into host memory (``tokenmill.lora.manager``); the
+    #: request waits until it is ready, then holds the adapter's weights until it ends.
+    lora_load: AdapterLoad | None = None
     #: Plugins and engine-side helpers keep per-request state here, never as new attributes.
     stash: dict[Any, Any] = field(default_factory=dict)
     #: Prompt then output tokens, extended in place by ``append_token``: the engine reads it every

@@ -4,8 +4,12 @@ Built once per engine process when ``lora.enable_lora`` is set; the executor own
 ``LinearLoRA`` on each adaptable linear of the model (q/k/v/o and gate/up/down, merged or not) and keeps two
 least-recently-used caches, as vLLM's worker LoRA manager does:
 
-- up to ``max_cpu_loras`` adapters read from disk and checked (``add_adapter``, when a request naming one
-  arrives), in host memory;
+- up to ``max_cpu_loras`` adapters read from disk and checked, in host memory. When a request naming an adapter
+  arrives, the engine checks its config and tensor header at once (``check_adapter``: a few KB, so a wrong base
+  is the request's error), and ``load_adapter`` reads its weights in a thread, as structured outputs compile off
+  the loop: the request waits in the scheduler until its ``AdapterLoad`` is ready, and the others keep stepping.
+  A request holds its adapter's weights until it ends, so one whose adapter left host memory meanwhile never
+  waits for the disk again;
 - up to ``max_loras`` of them in the model's slots, on the device. Each step, ``set_step`` puts the step's
   adapters in slots (a slot whose adapter the step does not use is reused, the least recently used first) and
   lays the step's tokens out by slot for the kernels. The scheduler admits no more distinct adapters than there
@@ -16,7 +20,8 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -46,6 +51,34 @@ class _AdapterWeights:
 
     request: LoRARequest
     modules: dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+
+class AdapterLoad:
+    """A request's adapter on its way into host memory; the scheduler passes the request over until
+    ``is_ready`` (then ``weights`` is set, or ``error`` says why the adapter cannot be used). Read on the engine
+    loop only."""
+
+    def __init__(self, manager: LoRAManager, lora_id: int, future: Future[_AdapterWeights]) -> None:
+        self._manager = manager
+        self._lora_id = lora_id
+        self._future = future
+        self.weights: _AdapterWeights | None = None
+        self.error: str | None = None
+
+    def is_ready(self) -> bool:
+        """Whether the read has ended (never waits); the first call after it has puts the adapter in host memory."""
+        if self.weights is not None or self.error is not None:
+            return True
+        if not self._future.done():
+            return False
+        try:
+            self.weights = self._future.result()
+        except Exception as exc:  # a read that fails fails its requests, not the engine
+            self.error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            self._manager._end_load(self._lora_id, self._future)  # the next request naming it tries again
+        else:
+            self._manager._install(self.weights)
+        return True
 
 
 class LoRAManager:
@@ -96,30 +129,86 @@ class LoRAManager:
         self._free_slots = list(range(max_loras))
         #: Adapters loaded since start (for metrics and tests).
         self.num_loads = 0
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenmill-lora")
+        self._loading: dict[int, tuple[LoRARequest, Future[_AdapterWeights]]] = {}  # by lora_int_id
 
     # ------------------------------------------------------------ adapters
 
+    def check_adapter(self, request: LoRARequest) -> None:
+        """Check ``request``'s adapter before its request is queued: its id names no other adapter, and unless it
+        is in host memory or on its way there, its config and tensor header (a few KB) fit the base. Called on
+        the engine loop when a request naming it arrives. Raises ``LoRAAdapterError`` with one line (a wrong base,
+        a rank above ``max_lora_rank``, an id that already names another adapter)."""
+        lora_id = request.lora_int_id
+        known = self._cpu[lora_id].request if lora_id in self._cpu else self._loading.get(lora_id, (None,))[0]
+        if known is None:
+            read_adapter(request.lora_path, self.linear_shapes, self.max_lora_rank)
+        elif known.lora_path != request.lora_path:
+            raise LoRAAdapterError(
+                f"lora_int_id {lora_id} already names adapter {known.lora_name!r} at {known.lora_path!r}, not "
+                f"{request.lora_path!r}; give each adapter its own id"
+            )
+
+    def load_adapter(self, request: LoRARequest) -> AdapterLoad:
+        """``request``'s adapter for one request: ready at once when it is in host memory, else read in the
+        loader thread (one read per adapter however many requests wait for it). Called on the engine loop for
+        each request queued with an adapter; never waits."""
+        load = AdapterLoad(self, request.lora_int_id, self._future_of(request))
+        load.is_ready()
+        return load
+
+    def _future_of(self, request: LoRARequest) -> Future[_AdapterWeights]:
+        lora_id = request.lora_int_id
+        known = self._cpu.get(lora_id)
+        if known is not None and known.request.lora_path == request.lora_path:
+            self._cpu.move_to_end(lora_id)
+            future: Future[_AdapterWeights] = Future()
+            future.set_result(known)
+            return future
+        loading = self._loading.get(lora_id)
+        if loading is not None and loading[0].lora_path == request.lora_path:
+            return loading[1]
+        future = self._pool.submit(self._read, request)
+        self._loading[lora_id] = (request, future)
+        return future
+
     def add_adapter(self, request: LoRARequest) -> None:
-        """Read and check ``request``'s adapter into host memory unless it is there. Called when a request naming
-        it arrives, in the engine loop. Raises ``LoRAAdapterError`` with one line (a wrong base, a rank above
-        ``max_lora_rank``, an id that already names another adapter)."""
-        known = self._cpu.get(request.lora_int_id)
-        if known is not None:
-            if known.request.lora_path != request.lora_path:
-                raise LoRAAdapterError(
-                    f"lora_int_id {request.lora_int_id} already names adapter {known.request.lora_name!r} at "
-                    f"{known.request.lora_path!r}, not {request.lora_path!r}; give each adapter its own id"
-                )
+        """Check and read ``request``'s adapter into host memory now unless it is there (tests and tools that
+        drive the model runner themselves; the engine uses ``check_adapter`` and ``load_adapter``). Raises
+        ``LoRAAdapterError``."""
+        self.check_adapter(request)
+        if request.lora_int_id in self._cpu:
             self._cpu.move_to_end(request.lora_int_id)
+        else:
+            self._install(self._read(request))
+
+    def _install(self, weights: _AdapterWeights) -> None:
+        """Put an adapter read from disk in host memory (the least recently used ones leave beyond
+        ``max_cpu_loras``); on the engine loop."""
+        lora_id = weights.request.lora_int_id
+        self._end_load(lora_id)
+        if self._cpu.get(lora_id) is weights:
             return
-        self._cpu[request.lora_int_id] = self._read(request)
+        self._cpu[lora_id] = weights
+        self._cpu.move_to_end(lora_id)
         while len(self._cpu) > self.max_cpu_loras:
             evicted, _ = self._cpu.popitem(last=False)
             logger.debug("LoRA adapter %d left host memory", evicted)
 
+    def _end_load(self, lora_id: int, future: Future[_AdapterWeights] | None = None) -> None:
+        """Forget a finished read of ``lora_id`` (``future``'s, when given)."""
+        loading = self._loading.get(lora_id)
+        if loading is not None and loading[1].done() and (future is None or loading[1] is future):
+            del self._loading[lora_id]
+
+    def close(self) -> None:
+        """Stop the loader thread (a read under way finishes); once, when the engine stops."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
     def remove_adapter(self, lora_int_id: int) -> None:
         """Forget an adapter: its host copy and its slot (``/v1/unload_lora_adapter``)."""
         self._cpu.pop(lora_int_id, None)
+        self._loading.pop(lora_int_id, None)
         slot = self._slot_of.pop(lora_int_id, None)
         if slot is not None:
             self._free_slots.append(slot)
@@ -134,6 +223,8 @@ class LoRAManager:
         return dict(self._slot_of)
 
     def _read(self, request: LoRARequest) -> _AdapterWeights:
+        """Read and check the adapter's weights from disk (in the loader thread; touches no manager state but
+        the ``num_loads`` counter)."""
         from safetensors.torch import load_file
 
         adapter = read_adapter(request.lora_path, self.linear_shapes, self.max_lora_rank)
@@ -156,23 +247,36 @@ class LoRAManager:
         """Put the adapters of the step's requests in slots and lay its tokens out by slot (each request's
         ``num_new_tokens`` in order, as the model runner flattens them). Called once per step, before the
         forward."""
-        self.set_batch([s.request.lora_request for s in scheduled], [s.num_new_tokens for s in scheduled])
+        held = {
+            s.request.lora_request.lora_int_id: s.request.lora_load.weights
+            for s in scheduled
+            if s.request.lora_request is not None and s.request.lora_load is not None and s.request.lora_load.weights
+        }
+        self.set_batch([s.request.lora_request for s in scheduled], [s.num_new_tokens for s in scheduled], held)
 
-    def set_batch(self, lora_requests: Sequence[LoRARequest | None], num_tokens: Sequence[int]) -> None:
+    def set_batch(
+        self,
+        lora_requests: Sequence[LoRARequest | None],
+        num_tokens: Sequence[int],
+        held: Mapping[int, _AdapterWeights] | None = None,
+    ) -> None:
         """``set_step`` for a batch given as each sequence's adapter (None: none) and number of tokens, in the
-        order the forward's input is laid out (tests and tools that run the model runner themselves)."""
+        order the forward's input is laid out (tests and tools that run the model runner themselves); ``held``:
+        weights the requests hold, by ``lora_int_id`` (an adapter in neither ``held`` nor host memory is read
+        from disk now)."""
         if not any(lora_requests):
             self.context.batch = None
             return
         in_step = {r.lora_int_id for r in lora_requests if r is not None}
         assert len(in_step) <= self.max_loras, f"{len(in_step)} adapters in one step, {self.max_loras} slots"
-        slots = [-1 if r is None else self._activate(r, in_step) for r in lora_requests]
+        slots = [-1 if r is None else self._activate(r, in_step, held or {}) for r in lora_requests]
         counts = numpy.asarray(num_tokens, dtype=numpy.int64)
         token_slots = numpy.repeat(numpy.asarray(slots, dtype=numpy.int64), counts)  # [num_tokens]
         self.context.batch = self.context.kernels.prepare(token_slots, self.device)
 
-    def _activate(self, request: LoRARequest, in_step: set[int]) -> int:
-        """The slot of ``request``'s adapter, loading it there (from host memory, or disk) if it is not in one."""
+    def _activate(self, request: LoRARequest, in_step: set[int], held: Mapping[int, _AdapterWeights]) -> int:
+        """The slot of ``request``'s adapter, loading it there (from host memory, the request's own copy, or
+        disk) if it is not in one."""
         lora_id = request.lora_int_id
         slot = self._slot_of.get(lora_id)
         if slot is not None:
@@ -183,8 +287,10 @@ class LoRAManager:
         else:
             victim = next(i for i in self._slot_of if i not in in_step)
             slot = self._slot_of.pop(victim)
-        self.add_adapter(request)  # back from disk if it left host memory
-        weights = self._cpu[lora_id]
+        weights = self._cpu.get(lora_id) or held.get(lora_id)
+        if weights is None:
+            self.add_adapter(request)  # back from disk (only callers of set_batch that hold nothing)
+            weights = self._cpu[lora_id]
         for layer in self.layers:
             layer.clear_slot(slot)
         for module, (lora_a, lora_b) in weights.modules.items():
