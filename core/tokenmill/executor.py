@@ -58,13 +58,16 @@ def load_runner(
         config.cache, loaded.device, arch.num_layers, num_kv_heads, arch.head_dim, loaded.kv_cache_dtype
     )
     if shards is not None:  # no CUDA graphs across shards yet: every step runs eagerly
-        return ShardedModelRunner(loaded, layout.num_blocks, layout.block_size, shards), layout
-    graph_batch_sizes = cuda_graph_batch_sizes(
-        config.device.cuda_graphs and not config.lora.enable_lora,  # adapters run eagerly
-        config.device.cuda_graph_batch_sizes, config.scheduler.max_num_seqs,
-        loaded.device, loaded.attention,
-    )  # fmt: skip
-    runner = ModelRunner(loaded, layout.num_blocks, layout.block_size, cuda_graph_batch_sizes=graph_batch_sizes)
+        runner: ModelRunner = ShardedModelRunner(loaded, layout.num_blocks, layout.block_size, shards)
+    else:
+        graph_batch_sizes = cuda_graph_batch_sizes(
+            config.device.cuda_graphs and not config.lora.enable_lora,  # adapters run eagerly
+            config.device.cuda_graph_batch_sizes, config.scheduler.max_num_seqs,
+            loaded.device, loaded.attention,
+        )  # fmt: skip
+        runner = ModelRunner(loaded, layout.num_blocks, layout.block_size, cuda_graph_batch_sizes=graph_batch_sizes)
+    if runner.cuda_graphs is None:  # capturing the graphs ran the model already
+        runner.warm_up()
     return runner, layout
 
 

@@ -86,15 +86,15 @@ class ModelRunner:
                 cuda_graph_batch_sizes, scratch_block=num_blocks,
             )  # fmt: skip
             self.cuda_graphs.capture()
-        else:
-            self.warm_up()
 
     @torch.inference_mode()
     def warm_up(self) -> None:
-        """One forward of one token into block 0 before the first request: it waits for kernels still building
-        on a first start (their plugins start the builds when selected, so they overlap the weights' loading)
-        and takes first-call set-up out of the first request's latency. Block 0's slot is garbage to the KV
-        cache manager either way: a request's own tokens overwrite a slot before anything reads it."""
+        """One forward of one token into block 0 before the first request (the engine's ``load_runner`` calls it
+        where no CUDA graph was captured): it waits for kernels still building on a first start (their plugins
+        start the builds when selected, so they overlap the weights' loading) and takes first-call set-up out of
+        the first request's latency. On rank 0 of a sharded model the workers run it too, as any step. Block 0's
+        slot is garbage to the KV cache manager either way: a request's own tokens overwrite a slot before
+        anything reads it."""
         started = time.perf_counter()
         self.execute([SequenceChunk([0], 0, [0])])
         logger.info("model warmed up in %.2f s", time.perf_counter() - started)
