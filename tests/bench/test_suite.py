@@ -141,8 +141,8 @@ def test_a_server_that_dies_is_a_one_line_error(tmp_path: Path, caplog: pytest.L
         start_local_server(config, tmp_path, timeout_s=120)
     message = str(error.value)
     assert "\n" not in message and "exited with status 1 before it was healthy" in message
-    # The cause from the log's traceback, not the last line (which says only that the engine exited).
-    assert "ModelNotFoundError: model" in message and "missing" in message
+    # The cause (the server's own one-line error, or the engine's traceback), never just that the engine exited.
+    assert ("ModelNotFoundError: model" in message or "Error: model '" in message) and "missing" in message
     assert "last lines of the tokenmill serve log" in caplog.text
 
 

@@ -28,9 +28,11 @@ def _resident_fraction(tensor: torch.Tensor) -> float:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore(2) as Linux has it")
-def test_kv_cache_is_zeroed_and_resident_before_any_request(tiny_model_dir: Path) -> None:
+def test_kv_cache_reads_as_zeros_and_is_resident_only_where_used(tiny_model_dir: Path) -> None:
+    """A start costs no time for the pool's size: its pages are mapped as blocks are first written (the warm-up
+    writes a slot of block 0), and the untouched rest reads as zeros."""
     engine = make_engine(tiny_model_dir, cache={"block_size": 4, "num_kv_blocks": 65536})
     caches = engine.executor.runner.kv_caches
     assert sum(cache.nbytes for cache in caches) >= 48 * 2**20  # many pages, most of them never used by a block
-    assert all(_resident_fraction(cache) > 0.99 for cache in caches)
-    assert all(not cache.any() and cache.device == torch.device("cpu") for cache in caches)
+    assert all(_resident_fraction(cache) < 0.25 for cache in caches)  # before reading them: reads map zero pages
+    assert all(not cache[:, 1:].any() and cache.device == torch.device("cpu") for cache in caches)
