@@ -16,6 +16,7 @@ inside an engine process.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -38,6 +39,7 @@ from tokenmill.messages import EngineCoreOutput, EngineCoreRequest, EngineStatsM
 from tokenmill.model_files import resolve_tokenizer
 from tokenmill.model_loader import LoadedModel
 from tokenmill.parallel.shards import ShardWorkers
+from tokenmill.parsers.reasoning_parser import ReasoningParser
 from tokenmill.plugin_manager import FRONT_END_SLOTS, PluginSystem, Slot, resolve_plugins, slot_selections
 from tokenmill.request import Request
 from tokenmill.sampling.logits_processor import LogitsProcessor
@@ -113,15 +115,33 @@ class EngineCore:
         )
         self.loop = self._choose_loop()
         #: Compiles requests' constraints (structured outputs) off the loop; its backend is built on first use.
+        #: With a reasoning parser (and not ``enable_in_reasoning``) a constraint starts after the reasoning.
+        settings = config.structured_outputs_config
+        reasons = config.parsers.reasoning_parser is not None and not settings.enable_in_reasoning
         self.structured_outputs = StructuredOutputManager(
-            self._structured_outputs_backend, config.structured_outputs_config.disable_any_whitespace
+            self._structured_outputs_backend,
+            settings.disable_any_whitespace,
+            make_reasoner=self._reasoning_parser if reasons else None,
         )
+
+    @functools.cached_property
+    def _tokenizer(self) -> Tokenizer:
+        """The model's tokenizer, for the structured-output backend and the reasoning parser (read in a compile
+        thread, on the first constrained request)."""
+        model = self.config.model
+        return Tokenizer.from_path(resolve_tokenizer(model.model, model.tokenizer))
 
     def _structured_outputs_backend(self) -> StructuredOutputBackend:
         """The configured structured-output backend over the model's tokenizer (in a compile thread, once)."""
-        model = self.config.model
-        tokenizer = Tokenizer.from_path(resolve_tokenizer(model.model, model.tokenizer))
-        return build_backend(self.plugins, self.config.structured_outputs_config.backend, tokenizer, self.vocab_size)
+        backend = self.config.structured_outputs_config.backend
+        return build_backend(self.plugins, backend, self._tokenizer, self.vocab_size)
+
+    def _reasoning_parser(self) -> ReasoningParser:
+        """The configured reasoning parser (in a compile thread, once)."""
+        name = self.config.parsers.reasoning_parser
+        assert name is not None
+        parser: ReasoningParser = self.plugins.create(Slot.REASONING_PARSER, name, self._tokenizer)
+        return parser
 
     def _choose_loop(self) -> SyncLoop:
         """The loop variant, once: with KV tiers, with async scheduling when nothing rules it out, else plain."""
@@ -203,7 +223,11 @@ class EngineCore:
                 cache_salt=message.cache_salt,
                 enqueued_at=time.monotonic(),
                 lora_request=message.lora_request,
-                structured_output=self.structured_outputs.request(constraint) if constraint is not None else None,
+                structured_output=(
+                    self.structured_outputs.request(constraint, message.prompt_token_ids)
+                    if constraint is not None
+                    else None
+                ),
             )
         )
 

@@ -305,6 +305,41 @@ def tokenmill_register_structured_outputs_backends(register: Register) -> None:
     """
 
 
+@hookspec
+def tokenmill_register_tool_parsers(register: Register) -> None:
+    """Register tool-call parsers (slot ``tool_parser``): a model family's tool-call format read into OpenAI
+    ``tool_calls``, whole and streamed, for requests whose ``tool_choice`` is ``auto``.
+
+    :param register: ``register(name, import_path)``; the import path names a
+        ``tokenmill.interfaces.ToolParser`` subclass, built as ``cls(tokenizer)`` (plus ``options=`` when its
+        plugin declares options) once, when the API front end starts.
+    :return: nothing; every implementation is called.
+
+    Called once per process at start-up; only the API front end builds one. Selected by
+    ``parsers.tool_call_parser`` (``--tool-call-parser``, with ``--enable-auto-tool-choice``); first party:
+    ``hermes``, ``llama3_json``, ``mistral`` (plugin ``parsers``).
+    Since: 0.1. Stability: provisional.
+    """
+
+
+@hookspec
+def tokenmill_register_reasoning_parsers(register: Register) -> None:
+    """Register reasoning parsers (slot ``reasoning_parser``): a reasoning model's thinking split from its
+    answer into ``reasoning_content``, and where the thinking ends in its tokens.
+
+    :param register: ``register(name, import_path)``; the import path names a
+        ``tokenmill.interfaces.ReasoningParser`` subclass, built as ``cls(tokenizer)`` (plus ``options=`` when
+        its plugin declares options).
+    :return: nothing; every implementation is called.
+
+    Called once per process at start-up. The API front end builds the selected parser when it starts; the
+    engine builds it on its first structured-output request, to start the constraint after the reasoning.
+    Selected by ``parsers.reasoning_parser`` (``--reasoning-parser``); first party: ``deepseek_r1``, ``qwen3``
+    (plugin ``parsers``).
+    Since: 0.1. Stability: provisional.
+    """
+
+
 # ---------------------------------------------------------------- registration: serving
 
 

@@ -24,6 +24,8 @@ slot                      interface                       built in
 ``engine_backend``        ``EngineBackend``               ``local`` (core, no plugin); plugin ``ray_backend``: ``ray``
 ``structured_outputs_backend`` ``StructuredOutputBackend``  plugin ``structured_outputs``: ``guidance``; ``xgrammar``
 ``lora_kernel``           ``LoRAKernels``                 ``torch``
+``tool_parser``           ``ToolParser``                  plugin ``parsers``: ``hermes``, ``llama3_json``, ``mistral``
+``reasoning_parser``      ``ReasoningParser``             plugin ``parsers``: ``deepseek_r1``, ``qwen3``
 ========================  ==============================  ======================================
 
 Names are imported on first use, so a front-end process that imports a
@@ -51,6 +53,7 @@ _EXPORTS: dict[str, str] = {
     "EngineEndpoint": "tokenmill.transport.base",
     "EngineProcess": "tokenmill.engine_client",
     "EngineState": "tokenmill.routing",
+    "ExtractedToolCalls": "tokenmill.parsers.tool_parser",
     "FrontendConnection": "tokenmill.transport.base",
     "FusedExperts": "tokenmill.layers.fused_experts",
     "KVCacheManager": "tokenmill.kv_cache.manager",
@@ -63,9 +66,11 @@ _EXPORTS: dict[str, str] = {
     "LoRAKernels": "tokenmill.lora.kernels",
     "LogitsProcessor": "tokenmill.sampling.logits_processor",
     "ModelRunnerOutput": "tokenmill.scheduler",
+    "PartialToolCalls": "tokenmill.parsers.tool_parser",
     "PrefixMatch": "tokenmill.kv_cache.manager",
     "Proposal": "tokenmill.speculative.speculator",
     "Quantizer": "tokenmill.layers.quantizer",
+    "ReasoningParser": "tokenmill.parsers.reasoning_parser",
     "Router": "tokenmill.routing",
     "Sampler": "tokenmill.sampling.sampler",
     "SamplerOutput": "tokenmill.sampling.sampler",
@@ -77,6 +82,8 @@ _EXPORTS: dict[str, str] = {
     "SlotAllocation": "tokenmill.kv_cache.manager",
     "SpeculationInput": "tokenmill.speculative.speculator",
     "SpeculatorContext": "tokenmill.speculative.speculator",
+    "ToolCall": "tokenmill.parsers.tool_parser",
+    "ToolParser": "tokenmill.parsers.tool_parser",
     "StructuredOutputBackend": "tokenmill.structured_output.backend",
     "StructuredOutputGrammar": "tokenmill.structured_output.backend",
     "Speculator": "tokenmill.speculative.speculator",

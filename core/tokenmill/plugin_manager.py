@@ -82,6 +82,8 @@ class Slot(enum.StrEnum):
     ENGINE_BACKEND = "engine_backend"
     STRUCTURED_OUTPUTS_BACKEND = "structured_outputs_backend"
     LORA_KERNEL = "lora_kernel"
+    TOOL_PARSER = "tool_parser"
+    REASONING_PARSER = "reasoning_parser"
 
     @property
     def hook_name(self) -> str:
@@ -300,7 +302,13 @@ def slot_selections(config: EngineConfig) -> dict[Slot, tuple[str, list[str]]]:
         Slot.STRUCTURED_OUTPUTS_BACKEND: ("structured_outputs_config.backend",
                                           [config.structured_outputs_config.backend]),
         Slot.LORA_KERNEL: ("lora.lora_kernels", [config.lora.lora_kernels] if config.lora.enable_lora else []),
+        Slot.TOOL_PARSER: ("parsers.tool_call_parser", _named(config.parsers.tool_call_parser)),
+        Slot.REASONING_PARSER: ("parsers.reasoning_parser", _named(config.parsers.reasoning_parser)),
     }  # fmt: skip
+
+
+def _named(name: str | None) -> list[str]:
+    return [name] if name is not None else []
 
 
 def selected_names(config: EngineConfig) -> list[tuple[Slot, str, str]]:
@@ -506,7 +514,7 @@ def _add_commands(
 
 
 #: Slots only the API front end builds: an engine process does not need their plugins installed.
-FRONT_END_SLOTS: tuple[Slot, ...] = (Slot.ROUTER, Slot.ENGINE_BACKEND)
+FRONT_END_SLOTS: tuple[Slot, ...] = (Slot.ROUTER, Slot.ENGINE_BACKEND, Slot.TOOL_PARSER)
 
 
 def resolve_plugins(config: EngineConfig, skip: Iterable[Slot] = ()) -> PluginSystem:

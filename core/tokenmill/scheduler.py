@@ -569,9 +569,9 @@ class FCFSScheduler(Scheduler):
             if request is not None and request.status == RequestStatus.RUNNING and draft.token_ids:
                 token_ids = list(draft.token_ids)
                 constraint = request.structured_output
-                if constraint is not None and constraint.grammar is not None and draft.parents is None:
+                if constraint is not None:
                     # Only drafts the grammar allows are worth verifying (vLLM trims them the same way).
-                    del token_ids[constraint.grammar.validate_tokens(token_ids) :]
+                    del token_ids[constraint.num_allowed_drafts(token_ids, draft.parents is not None) :]
                     if not token_ids:
                         continue
                 request.spec_token_ids = token_ids

@@ -7,6 +7,7 @@ from tokenmill.config.engine import ConfigError, EngineConfig, load_config
 from tokenmill.config.lora import LoRAConfig
 from tokenmill.config.model import ModelConfig
 from tokenmill.config.parallel import ParallelConfig
+from tokenmill.config.parsers import ParsersConfig
 from tokenmill.config.sampler import SamplerConfig
 from tokenmill.config.scheduler import SchedulerConfig
 from tokenmill.config.server import ServerConfig
@@ -23,6 +24,7 @@ __all__ = [
     "LoRAConfig",
     "ModelConfig",
     "ParallelConfig",
+    "ParsersConfig",
     "SamplerConfig",
     "SchedulerConfig",
     "ServerConfig",

@@ -16,6 +16,7 @@ from tokenmill.config.device import DeviceConfig
 from tokenmill.config.lora import LoRAConfig
 from tokenmill.config.model import ModelConfig
 from tokenmill.config.parallel import ParallelConfig
+from tokenmill.config.parsers import ParsersConfig
 from tokenmill.config.sampler import SamplerConfig
 from tokenmill.config.scheduler import SchedulerConfig
 from tokenmill.config.server import ServerConfig
@@ -63,6 +64,7 @@ class EngineConfig(ConfigSection, frozen=True):
             flag="--structured-outputs-config",
         ),
     ] = msgspec.field(default_factory=StructuredOutputsConfig)
+    parsers: ParsersConfig = msgspec.field(default_factory=ParsersConfig)
     disable_plugins: Annotated[
         list[str],
         describe("Plugins (entry point names) not to load.", flag="--disable-plugin"),

@@ -34,3 +34,10 @@ class StructuredOutputsConfig(ConfigSection, frozen=True):
             "structured_outputs.disable_any_whitespace). Small models otherwise may pad JSON with whitespace."
         ),
     ] = False
+    enable_in_reasoning: Annotated[
+        bool,
+        describe(
+            "With a reasoning parser (parsers.reasoning_parser): constrain the reasoning too, from the first "
+            "token (vLLM's setting); by default a constraint starts after the reasoning ends (</think>)."
+        ),
+    ] = False

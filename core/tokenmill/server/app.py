@@ -35,10 +35,11 @@ from tokenmill.output_processor import CompletionDelta, OutputProcessor
 from tokenmill.outputs import RequestOutput
 from tokenmill.plugin_manager import PluginError, PluginSystem
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.server import protocol, tools
+from tokenmill.server import protocol
 from tokenmill.server.lora import LoRAEndpoints
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.openapi import openapi_document
+from tokenmill.server.parsing import ChoiceStream, OutputParsing, ServerParsers
 from tokenmill.server.protocol import ProtocolError
 from tokenmill.server.tenants import KeyState, Lease, RateLimited, Tenants
 from tokenmill.structured_output.validator import ConstraintValidator
@@ -119,7 +120,7 @@ class _Generation:
     queue_time: float = 0.0  # in the engine, before its first step
     lease: Lease | None = None  # its key's: tokens are charged to it as they arrive
     model: str = ""  # what the request's ``model`` named: the base model or a LoRA adapter
-    forced_tool_call: tools.ForcedToolCall | None = None  # chat: the output is a forced tool call
+    parsing: OutputParsing | None = None  # chat: reasoning and tool calls read out of the text
 
 
 Endpoint = Callable[[Request], Awaitable[Response]]
@@ -140,6 +141,8 @@ class OpenAIServer:
         #: With ``lora.enable_lora``: the adapters served, by name.
         self.lora = LoRAEndpoints.from_config(state.config, state.model_name)
         self._validator: ConstraintValidator | None = None
+        #: ``--tool-call-parser`` and ``--reasoning-parser``, with ``--enable-auto-tool-choice``.
+        self.parsers = ServerParsers(state.config, state.plugins, state.tokenizer)
 
     # ------------------------------------------------------------------ plumbing
 
@@ -380,17 +383,20 @@ class OpenAIServer:
         )  # fmt: skip
 
     async def chat_completions(self, request: Request) -> Response:
-        body, params = protocol.decode_chat_request(await self._body(request))
+        body, params = protocol.decode_chat_request(await self._body(request), self.parsers.auto_tool_choice)
         self._check_model(body.model)
         await self._check_constraint(body, params)
-        # The template sees the tools (a template that knows them tells the model how to call them).
-        template_tools = msgspec.to_builtins(body.tools) if body.tools and body.tool_choice != "none" else None
+        # The template sees the tools (a template that knows them tells the model how to call them), as vLLM's.
+        template_tools = msgspec.to_builtins(body.tools) if body.tools else None
         prompt_text = self._chat_prompt(body.messages, add_generation_prompt=True, tools=template_tools)
         token_ids = self.state.tokenizer.encode(prompt_text, add_special_tokens=False)
         top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        forced = protocol.forced_tool_call(body)
+        parsing = self.parsers.for_request(body.tool_choice, bool(body.tools), forced, token_ids)
+        params = self.parsers.sampling_params(params, parsing)
         return await self._respond(
             request, body, params, prompt_text, token_ids, "chatcmpl", top_logprobs,
-            self._stream_chat, protocol.chat_response, forced_tool_call=protocol.forced_tool_call(body),
+            self._stream_chat, protocol.chat_response, parsing=parsing,
         )  # fmt: skip
 
     def _chat_prompt(self, messages: list[protocol.ChatMessage], add_generation_prompt: bool, tools: Any = None) -> str:
@@ -416,7 +422,7 @@ class OpenAIServer:
         stream: Callable[[_Generation, bool, int | None], AsyncIterator[bytes]],
         build_response: Callable[..., dict[str, Any]],
         echo: bool = False,
-        forced_tool_call: tools.ForcedToolCall | None = None,
+        parsing: OutputParsing | None = None,
     ) -> Response:
         """What both endpoints do once the prompt is tokenized: start, then stream or wait and answer."""
         protocol.check_context_length(body, params, len(token_ids), self.state.group.max_model_len)
@@ -425,7 +431,7 @@ class OpenAIServer:
                                  self._check_model(body.model))  # fmt: skip
         generation.echo = echo
         generation.model = body.model
-        generation.forced_tool_call = forced_tool_call
+        generation.parsing = parsing
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return _ClosingStreamingResponse(
@@ -435,8 +441,8 @@ class OpenAIServer:
         options = {"echo": self._echo(generation)} if echo else {}
         response = build_response(generation.request_id, generation.model, self.state.created, output,
                                   len(token_ids), num_top_logprobs=num_top_logprobs, **options)  # fmt: skip
-        if forced_tool_call is not None:
-            tools.apply_tool_calls(response, forced_tool_call)
+        if parsing is not None:
+            parsing.apply(response)
         return JSONResponse(response)
 
     def _echo(self, generation: _Generation) -> protocol.Echo:
@@ -500,22 +506,13 @@ class OpenAIServer:
             for index in range(generation.params.n):
                 role = {"role": "assistant", "content": ""}
                 yield protocol.sse_event(protocol.chat_chunk(request_id, model, created, index, role))
-            forced = generation.forced_tool_call
-            calls = {index: tools.ToolCallStream(forced) for index in range(generation.params.n)} if forced else {}
-            texts = dict.fromkeys(calls, "")
+            parsing = generation.parsing
+            streams = {index: parsing.stream() for index in range(generation.params.n)} if parsing else {}
             async with aclosing(self._stream_text(generation)) as deltas:
                 async for delta in deltas:
-                    if forced is not None:  # the output streams as tool-call argument deltas
-                        texts[delta.index] += delta.text
-                        for call in calls[delta.index].feed(texts[delta.index]):
-                            chunk = protocol.chat_chunk(request_id, model, created, delta.index, {"tool_calls": [call]})
-                            yield protocol.sse_event(chunk)
-                        if delta.finish_reason is not None:
-                            reason = delta.finish_reason
-                            if reason == "stop" and calls[delta.index].num_calls:
-                                reason = "tool_calls"
-                            chunk = protocol.chat_chunk(request_id, model, created, delta.index, {}, reason)
-                            yield protocol.sse_event(chunk)
+                    if parsing is not None:  # reasoning, content and tool-call argument deltas
+                        for event in self._parsed_chunks(generation, delta, streams[delta.index], num_top_logprobs):
+                            yield event
                         continue
                     if delta.text or delta.text_tokens:
                         logprobs = None
@@ -532,6 +529,30 @@ class OpenAIServer:
         except ProtocolError as exc:
             yield protocol.sse_event(protocol.error_dict(exc.status, exc.message, exc.type, exc.param, exc.code))
         yield protocol.SSE_DONE
+
+    def _parsed_chunks(
+        self, generation: _Generation, delta: CompletionDelta, stream: ChoiceStream, num_top_logprobs: int | None
+    ) -> list[bytes]:
+        """The events of one text delta of a parsed choice: its parts (the first carries the delta's logprobs),
+        and with its finish reason, what the parsers held back and the finish (``tool_calls`` when it called)."""
+        model, created = generation.model or self.state.model_name, self.state.created
+        parts = stream.feed(delta.text)
+        if delta.finish_reason is not None:
+            parts += stream.finish()
+        logprobs = None
+        if delta.text_tokens:
+            logprobs = protocol.chat_logprobs(delta.text_tokens, num_top_logprobs=num_top_logprobs)
+            parts = parts or [{"content": ""}]
+        events = []
+        for part in parts:
+            chunk = protocol.chat_chunk(generation.request_id, model, created, delta.index, part, None, logprobs)
+            events.append(protocol.sse_event(chunk))
+            logprobs = None
+        if delta.finish_reason is not None:
+            reason = "tool_calls" if delta.finish_reason == "stop" and stream.called_tools else delta.finish_reason
+            chunk = protocol.chat_chunk(generation.request_id, model, created, delta.index, {}, reason)
+            events.append(protocol.sse_event(chunk))
+        return events
 
     def _usage_chunk(
         self, generation: _Generation, kind: Literal["text_completion", "chat.completion.chunk"]

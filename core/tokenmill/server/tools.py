@@ -5,18 +5,21 @@ output turned back into OpenAI ``tool_calls`` (whole, or as streamed argument de
 As vLLM does, ``tool_choice: "required"`` constrains the output to a JSON array of calls, each
 ``{"name": <one of the tools>, "parameters": <that tool's parameters schema>}`` (one call unless
 ``parallel_tool_calls``), and a named function constrains it to that function's parameters: the arguments
-always parse and match the schema. Pure functions and msgspec structs; never imports torch.
+always parse and match the schema. ``tool_choice: "auto"`` needs the server's tool-call parser
+(``tokenmill.server.parsing``). Pure functions and msgspec structs; never imports torch.
 """
 
 from __future__ import annotations
 
 import json
-import uuid
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import msgspec
 
+from tokenmill.parsers.json_calls import PartialCall, scan_calls
+from tokenmill.parsers.tool_parser import ToolCall, openai_tool_calls
 from tokenmill.sampling_params import StructuredOutputsParams
 
 
@@ -155,8 +158,13 @@ def request_constraint(
     return StructuredOutputsParams(json=_parameters(tool)), ForcedToolCall(choice.function.name)
 
 
-def tool_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
+def forced_calls(forced: ForcedToolCall) -> Callable[[str], list[PartialCall]]:
+    """How a forced tool call's output so far reads as calls: a named function's output is its arguments; the
+    ``required`` array's elements are ``{"name", "parameters"}`` objects."""
+    if forced.name is not None:
+        name = forced.name
+        return lambda text: [(name, text)]
+    return lambda text: scan_calls(text, ("parameters",))
 
 
 def tool_calls(forced: ForcedToolCall, text: str) -> list[dict[str, Any]] | None:
@@ -168,107 +176,6 @@ def tool_calls(forced: ForcedToolCall, text: str) -> list[dict[str, Any]] | None
         return None
     if forced.name is None and not (isinstance(value, list) and value):
         return None
-    calls = ToolCallStream(forced).calls(text)  # the arguments as the model wrote them, as a stream sends them
-    return [
-        {"id": tool_call_id(), "type": "function", "function": {"name": name, "arguments": arguments.strip()}}
-        for name, arguments in calls
-        if name is not None
-    ]
-
-
-def apply_tool_calls(response: dict[str, Any], forced: ForcedToolCall) -> None:
-    """Turn each finished chat choice of a forced tool call into OpenAI ``tool_calls`` (content null, finish
-    reason ``tool_calls``); a choice whose output does not parse (cut short by ``max_tokens``) stays text."""
-    for choice in response["choices"]:
-        message = choice["message"]
-        calls = tool_calls(forced, message["content"] or "")
-        if calls is None:
-            continue
-        message["content"] = None
-        message["tool_calls"] = calls
-        if choice["finish_reason"] == "stop":
-            choice["finish_reason"] = "tool_calls"
-
-
-def _value_end(text: str, start: int) -> int | None:
-    """Where the JSON value starting at ``text[start]`` ends (one past it), or None when it is incomplete."""
-    depth, in_string, escaped = 0, False, False
-    for i in range(start, len(text)):
-        char = text[i]
-        if in_string:
-            if escaped:
-                escaped = False
-            elif char == "\\":
-                escaped = True
-            elif char == '"':
-                in_string = False
-                if depth == 0:
-                    return i + 1
-        elif char == '"':
-            in_string = True
-        elif char in "{[":
-            depth += 1
-        elif char in "}]":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-        elif depth == 0 and char in ", \t\r\n":
-            return i
-    return None
-
-
-@dataclass
-class ToolCallStream:
-    """One choice's forced tool calls as they stream: ``feed`` the whole text so far, get the new OpenAI
-    ``tool_calls`` deltas (a call's id, type and name first, then pieces of its arguments)."""
-
-    forced: ForcedToolCall
-    _sent: list[int] = field(default_factory=list)  # per call: characters of its arguments sent
-
-    def feed(self, text: str) -> list[dict[str, Any]]:
-        deltas = []
-        for index, (name, arguments) in enumerate(self.calls(text)):
-            if index == len(self._sent):
-                if name is None:
-                    break
-                self._sent.append(0)
-                function = {"name": name, "arguments": ""}
-                deltas.append({"index": index, "id": tool_call_id(), "type": "function", "function": function})
-            if len(arguments) > self._sent[index]:
-                deltas.append({"index": index, "function": {"arguments": arguments[self._sent[index] :]}})
-                self._sent[index] = len(arguments)
-        return deltas
-
-    @property
-    def num_calls(self) -> int:
-        return len(self._sent)
-
-    def calls(self, text: str) -> list[tuple[str | None, str]]:
-        """(name, arguments so far) of each call begun in ``text``."""
-        if self.forced.name is not None:
-            return [(self.forced.name, text)]
-        calls: list[tuple[str | None, str]] = []
-        decoder = json.JSONDecoder()
-        position = 0
-        while True:
-            start = text.find('"name"', position)
-            if start < 0:
-                return calls
-            colon = text.find(":", start + 6)
-            quote = text.find('"', colon + 1) if colon >= 0 else -1
-            end = _value_end(text, quote) if quote >= 0 else None
-            if end is None:
-                calls.append((None, ""))
-                return calls
-            name = decoder.decode(text[quote:end])
-            key = text.find('"parameters"', end)
-            colon = text.find(":", key + 12) if key >= 0 else -1
-            value_start = next((i for i in range(colon + 1, len(text)) if not text[i].isspace()), None)
-            if colon < 0 or value_start is None:
-                calls.append((name, ""))
-                return calls
-            value_end = _value_end(text, value_start)
-            calls.append((name, text[value_start : value_end if value_end is not None else len(text)]))
-            if value_end is None:
-                return calls
-            position = value_end
+    # The arguments as the model wrote them, as a stream sends them.
+    calls = [ToolCall(name, arguments.strip()) for name, arguments in forced_calls(forced)(text) if name is not None]
+    return openai_tool_calls(calls)

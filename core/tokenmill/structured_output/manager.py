@@ -12,12 +12,13 @@ import logging
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import msgspec
 
 from tokenmill.config.structured_outputs import AUTO_BACKEND, AUTO_BACKENDS
+from tokenmill.parsers.reasoning_parser import ReasoningParser
 from tokenmill.plugin_manager import PluginError, PluginSystem, Slot
 from tokenmill.sampling_params import StructuredOutputsParams
 from tokenmill.structured_output.backend import StructuredOutputBackend
@@ -66,6 +67,8 @@ class StructuredOutputManager:
         request), so an engine that never sees one never reads the vocabulary for it.
     :param disable_any_whitespace: ``structured_outputs_config.disable_any_whitespace``, applied to every
         request.
+    :param make_reasoner: builds the reasoning parser (``parsers.reasoning_parser``), once, in a compile thread;
+        given, a request's grammar starts after its reasoning (docs/structured_outputs.md#reasoning).
     """
 
     def __init__(
@@ -73,8 +76,11 @@ class StructuredOutputManager:
         make_backend: Callable[[], StructuredOutputBackend],
         disable_any_whitespace: bool = False,
         max_workers: int | None = None,
+        make_reasoner: Callable[[], ReasoningParser] | None = None,
     ) -> None:
         self._make_backend = make_backend
+        self._make_reasoner = make_reasoner
+        self._reasoner: Future[ReasoningParser] | None = None
         self._backend: StructuredOutputBackend | None = None
         self._backend_lock = threading.Lock()
         self.disable_any_whitespace = disable_any_whitespace
@@ -85,9 +91,9 @@ class StructuredOutputManager:
         self.num_compiles = 0
         self.num_cache_hits = 0
 
-    def request(self, params: StructuredOutputsParams) -> StructuredOutputRequest:
+    def request(self, params: StructuredOutputsParams, prompt_token_ids: Sequence[int] = ()) -> StructuredOutputRequest:
         """The state of one new constrained request; its compile starts now unless the same constraint is
-        cached. Called on the engine loop; never waits."""
+        cached. Called on the engine loop; never waits. ``prompt_token_ids`` tell whether it starts reasoning."""
         if self.disable_any_whitespace and not params.disable_any_whitespace:
             params = msgspec.structs.replace(params, disable_any_whitespace=True)
         key = cache_key(params)
@@ -101,7 +107,9 @@ class StructuredOutputManager:
         else:
             self.num_cache_hits += 1
             self._cache.move_to_end(key)
-        return StructuredOutputRequest(params, future)
+        if self._make_reasoner is not None and self._reasoner is None:
+            self._reasoner = self._pool.submit(self._make_reasoner)
+        return StructuredOutputRequest(params, future, self._reasoner, prompt_token_ids)
 
     def backend(self) -> StructuredOutputBackend:
         """The backend, built on first use (in whichever thread asks first)."""
