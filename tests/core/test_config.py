@@ -40,7 +40,10 @@ def test_flags_override_file(tmp_path: Path) -> None:
         ('[model]\ndtype = "int3"\n', "invalid setting model.dtype: Invalid enum value 'int3' (got 'int3')"),
         ('[model]\nmax_model_len = "long"\n', "invalid setting model.max_model_len: Expected `int | null`, got `str`"),
         ("[modle]\n", "unknown setting 'modle'; valid settings here: attention, cache, device, disable_plugins"),
-        ("[model]\nbogus = 1\n", "unknown setting 'model.bogus'; valid settings here: dtype, fused_experts, layer_kernels, max_"),
+        (
+            "[model]\nbogus = 1\n",
+            "unknown setting 'model.bogus'; valid settings here: dtype, fused_experts, layer_kernels, max_",
+        ),
         ("[model\n", "not valid TOML"),
     ],
 )

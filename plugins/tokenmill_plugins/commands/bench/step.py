@@ -238,8 +238,9 @@ def _time_step_calls(engine: EngineCore, repeats: int, sync: Callable[[], Any]) 
 
 def _time_parts_in_steps(engine: EngineCore, repeats: int) -> dict[str, float]:
     """Medians over ``repeats`` decode steps (ms) of the step and of the time inside it spent in calls to each
-    part, timed where the forward makes them, and the step's median less the parts' (``other``). CPU only: the calls return
-    when their work is done. The timers are instance attributes over the parts' methods, removed at the end."""
+    part, timed where the forward makes them, and the step's median less the parts' (``other``). CPU only: the
+    calls return when their work is done. The timers are instance attributes over the parts' methods, removed at
+    the end."""
     from tokenmill.layers.kernels import UsesLayerKernels
     from tokenmill.layers.linear import Linear
 
