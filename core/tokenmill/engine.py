@@ -168,6 +168,8 @@ class EngineCore:
         """Flush the KV tiers' pending writes and release them, and stop the tensor-parallel workers; once,
         when the engine stops."""
         self.structured_outputs.close()
+        if self.lora is not None:
+            self.lora.close()
         self.kv_tier_stack.close()
         if self.shards is not None:
             self.shards.stop()
@@ -194,8 +196,8 @@ class EngineCore:
             self._enqueue(message)
 
     def _with_adapter(self, message: EngineCoreRequest) -> EngineCoreRequest:
-        """Read the request's adapter (once per adapter) and salt its prefix cache with it; raises
-        ``InvalidRequestError`` when LoRA is off or the adapter cannot be used."""
+        """Check the request's adapter (its weights are read off the loop once it is queued) and salt its prefix
+        cache with it; raises ``InvalidRequestError`` when LoRA is off or the adapter cannot be used."""
         lora_request = message.lora_request
         assert lora_request is not None
         if self.lora is None:
@@ -204,7 +206,7 @@ class EngineCore:
                 "start the engine with --enable-lora"
             )
         try:
-            self.lora.add_adapter(lora_request)
+            self.lora.check_adapter(lora_request)
         except LoRAAdapterError as exc:
             raise InvalidRequestError(str(exc)) from None
         return msgspec.structs.replace(message, cache_salt=lora_cache_salt(lora_request, message.cache_salt))
@@ -223,6 +225,9 @@ class EngineCore:
                 cache_salt=message.cache_salt,
                 enqueued_at=time.monotonic(),
                 lora_request=message.lora_request,
+                lora_load=self.lora.load_adapter(message.lora_request)
+                if self.lora is not None and message.lora_request is not None
+                else None,
                 structured_output=(
                     self.structured_outputs.request(constraint, message.prompt_token_ids)
                     if constraint is not None

@@ -429,21 +429,23 @@ class FCFSScheduler(Scheduler):
         scheduler_output.in_flight = True
 
     def _admit_waiting(self, output: SchedulerOutput, budget: int) -> None:
-        compiling: list[tuple[Any, Request]] = []  # vLLM's WAITING_FOR_FSM: passed over until their grammar is ready
-        no_slot: list[tuple[Any, Request]] = []
+        # vLLM's WAITING_FOR_FSM and WAITING_FOR_REMOTE_LORA: passed over until their grammar compiled and their
+        # adapter was read (in threads), or until their adapter finds a slot.
+        not_ready: list[tuple[Any, Request]] = []
         while self._waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self._waiting[0][1]
-            constraint = request.structured_output
-            if constraint is not None and not constraint.is_ready():
-                compiling.append(heapq.heappop(self._waiting))
+            constraint, load = request.structured_output, request.lora_load
+            if (constraint is not None and not constraint.is_ready()) or (load is not None and not load.is_ready()):
+                not_ready.append(heapq.heappop(self._waiting))
                 continue
-            if not self._has_lora_slot(request):  # its adapter finds no slot: it waits, others run
-                no_slot.append(heapq.heappop(self._waiting))
-                continue
-            if constraint is not None and constraint.error is not None:  # it failed to compile
+            error = (constraint.error if constraint is not None else None) or (load.error if load else None)
+            if error is not None:  # its grammar did not compile, or its adapter could not be read
                 heapq.heappop(self._waiting)
                 self._finish(request, RequestStatus.FINISHED_ABORTED)
-                self._failed.append(self._output(request, [], error=constraint.error))
+                self._failed.append(self._output(request, [], error=error))
+                continue
+            if not self._has_lora_slot(request):  # its adapter finds no slot: it waits, others run
+                not_ready.append(heapq.heappop(self._waiting))
                 continue
             # A prompt whose logprobs are asked for runs in full: a cached prefix would have no logits.
             prefix_tokens = () if request.needs_prompt_logits else request.all_token_ids
@@ -462,7 +464,7 @@ class FCFSScheduler(Scheduler):
             output.block_copies.extend(allocation.copies)
             output.scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
-        for entry in compiling + no_slot:
+        for entry in not_ready:
             heapq.heappush(self._waiting, entry)
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
@@ -488,6 +490,7 @@ class FCFSScheduler(Scheduler):
             priority=parent.priority,
             cache_salt=parent.cache_salt,
             lora_request=parent.lora_request,
+            lora_load=parent.lora_load,
             parent_id=parent.request_id,
             index=index,
             # Its prompt is computed once this step's forward has run; it is not scheduled before then.

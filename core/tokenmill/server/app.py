@@ -120,6 +120,7 @@ class _Generation:
     queue_time: float = 0.0  # in the engine, before its first step
     lease: Lease | None = None  # its key's: tokens are charged to it as they arrive
     model: str = ""  # what the request's ``model`` named: the base model or a LoRA adapter
+    lora_name: str | None = None  # the LoRA adapter it runs with
     parsing: OutputParsing | None = None  # chat: reasoning and tool calls read out of the text
 
 
@@ -139,7 +140,7 @@ class OpenAIServer:
         )
         self._openapi = msgspec.json.encode(document)  # encoded once: it never changes while serving
         #: With ``lora.enable_lora``: the adapters served, by name.
-        self.lora = LoRAEndpoints.from_config(state.config, state.model_name)
+        self.lora = LoRAEndpoints.from_config(state.config, state.model_name, self.tenants)
         self._validator: ConstraintValidator | None = None
         #: ``--tool-call-parser`` and ``--reasoning-parser``, with ``--enable-auto-tool-choice``.
         self.parsers = ServerParsers(state.config, state.plugins, state.tokenizer)
@@ -157,6 +158,7 @@ class OpenAIServer:
             try:
                 if auth:
                     key = self.tenants.authenticate(request.headers.get("authorization"))
+                    request.state.key = key
                 if limited:
                     assert key is not None, "a limited route is behind the keys"
                     lease = self.tenants.admit(key)
@@ -212,14 +214,14 @@ class OpenAIServer:
             chunks.append(chunk)
         return b"".join(chunks)
 
-    def _check_model(self, model: str) -> LoRARequest | None:
-        """The LoRA adapter ``model`` names (None: the base model); any other name is OpenAI's 404."""
-        if model == self.state.model_name:
-            return None
-        lora = self.lora.resolve(model) if self.lora is not None else None
-        if lora is None:
+    def _check_model(self, model: str, request: Request) -> LoRARequest | None:
+        """The LoRA adapter ``model`` names for the request's key (None: the base model); any other name, and
+        another tenant's adapter, is OpenAI's 404."""
+        if self.lora is not None:
+            return self.lora.resolve(model, getattr(request.state, "key", None))
+        if model != self.state.model_name:
             raise protocol.model_not_found(model)
-        return lora
+        return None
 
     def _check_capacity(self) -> None:
         if self.state.is_draining:
@@ -301,6 +303,8 @@ class OpenAIServer:
             if generation.lease is not None:  # generated tokens are charged as they arrive
                 generation.lease.charge_tokens(len(output.new_token_ids))
                 metrics.observe_tenant_tokens(generation.lease.tenant, num_generation_tokens=len(output.new_token_ids))
+            if generation.lora_name is not None:
+                metrics.observe_lora_tokens(generation.lora_name, len(output.new_token_ids))
             now = time.monotonic()
             metrics.observe_token(engine, now, generation.arrival, generation.last_token_at.get(output.index))
             generation.last_token_at[output.index] = now
@@ -369,7 +373,7 @@ class OpenAIServer:
 
     async def completions(self, request: Request) -> Response:
         body, params = protocol.decode_completion_request(await self._body(request))
-        self._check_model(body.model)
+        self._check_model(body.model, request)
         await self._check_constraint(body, params)
         prompt = protocol.completion_prompt(body)
         if isinstance(prompt, str):
@@ -384,7 +388,7 @@ class OpenAIServer:
 
     async def chat_completions(self, request: Request) -> Response:
         body, params = protocol.decode_chat_request(await self._body(request), self.parsers.auto_tool_choice)
-        self._check_model(body.model)
+        self._check_model(body.model, request)
         await self._check_constraint(body, params)
         # The template sees the tools (a template that knows them tells the model how to call them), as vLLM's.
         template_tools = msgspec.to_builtins(body.tools) if body.tools else None
@@ -427,10 +431,14 @@ class OpenAIServer:
         """What both endpoints do once the prompt is tokenized: start, then stream or wait and answer."""
         protocol.check_context_length(body, params, len(token_ids), self.state.group.max_model_len)
         lease = getattr(request.state, "lease", None)
+        lora_request = self._check_model(body.model, request)
         generation = self._start(token_ids, prompt_text, params, body.priority, id_prefix, lease, body.cache_salt,
-                                 self._check_model(body.model))  # fmt: skip
+                                 lora_request)  # fmt: skip
         generation.echo = echo
-        generation.model = body.model
+        generation.model = lora_request.lora_name if lora_request is not None else body.model
+        if lora_request is not None:
+            generation.lora_name = lora_request.lora_name
+            self.state.metrics.observe_lora_request(lora_request.lora_name, len(token_ids))
         generation.parsing = parsing
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -567,14 +575,16 @@ class OpenAIServer:
     async def models(self, request: Request) -> Response:
         response = protocol.models_response([self.state.model_name], self.state.created)
         if self.lora is not None:
-            response["data"] += self.lora.model_cards(self.state.created, self.state.model_name)
+            key = getattr(request.state, "key", None)
+            response["data"] += self.lora.model_cards(self.state.created, self.state.model_name, key)
         return JSONResponse(response)
 
     async def model(self, request: Request) -> Response:
         model_id = request.path_params["model_id"]
-        if self._check_model(model_id) is not None:
+        if model_id != self.state.model_name and self._check_model(model_id, request) is not None:
             assert self.lora is not None
-            cards = self.lora.model_cards(self.state.created, self.state.model_name)
+            key = getattr(request.state, "key", None)
+            cards = self.lora.model_cards(self.state.created, self.state.model_name, key)
             return JSONResponse(next(card for card in cards if card["id"] == model_id))
         return JSONResponse(protocol.model_response(model_id, self.state.created))
 
@@ -584,15 +594,15 @@ class OpenAIServer:
         return self.lora
 
     async def load_lora_adapter(self, request: Request) -> Response:
-        return self._lora_endpoints().load(await self._body(request))
+        return self._lora_endpoints().load(await self._body(request), getattr(request.state, "key", None))
 
     async def unload_lora_adapter(self, request: Request) -> Response:
-        return self._lora_endpoints().unload(await self._body(request))
+        return self._lora_endpoints().unload(await self._body(request), getattr(request.state, "key", None))
 
     async def tokenize(self, request: Request) -> Response:
         body = protocol.decode_tokenize_request(await self._body(request))
         if body.model is not None:
-            self._check_model(body.model)
+            self._check_model(body.model, request)
         if isinstance(body, protocol.TokenizeChatRequest):
             text = self._chat_prompt(body.messages, body.add_generation_prompt)
         else:
@@ -604,7 +614,7 @@ class OpenAIServer:
     async def detokenize(self, request: Request) -> Response:
         body = protocol.decode_detokenize_request(await self._body(request))
         if body.model is not None:
-            self._check_model(body.model)
+            self._check_model(body.model, request)
         protocol.check_token_ids(SamplingParams(), body.tokens, self.state.tokenizer.vocab_size, param="tokens")
         return JSONResponse({"prompt": self.state.tokenizer.decode(body.tokens)})
 

@@ -1,0 +1,164 @@
+"""Everything else keeps working with adapters: preemption, n > 1, n-gram speculative decoding, async scheduling;
+and an adapter read from disk never stalls the other requests (its read runs in a thread)."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.factories import make_engine
+from tokenmill import LoRARequest, SamplingParams
+from tokenmill.engine import EngineCore, now
+from tokenmill.messages import EngineCoreRequest, completion_request_id
+
+_PROMPTS = [[9, 8, 7, 6, 5], [1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2], [40, 41, 42, 43, 40, 41, 42], [5, 6, 5, 6, 5, 6]]
+
+
+def _loras(adapters: list[Path]) -> list[LoRARequest | None]:
+    return [LoRARequest(f"a{i}", i + 1, str(path)) for i, path in enumerate(adapters[:3])] + [None]
+
+
+def _params(**options: Any) -> SamplingParams:
+    return SamplingParams(**{"temperature": 0, "max_tokens": 12, "ignore_eos": True, **options})
+
+
+def _run(engine: EngineCore, requests: list[EngineCoreRequest]) -> dict[tuple[str, int], list[int]]:
+    """Each completion's tokens, by (request id, completion index)."""
+    for request in requests:
+        engine.add_request(request)
+    tokens: dict[tuple[str, int], list[int]] = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            assert output.error is None, output.error
+            tokens.setdefault((output.request_id, output.index), []).extend(output.new_token_ids)
+    return tokens
+
+
+def _requests(loras: list[LoRARequest | None], count: int, **options: Any) -> list[EngineCoreRequest]:
+    return [
+        EngineCoreRequest(f"r{n}", _PROMPTS[n % len(_PROMPTS)], _params(**options), [], now(),
+                          lora_request=loras[n % len(loras)])
+        for n in range(count)
+    ]  # fmt: skip
+
+
+def _alone(lora_model_dir: Path, loras: list[LoRARequest | None], count: int) -> dict[str, list[int]]:
+    """Each request's greedy tokens run one at a time, without any other feature."""
+    engine = make_engine(lora_model_dir, model={"dtype": "float32"}, lora={"enable_lora": True, "max_loras": 4})
+    return {r.request_id: _run(engine, [r])[(r.request_id, 0)] for r in _requests(loras, count)}
+
+
+@pytest.fixture(scope="module")
+def alone(lora_model_dir: Path, adapters: list[Path]) -> dict[str, list[int]]:
+    return _alone(lora_model_dir, _loras(adapters), 8)
+
+
+def test_preempted_requests_recompute_under_their_adapter(
+    lora_model_dir: Path, adapters: list[Path], alone: dict[str, list[int]]
+) -> None:
+    engine = make_engine(
+        lora_model_dir, model={"dtype": "float32"}, lora={"enable_lora": True, "max_loras": 2},
+        cache={"num_kv_blocks": 14},
+    )  # fmt: skip
+    tokens = _run(engine, _requests(_loras(adapters), 8))
+    assert engine.scheduler.num_preemptions > 0  # type: ignore[attr-defined]
+    assert {request_id: t for (request_id, _), t in tokens.items()} == alone
+    assert engine.kv_cache.num_free_blocks == engine.layout.num_blocks
+
+
+def test_n_greater_than_one_forks_keep_the_adapter(
+    lora_model_dir: Path, adapters: list[Path], alone: dict[str, list[int]]
+) -> None:
+    engine = make_engine(lora_model_dir, model={"dtype": "float32"}, lora={"enable_lora": True, "max_loras": 2})
+    tokens = _run(engine, _requests(_loras(adapters), 8, n=3))
+    assert len(tokens) == 8 * 3
+    for (request_id, index), completion in tokens.items():  # completion i > 0 reports as "<id>#i"
+        assert request_id == completion_request_id(request_id.partition("#")[0], index)
+        assert completion == alone[request_id.partition("#")[0]]  # greedy: each completion is the request's alone
+    assert not engine.scheduler.running_loras  # type: ignore[attr-defined]
+
+
+def test_ngram_speculation_is_verified_by_the_target_with_the_adapter(
+    lora_model_dir: Path, adapters: list[Path], alone: dict[str, list[int]]
+) -> None:
+    engine = make_engine(
+        lora_model_dir, model={"dtype": "float32"}, lora={"enable_lora": True, "max_loras": 4},
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
+    )  # fmt: skip
+    tokens = _run(engine, _requests(_loras(adapters), 8))
+    assert {request_id: t for (request_id, _), t in tokens.items()} == alone
+    stats = engine.stats()
+    assert stats.spec_decode_num_draft_tokens > 0 and stats.spec_decode_num_accepted_tokens > 0
+
+
+def test_async_scheduling_with_adapters(
+    lora_model_dir: Path, adapters: list[Path], alone: dict[str, list[int]]
+) -> None:
+    engine = make_engine(
+        lora_model_dir, model={"dtype": "float32"}, lora={"enable_lora": True, "max_loras": 2},
+        scheduler={"async_scheduling": True},
+    )  # fmt: skip
+    assert type(engine.loop).__name__ == "AsyncSchedulingLoop"
+    tokens = _run(engine, _requests(_loras(adapters), 8))
+    assert {request_id: t for (request_id, _), t in tokens.items()} == alone
+
+
+def test_an_adapter_read_from_disk_does_not_stall_other_requests(
+    lora_model_dir: Path, adapters: list[Path], alone: dict[str, list[int]]
+) -> None:
+    engine = make_engine(lora_model_dir, model={"dtype": "float32"}, lora={"enable_lora": True, "max_loras": 2})
+    assert engine.lora is not None
+    read, release = engine.lora._read, threading.Event()
+
+    def slow_read(request: LoRARequest) -> Any:
+        assert release.wait(30), "the test never let the read finish"
+        return read(request)
+
+    engine.lora._read = slow_read  # type: ignore[method-assign]
+    requests = _requests(_loras(adapters), 4)  # r3 has no adapter, r0 adapter a0
+    engine.add_request(requests[3])  # the base model's request runs
+    engine.add_request(requests[0])  # its adapter is being read: it waits
+    tokens: dict[str, list[int]] = {"r0": [], "r3": []}
+    for _ in range(6):  # the other request keeps stepping meanwhile, one token a step
+        for output in engine.step():
+            tokens[output.request_id] += output.new_token_ids
+    assert len(tokens["r3"]) == 6 and tokens["r0"] == []
+    assert engine.stats().waiting_lora_adapters == ["a0"]
+    release.set()
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            tokens[output.request_id] += output.new_token_ids
+    assert tokens == {"r0": alone["r0"], "r3": alone["r3"]}
+    assert engine.lora.num_cpu_adapters == 1
+
+
+def test_an_adapter_whose_weights_cannot_be_read_fails_its_requests_only(
+    lora_model_dir: Path, adapters: list[Path]
+) -> None:
+    engine = make_engine(lora_model_dir, model={"dtype": "float32"}, lora={"enable_lora": True})
+    assert engine.lora is not None
+    read, fail = engine.lora._read, [True]
+
+    def flaky_read(request: LoRARequest) -> Any:
+        if fail[0]:
+            raise OSError("the disk went away")
+        return read(request)
+
+    engine.lora._read = flaky_read  # type: ignore[method-assign]
+    lora = LoRARequest("a0", 1, str(adapters[0]))
+    for request_id in ("bad", "base"):
+        engine.add_request(EngineCoreRequest(request_id, [1, 2, 3], _params(max_tokens=2), [], now(),
+                                             lora_request=lora if request_id == "bad" else None))  # fmt: skip
+    errors: dict[str, str | None] = {}
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            errors[output.request_id] = output.error
+            tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
+    assert errors == {"bad": "the disk went away", "base": None} and len(tokens["base"]) == 2
+    fail[0] = False  # the next request naming the adapter reads it again
+    assert len(_run(engine, [EngineCoreRequest("good", [1, 2, 3], _params(max_tokens=2), [], now(),
+                                               lora_request=lora)])[("good", 0)]) == 2  # fmt: skip
