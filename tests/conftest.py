@@ -6,6 +6,7 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -56,6 +57,19 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
             for line in skipped[:20]:
                 reporter.write_line(f"  {line}", red=True)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads_restored() -> Iterator[None]:
+    """An engine built in-process sets torch's thread count (``device.num_threads``, tensor-parallel shares): put
+    it back, so that no test runs with what an earlier one left (a thread count changes float summation order,
+    and with it which activations round which way in quantized references)."""
+    import torch
+
+    before = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != before:
+        torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

@@ -111,9 +111,10 @@ def test_loads_an_asymmetric_compressed_tensors_checkpoint_as_its_tool_runs_it()
 def test_keeps_activation_quantization_of_w8a8_and_fp8_checkpoints() -> None:
     """Decompressing at load would drop their int8 / FP8 activation rounding; the reference must keep it.
 
-    The stored logits are matched to 1e-2: activations that land next to a rounding boundary of FP8 round
-    differently on different CPUs (up to 2.5e-3 seen on a Sapphire Rapids Xeon), while the decompressed model,
-    whose activations stay float, is off by over 0.1 on both checkpoints."""
+    The stored logits are matched to 5e-2: activations that land next to a rounding boundary of int8 or FP8
+    round differently with the CPU and torch's thread count, which changes the order of float sums (up to
+    2.5e-3 seen on a Sapphire Rapids Xeon; 2.5e-2 for int8 with one thread instead of two), while the
+    decompressed model, whose activations stay float, is off by over 0.1 on both checkpoints."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
@@ -127,4 +128,4 @@ def test_keeps_activation_quantization_of_w8a8_and_fp8_checkpoints() -> None:
         with torch.no_grad():
             error = (HFModel.load(checkpoint).model(prompt).logits[0] - reference).abs().max().item()
             dropped = (decompressed.eval()(prompt).logits[0] - reference).abs().max().item()
-        assert error < 1e-2 < dropped, (name, error, dropped)
+        assert error < 5e-2 < 0.1 < dropped, (name, error, dropped)

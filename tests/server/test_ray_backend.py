@@ -326,13 +326,15 @@ def test_the_front_end_imports_ray_only_for_backend_ray() -> None:
 
 
 def test_replicas_the_cluster_cannot_place_are_waited_for_until_a_signal(
-    tmp_path: Path, ray_server: Server, ray_address: str, tiny_model_dir: Path
+    tmp_path: Path, ray_server: Server, ray_address: str, tiny_model_dir: Path, smollm2_gguf: Path
 ) -> None:
     # ray_server's replicas hold every CPU of the cluster, so one more replica cannot be placed. (Last in this
-    # module: its actor waits under the same name as ray_server's first one, in its own namespace.)
+    # module: its actor waits under the same name as ray_server's first one, in its own namespace.) The
+    # tokenizer loads while the replicas are placed: it must be there.
     log = tmp_path / "unplaced.log"
-    command = [sys.executable, "-m", "tokenmill.cli", "serve", str(tiny_model_dir), "--device", "cpu", "--port",
-               str(free_port()), "--backend", "ray", "--ray-address", ray_address]  # fmt: skip
+    command = [sys.executable, "-m", "tokenmill.cli", "serve", str(tiny_model_dir), "--tokenizer", str(smollm2_gguf),
+               "--device", "cpu", "--port", str(free_port()), "--backend", "ray",
+               "--ray-address", ray_address]  # fmt: skip
     with log.open("w") as output:
         process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
     try:
