@@ -16,30 +16,20 @@ inside an engine process.
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import json
 import logging
 import time
-from pathlib import Path
 
 import msgspec
 
-from tokenmill.config import ConfigError, EngineConfig
-from tokenmill.config.cache import KVTierConfig
+from tokenmill.config import EngineConfig
 from tokenmill.executor import ModelExecutor, load_runner
 from tokenmill.kv_cache.manager import KVCacheManager
-from tokenmill.kv_cache.tier import KVTier, check_tier_path
-from tokenmill.kv_cache.tier_stack import KVTierStack
-from tokenmill.lora.adapter import LoRAAdapterError
-from tokenmill.lora.manager import LoRAManager, build_lora_manager
-from tokenmill.lora.request import lora_cache_salt
-from tokenmill.memory import CacheLayout
-from tokenmill.messages import EngineCoreOutput, EngineCoreRequest, EngineStatsMessage, KVTierStatsMessage
-from tokenmill.model_files import resolve_tokenizer
+from tokenmill.kv_cache.tier import KVTier
+from tokenmill.kv_cache.tier_stack import build_tier_stack, kv_fingerprint, load_tier_classes
+from tokenmill.lora.manager import LoRAManager, build_lora_manager, with_adapter
+from tokenmill.messages import EngineCoreOutput, EngineCoreRequest, EngineStatsMessage
 from tokenmill.model_loader import LoadedModel
 from tokenmill.parallel.shards import ShardWorkers
-from tokenmill.parsers.reasoning_parser import ReasoningParser
 from tokenmill.plugin_manager import FRONT_END_SLOTS, PluginSystem, Slot, resolve_plugins, slot_selections
 from tokenmill.request import Request
 from tokenmill.sampling.logits_processor import LogitsProcessor
@@ -48,10 +38,7 @@ from tokenmill.sampling_params import InvalidRequestError
 from tokenmill.scheduler import Scheduler
 from tokenmill.speculative.proposer import build_proposer
 from tokenmill.step_loop import AsyncSchedulingLoop, KVTierLoop, SyncLoop, uses_async_scheduling
-from tokenmill.structured_output.backend import StructuredOutputBackend
-from tokenmill.structured_output.manager import StructuredOutputManager, build_backend
-from tokenmill.tokenizer import Tokenizer
-from tokenmill.weights.cache import model_file_stats
+from tokenmill.structured_output.manager import build_structured_outputs
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +47,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig, plugins: PluginSystem | None = None) -> None:
         self.config = config
         self.plugins = plugins if plugins is not None else resolve_plugins(config, skip=FRONT_END_SLOTS)
-        tier_classes = [self._kv_tier_class(tier) for tier in config.kv_tiers]  # a bad entry fails before loading
+        tier_classes = load_tier_classes(config, self.plugins)  # a bad entry fails before loading
         #: The worker processes of shards 1..N-1 with tensor parallelism (this process runs shard 0).
         self.shards = ShardWorkers(config) if config.parallel.tensor_parallel_size > 1 else None
         try:
@@ -74,26 +61,14 @@ class EngineCore:
         self.vocab_size = self.loaded.arch.vocab_size
         #: With ``lora.enable_lora``: the adapters, in host memory and in the model's slots.
         self.lora: LoRAManager | None = build_lora_manager(config, self.plugins, self.loaded)
-        #: Salts every prefix-cache block hash: what the K/V of the same tokens depends on, so a KV tier that
-        #: outlives this process (a disk) never serves blocks of other weights, dtypes or block sizes.
+        #: Salts every prefix-cache block hash with what the K/V of the same tokens depends on.
         self.kv_cache_hash_salt = kv_fingerprint(config, self.loaded, self.layout)
-        self.kv_tiers: list[KVTier] = []
-        writes = []
-        for tier, cls in zip(config.kv_tiers, tier_classes, strict=True):
-            self.kv_tiers.append(self.plugins.instantiate(
-                Slot.KV_TIER, tier.name, cls, capacity_bytes=tier.capacity_bytes,
-                fingerprint=self.kv_cache_hash_salt, **({"path": tier.path} if tier.path else {}),
-            ))  # fmt: skip
-            writes.append(tier.write or cls.default_write)
-        self.kv_tier_stack = KVTierStack(list(zip(self.kv_tiers, writes, strict=True)))
+        self.kv_tier_stack = build_tier_stack(config, self.plugins, tier_classes, self.kv_cache_hash_salt)
         self.kv_cache: KVCacheManager = self.plugins.create(
             Slot.KV_CACHE_MANAGER, config.cache.kv_cache_manager, self.layout.num_blocks, self.layout.block_size,
             enable_prefix_caching=config.cache.enable_prefix_caching, hash_salt=self.kv_cache_hash_salt,
-            **({"tiers": self.kv_tier_stack} if self.kv_tiers else {}),
+            **({"tiers": self.kv_tier_stack} if self.kv_tier_stack else {}),
         )  # fmt: skip
-        if self.lora is not None and not self.plugins.load(Slot.SCHEDULER, config.scheduler.policy).supports_lora:
-            raise ConfigError(f"scheduler.policy={config.scheduler.policy!r} does not run LoRA adapters; "
-                              "choose 'fcfs' or 'priority', or turn lora.enable_lora off")  # fmt: skip
         self.scheduler: Scheduler = self.plugins.create(
             Slot.SCHEDULER, config.scheduler.policy, self.kv_cache,
             max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
@@ -105,47 +80,20 @@ class EngineCore:
         processors: list[LogitsProcessor] = [self.plugins.create(Slot.LOGITS_PROCESSOR, n) for n in processor_names]
         proposer = build_proposer(config, sampler, self.loaded, self.plugins, self.layout)
         self.executor = ModelExecutor(
-            runner,
-            self.kv_cache,
-            sampler,
-            processors,
-            proposer,
-            self.kv_tier_stack if self.kv_tiers else None,
-            self.lora,
+            runner, self.kv_cache, sampler, processors, proposer, self.kv_tier_stack or None, self.lora
         )
         self.loop = self._choose_loop()
-        #: Compiles requests' constraints (structured outputs) off the loop; its backend is built on first use.
-        #: With a reasoning parser (and not ``enable_in_reasoning``) a constraint starts after the reasoning.
-        settings = config.structured_outputs_config
-        reasons = config.parsers.reasoning_parser is not None and not settings.enable_in_reasoning
-        self.structured_outputs = StructuredOutputManager(
-            self._structured_outputs_backend,
-            settings.disable_any_whitespace,
-            make_reasoner=self._reasoning_parser if reasons else None,
-        )
+        #: Compiles requests' constraints (structured outputs) off the loop.
+        self.structured_outputs = build_structured_outputs(config, self.plugins, self.vocab_size)
 
-    @functools.cached_property
-    def _tokenizer(self) -> Tokenizer:
-        """The model's tokenizer, for the structured-output backend and the reasoning parser (read in a compile
-        thread, on the first constrained request)."""
-        model = self.config.model
-        return Tokenizer.from_path(resolve_tokenizer(model.model, model.tokenizer))
-
-    def _structured_outputs_backend(self) -> StructuredOutputBackend:
-        """The configured structured-output backend over the model's tokenizer (in a compile thread, once)."""
-        backend = self.config.structured_outputs_config.backend
-        return build_backend(self.plugins, backend, self._tokenizer, self.vocab_size)
-
-    def _reasoning_parser(self) -> ReasoningParser:
-        """The configured reasoning parser (in a compile thread, once)."""
-        name = self.config.parsers.reasoning_parser
-        assert name is not None
-        parser: ReasoningParser = self.plugins.create(Slot.REASONING_PARSER, name, self._tokenizer)
-        return parser
+    @property
+    def kv_tiers(self) -> list[KVTier]:
+        """The KV tiers below the device cache, nearest first."""
+        return self.kv_tier_stack.tiers
 
     def _choose_loop(self) -> SyncLoop:
         """The loop variant, once: with KV tiers, with async scheduling when nothing rules it out, else plain."""
-        if self.kv_tiers:
+        if self.kv_tier_stack:
             return KVTierLoop(self.scheduler, self.executor, self._enqueue, self.layout.block_size,
                               self.kv_cache_hash_salt)  # fmt: skip
         blockers = {
@@ -155,14 +103,6 @@ class EngineCore:
         if uses_async_scheduling(self.config, self.scheduler, blockers):
             return AsyncSchedulingLoop(self.scheduler, self.executor)
         return SyncLoop(self.scheduler, self.executor)
-
-    def _kv_tier_class(self, tier: KVTierConfig) -> type[KVTier]:
-        cls: type[KVTier] = self.plugins.load(Slot.KV_TIER, tier.name)
-        try:
-            check_tier_path(cls, tier.name, tier.capacity, tier.path)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-        return cls
 
     def close(self) -> None:
         """Flush the KV tiers' pending writes and release them, and stop the tensor-parallel workers; once,
@@ -190,26 +130,9 @@ class EngineCore:
         bad = next((t for t in message.params.logit_bias or () if t >= self.vocab_size), None)
         if bad is not None:
             raise InvalidRequestError(f"logit_bias token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})")
-        if message.lora_request is not None:
-            message = self._with_adapter(message)
+        message = with_adapter(self.lora, message)
         if not self.loop.hold(message):
             self._enqueue(message)
-
-    def _with_adapter(self, message: EngineCoreRequest) -> EngineCoreRequest:
-        """Check the request's adapter (its weights are read off the loop once it is queued) and salt its prefix
-        cache with it; raises ``InvalidRequestError`` when LoRA is off or the adapter cannot be used."""
-        lora_request = message.lora_request
-        assert lora_request is not None
-        if self.lora is None:
-            raise InvalidRequestError(
-                f"the request names LoRA adapter {lora_request.lora_name!r}, but LoRA is not enabled; "
-                "start the engine with --enable-lora"
-            )
-        try:
-            self.lora.check_adapter(lora_request)
-        except LoRAAdapterError as exc:
-            raise InvalidRequestError(str(exc)) from None
-        return msgspec.structs.replace(message, cache_salt=lora_cache_salt(lora_request, message.cache_salt))
 
     def _enqueue(self, message: EngineCoreRequest) -> None:
         constraint = message.params.structured_outputs
@@ -281,34 +204,13 @@ class EngineCore:
         it: the engine process takes them (``take_prefix_cache_delta``) for each connection's summary."""
         touched = self.kv_cache.num_touched_blocks
         touched_bytes = (self.layout.num_blocks if touched is None else touched) * self.layout.bytes_per_block
-        stats = msgspec.structs.replace(self.scheduler.stats(), kv_cache_touched_bytes=touched_bytes)
-        if not self.kv_tiers:
-            return stats
-        tiers = [
-            KVTierStatsMessage(tier.name, t.hits, t.misses, t.bytes_read, t.bytes_written, t.rejected, t.errors,
-                               t.loads, t.load_seconds)
-            for tier in self.kv_tiers for t in [tier.stats]
-        ]  # fmt: skip
-        return msgspec.structs.replace(stats, kv_tiers=tiers)
+        return msgspec.structs.replace(
+            self.scheduler.stats(), kv_cache_touched_bytes=touched_bytes, kv_tiers=self.kv_tier_stack.stats()
+        )
 
     def take_prefix_cache_delta(self) -> tuple[list[bytes], list[bytes]]:
         """The block hashes the device prefix cache gained and lost since the last call (net)."""
         return self.kv_cache.take_prefix_cache_delta()
-
-
-def kv_fingerprint(config: EngineConfig, loaded: LoadedModel, layout: CacheLayout) -> str:
-    """A digest of what the K/V of given tokens depends on besides them: the model's files (path, size and
-    modification time of each), dtypes, quantization and the cache's block geometry."""
-    arch = loaded.arch
-    parts = {
-        "model": str(loaded.path),
-        "files": sorted(model_file_stats(Path(loaded.path)).items()),
-        "dtype": str(loaded.dtype),
-        "kv_cache_dtype": str(loaded.kv_cache_dtype),
-        "quantization": config.model.quantization,
-        "block": [layout.block_size, arch.num_layers, arch.num_kv_heads, arch.head_dim],
-    }
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
 def now() -> float:

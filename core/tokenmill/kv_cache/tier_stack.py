@@ -9,14 +9,70 @@ Evictions cascade: what one ``eviction`` tier evicts goes to the next one below.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tokenmill.kv_cache.tier import KVTier, WritePolicy
+from tokenmill.config import ConfigError
+from tokenmill.kv_cache.tier import KVTier, WritePolicy, check_tier_path
+from tokenmill.messages import KVTierStatsMessage
+from tokenmill.plugin_manager import Slot
+from tokenmill.weights.cache import model_file_stats
 
 if TYPE_CHECKING:
     import torch
+
+    from tokenmill.config import EngineConfig
+    from tokenmill.memory import CacheLayout
+    from tokenmill.model_loader import LoadedModel
+    from tokenmill.plugin_manager import PluginSystem
+
+
+def kv_fingerprint(config: EngineConfig, loaded: LoadedModel, layout: CacheLayout) -> str:
+    """A digest of what the K/V of given tokens depends on besides them: the model's files (path, size and
+    modification time of each), dtypes, quantization and the cache's block geometry. It salts every prefix-cache
+    block hash, so a KV tier that outlives the process (a disk) never serves blocks of other weights."""
+    arch = loaded.arch
+    parts = {
+        "model": str(loaded.path),
+        "files": sorted(model_file_stats(Path(loaded.path)).items()),
+        "dtype": str(loaded.dtype),
+        "kv_cache_dtype": str(loaded.kv_cache_dtype),
+        "quantization": config.model.quantization,
+        "block": [layout.block_size, arch.num_layers, arch.num_kv_heads, arch.head_dim],
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def load_tier_classes(config: EngineConfig, plugins: PluginSystem) -> list[type[KVTier]]:
+    """The class of each configured tier, its path checked: a bad entry fails before the model loads."""
+    classes = []
+    for tier in config.kv_tiers:
+        cls: type[KVTier] = plugins.load(Slot.KV_TIER, tier.name)
+        try:
+            check_tier_path(cls, tier.name, tier.capacity, tier.path)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        classes.append(cls)
+    return classes
+
+
+def build_tier_stack(
+    config: EngineConfig, plugins: PluginSystem, classes: Sequence[type[KVTier]], fingerprint: str
+) -> KVTierStack:
+    """The configured tiers, built from ``load_tier_classes``' classes; ``fingerprint`` names the K/V they hold
+    (``kv_fingerprint``), so a tier that outlives the process never serves another model's blocks."""
+    tiers = []
+    for tier, cls in zip(config.kv_tiers, classes, strict=True):
+        instance = plugins.instantiate(
+            Slot.KV_TIER, tier.name, cls, capacity_bytes=tier.capacity_bytes, fingerprint=fingerprint,
+            **({"path": tier.path} if tier.path else {}),
+        )  # fmt: skip
+        tiers.append((instance, tier.write or cls.default_write))
+    return KVTierStack(tiers)
 
 
 class KVTierStack:
@@ -105,6 +161,14 @@ class KVTierStack:
             evicted = tier.store(block_hash, block)
             if evicted and below:
                 self._cascade(below[0], evicted)
+
+    def stats(self) -> list[KVTierStatsMessage]:
+        """Each tier's counters, nearest first, for the engine's stats."""
+        return [
+            KVTierStatsMessage(tier.name, t.hits, t.misses, t.bytes_read, t.bytes_written, t.rejected, t.errors,
+                               t.loads, t.load_seconds)
+            for tier in self.tiers for t in [tier.stats]
+        ]  # fmt: skip
 
     def close(self) -> None:
         for tier in self.tiers:

@@ -25,16 +25,20 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import msgspec
 import numpy
 import torch
 from torch import nn
 
+from tokenmill.config import ConfigError
 from tokenmill.layers.linear import Linear
 from tokenmill.lora.adapter import SUPPORTED_TARGET_MODULES, LoRAAdapterError, read_adapter
 from tokenmill.lora.kernels import LoRAKernels
 from tokenmill.lora.layers import LinearLoRA, LoRAContext
-from tokenmill.lora.request import LoRARequest
+from tokenmill.lora.request import LoRARequest, lora_cache_salt
+from tokenmill.messages import EngineCoreRequest
 from tokenmill.plugin_manager import Slot
+from tokenmill.sampling_params import InvalidRequestError
 from tokenmill.scheduler import ScheduledRequest
 
 if TYPE_CHECKING:
@@ -306,6 +310,9 @@ def build_lora_manager(config: EngineConfig, plugins: PluginSystem, loaded: Load
     lora = config.lora
     if not lora.enable_lora:
         return None
+    if not plugins.load(Slot.SCHEDULER, config.scheduler.policy).supports_lora:
+        raise ConfigError(f"scheduler.policy={config.scheduler.policy!r} does not run LoRA adapters; "
+                          "choose 'fcfs' or 'priority', or turn lora.enable_lora off")  # fmt: skip
     kernels: LoRAKernels = plugins.create(Slot.LORA_KERNEL, lora.lora_kernels)
     if loaded.device.type not in kernels.supported_devices:
         raise LoRAAdapterError(
@@ -316,3 +323,22 @@ def build_lora_manager(config: EngineConfig, plugins: PluginSystem, loaded: Load
     dtype = torch.float32 if loaded.device.type == "cpu" else loaded.dtype
     return LoRAManager(loaded.model, kernels, lora.max_loras, lora.max_lora_rank,
                        lora.max_cpu_loras or lora.max_loras, loaded.device, dtype)  # fmt: skip
+
+
+def with_adapter(lora: LoRAManager | None, message: EngineCoreRequest) -> EngineCoreRequest:
+    """``message`` with its prefix cache salted by its adapter, once the adapter's config and tensor header check
+    out (its weights are read off the loop when it is queued); ``InvalidRequestError`` when LoRA is off or the
+    adapter cannot be used."""
+    lora_request = message.lora_request
+    if lora_request is None:
+        return message
+    if lora is None:
+        raise InvalidRequestError(
+            f"the request names LoRA adapter {lora_request.lora_name!r}, but LoRA is not enabled; "
+            "start the engine with --enable-lora"
+        )
+    try:
+        lora.check_adapter(lora_request)
+    except LoRAAdapterError as exc:
+        raise InvalidRequestError(str(exc)) from None
+    return msgspec.structs.replace(message, cache_salt=lora_cache_salt(lora_request, message.cache_salt))

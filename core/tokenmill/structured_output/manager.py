@@ -14,16 +14,21 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from tokenmill.config.structured_outputs import AUTO_BACKEND, AUTO_BACKENDS
+from tokenmill.model_files import resolve_tokenizer
 from tokenmill.parsers.reasoning_parser import ReasoningParser
 from tokenmill.plugin_manager import PluginError, PluginSystem, Slot
 from tokenmill.sampling_params import StructuredOutputsParams
 from tokenmill.structured_output.backend import StructuredOutputBackend
 from tokenmill.structured_output.request import GrammarFactory, StructuredOutputRequest
 from tokenmill.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from tokenmill.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +58,33 @@ def build_backend(
     name = backend_name(plugins, configured)
     backend: StructuredOutputBackend = plugins.create(Slot.STRUCTURED_OUTPUTS_BACKEND, name, tokenizer, vocab_size)
     return backend
+
+
+def build_structured_outputs(config: EngineConfig, plugins: PluginSystem, vocab_size: int) -> StructuredOutputManager:
+    """The engine's manager. Its backend and, with ``parsers.reasoning_parser`` (and not ``enable_in_reasoning``),
+    the reasoning parser that says where a constraint starts are built in a compile thread on the first
+    constrained request, over the model's tokenizer, read once."""
+    settings = config.structured_outputs_config
+    reasoning_parser = config.parsers.reasoning_parser
+    lock = threading.Lock()
+    tokenizers: list[Tokenizer] = []
+
+    def tokenizer() -> Tokenizer:
+        with lock:
+            if not tokenizers:
+                tokenizers.append(Tokenizer.from_path(resolve_tokenizer(config.model.model, config.model.tokenizer)))
+            return tokenizers[0]
+
+    def make_reasoner() -> ReasoningParser:
+        assert reasoning_parser is not None
+        parser: ReasoningParser = plugins.create(Slot.REASONING_PARSER, reasoning_parser, tokenizer())
+        return parser
+
+    return StructuredOutputManager(
+        lambda: build_backend(plugins, settings.backend, tokenizer(), vocab_size),
+        settings.disable_any_whitespace,
+        make_reasoner=make_reasoner if reasoning_parser is not None and not settings.enable_in_reasoning else None,
+    )
 
 
 def cache_key(params: StructuredOutputsParams) -> tuple[str, str, bool, bool]:
