@@ -16,7 +16,7 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -28,19 +28,20 @@ from starlette.routing import Route
 
 from tokenmill import __version__
 from tokenmill.config import EngineConfig
-from tokenmill.engine_client import EngineDeadError, EngineGroup, RequestStream
+from tokenmill.engine_client import EngineDeadError, EngineGroup
 from tokenmill.lora.request import LoRARequest
 from tokenmill.messages import EngineCoreOutput, EngineCoreRequest
 from tokenmill.output_processor import CompletionDelta, OutputProcessor
 from tokenmill.outputs import RequestOutput
 from tokenmill.plugin_manager import PluginError, PluginSystem
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.server import protocol
+from tokenmill.server import protocol, streaming
 from tokenmill.server.lora import LoRAEndpoints
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.openapi import openapi_document
-from tokenmill.server.parsing import ChoiceStream, OutputParsing, ServerParsers
+from tokenmill.server.parsing import OutputParsing, ServerParsers
 from tokenmill.server.protocol import ProtocolError
+from tokenmill.server.streaming import Generation
 from tokenmill.server.tenants import KeyState, Lease, RateLimited, Tenants
 from tokenmill.structured_output.validator import ConstraintValidator
 from tokenmill.tokenizer import Tokenizer
@@ -102,26 +103,6 @@ def _error(exc: ProtocolError, metrics: ServerMetrics, tenant: str | None = None
         media_type="application/json",
         headers=headers,
     )  # type: ignore[return-value]
-
-
-@dataclass
-class _Generation:
-    """One request in flight: its engine stream and the text built from it."""
-
-    request_id: str
-    stream: RequestStream
-    processor: OutputProcessor
-    output: RequestOutput
-    params: SamplingParams
-    arrival: float
-    echo: bool = False  # completions: each text starts with the prompt
-    last_token_at: dict[int, float] = field(default_factory=dict)  # by completion index
-    first_token_at: float | None = None
-    queue_time: float = 0.0  # in the engine, before its first step
-    lease: Lease | None = None  # its key's: tokens are charged to it as they arrive
-    model: str = ""  # what the request's ``model`` named: the base model or a LoRA adapter
-    lora_name: str | None = None  # the LoRA adapter it runs with
-    parsing: OutputParsing | None = None  # chat: reasoning and tool calls read out of the text
 
 
 Endpoint = Callable[[Request], Awaitable[Response]]
@@ -241,7 +222,7 @@ class OpenAIServer:
 
     def _start(self, prompt_token_ids: list[int], prompt: str | None, params: SamplingParams, priority: int,
                prefix: str, lease: Lease | None = None, cache_salt: str | None = None,
-               lora_request: LoRARequest | None = None) -> _Generation:  # fmt: skip
+               lora_request: LoRARequest | None = None) -> Generation:  # fmt: skip
         protocol.check_token_ids(params, prompt_token_ids, self.state.tokenizer.vocab_size)
         self._check_capacity()
         request_id = f"{prefix}-{uuid.uuid4().hex}"
@@ -261,9 +242,9 @@ class OpenAIServer:
             self.state.metrics.observe_tenant_tokens(lease.tenant, num_prompt_tokens=len(prompt_token_ids))
         processor = OutputProcessor(self.state.tokenizer)
         output = processor.add_request(request_id, prompt, prompt_token_ids, params)
-        return _Generation(request_id, stream, processor, output, params, arrival, lease=lease)
+        return Generation(request_id, stream, processor, output, params, arrival, lease=lease)
 
-    async def _updates(self, generation: _Generation) -> AsyncGenerator[list[CompletionDelta]]:
+    async def _updates(self, generation: Generation) -> AsyncGenerator[list[CompletionDelta]]:
         """Yield the text deltas of every engine output until the request finishes; ``generation.output``
         holds the whole request as it grows.
 
@@ -294,7 +275,7 @@ class OpenAIServer:
                 metrics.observe_unfinished(client.index, "abort")
             client.release(generation.request_id)
 
-    def _observe(self, generation: _Generation, output: EngineCoreOutput) -> None:
+    def _observe(self, generation: Generation, output: EngineCoreOutput) -> None:
         metrics, engine = self.state.metrics, generation.stream.client.index
         if output.queue_time is not None:
             generation.queue_time = output.queue_time
@@ -311,7 +292,7 @@ class OpenAIServer:
             if generation.first_token_at is None:
                 generation.first_token_at = now
 
-    def _observe_finished(self, generation: _Generation) -> None:
+    def _observe_finished(self, generation: Generation) -> None:
         metrics, engine = self.state.metrics, generation.stream.client.index
         reasons = {c.finish_reason for c in generation.output.outputs}
         if not reasons & {"stop", "length"}:  # the engine aborted every completion
@@ -322,7 +303,7 @@ class OpenAIServer:
             generation.first_token_at, max(generation.last_token_at.values(), default=None), time.monotonic(),
         )  # fmt: skip
 
-    async def _until_finished(self, request: Request, generation: _Generation) -> RequestOutput:
+    async def _until_finished(self, request: Request, generation: Generation) -> RequestOutput:
         """Consume the whole generation, aborting it if the client disconnects meanwhile."""
 
         async def consume() -> RequestOutput:
@@ -423,7 +404,7 @@ class OpenAIServer:
         token_ids: list[int],
         id_prefix: str,
         num_top_logprobs: int | None,
-        stream: Callable[[_Generation, bool, int | None], AsyncIterator[bytes]],
+        stream: Callable[[Generation, bool, int | None], AsyncIterator[bytes]],
         build_response: Callable[..., dict[str, Any]],
         echo: bool = False,
         parsing: OutputParsing | None = None,
@@ -435,7 +416,7 @@ class OpenAIServer:
         generation = self._start(token_ids, prompt_text, params, body.priority, id_prefix, lease, body.cache_salt,
                                  lora_request)  # fmt: skip
         generation.echo = echo
-        generation.model = lora_request.lora_name if lora_request is not None else body.model
+        generation.model = lora_request.lora_name if lora_request is not None else body.model or self.state.model_name
         if lora_request is not None:
             generation.lora_name = lora_request.lora_name
             self.state.metrics.observe_lora_request(lora_request.lora_name, len(token_ids))
@@ -453,7 +434,7 @@ class OpenAIServer:
             parsing.apply(response)
         return JSONResponse(response)
 
-    def _echo(self, generation: _Generation) -> protocol.Echo:
+    def _echo(self, generation: Generation) -> protocol.Echo:
         """The prompt as a completion with ``echo`` returns it (once its first output brought its logprobs)."""
         output = generation.output
         text = output.prompt
@@ -462,114 +443,24 @@ class OpenAIServer:
         tokens = generation.processor.prompt_tokens(output) if generation.params.logprobs is not None else None
         return protocol.Echo(text, tokens)
 
-    async def _stream_text(self, generation: _Generation) -> AsyncGenerator[CompletionDelta]:
+    async def _stream_text(self, generation: Generation) -> AsyncGenerator[CompletionDelta]:
         """Each completion's deltas as the output processor releases them (it holds back stop strings)."""
         async with aclosing(self._updates(generation)) as updates:
             async for deltas in updates:
                 for delta in deltas:
                     yield delta
 
-    async def _stream_completion(
-        self, generation: _Generation, include_usage: bool, num_top_logprobs: int | None
+    def _stream_completion(
+        self, generation: Generation, include_usage: bool, num_top_logprobs: int | None
     ) -> AsyncIterator[bytes]:
-        model, created = generation.model or self.state.model_name, self.state.created
-        echoed: set[int] = set()  # choices whose prompt went out
-        echo_length = 0
-        try:
-            async with aclosing(self._stream_text(generation)) as deltas:
-                async for delta in deltas:
-                    if generation.echo and delta.index not in echoed:  # each choice's first chunk: the prompt
-                        echo = self._echo(generation)
-                        echoed.add(delta.index)
-                        echo_length = len(echo.text)
-                        logprobs = None
-                        if echo.tokens is not None:
-                            logprobs = protocol.completion_logprobs(echo.tokens, num_top_logprobs=num_top_logprobs)
-                        chunk = protocol.completion_chunk(
-                            generation.request_id, model, created, delta.index, echo.text, None, logprobs
-                        )
-                        yield protocol.sse_event(chunk)
-                    logprobs = None
-                    if delta.text_tokens is not None:
-                        logprobs = protocol.completion_logprobs(
-                            delta.text_tokens, text_offset=echo_length + delta.text_offset,
-                            num_top_logprobs=num_top_logprobs,
-                        )  # fmt: skip
-                    chunk = protocol.completion_chunk(
-                        generation.request_id, model, created, delta.index, delta.text, delta.finish_reason, logprobs
-                    )
-                    yield protocol.sse_event(chunk)
-            if include_usage:
-                yield protocol.sse_event(self._usage_chunk(generation, "text_completion"))
-        except ProtocolError as exc:
-            yield protocol.sse_event(protocol.error_dict(exc.status, exc.message, exc.type, exc.param, exc.code))
-        yield protocol.SSE_DONE
+        return streaming.completion_events(generation, self._stream_text(generation), self.state.created,
+                                           include_usage, num_top_logprobs, lambda: self._echo(generation))  # fmt: skip
 
-    async def _stream_chat(
-        self, generation: _Generation, include_usage: bool, num_top_logprobs: int | None
+    def _stream_chat(
+        self, generation: Generation, include_usage: bool, num_top_logprobs: int | None
     ) -> AsyncIterator[bytes]:
-        model, created = generation.model or self.state.model_name, self.state.created
-        request_id = generation.request_id
-        try:
-            for index in range(generation.params.n):
-                role = {"role": "assistant", "content": ""}
-                yield protocol.sse_event(protocol.chat_chunk(request_id, model, created, index, role))
-            parsing = generation.parsing
-            streams = {index: parsing.stream() for index in range(generation.params.n)} if parsing else {}
-            async with aclosing(self._stream_text(generation)) as deltas:
-                async for delta in deltas:
-                    if parsing is not None:  # reasoning, content and tool-call argument deltas
-                        for event in self._parsed_chunks(generation, delta, streams[delta.index], num_top_logprobs):
-                            yield event
-                        continue
-                    if delta.text or delta.text_tokens:
-                        logprobs = None
-                        if delta.text_tokens is not None:
-                            logprobs = protocol.chat_logprobs(delta.text_tokens, num_top_logprobs=num_top_logprobs)
-                        content = {"content": delta.text}
-                        chunk = protocol.chat_chunk(request_id, model, created, delta.index, content, None, logprobs)
-                        yield protocol.sse_event(chunk)
-                    if delta.finish_reason is not None:
-                        chunk = protocol.chat_chunk(request_id, model, created, delta.index, {}, delta.finish_reason)
-                        yield protocol.sse_event(chunk)
-            if include_usage:
-                yield protocol.sse_event(self._usage_chunk(generation, "chat.completion.chunk"))
-        except ProtocolError as exc:
-            yield protocol.sse_event(protocol.error_dict(exc.status, exc.message, exc.type, exc.param, exc.code))
-        yield protocol.SSE_DONE
-
-    def _parsed_chunks(
-        self, generation: _Generation, delta: CompletionDelta, stream: ChoiceStream, num_top_logprobs: int | None
-    ) -> list[bytes]:
-        """The events of one text delta of a parsed choice: its parts (the first carries the delta's logprobs),
-        and with its finish reason, what the parsers held back and the finish (``tool_calls`` when it called)."""
-        model, created = generation.model or self.state.model_name, self.state.created
-        parts = stream.feed(delta.text)
-        if delta.finish_reason is not None:
-            parts += stream.finish()
-        logprobs = None
-        if delta.text_tokens:
-            logprobs = protocol.chat_logprobs(delta.text_tokens, num_top_logprobs=num_top_logprobs)
-            parts = parts or [{"content": ""}]
-        events = []
-        for part in parts:
-            chunk = protocol.chat_chunk(generation.request_id, model, created, delta.index, part, None, logprobs)
-            events.append(protocol.sse_event(chunk))
-            logprobs = None
-        if delta.finish_reason is not None:
-            reason = "tool_calls" if delta.finish_reason == "stop" and stream.called_tools else delta.finish_reason
-            chunk = protocol.chat_chunk(generation.request_id, model, created, delta.index, {}, reason)
-            events.append(protocol.sse_event(chunk))
-        return events
-
-    def _usage_chunk(
-        self, generation: _Generation, kind: Literal["text_completion", "chat.completion.chunk"]
-    ) -> dict[str, Any]:
-        prompt_tokens = len(generation.output.prompt_token_ids)
-        completion_tokens = sum(len(c.token_ids) for c in generation.output.outputs)
-        model = generation.model or self.state.model_name
-        return protocol.usage_chunk(
-            generation.request_id, model, self.state.created, kind, prompt_tokens, completion_tokens
+        return streaming.chat_events(
+            generation, self._stream_text(generation), self.state.created, include_usage, num_top_logprobs
         )
 
     async def models(self, request: Request) -> Response:
