@@ -30,9 +30,8 @@ class ArchitectureSupport:
 def architecture_table(registry: Registry) -> list[ArchitectureSupport]:
     """Every registered architecture, in registration order (built-ins first); imports each class."""
     from tokenmill.plugin_manager import PluginError, Slot
-    from tokenmill.weights.gguf_format import ARCHITECTURES as GGUF_ARCHITECTURES
+    from tokenmill.weights.gguf_architectures import HF_ARCHITECTURES as GGUF_CLASSES
 
-    gguf_classes = {hf_class for _, hf_class in GGUF_ARCHITECTURES.values()}
     rows = []
     for registration in registry.registrations(Slot.ARCHITECTURE):
         try:
@@ -48,7 +47,7 @@ def architecture_table(registry: Registry) -> list[ArchitectureSupport]:
                 is_fallback=registration.name == FALLBACK_ARCHITECTURE,
                 supports_tensor_parallel=bool(getattr(cls, "supports_tensor_parallel", False)),
                 supports_quantization=bool(getattr(cls, "supports_quantization", False)),
-                reads_gguf=registration.name in gguf_classes,
+                reads_gguf=registration.name in GGUF_CLASSES,
                 error=error,
             )
         )

@@ -3,8 +3,10 @@
 The config comes from the header alone (``tokenmill.gguf_metadata``: keys,
 values and the tensor index, parsed in milliseconds); ``gguf.GGUFReader``
 memory-maps the file only when tensor data is read, and tensors are decoded one at a time
-(``gguf_tensors``), and llama.cpp's q/k row permutation is undone for the
-``llama`` architecture so that every tensor equals the original checkpoint's.
+(``gguf_tensors``). Each architecture's table (``gguf_architectures``) names its
+tensors and undoes what the converter did to them (the q/k row permutation of
+``llama``, Gemma's norms stored as ``1 + weight``, experts stacked into one
+tensor), so that every tensor equals the original checkpoint's.
 """
 
 from __future__ import annotations
@@ -18,7 +20,14 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from tokenmill.gguf_metadata import GGUFError, GGUFMetadata, TensorInfo, has_gguf_magic, open_gguf
 from tokenmill.weights.format import LoadedTensor, WeightsError
-from tokenmill.weights.gguf_rope import ROPE_FREQS_TENSOR, rope_scaling_from_freqs, rope_scaling_from_metadata
+from tokenmill.weights.gguf_architectures import ARCHITECTURES, EXPERT, GGUFArchitecture, gguf_architecture
+from tokenmill.weights.gguf_rope import (
+    LONGROPE_TENSORS,
+    ROPE_FREQS_TENSOR,
+    longrope_scaling,
+    rope_scaling_from_freqs,
+    rope_scaling_from_metadata,
+)
 from tokenmill.weights.gguf_tensors import can_decode, decode, hf_tensor_name, unpermute_qk_rows
 
 if TYPE_CHECKING:
@@ -27,16 +36,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: GGUF ``general.architecture`` -> (Hugging Face ``model_type``, ``architectures[0]``).
-#: GGUF "llama" also carries Mistral models: their weights and rope are Llama's.
-ARCHITECTURES: dict[str, tuple[str, str]] = {
-    "llama": ("llama", "LlamaForCausalLM"),
-    "mistral": ("mistral", "MistralForCausalLM"),
-    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
-    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
-}
-#: Architectures whose q/k rows llama.cpp's converter permutes.
-_PERMUTED_QK_ARCHS = frozenset({"llama", "mistral"})
+#: Tensors that hold rope parameters, read into the config rather than the model.
+_ROPE_TENSORS = frozenset({ROPE_FREQS_TENSOR, *LONGROPE_TENSORS})
 
 _TOKEN_ID_KEYS = {
     "bos_token_id": "tokenizer.ggml.bos_token_id",
@@ -59,6 +60,7 @@ class _GGUFFile:
     metadata: GGUFMetadata
     open_reader: Callable[[], GGUFReader]
     arch: str = ""
+    spec: GGUFArchitecture = ARCHITECTURES["llama"]
     num_heads: int = 0
     num_kv_heads: int = 0
     head_dim: int = 0
@@ -86,17 +88,34 @@ class _GGUFFile:
             raise _error(self.file, f"metadata key {key!r} has per-layer values, which are not supported")
         return int(value)
 
+    def get_arch(self, key: str) -> Any:
+        """``{arch}.{key}``'s value, or None."""
+        return self.get(f"{self.arch}.{key}")
+
     def tensors(self) -> dict[str, TensorInfo]:
         return self.metadata.tensors
 
+    def _tensor_values(self, name: str) -> Any:
+        tensor = next(tensor for tensor in self.reader.tensors if tensor.name == name)
+        return decode(tensor).double().numpy()
+
     def rope_scaling(self) -> dict[str, Any] | None:
-        """From metadata, or from llama.cpp's ``rope_freqs`` tensor (Llama 3.x); both at once is refused."""
+        """From metadata, from llama.cpp's ``rope_freqs`` tensor (Llama 3.x) or from its LongRoPE factor tensors
+        (Phi-3); metadata and ``rope_freqs`` at once is refused."""
         from_metadata = rope_scaling_from_metadata(self.get, self.arch)
+        if any(name in self.tensors() for name in LONGROPE_TENSORS):
+            try:
+                if not all(name in self.tensors() for name in LONGROPE_TENSORS):
+                    raise ValueError(f"needs both tensors {' and '.join(LONGROPE_TENSORS)}")
+                long_factor, short_factor = (self._tensor_values(name) for name in LONGROPE_TENSORS)
+                return longrope_scaling(long_factor, short_factor, self.get, self.arch)
+            except (ValueError, RuntimeError, NotImplementedError) as exc:
+                raise _error(self.file, f"LongRoPE factors: {exc}") from exc
         if ROPE_FREQS_TENSOR not in self.tensors():
             return from_metadata
-        freqs = next(tensor for tensor in self.reader.tensors if tensor.name == ROPE_FREQS_TENSOR)
         try:
-            from_freqs = rope_scaling_from_freqs(decode(freqs).double().numpy(), self.head_dim, self.rope_theta)
+            freqs = self._tensor_values(ROPE_FREQS_TENSOR)
+            from_freqs = rope_scaling_from_freqs(freqs, self.head_dim, self.rope_theta)
         except (ValueError, RuntimeError, NotImplementedError) as exc:
             raise _error(self.file, str(exc), ROPE_FREQS_TENSOR) from exc
         if from_freqs is not None and from_metadata is not None:
@@ -105,7 +124,7 @@ class _GGUFFile:
 
 
 class GGUFFormat:
-    """Reads a single-file GGUF model of the Llama family (llama, mistral, qwen2, qwen3)."""
+    """Reads a single-file GGUF model of an architecture in ``ARCHITECTURES`` (or Mixtral, written as ``llama``)."""
 
     name: ClassVar[str] = "gguf"
 
@@ -119,12 +138,11 @@ class GGUFFormat:
 
     def read_config(self, path: Path) -> dict[str, Any]:
         source = self._open(Path(path), keep=True)
-        arch = source.arch
-        model_type, hf_class = ARCHITECTURES[arch]
+        arch, spec = source.arch, source.spec
         tensors = source.tensors()
         config: dict[str, Any] = {
-            "architectures": [hf_class],
-            "model_type": model_type,
+            "architectures": [spec.hf_class],
+            "model_type": spec.model_type,
             "hidden_size": source.require_int(f"{arch}.embedding_length"),
             "intermediate_size": source.require_int(f"{arch}.feed_forward_length"),
             "num_hidden_layers": source.require_int(f"{arch}.block_count"),
@@ -149,9 +167,19 @@ class GGUFFormat:
         rope_scaling = source.rope_scaling()
         if rope_scaling is not None:
             config["rope_scaling"] = rope_scaling
+        original_context = source.get(f"{arch}.rope.scaling.original_context_length")
+        if original_context:  # Phi-3 states it with or without LongRoPE
+            config["original_max_position_embeddings"] = int(original_context)
+        rope_dims = source.get(f"{arch}.rope.dimension_count")
+        if rope_dims and int(rope_dims) < source.head_dim:  # llama.cpp rotates the first rope_dims of each head
+            config["partial_rotary_factor"] = int(rope_dims) / source.head_dim
         sliding_window = source.get(f"{arch}.attention.sliding_window")
         if sliding_window:
             config["sliding_window"] = int(sliding_window)
+        try:
+            config.update(spec.extras(source.get_arch, config))
+        except ValueError as exc:
+            raise _error(source.file, str(exc)) from exc
         for hf_key, gguf_key in _TOKEN_ID_KEYS.items():
             value = source.get(gguf_key)
             if value is not None:
@@ -160,32 +188,41 @@ class GGUFFormat:
 
     def iter_tensors(self, path: Path) -> Iterator[LoadedTensor]:
         source = self._open(Path(path), keep=False)
-        file = source.file
+        file, spec = source.file, source.spec
         qk_heads = {"attn_q": source.num_heads, "attn_k": source.num_kv_heads}
-        is_permuted = source.arch in _PERMUTED_QK_ARCHS
         # Check every tensor's name and type before decoding any of them.
         plan: list[tuple[ReaderTensor, str]] = []
         for tensor in source.reader.tensors:
-            if tensor.name == ROPE_FREQS_TENSOR:
+            if tensor.name in _ROPE_TENSORS:
                 source.rope_scaling()  # raises unless read_config can express it as rope_scaling
                 continue
-            hf_name = hf_tensor_name(tensor.name)
+            hf_name = hf_tensor_name(tensor.name, spec.layer_names)
             if hf_name is None:
                 raise _error(file, "no Hugging Face equivalent for this GGUF tensor name", tensor.name)
             if not can_decode(tensor):
                 raise _error(file, f"unsupported tensor type {tensor.tensor_type.name}", tensor.name)
+            if EXPERT in hf_name and len(tensor.shape) != 3:
+                raise _error(
+                    file, f"expected experts stacked in 3 dimensions, got shape {list(tensor.shape)}", tensor.name
+                )
             plan.append((tensor, hf_name))
         logger.debug("%s: %d tensors, architecture %s", file, len(plan), source.arch)
 
         for tensor, hf_name in plan:
             value = self._decode(file, tensor)
-            base = tensor.name.split(".")[-2]
-            if is_permuted and base in qk_heads:
+            base, kind = tensor.name.split(".")[-2:]
+            if spec.permutes_qk and base in qk_heads:
                 heads = qk_heads[base]
                 if value.shape[0] % (2 * heads) != 0:
                     raise _error(file, f"{value.shape[0]} rows do not split into {heads} heads", tensor.name)
                 value = unpermute_qk_rows(value, heads)
-            yield LoadedTensor(hf_name, value, file)
+            if spec.norm_offset and base.endswith("norm") and kind == "weight":
+                value = value - spec.norm_offset
+            if EXPERT in hf_name:  # [num_experts, rows, cols]: one checkpoint tensor per expert
+                for expert, expert_value in enumerate(value.unbind(0)):
+                    yield LoadedTensor(hf_name.replace(EXPERT, str(expert)), expert_value, file)
+            else:
+                yield LoadedTensor(hf_name, value, file)
 
     # ------------------------------------------------------------------ helpers
 
@@ -216,18 +253,17 @@ class GGUFFormat:
         arch = source.get("general.architecture")
         if arch is None:
             raise _error(file, "metadata key 'general.architecture' is missing")
-        if arch not in ARCHITECTURES:
-            raise _error(file, f"unsupported architecture {arch!r}; supported: {', '.join(ARCHITECTURES)}")
         source.arch = arch
+        spec = gguf_architecture(arch, source.get_arch)
+        if spec is None:
+            raise _error(file, f"unsupported architecture {arch!r}; supported: {', '.join(ARCHITECTURES)}")
+        source.spec = spec
         source.num_heads = source.require_int(f"{arch}.attention.head_count")
         kv_key = f"{arch}.attention.head_count_kv"
         source.num_kv_heads = source.require_int(kv_key) if kv_key in source.metadata else source.num_heads
         hidden_size = source.require_int(f"{arch}.embedding_length")
-        source.head_dim = int(
-            source.get(f"{arch}.attention.key_length")
-            or source.get(f"{arch}.rope.dimension_count")
-            or hidden_size // source.num_heads
-        )
+        # As llama.cpp: a head is key_length wide, or hidden / heads; rope.dimension_count is how much of it rotates.
+        source.head_dim = int(source.get(f"{arch}.attention.key_length") or hidden_size // source.num_heads)
         source.rope_theta = float(source.get(f"{arch}.rope.freq_base", 10000.0))
         return source
 
@@ -266,10 +302,10 @@ def _linear_weight_type(tensors: dict[str, TensorInfo]) -> str | None:
     """The storage type of most transformer-block matrices (``"Q4_1"``), or None when they are float."""
     from collections import Counter
 
-    counts = Counter(
+    counts = Counter(  # matrices, and experts' matrices stacked in three dimensions
         tensor.tensor_type.name
         for name, tensor in tensors.items()
-        if name.startswith("blk.") and name.endswith(".weight") and len(tensor.shape) == 2
+        if name.startswith("blk.") and name.endswith(".weight") and len(tensor.shape) in (2, 3)
     )
     if not counts:
         return None

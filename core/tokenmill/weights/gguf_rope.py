@@ -10,7 +10,10 @@ GGUF keeps it in one of two places:
   original context of 8192 (what every Llama 3.x release uses), so the factor is
   the tensor's largest value; the rest of the tensor is checked against the
   curve those parameters give, and a tensor that does not fit is an error
-  rather than a silently wrong rope.
+  rather than a silently wrong rope;
+- for Phi-3's LongRoPE, ``rope_factors_long.weight`` and ``rope_factors_short.weight``
+  tensors (the config's ``long_factor`` and ``short_factor``) beside
+  ``rope.scaling.original_context_length``.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ if TYPE_CHECKING:
     import numpy as np
 
 ROPE_FREQS_TENSOR = "rope_freqs.weight"
+LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 
 #: What llama.cpp's converter assumes for ``llama3`` rope scaling besides the factor.
 LLAMA3_FIXED_PARAMETERS: dict[str, Any] = {
@@ -104,3 +108,27 @@ def rope_scaling_from_freqs(freqs: np.ndarray, head_dim: int, theta: float) -> d
             "(llama3 with low_freq_factor 1, high_freq_factor 4, original context 8192)"
         )
     return {"rope_type": "llama3", "factor": factor, **LLAMA3_FIXED_PARAMETERS}
+
+
+def longrope_scaling(
+    long_factor: np.ndarray, short_factor: np.ndarray, get: Callable[[str], Any], arch: str
+) -> dict[str, Any]:
+    """Phi-3's ``longrope`` ``rope_scaling`` from its factor tensors and ``{arch}.rope.scaling.*`` keys.
+
+    Raises ``ValueError`` when the original context length the factors switch at is missing.
+    """
+    import numpy as np
+
+    original = get(f"{arch}.rope.scaling.original_context_length")
+    if original is None:
+        raise ValueError(f"LongRoPE factors without metadata key {arch}.rope.scaling.original_context_length")
+    scaling: dict[str, Any] = {
+        "rope_type": "longrope",
+        # float32 values as their shortest decimals (1.3, not 1.2999999523), as the config wrote them
+        "long_factor": [float(str(value)) for value in np.asarray(long_factor, dtype=np.float32).reshape(-1)],
+        "short_factor": [float(str(value)) for value in np.asarray(short_factor, dtype=np.float32).reshape(-1)],
+        "original_max_position_embeddings": int(original),
+    }
+    # rope.scaling.attn_factor is left out: the converter writes transformers' default, sqrt(1 + ln(factor) /
+    # ln(original)), which RopeConfig computes itself when the config has none.
+    return scaling

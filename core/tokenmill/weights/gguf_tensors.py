@@ -8,6 +8,7 @@ float32 through ``gguf.quants.dequantize``.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -15,7 +16,8 @@ if TYPE_CHECKING:
     from gguf import GGMLQuantizationType, ReaderTensor
 
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_LAYER_NAMES = {
+#: The Llama family's per-layer GGUF base names -> Hugging Face module names inside ``model.layers.{i}``.
+LLAMA_LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
@@ -34,8 +36,8 @@ _TENSOR_NAME = re.compile(r"(?:blk\.(?P<layer>\d+)\.)?(?P<base>\w+)\.(?P<suffix>
 _DEQUANT_CHUNK_BYTES = 1 << 20
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """The Hugging Face name of a Llama-family GGUF tensor, or None when it has none."""
+def hf_tensor_name(gguf_name: str, layer_names: Mapping[str, str] = LLAMA_LAYER_NAMES) -> str | None:
+    """The Hugging Face name of a GGUF tensor under an architecture's ``layer_names``, or None when it has none."""
     match = _TENSOR_NAME.fullmatch(gguf_name)
     if match is None:
         return None
@@ -43,7 +45,7 @@ def hf_tensor_name(gguf_name: str) -> str | None:
     if layer is None:
         hf_base = _GLOBAL_NAMES.get(base)
         return None if hf_base is None else f"{hf_base}.{suffix}"
-    hf_base = _LAYER_NAMES.get(base)
+    hf_base = layer_names.get(base)
     return None if hf_base is None else f"model.layers.{int(layer)}.{hf_base}.{suffix}"
 
 
