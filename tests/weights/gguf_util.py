@@ -203,7 +203,7 @@ def llama3_rope_freqs(head_dim: int, theta: float, factor: float) -> np.ndarray:
     low_freq_factor, high_freq_factor, old_context_len = 1.0, 4.0, 8192
     low_freq_wavelen = old_context_len / low_freq_factor
     high_freq_wavelen = old_context_len / high_freq_factor
-    rope_factors = []
+    rope_factors: list[float] = []
     for freq in freqs:
         wavelen = 2 * math.pi / freq
         if wavelen < high_freq_wavelen:
@@ -214,3 +214,27 @@ def llama3_rope_freqs(head_dim: int, theta: float, factor: float) -> np.ndarray:
             smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
             rope_factors.append(1 / ((1 - smooth) / factor + smooth))
     return torch.tensor(rope_factors, dtype=torch.float32).numpy()
+
+
+def requantize_gguf(source: Path, path: Path, qtype: GGMLQuantizationType) -> Path:
+    """Copy a float GGUF file with its block matrices (and stacked experts) quantized to ``qtype``, as
+    ``llama-quantize`` does: norms, biases and the router stay float; the metadata is copied as it is."""
+    reader = gguf.GGUFReader(source)
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(path, arch)
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue  # written by the writer itself
+        sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, field.contents(), field.types[0], sub_type=sub_type)
+    for tensor in reader.tensors:
+        data = np.array(tensor.data)
+        if tensor.name.startswith("blk.") and data.ndim >= 2 and "ffn_gate_inp" not in tensor.name:
+            writer.add_tensor(tensor.name, gguf.quants.quantize(data.astype(np.float32), qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(tensor.name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
