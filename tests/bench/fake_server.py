@@ -3,7 +3,8 @@
 It streams ``max_tokens`` tokens, two per chunk, after a fixed delay for the
 first chunk and a fixed delay between chunks, then a usage chunk and ``[DONE]``.
 With ``inject_failures`` every 5th request gets a 500 and every 7th fails in the
-middle of its stream.
+middle of its stream. A chat request that does not stream gets the same text at
+once, whatever its ``response_format`` or ``tools`` ask: a server that ignores them.
 """
 
 from __future__ import annotations
@@ -61,6 +62,9 @@ def make_app(state: FakeServerState) -> Starlette:
             num_prompt_tokens = sum(len(m["content"].split()) for m in body["messages"])
         else:
             num_prompt_tokens = len(body["prompt"])
+        if is_chat and not body.get("stream"):
+            message = {"role": "assistant", "content": " tok" * body["max_tokens"]}
+            return JSONResponse({"choices": [{"index": 0, "message": message, "finish_reason": "stop"}]})
         breaks = state.inject_failures and index % 7 == 6
         return StreamingResponse(
             _stream(body["max_tokens"], num_prompt_tokens, is_chat, breaks), media_type="text/event-stream"

@@ -23,6 +23,7 @@ from tokenmill.config.options import config_options
 from tokenmill.errors import TokenmillError
 from tokenmill_plugins.commands.bench import options as opt
 from tokenmill_plugins.commands.bench.metrics import format_table, write_json
+from tokenmill_plugins.commands.bench.structured import PARTS
 from tokenmill_plugins.commands.bench.suite import SuiteOptions, format_comparison
 
 logger = logging.getLogger(__name__)
@@ -110,6 +111,78 @@ def serve(
         show_progress=not no_progress,
     )
     _report(run_serve(options), output_json)
+
+
+@bench.command()
+@click.option("--url", required=True, help="Base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:8000.")
+@click.option("--model", default=None, help="Model name to send; unset asks GET /v1/models and takes the first.")
+@click.option(
+    "--parts",
+    default=",".join(PARTS),
+    show_default=True,
+    help="Comma-separated parts to run: validity (schemas, jsonschema-checked), tools (tool_choice required), "
+    "overhead (constrained against unconstrained, alternated), ttft (a new 50-property schema against a warm one).",
+)
+@opt.num_requests(500, "validity: requests, cycling through the schemas.")
+@click.option("--num-tool-requests", type=click.IntRange(min=1), default=100, show_default=True,
+              help="tools: requests with tool_choice required.")  # fmt: skip
+@opt.concurrency(32, "validity and tools: requests in flight at once.")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=512, show_default=True,
+              help="validity and tools: the most tokens a reply may take.")  # fmt: skip
+@click.option("--temperature", type=click.FloatRange(min=0), default=1.0, show_default=True,
+              help="validity and tools: sampling temperature.")  # fmt: skip
+@opt.int_list("--overhead-concurrency", "1,32", "overhead: comma-separated streams at once.")
+@opt.input_len(128, "overhead: prompt tokens per request (about, chat).")
+@opt.output_len(128, "overhead: generated tokens per request.")
+@click.option("--rounds", type=click.IntRange(min=1), default=2, show_default=True,
+              help="overhead: alternations of the constrained and unconstrained runs.")  # fmt: skip
+@click.option("--ttft-repeats", type=click.IntRange(min=1), default=5, show_default=True,
+              help="ttft: new schemas, each sent twice (new, then warm).")  # fmt: skip
+@opt.seed
+@click.option("--api-key", default=None, help="Sent as 'Authorization: Bearer KEY'; never written to the report.")
+@opt.request_timeout()
+@opt.output_json
+def structured(
+    url: str,
+    model: str | None,
+    parts: str,
+    num_requests: int,
+    num_tool_requests: int,
+    concurrency: int,
+    max_tokens: int,
+    temperature: float,
+    overhead_concurrency: list[int],
+    input_len: int,
+    output_len: int,
+    rounds: int,
+    ttft_repeats: int,
+    seed: int,
+    api_key: str | None,
+    timeout: float,
+    output_json: Path | None,
+) -> None:
+    """Structured outputs against a running server: schema validity, tool calls, mask overhead, new-schema TTFT."""
+    from tokenmill_plugins.commands.bench.structured import StructuredOptions, format_structured, run_structured
+
+    options = StructuredOptions(
+        url=url,
+        model=model,
+        parts=tuple(p.strip() for p in parts.split(",") if p.strip()),
+        num_requests=num_requests,
+        num_tool_requests=num_tool_requests,
+        concurrency=concurrency,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        overhead_concurrency=tuple(overhead_concurrency),
+        input_len=input_len,
+        output_len=output_len,
+        rounds=rounds,
+        ttft_repeats=ttft_repeats,
+        seed=seed,
+        api_key=api_key,
+        timeout_s=timeout,
+    )
+    _report(run_structured(options), output_json, format_structured)
 
 
 @bench.command()

@@ -194,9 +194,9 @@ def format_header(report: dict[str, Any]) -> list[str]:
     Used by ``format_table`` and by the comparison suite's tables."""
     lines = [
         f" {report['benchmark']} benchmark ".center(TABLE_WIDTH, "="),
-        _row(f"tokenmill {report['tokenmill_version']}", report["date"]),
+        row(f"tokenmill {report['tokenmill_version']}", report["date"]),
     ]
-    lines += [_row(name, value) for name, value in report["parameters"].items() if not isinstance(value, dict | list)]
+    lines += [row(name, value) for name, value in report["parameters"].items() if not isinstance(value, dict | list)]
     return [*lines, "-" * TABLE_WIDTH]
 
 
@@ -212,15 +212,15 @@ def format_table(report: dict[str, Any]) -> str:
         if value is None or (isinstance(value, dict) and set(value) == set(_STAT_KEYS))
     ]
     lines += [
-        _row(_LABELS.get(name, name), value)
+        row(_LABELS.get(name, name), value)
         for name, value in results.items()
         if name not in stats and not isinstance(value, dict | list)
     ]
     if stats:
         lines += [rule, f"{'':<24}" + "".join(f"{key:>10}" for key in _STAT_KEYS)]
         for name in stats:
-            row = results[name]
-            cells = [f"{format_value(row[key]):>10}" for key in _STAT_KEYS] if row else [f"{'n/a':>10}"]
+            stat = results[name]
+            cells = [f"{format_value(stat[key]):>10}" for key in _STAT_KEYS] if stat else [f"{'n/a':>10}"]
             lines.append(f"{_LABELS.get(name, name):<24}" + "".join(cells))
     errors = results.get("errors") or {}
     if errors:
@@ -234,7 +234,7 @@ TABLE_WIDTH = 64
 _STAT_KEYS = ("mean", "p50", "p95", "p99")
 
 
-def _row(label: str, value: Any) -> str:
+def row(label: str, value: Any) -> str:
     return f"{label:<40}{format_value(value):>24}"
 
 

@@ -58,6 +58,8 @@ class ServeOptions:
     #: Explicit token-id prompts, one per request (completions only), instead of random ones of
     #: ``input_len``; the comparison suite's shared-prefix scenario sends them. Not written to the report.
     prompts: list[list[int]] | None = None
+    #: Fields added to every request's body (``bench structured`` sends a ``response_format``), in the report.
+    extra_body: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         checks: list[tuple[bool, str, Any, str]] = [
@@ -114,6 +116,7 @@ def make_requests(options: ServeOptions) -> list[BenchRequest]:
         "ignore_eos": True,  # every request generates exactly max_tokens
         "stream": True,
         "stream_options": {"include_usage": True},
+        **(options.extra_body or {}),
     }
     return [
         BenchRequest({key: prompt, "max_tokens": m, **common}, input_len, m)
