@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -342,8 +342,9 @@ def load_model(
                 f"parallel.tensor_parallel_size={tp_size}: this command loads the whole model in one process; "
                 "run it with tensor_parallel_size = 1"
             )
-        check_shardable(arch, tp_size, model_class, quantizer, device)
-        tp = connect(device)
+        expert_parallel = config.parallel.enable_expert_parallel
+        check_shardable(arch, tp_size, model_class, quantizer, device, expert_parallel)
+        tp = replace(connect(device), expert_parallel=expert_parallel)
         if device.type == "cuda":
             device = torch.device("cuda", tp.rank)
     if config.device.num_threads is not None:
@@ -356,7 +357,7 @@ def load_model(
     logger.info(
         "loading %s%s (%s, %s) from %s on %s as %s, KV cache %s, attention %s, layer kernels %s",
         arch.architecture,
-        f" shard {tp.rank} of {tp.size}" if tp.size > 1 else "",
+        f" shard {tp.rank} of {tp.size}{' (experts whole)' if tp.expert_parallel else ''}" if tp.size > 1 else "",
         weight_format.name,
         quantizer.name,
         path,
@@ -377,6 +378,6 @@ def load_model(
         logger.info("mixture-of-experts layers run on fused experts %s", fused_experts.name)
         install_fused_experts(model, fused_experts)
     # A warm start reads the repacked weights.
-    load_model_weights(model, path, weight_format, dtype, device, (tp.rank, tp.size))
+    load_model_weights(model, path, weight_format, dtype, device, (tp.rank, tp.size), tp.expert_parallel)
     model.eval()
     return LoadedModel(model, arch, attention, device, dtype, path, max_model_len, kv_cache_dtype, tp)

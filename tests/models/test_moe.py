@@ -77,6 +77,33 @@ def test_stacked_weights_are_each_experts_in_order() -> None:
     torch.testing.assert_close(down[2], experts[2].down_proj.weight)
 
 
+def test_experts_split_over_shards_sum_to_all_experts() -> None:
+    """Expert parallelism's invariant at the kernel: each shard's experts (the others' pairs marked -1) add up to
+    every expert's result; a shard with no pair of its own returns zeros."""
+    from tokenmill.layers.dense import DenseQuantizer
+    from tokenmill.layers.moe import ExpertMLP
+    from tokenmill.parallel.group import TensorParallelGroup, single_process_group
+
+    torch.manual_seed(0)
+    experts = Experts(
+        ExpertMLP(16, 8, "silu", DenseQuantizer(), torch.float32, single_process_group()) for _ in range(6)
+    )
+    for parameter in experts.parameters():
+        torch.nn.init.normal_(parameter)
+    x = torch.randn(5, 16)
+    topk_weights, topk_ids = select_experts(torch.randn(5, 6), 2, renormalize=True)
+    reference = TorchFusedExperts()
+    total = torch.zeros(5, 16)
+    for rank in range(3):
+        shard = TensorParallelGroup(rank, 3, None, expert_parallel=True)
+        mine = list(shard.local_experts(6))
+        local_ids = torch.where(topk_ids % 3 == rank, topk_ids // 3, -1)
+        total += reference.apply(Experts(experts[e] for e in mine), x, topk_weights, local_ids)
+    torch.testing.assert_close(total, reference.apply(experts, x, topk_weights, topk_ids))
+    nobody = torch.full_like(topk_ids, -1)
+    assert torch.equal(reference.apply(experts, x, topk_weights, nobody), torch.zeros(5, 16))
+
+
 def test_int8_experts_run_through_the_quantizer(moe_dir: Path) -> None:
     prompts = [[5, 6, 7, 8, 9], [40, 41]]
     dense = _greedy(make_engine(moe_dir), prompts)

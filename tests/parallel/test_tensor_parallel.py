@@ -2,7 +2,8 @@
 
 Each case builds one TP=1 and one TP=2 engine (module-scoped: one worker process per case) and runs the
 same requests through both: mixed lengths batched with chunked prefill, a shared prefix (prefix cache
-hits, copy-on-write), a KV cache small enough to preempt, then one request alone.
+hits, copy-on-write), a KV cache small enough to preempt, then one request alone. The ``-ep`` cases split
+a mixture of experts' experts whole over the two shards (``parallel.enable_expert_parallel``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from tokenmill_plugins.quant.weight_only import Int4Quantizer
 from tests.weights.gguf_util import write_llama_gguf
 from tokenmill.config import ConfigError, load_config
 from tokenmill.engine import EngineCore
+from tokenmill.layers.moe import SparseMoeBlock
 from tokenmill.messages import (
     EngineCoreRequest,
     ShardChunk,
@@ -45,13 +47,15 @@ pytestmark = pytest.mark.multiproc
 
 #: Logits of TP=1 and TP=2 differ by float32 rounding only (the row-parallel sums add in another order):
 #: measured up to about 2e-6 on the float models. The Q4_1 model's kernel rounds each group of 32 inputs to
-#: int16 and its KV cache is float16, so the reordered sums reach it later: measured up to 1.9e-4.
-LOGITS_ATOL = {"float": 1e-4, "q4_1-gguf": 1e-3}
+#: int16 and its KV cache is float16, so the reordered sums reach it later: measured up to 1.9e-4. The int8
+#: kernel rounds its inputs to int16 too: measured 1.01e-4 on Mixtral with int8 experts.
+LOGITS_ATOL = {"float": 1e-4, "q4_1-gguf": 1e-3, "mixtral-ep-int8": 1e-3}
 
 HAS_KERNELS = Int4Quantizer.is_available()
-#: case -> config sections besides the model. "q4_1-gguf" is a tiny Llama in a Q4_1 GGUF, as the default
-#: model ships: loaded through the int4 kernel (row-parallel splits are whole blocks of 32) with the cpu
-#: attention backend.
+#: case -> config sections besides the model (the case names its tiny model, or MODELS does). "q4_1-gguf" is a
+#: tiny Llama in a Q4_1 GGUF, as the default model ships: loaded through the int4 kernel (row-parallel splits
+#: are whole blocks of 32) with the cpu attention backend. A "parallel" section is TP=2's only.
+EXPERT_PARALLEL = {"parallel": {"enable_expert_parallel": True}}
 CASES: dict[str, dict[str, Any]] = {
     "llama-tiny": {},
     "llama-bias": {},  # biases on q/k/v, o_proj and the MLP: a row-parallel bias is added once
@@ -60,6 +64,23 @@ CASES: dict[str, dict[str, Any]] = {
     "qwen2-tiny": {},
     "qwen3-tiny": {},  # q/k norms
     "q4_1-gguf": {"attention": {"backend": "cpu"}},
+    "gemma2-tiny": {},  # soft-capped scores and logits, scaled tied embedding, sliding and global layers
+    "gemma3-tiny": {},  # q/k norms, a local rope for the sliding layer
+    "phi3-longrope": {},  # fused qkv and gate_up cut at load, then split; partial rotary, LongRoPE
+    "qwen3-moe-tiny": {},  # every expert sliced (each shard: 8 experts of inner 16); a dense layer
+    "qwen2-moe-tiny": {},  # and the shared expert with its sigmoid gate
+    "mixtral-tiny": {},  # its checkpoint names
+    "qwen3-moe-ep": EXPERT_PARALLEL,  # each shard: 4 whole experts
+    "qwen2-moe-ep": EXPERT_PARALLEL,  # the shared expert stays sliced
+    "mixtral-ep": EXPERT_PARALLEL,
+    # int8 experts of inner 32: sliced, a shard's down_proj would hold half a block (refused); whole, they run.
+    "mixtral-ep-int8": {"model": {"quantization": "int8"}, **EXPERT_PARALLEL},
+}
+MODELS = {
+    "qwen3-moe-ep": "qwen3-moe-tiny",
+    "qwen2-moe-ep": "qwen2-moe-tiny",
+    "mixtral-ep": "mixtral-tiny",
+    "mixtral-ep-int8": "mixtral-tiny",
 }
 #: A small cache (block_size 4): the batch below needs more, so requests are preempted and recomputed.
 NUM_KV_BLOCKS = 24
@@ -104,16 +125,17 @@ def _logits_of_fresh_prompt(engine: EngineCore) -> torch.Tensor:
 def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     case: str = request.param
     directory = tmp_path_factory.mktemp(case)
+    if case in ("q4_1-gguf", "mixtral-ep-int8") and not HAS_KERNELS:
+        pytest.skip("the int4, int8 and cpu attention kernels need AVX2, FMA and a compiler")
     if case == "q4_1-gguf":
-        if not HAS_KERNELS:
-            pytest.skip("the int4 and cpu attention kernels need AVX2, FMA and a compiler")
         model = make_hf_model("llama-tiny")
         path = write_llama_gguf(model, model.config, directory / "tiny.Q4_1.gguf", GGMLQuantizationType.Q4_1)
     else:
-        path = save_tiny_model(directory, case)
+        path = save_tiny_model(directory, MODELS.get(case, case))
     settings = {**CASES[case], "cache": {"block_size": 4, "num_kv_blocks": NUM_KV_BLOCKS}, "scheduler": SCHEDULER}
+    parallel = {**settings.pop("parallel", {}), "tensor_parallel_size": 2}
     tp1 = make_engine(path, **settings)
-    tp2 = make_engine(path, **settings, parallel={"tensor_parallel_size": 2})
+    tp2 = make_engine(path, **settings, parallel=parallel)
     try:
         if case == "q4_1-gguf":
             assert tp2.loaded.model.model.layers[0].mlp.down_proj.quantizer.name == "int4"
@@ -165,6 +187,18 @@ def test_shards_hold_their_part(pair: Pair) -> None:
     assert (spec.num_heads, spec.num_kv_heads) == (arch.num_attention_heads // 2, arch.num_kv_heads // 2)
     embedding = pair.tp2.loaded.model.model.embed_tokens.weight
     assert embedding.shape[0] * 2 == arch.vocab_size
+    # A mixture of experts: every expert sliced, or (expert parallelism) half the experts whole.
+    for block1, block2 in zip(_moe_blocks(pair.tp1), _moe_blocks(pair.tp2), strict=True):
+        num_experts, inner = len(block1.experts), block1.experts[0].down_proj.in_features
+        is_ep = pair.tp2.config.parallel.enable_expert_parallel
+        assert len(block2.experts) == (num_experts // 2 if is_ep else num_experts)
+        assert block2.experts[0].down_proj.in_features == (inner if is_ep else inner // 2)
+        if block1.shared_expert is not None and block2.shared_expert is not None:
+            assert block2.shared_expert.down_proj.in_features * 2 == block1.shared_expert.down_proj.in_features
+
+
+def _moe_blocks(engine: EngineCore) -> list[SparseMoeBlock]:
+    return [m for m in engine.loaded.model.modules() if isinstance(m, SparseMoeBlock)]
 
 
 def test_shard_messages_round_trip() -> None:
@@ -211,6 +245,23 @@ def test_split_inside_a_quant_block_is_refused(tmp_path: Path) -> None:
         make_engine(
             directory, model={"model": str(directory), "quantization": "int4"}, parallel={"tensor_parallel_size": 4}
         )
+
+
+@pytest.mark.skipif(not HAS_KERNELS, reason="the int8 kernel needs AVX2, FMA and a compiler")
+def test_sliced_quantized_experts_are_refused_and_point_to_expert_parallelism(tmp_path: Path) -> None:
+    directory = save_tiny_model(tmp_path, "mixtral-tiny")
+    children = set(psutil.Process().children())
+    with pytest.raises(TensorParallelError, match="the experts' down_proj's 32 inputs give each shard 16") as info:
+        make_engine(directory, model={"quantization": "int8"}, parallel={"tensor_parallel_size": 2})
+    assert str(info.value).endswith("or parallel.enable_expert_parallel = true")
+    assert set(psutil.Process().children()) == children
+
+
+def test_fallback_architecture_is_refused_naming_why(tmp_path: Path) -> None:
+    directory = save_tiny_model(tmp_path, "olmo2-tiny")
+    with pytest.raises(TensorParallelError, match="architecture Olmo2ForCausalLM cannot be split over shards") as info:
+        make_engine(directory, parallel={"tensor_parallel_size": 2})
+    assert "\n" not in str(info.value)
 
 
 def test_unsupported_features_are_refused_at_config_time(llama_dir: Path) -> None:

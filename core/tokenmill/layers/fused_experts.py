@@ -47,7 +47,8 @@ class FusedExperts(SelectableKernels):
         :param experts: the layer's experts (``experts[e]`` is an ``ExpertMLP``; ``num_experts`` of them).
         :param x: [num_tokens, hidden] in the model's dtype.
         :param topk_weights: [num_tokens, top_k], the router's weights in ``x``'s dtype.
-        :param topk_ids: [num_tokens, top_k] int64, each token's experts (distinct per token).
+        :param topk_ids: [num_tokens, top_k] int64, each token's experts (distinct per token), indices into
+            ``experts``; -1 marks a pair whose expert another shard holds (expert parallelism): it adds nothing.
         """
 
 
@@ -61,11 +62,12 @@ class TorchFusedExperts(FusedExperts):
     ) -> torch.Tensor:
         top_k = topk_ids.shape[1]
         flat_ids = topk_ids.reshape(-1)  # [num_tokens * top_k]
-        order = flat_ids.argsort(stable=True)  # the pairs, grouped by expert
-        token_of_pair = order // top_k  # [num_tokens * top_k]
-        weight_of_pair = topk_weights.reshape(-1)[order, None]  # [num_tokens * top_k, 1]
-        counts = torch.bincount(flat_ids, minlength=len(experts)).tolist()  # the one host read
-        sorted_x = x[token_of_pair]  # [num_tokens * top_k, hidden]
+        # The one host read; bin 0 counts the pairs whose expert is on another shard (-1).
+        num_elsewhere, *counts = torch.bincount(flat_ids + 1, minlength=len(experts) + 1).tolist()
+        order = flat_ids.argsort(stable=True)[num_elsewhere:]  # this shard's pairs, grouped by expert
+        token_of_pair = order // top_k  # [num_pairs]
+        weight_of_pair = topk_weights.reshape(-1)[order, None]  # [num_pairs, 1]
+        sorted_x = x[token_of_pair]  # [num_pairs, hidden]
         out = torch.zeros_like(x)  # [num_tokens, hidden]
         start = 0
         for expert_id, count in enumerate(counts):

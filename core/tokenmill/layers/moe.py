@@ -4,12 +4,18 @@ on every token.
 
 Weights are stored per expert, under the checkpoints' names (``experts.{e}.gate_proj``/``up_proj`` merged into
 ``gate_up_proj``, ``experts.{e}.down_proj``), each a ``Linear`` over the model's quantizer; ``Experts.stacked_weights``
-stacks the dense ones for kernels that run all experts in one call. With tensor parallelism each shard holds a
-slice of every expert's inner dimension (as a dense MLP's) and the block sums the shards once.
+stacks the dense ones for kernels that run all experts in one call.
+
+With tensor parallelism each shard holds a slice of every expert's inner dimension (as a dense MLP's). With expert
+parallelism (``parallel.enable_expert_parallel``) each shard holds whole experts instead, every ``size``-th one
+(``TensorParallelGroup.local_experts``): every shard routes all tokens, runs the pairs whose expert it holds, and
+passes the others to the kernels as expert -1, which adds nothing. Either way each shard's output is a partial sum
+that the block all-reduces once, with the shared expert's, which stays tensor-parallel (sliced) in both modes.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +27,8 @@ from tokenmill.layers.fused_experts import UsesFusedExperts
 from tokenmill.layers.kernels import UsesLayerKernels
 from tokenmill.layers.linear import Linear, LinearShard, MergedLinear
 from tokenmill.layers.quantizer import Quantizer, layer_tensor
-from tokenmill.parallel.group import TensorParallelGroup
+from tokenmill.parallel.group import TensorParallelGroup, single_process_group
+from tokenmill.weights.format import LoadedTensor
 
 
 @dataclass(frozen=True)
@@ -121,9 +128,12 @@ class SparseMoeBlock(UsesFusedExperts):
         self.renormalize = config.renormalize
         self.tp = tp
         self.gate = Router(hidden_size, config.num_experts, dtype)
+        # Expert parallelism: this shard's whole experts; otherwise every expert, sliced as a dense MLP is.
+        self.expert_parallel = tp.expert_parallel and tp.size > 1
+        expert_tp = single_process_group() if self.expert_parallel else tp
         self.experts = Experts(
-            ExpertMLP(hidden_size, config.intermediate_size, config.hidden_act, quantizer, dtype, tp)
-            for _ in range(config.num_experts)
+            ExpertMLP(hidden_size, config.intermediate_size, config.hidden_act, quantizer, dtype, expert_tp)
+            for _ in tp.local_experts(config.num_experts)
         )
         self.shared_expert = (
             ExpertMLP(hidden_size, config.shared_intermediate_size, config.hidden_act, quantizer, dtype, tp)
@@ -134,6 +144,9 @@ class SparseMoeBlock(UsesFusedExperts):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = select_experts(self.gate(x), self.top_k, self.renormalize)
+        if self.expert_parallel:  # global ids -> this shard's places (e // size), or -1: another shard's expert
+            tp = self.tp
+            topk_ids = torch.where(topk_ids % tp.size == tp.rank, topk_ids // tp.size, -1)
         out = self.fused_experts.apply(self.experts, x, topk_weights.to(x.dtype), topk_ids)  # [num_tokens, hidden]
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
@@ -141,3 +154,25 @@ class SparseMoeBlock(UsesFusedExperts):
                 shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
             out = out + shared
         return self.tp.all_reduce(out)
+
+
+def local_expert_tensors(model: nn.Module, tensors: Iterable[LoadedTensor]) -> Iterator[LoadedTensor]:
+    """``tensors`` (Hugging Face names) as an expert-parallel shard of ``model`` loads them: expert ``e`` of each
+    ``SparseMoeBlock`` renamed to its place in the shard's ``Experts`` (``experts.{e // size}``), other shards'
+    experts left out. Unchanged without expert parallelism. For an architecture's ``load_weights``."""
+    groups = {
+        f"{name}.experts.": block.tp
+        for name, block in model.named_modules()
+        if isinstance(block, SparseMoeBlock) and block.expert_parallel
+    }
+    for item in tensors:
+        block, found, rest = item.name.partition(".experts.")
+        tp = groups.get(block + found)
+        if tp is None:
+            yield item
+            continue
+        expert, _, param = rest.partition(".")
+        if not expert.isdigit():  # not an expert of ours: the model's loader names it
+            yield item
+        elif int(expert) % tp.size == tp.rank:
+            yield LoadedTensor(f"{block}.experts.{int(expert) // tp.size}.{param}", item.tensor, item.file)

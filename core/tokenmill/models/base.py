@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from pathlib import Path
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
@@ -13,7 +13,11 @@ from tokenmill.attention.backend import AttentionLayerSpec, AttentionMetadata
 from tokenmill.layers.embedding import VocabParallelEmbedding
 from tokenmill.layers.fast_module import FastModule
 from tokenmill.layers.linear import Linear, MergedLinear
+from tokenmill.parallel.sharding import SplitInput
 from tokenmill.weights.format import LoadedTensor, WeightsError
+
+if TYPE_CHECKING:
+    from tokenmill.models.architecture import ArchitectureConfig
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +42,14 @@ class CausalLM(FastModule):
     supports_tensor_parallel: ClassVar[bool] = False
     #: Whether its linears run over the selected ``Quantizer`` (the loader's quantizer other than ``none``).
     supports_quantization: ClassVar[bool] = True
+
+    @classmethod
+    def tensor_parallel_inputs(cls, config: ArchitectureConfig, expert_parallel: bool) -> list[SplitInput]:
+        """The feed-forward blocks' row-parallel inputs that tensor parallelism splits (the dense MLP's down_proj;
+        a mixture of experts lists its experts'): ``check_shardable`` refuses a shard count that does not divide
+        each into whole quantizer blocks. Called once by the loader, before anything loads, with
+        ``parallel.enable_expert_parallel``."""
+        return [SplitInput("intermediate size", "down_proj", config.intermediate_size)]
 
     def forward(
         self,

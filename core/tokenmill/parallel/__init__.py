@@ -6,6 +6,6 @@
 """
 
 from tokenmill.parallel.group import TensorParallelGroup, single_process_group
-from tokenmill.parallel.sharding import TensorParallelError, check_shardable
+from tokenmill.parallel.sharding import SplitInput, TensorParallelError, check_shardable
 
-__all__ = ["TensorParallelError", "TensorParallelGroup", "check_shardable", "single_process_group"]
+__all__ = ["SplitInput", "TensorParallelError", "TensorParallelGroup", "check_shardable", "single_process_group"]

@@ -39,6 +39,9 @@ class TensorParallelGroup:
     process_group: Any
     #: CPU shards on one host: small tensors meet in shared memory instead of gloo's loopback socket.
     channel: shm.SharedMemoryChannel | None = None
+    #: Mixture-of-experts layers hold whole experts, split round-robin over the shards, instead of a slice of
+    #: every expert (``parallel.enable_expert_parallel``).
+    expert_parallel: bool = False
 
     @property
     def is_driver(self) -> bool:
@@ -50,6 +53,11 @@ class TensorParallelGroup:
         assert total % self.size == 0, f"{total} does not split into {self.size} shards"
         share = total // self.size
         return self.rank * share, (self.rank + 1) * share
+
+    def local_experts(self, num_experts: int) -> range:
+        """The ids of the experts this shard holds whole: every ``size``-th from ``rank`` with expert parallelism
+        (expert ``e`` is on shard ``e % size``, its ``e // size``-th), all of them (each sliced) without it."""
+        return range(self.rank, num_experts, self.size) if self.expert_parallel else range(num_experts)
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over the shards, in place; returns it (row-parallel outputs, the embedding)."""

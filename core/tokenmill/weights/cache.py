@@ -65,18 +65,20 @@ def load_model_weights(
     dtype: torch.dtype,
     device: torch.device,
     shard: tuple[int, int] = (0, 1),
+    expert_parallel: bool = False,
 ) -> None:
     """Fill ``model`` (materialised, empty) with the weights of ``path``: from the cache when it holds
     them, else from the checkpoint, then caching them. Called once per model load, by the loader.
 
     :param shard: (rank, size) of a tensor-parallel shard: each shard's weights are an entry of their own.
+    :param expert_parallel: the shard holds whole experts (another entry than the shard of every expert).
     """
     directory = weight_cache_directory()
     if directory is None or not _is_repacked(model):
         model.load_weights(weight_format.iter_tensors(path))
         return
     sources = model_file_stats(path)
-    key = cache_key(sources, weight_format, model, dtype, device, shard)
+    key = cache_key(sources, weight_format, model, dtype, device, shard, expert_parallel)
     entry = directory / f"{path.stem}-{key[:16]}.safetensors"
     if entry.exists() and _load_entry(model, entry, key, device):
         return
@@ -91,9 +93,10 @@ def cache_key(
     dtype: torch.dtype,
     device: torch.device,
     shard: tuple[int, int] = (0, 1),
+    expert_parallel: bool = False,
 ) -> str:
     """The hash naming the entry for ``model`` loaded from ``sources`` (path -> size and modification time),
-    or for tensor-parallel shard ``(rank, size)`` of it."""
+    or for tensor-parallel shard ``(rank, size)`` of it (holding whole experts: ``expert_parallel``)."""
     quantizers = {type(module.quantizer) for module in model.modules() if isinstance(module, Linear)}
     classes: list[type] = [type(model), type(weight_format), *sorted(quantizers, key=_name)]
     parts: dict[str, Any] = {
@@ -109,6 +112,8 @@ def cache_key(
     }
     if shard[1] > 1:  # an unsharded model's key is what it was before tensor parallelism
         parts["shard"] = list(shard)
+    if expert_parallel and shard[1] > 1:
+        parts["expert_parallel"] = True
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 

@@ -13,9 +13,10 @@ from typing import Any, ClassVar
 
 from torch import nn
 
-from tokenmill.layers.moe import MoEConfig, SparseMoeBlock
+from tokenmill.layers.moe import MoEConfig, SparseMoeBlock, local_expert_tensors
 from tokenmill.models.architecture import ArchitectureConfig, ArchitectureError
 from tokenmill.models.llama import LlamaForCausalLM, LlamaModel
+from tokenmill.parallel import SplitInput
 from tokenmill.weights.format import LoadedTensor
 
 
@@ -63,8 +64,26 @@ class MoEForCausalLM(LlamaForCausalLM):
 
     model_class: ClassVar[type[LlamaModel]] = MoEModel
 
+    @classmethod
+    def tensor_parallel_inputs(cls, config: ArchitectureConfig, expert_parallel: bool) -> list[SplitInput]:
+        """The dense layers' down_proj (if any layer is dense), the experts' (sliced unless expert-parallel) and
+        the shared expert's (always sliced)."""
+        moe = moe_config(config)
+        splits = []
+        if any(not is_sparse_layer(config, index) for index in range(config.num_layers)):
+            splits += super().tensor_parallel_inputs(config, expert_parallel)
+        if not expert_parallel:
+            hint = " or parallel.enable_expert_parallel = true"
+            experts = SplitInput("expert intermediate size", "the experts' down_proj", moe.intermediate_size, hint)
+            splits.append(experts)
+        if moe.shared_intermediate_size:
+            shared = moe.shared_intermediate_size
+            splits.append(SplitInput("shared expert intermediate size", "the shared expert's down_proj", shared))
+        return splits
+
     def load_weights(self, tensors: Iterable[LoadedTensor]) -> None:
-        super().load_weights(_qwen_names(tensors) if self.config.model_type == "mixtral" else tensors)
+        tensors = _qwen_names(tensors) if self.config.model_type == "mixtral" else tensors
+        super().load_weights(local_expert_tensors(self, tensors))  # an expert-parallel shard's experts only
 
 
 #: Mixtral's checkpoint names -> the Qwen names the block is built with.

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from tokenmill.layers.fused_experts import FusedExperts, TorchFusedExperts
 from tokenmill.testing.conformance._util import conformance_check, fail, instantiate
+
+if TYPE_CHECKING:
+    from tokenmill.layers.moe import Experts
 
 
 @conformance_check
@@ -18,8 +23,9 @@ def check_fused_experts(
     atol: float = 1e-4,
 ) -> None:
     """Check ``apply`` against ``TorchFusedExperts`` on a random MoE layer (8 experts of hidden 64, inner 48, top
-    2, float32 dense weights): tokens routed so that some experts get none, one or all of them; the result's shape
-    and dtype, its values within ``atol``, and its inputs unchanged.
+    2, float32 dense weights): tokens routed so that some experts get none, one or all of them, then again with the
+    odd experts' pairs marked -1 (held by another shard: expert parallelism); the result's shape and dtype, its
+    values within ``atol``, and its inputs unchanged.
 
     :param kernels: the class (built with no arguments, as the engine builds it) or an instance.
     :raises AssertionError: naming the case and what differs.
@@ -46,14 +52,29 @@ def check_fused_experts(
         others = torch.randint(1, num_experts - 2, (tokens, 1), generator=generator)
         topk_ids = torch.cat([torch.zeros(tokens, 1, dtype=torch.long), others], dim=1).to(device)
         topk_weights = torch.rand(tokens, top_k, generator=generator).to(device)
-        before = (x.clone(), topk_ids.clone(), topk_weights.clone())
-        expected = TorchFusedExperts().apply(experts, x, topk_weights, topk_ids)
-        actual = candidate.apply(experts, x, topk_weights, topk_ids)
-        case = f"{name}.apply(tokens={tokens})"
-        if not isinstance(actual, torch.Tensor) or actual.shape != expected.shape or actual.dtype != expected.dtype:
-            got = (actual.shape, actual.dtype) if isinstance(actual, torch.Tensor) else type(actual).__name__
-            fail(f"{case}: returned {got}, expected {(expected.shape, expected.dtype)}")
-        if not torch.allclose(actual, expected, atol=atol, rtol=0):
-            fail(f"{case}: differs from the torch reference by up to {(actual - expected).abs().max().item():.3g}")
-        if not all(torch.equal(a, b) for a, b in zip(before, (x, topk_ids, topk_weights), strict=True)):
-            fail(f"{case}: modified its inputs")
+        for case, ids in (
+            (f"{name}.apply(tokens={tokens})", topk_ids),
+            (f"{name}.apply(tokens={tokens}, odd experts -1)", topk_ids.masked_fill(topk_ids % 2 == 1, -1)),
+        ):
+            _check_case(candidate, case, experts, x, topk_weights, ids, atol)
+
+
+def _check_case(
+    candidate: FusedExperts,
+    case: str,
+    experts: Experts,
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    atol: float,
+) -> None:
+    before = (x.clone(), topk_ids.clone(), topk_weights.clone())
+    expected = TorchFusedExperts().apply(experts, x, topk_weights, topk_ids)
+    actual = candidate.apply(experts, x, topk_weights, topk_ids)
+    if not isinstance(actual, torch.Tensor) or actual.shape != expected.shape or actual.dtype != expected.dtype:
+        got = (actual.shape, actual.dtype) if isinstance(actual, torch.Tensor) else type(actual).__name__
+        fail(f"{case}: returned {got}, expected {(expected.shape, expected.dtype)}")
+    if not torch.allclose(actual, expected, atol=atol, rtol=0):
+        fail(f"{case}: differs from the torch reference by up to {(actual - expected).abs().max().item():.3g}")
+    if not all(torch.equal(a, b) for a, b in zip(before, (x, topk_ids, topk_weights), strict=True)):
+        fail(f"{case}: modified its inputs")
