@@ -123,14 +123,23 @@ def test_every_isa_variant_matches_reference(kind: str, isa: str) -> None:
     covers full and partial activation tiles: avx512_vnni16 splits 5..12 rows into tiles of 5 or 6 and 4..6; N =
     1, 7 partial weight tiles of 2 and 4 rows; K = 128 is one block of four groups for avx512_vnni16's int4
     tiles, 32 and 576 end in a partial block)."""
+    _assert_variant_matches_reference(kind, isa, (32, 128, 576), (1, 3, 4, 5, 6, 7, 9, 32, 33), N_VALUES)
+
+
+def _assert_variant_matches_reference(
+    kind: str, isa: str, k_values: tuple[int, ...], m_values: tuple[int, ...], n_values: tuple[int, ...]
+) -> None:
+    """Variant ``isa`` against the reference within ``TIGHT_RTOL`` on every shape of the grid, with an all-zero
+    activation block in each input of more than one block."""
     _skip_unless_supported(isa)
     before = cpu.isa()
     try:
         cpu.set_isa(isa)
-        for k in (32, 128, 576):
-            for m in (1, 3, 4, 5, 6, 7, 9, 32, 33):
+        for k in k_values:
+            for m in m_values:
                 x = torch.randn(m, k, generator=torch.Generator().manual_seed(m * k)) * 3.0
-                for n in N_VALUES:
+                x[:, 32:64] = 0.0
+                for n in n_values:
                     packed, _, bias = _layer(kind, n, k)
                     err = (_kernel(kind, x, packed, bias) - _reference(kind, x, packed, bias)).abs()
                     allowed = TIGHT_RTOL * _term_magnitude(kind, x, packed, bias) + 1e-30
@@ -140,10 +149,22 @@ def test_every_isa_variant_matches_reference(kind: str, isa: str) -> None:
 
 
 @needs_cpu_kernels
+@pytest.mark.parametrize("isa", ["avx2", "avx_vnni"])
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_pair_tiles_match_reference(kind: str, isa: str) -> None:
+    """From 5 rows on, avx2 and avx_vnni widen each weight row once into two groups per register (the pair tiles):
+    group counts that leave the last pair's second group empty (K = 32, 96, 288, 544), Q4_1 min terms over fewer
+    than 8 groups, a multiple of 8 and a last 8 that overlaps the previous block (K = 96, 256, 544), partial
+    activation tiles (M = 5, 7, 10) and weight rows left after whole tiles (N = 1, 2, 4, 5, 7)."""
+    _assert_variant_matches_reference(kind, isa, (32, 96, 256, 288, 544), (5, 6, 7, 10), (1, 2, 4, 5, 7, 64))
+
+
+@needs_cpu_kernels
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_avx_vnni_is_bit_identical_to_avx2(kind: str) -> None:
-    """Both hold a group as two 256-bit halves: exact integer dot products, then the same float32 operations in
-    the same order. (avx512 sums 16 float lanes instead of 8, so it matches them only to float32 rounding.)"""
+    """Both hold a group as two 256-bit halves (under 5 rows) or two groups in four registers (the pair tiles):
+    exact integer dot products, then the same float32 operations in the same order. (avx512 sums 16 float lanes
+    instead of 8, so it matches them only to float32 rounding.)"""
     _skip_unless_supported("avx_vnni")
     before = cpu.isa()
     try:

@@ -13,7 +13,8 @@
 // The file builds with -mavx2 -mfma -mf16c. The tiles come in one variant per instruction set (struct Avx2,
 // AvxVnni, Avx512 below), picked at run time from the CPU's features; the others are compiled with
 // __attribute__((target)) so they are only ever executed on CPUs that have them. avx2 and avx_vnni hold a group
-// as two 256-bit halves and run the same float32 operations in the same order, so they give bit-identical
+// as two 256-bit halves (under kPairMinRows activation rows), or two groups in four registers (the pair tiles,
+// from kPairMinRows rows on), and run the same float32 operations in the same order, so they give bit-identical
 // outputs; avx512 holds a group in one 512-bit register and sums 16 float lanes instead of 8 (outputs within
 // float32 rounding of the others). set_isa forces one (for tests and benchmarks).
 
@@ -25,6 +26,7 @@
 #include <memory>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_common/extension.h"
@@ -76,12 +78,19 @@ inline int32_t hsum_i32(__m256i v) {
 // Activations quantized per 32-block: q int16 [M, K], d = absmax / 32767 and s = d * sum(q), both [M, K / 32].
 // For the avx512_vnni16 tiles also the same codes four groups at a time, in the order those tiles multiply them
 // (interleave_block): qi int16 [M, ceil(K / 128), 128], 64-byte aligned so that no load splits a cache line.
+// For the avx2 / avx_vnni tiles of several rows also the codes two groups at a time in the order those tiles
+// multiply them (interleave_pair): qp int16 [M, ceil(K / 64), 64], 32-byte aligned.
 struct QuantizedActivations {
   std::unique_ptr<int16_t[]> q;
   std::unique_ptr<float[]> d;
   std::unique_ptr<float[]> s;
   std::unique_ptr<int16_t[], void (*)(int16_t*)> qi{nullptr, [](int16_t* ptr) { std::free(ptr); }};
+  std::unique_ptr<int16_t[], void (*)(int16_t*)> qp{nullptr, [](int16_t* ptr) { std::free(ptr); }};
 };
+
+// Which extra copy of the codes a variant's tiles read besides q: none, four groups at a time (avx512_vnni16) or
+// two (avx2 and avx_vnni at several rows).
+enum class Layout { kPlain, kQuads, kPairs };
 
 void quantize_block(const float* x, int16_t* q, float* d_out, float* s_out) {
   const __m256 sign_bit = _mm256_set1_ps(-0.0f);
@@ -120,9 +129,29 @@ inline void interleave_block(const int16_t* q, int64_t num_groups, int16_t* qi) 
   }
 }
 
-QuantizedActivations quantize_activations(const float* x, int64_t M, int64_t K, bool interleaved = false) {
+// Two groups of codes as the pair tiles read them (see kPairCodes): `b` is the second group's codes, or nullptr
+// for a row's last group when K / 32 is odd (its lanes are zero).
+inline void interleave_pair(const int16_t* a, const int16_t* b, int16_t* out) {
+  const __m256i a0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a));
+  const __m256i a1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 16));
+  const __m256i b0 = b != nullptr ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)) : _mm256_setzero_si256();
+  const __m256i b1 =
+      b != nullptr ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16)) : _mm256_setzero_si256();
+  const __m256i lo0 = _mm256_unpacklo_epi32(a0, b0);
+  const __m256i lo1 = _mm256_unpacklo_epi32(a1, b1);
+  const __m256i hi0 = _mm256_unpackhi_epi32(a0, b0);
+  const __m256i hi1 = _mm256_unpackhi_epi32(a1, b1);
+  __m256i* dst = reinterpret_cast<__m256i*>(out);
+  _mm256_store_si256(dst + 0, _mm256_permute2x128_si256(lo0, lo1, 0x20));
+  _mm256_store_si256(dst + 1, _mm256_permute2x128_si256(hi0, hi1, 0x20));
+  _mm256_store_si256(dst + 2, _mm256_permute2x128_si256(lo0, lo1, 0x31));
+  _mm256_store_si256(dst + 3, _mm256_permute2x128_si256(hi0, hi1, 0x31));
+}
+
+QuantizedActivations quantize_activations(const float* x, int64_t M, int64_t K, Layout layout = Layout::kPlain) {
   const int64_t groups = K / kGroup;
-  const int64_t blocks = interleaved ? (groups + 3) / 4 : 0;
+  const int64_t blocks = layout == Layout::kQuads ? (groups + 3) / 4 : 0;
+  const int64_t pairs = layout == Layout::kPairs ? (groups + 1) / 2 : 0;
   // Plain new[]: every element is written below, so the zero-fill of make_unique would be a wasted pass.
   QuantizedActivations a{std::unique_ptr<int16_t[]>(new int16_t[M * K]),
                          std::unique_ptr<float[]>(new float[M * groups]),
@@ -130,6 +159,10 @@ QuantizedActivations quantize_activations(const float* x, int64_t M, int64_t K, 
   if (blocks > 0) {
     a.qi.reset(static_cast<int16_t*>(std::aligned_alloc(64, M * blocks * 4 * kGroup * sizeof(int16_t))));
     TORCH_CHECK(a.qi != nullptr, "out of memory for ", M, " x ", K, " activation codes");
+  }
+  if (pairs > 0) {
+    a.qp.reset(static_cast<int16_t*>(std::aligned_alloc(64, M * pairs * 2 * kGroup * sizeof(int16_t))));
+    TORCH_CHECK(a.qp != nullptr, "out of memory for ", M, " x ", K, " activation codes");
   }
   const int64_t grain = std::max<int64_t>(1, 16384 / K);  // rows per task: cheap work, only split big batches
   at::parallel_for(0, M, grain, [&](int64_t begin, int64_t end) {
@@ -140,6 +173,11 @@ QuantizedActivations quantize_activations(const float* x, int64_t M, int64_t K, 
       for (int64_t b = 0; b < blocks; ++b) {
         interleave_block(a.q.get() + m * K + b * 4 * kGroup, std::min<int64_t>(4, groups - 4 * b),
                          a.qi.get() + (m * blocks + b) * 4 * kGroup);
+      }
+      for (int64_t t = 0; t < pairs; ++t) {
+        const int16_t* first = a.q.get() + m * K + 2 * t * kGroup;
+        interleave_pair(first, 2 * t + 1 < groups ? first + kGroup : nullptr,
+                        a.qp.get() + (m * pairs + t) * 2 * kGroup);
       }
     }
   });
@@ -221,14 +259,30 @@ template <bool kInt4, int NR, int MR, class V>
 inline void tile_body(const Problem& p, int64_t n0, int64_t m0, bool prefetch);
 template <bool kInt4, int NR, int MR, class V>
 inline void finish_tile(const Problem& p, int64_t n0, int64_t m0, typename V::Acc (&acc)[NR][MR]);
+template <bool kInt4, int NR, int MR, class V>
+inline void pair_tile_body(const Problem& p, const int16_t* wbuf, int64_t n0, int64_t m0);
 
 struct Avx2 : Ymm {
   static inline __m256i dot(const Weights& w, const Codes& x) {
     return _mm256_add_epi32(_mm256_madd_epi16(w.lo, x.lo), _mm256_madd_epi16(w.hi, x.hi));
   }
+  // The block dot products of two groups in the pair layout (see kPairCodes), lanes alternately the first's and
+  // the second's: their four weight registers `w` times the four code registers at `x`.
+  static inline __m256i dot_pair(const __m256i (&w)[4], const __m256i* x) {
+    const __m256i d01 = _mm256_add_epi32(_mm256_madd_epi16(w[0], _mm256_load_si256(x)),
+                                         _mm256_madd_epi16(w[1], _mm256_load_si256(x + 1)));
+    const __m256i d23 = _mm256_add_epi32(_mm256_madd_epi16(w[2], _mm256_load_si256(x + 2)),
+                                         _mm256_madd_epi16(w[3], _mm256_load_si256(x + 3)));
+    return _mm256_add_epi32(d01, d23);
+  }
   template <bool kInt4, int NR, int MR>
   __attribute__((noinline, flatten)) static void tile(const Problem& p, int64_t n0, int64_t m0, bool prefetch) {
     tile_body<kInt4, NR, MR, Avx2>(p, n0, m0, prefetch);
+  }
+  template <bool kInt4, int NR, int MR>
+  __attribute__((noinline, flatten)) static void pair_tile(const Problem& p, const int16_t* wbuf, int64_t n0,
+                                                           int64_t m0) {
+    pair_tile_body<kInt4, NR, MR, Avx2>(p, wbuf, n0, m0);
   }
 };
 
@@ -238,10 +292,21 @@ struct AvxVnni : Ymm {
   __attribute__((target("avxvnni"))) static inline __m256i dot(const Weights& w, const Codes& x) {
     return _mm256_dpwssd_avx_epi32(_mm256_madd_epi16(w.lo, x.lo), w.hi, x.hi);
   }
+  __attribute__((target("avxvnni"))) static inline __m256i dot_pair(const __m256i (&w)[4], const __m256i* x) {
+    __m256i dot = _mm256_madd_epi16(w[0], _mm256_load_si256(x));
+    UNROLL
+    for (int j = 1; j < 4; ++j) dot = _mm256_dpwssd_avx_epi32(dot, w[j], _mm256_load_si256(x + j));
+    return dot;
+  }
   template <bool kInt4, int NR, int MR>
   __attribute__((noinline, flatten, target("avxvnni"))) static void tile(const Problem& p, int64_t n0, int64_t m0,
                                                                         bool prefetch) {
     tile_body<kInt4, NR, MR, AvxVnni>(p, n0, m0, prefetch);
+  }
+  template <bool kInt4, int NR, int MR>
+  __attribute__((noinline, flatten, target("avxvnni"))) static void pair_tile(const Problem& p, const int16_t* wbuf,
+                                                                             int64_t n0, int64_t m0) {
+    pair_tile_body<kInt4, NR, MR, AvxVnni>(p, wbuf, n0, m0);
   }
 };
 
@@ -370,6 +435,37 @@ struct Avx512Vnni {
   }
 };
 
+// scale[r][i][g - g0] = dw[r, g] * dx[i, g] for the groups g0 .. g_end of one chunk, `wd` and `xd` at the tile's
+// first weight and activation row (rows `groups` apart): 8 groups per F16C conversion and multiply instead of one
+// multiply per group in the tiles' loops; each product is the same float32 dw * dx either way. The last 8 may
+// overlap the previous 8 (the same products again), so only chunks under 8 groups go one by one.
+template <int NR, int MR>
+inline void scale_products(const uint16_t* wd, const float* xd, int64_t groups, int64_t g0, int64_t g_end,
+                           float (&scale)[NR][MR][kScaleChunk]) {
+  int64_t g = g0;
+  if (g_end - g0 >= 8) {
+    for (int64_t v = g0; v < g_end; v += 8) {
+      const int64_t gv = std::min(v, g_end - 8);
+      UNROLL
+      for (int r = 0; r < NR; ++r) {
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wd + r * groups + gv)));
+        UNROLL
+        for (int i = 0; i < MR; ++i) {
+          _mm256_storeu_ps(&scale[r][i][gv - g0], _mm256_mul_ps(dw, _mm256_loadu_ps(xd + i * groups + gv)));
+        }
+      }
+    }
+    g = g_end;
+  }
+  for (; g < g_end; ++g) {
+    UNROLL
+    for (int r = 0; r < NR; ++r) {
+      UNROLL
+      for (int i = 0; i < MR; ++i) scale[r][i][g - g0] = _cvtsh_ss(wd[r * groups + g]) * xd[i * groups + g];
+    }
+  }
+}
+
 // out[m0 .. m0+MR, n0 .. n0+NR] for one tile: NR weight rows against MR activation rows. `prefetch` asks for
 // the weight stream kPrefetchBytes ahead to be requested; only the first activation tile of a row group streams
 // from memory (the others find the rows in L1), and only while the target is still inside this task's rows.
@@ -392,33 +488,8 @@ inline void tile_body(const Problem& p, int64_t n0, int64_t m0, bool prefetch) {
   float scale[NR][MR][kScaleChunk];  // dw[n0 + r, g] * dx[m0 + i, g] for the chunk's groups
   for (int64_t g0 = 0; g0 < groups; g0 += kScaleChunk) {
     const int64_t g_end = std::min(g0 + kScaleChunk, groups);
-    // The scale products ahead of the dot products, 8 groups per F16C conversion and multiply instead of one
-    // multiply per group in the loop below; each product is the same float32 dw * dx either way. The last 8
-    // may overlap the previous 8 (the same products again), so only chunks under 8 groups go one by one.
-    int64_t g = g0;
-    if (g_end - g0 >= 8) {
-      for (int64_t v = g0; v < g_end; v += 8) {
-        const int64_t gv = std::min(v, g_end - 8);
-        UNROLL
-        for (int r = 0; r < NR; ++r) {
-          const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wd + r * groups + gv)));
-          UNROLL
-          for (int i = 0; i < MR; ++i) {
-            _mm256_storeu_ps(&scale[r][i][gv - g0], _mm256_mul_ps(dw, _mm256_loadu_ps(xd + i * groups + gv)));
-          }
-        }
-      }
-      g = g_end;
-    }
-    for (; g < g_end; ++g) {
-      UNROLL
-      for (int r = 0; r < NR; ++r) {
-        UNROLL
-        for (int i = 0; i < MR; ++i) scale[r][i][g - g0] = _cvtsh_ss(wd[r * groups + g]) * xd[i * groups + g];
-      }
-    }
-
-    for (g = g0; g < g_end; ++g) {
+    scale_products<NR, MR>(wd, xd, groups, g0, g_end, scale);
+    for (int64_t g = g0; g < g_end; ++g) {
       // Each weight row's group is widened to int16 once, then meets every activation row of the tile.
       typename V::Weights wg[NR];
       UNROLL
@@ -443,6 +514,183 @@ inline void tile_body(const Problem& p, int64_t n0, int64_t m0, bool prefetch) {
   }
 
   finish_tile<kInt4, NR, MR, V>(p, n0, m0, acc);
+}
+
+// The pair tiles: avx2 and avx_vnni from kPairMinRows activation rows on (prefill, batched decode, drafts).
+// Holding a group as two halves (Ymm) costs 5 instructions per group and pair of rows on avx2 (2 vpmaddwd, vpaddd,
+// the int32 -> float32 conversion, the scaled add) plus the weights' widening, again for every activation tile.
+// Here four registers of 16 int16 hold two groups a and b (2t and 2t + 1), arranged so that each 32-bit lane holds
+// two elements of one group, a in the even lanes and b in the odd ones: register j, 128-bit half h holds elements
+// e, e + 1 of a, the same of b, then e + 2, e + 3 of a and of b, for e = 16h + 4j. vpmaddwd then gives int32
+// lanes that each belong to one group, so one conversion and one scaled add (the two groups' scale products
+// broadcast as a pair, which alternates the same way) take both: per two groups and pair of rows 4 vpmaddwd + 3
+// vpaddd + 2 (avx2) or vpmaddwd + 3 vpdpwssd + 2 (avx_vnni), against 2 x 5 or 2 x 4. The weights are widened into
+// this order once per weight row, into a buffer every activation tile of the row group reads (widen_pairs), the
+// activation codes once per call (interleave_pair). When K / 32 is odd, the last pair's second group is zero.
+constexpr int64_t kPairCodes = 2 * kGroup;
+
+// Weight row n in the pair layout: `pairs` * kPairCodes int16 at `buf` (32-byte aligned).
+template <bool kInt4>
+inline void widen_pairs(const Problem& p, int64_t n, int16_t* buf, bool prefetch) {
+  const uint8_t* row = p.w + n * p.row_bytes;
+  const int64_t pairs = (p.groups + 1) / 2;
+  const __m256i zero = _mm256_setzero_si256();
+  for (int64_t t = 0; t < pairs; ++t) {
+    const bool full = 2 * t + 1 < p.groups;
+    __m256i u0, u1;  // 16-bit words of a and b in turn: elements 0..7 and 16..23 (u0), 8..15 and 24..31 (u1)
+    __m256i r[4];
+    if constexpr (kInt4) {
+      const uint8_t* src = row + t * kGroup;  // 16 bytes per group
+      if (prefetch && t % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(src) + kPrefetchBytes, _MM_HINT_T0);
+      const __m256i bytes = full ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src))
+                                 : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+      const __m256i nibble = _mm256_set1_epi8(0x0F);
+      const __m256i lo = _mm256_and_si256(bytes, nibble);                         // a 0..15 | b 0..15
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);  // a 16..31 | b 16..31
+      const __m256i a = _mm256_permute2x128_si256(lo, hi, 0x20);
+      const __m256i b = _mm256_permute2x128_si256(lo, hi, 0x31);
+      u0 = _mm256_unpacklo_epi16(a, b);
+      u1 = _mm256_unpackhi_epi16(a, b);
+      r[0] = _mm256_unpacklo_epi8(u0, zero);
+      r[1] = _mm256_unpackhi_epi8(u0, zero);
+      r[2] = _mm256_unpacklo_epi8(u1, zero);
+      r[3] = _mm256_unpackhi_epi8(u1, zero);
+    } else {
+      const uint8_t* src = row + 2 * t * kGroup;
+      if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(src) + kPrefetchBytes, _MM_HINT_T0);
+      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+      const __m256i b = full ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + kGroup)) : zero;
+      u0 = _mm256_unpacklo_epi16(a, b);
+      u1 = _mm256_unpackhi_epi16(a, b);
+      // Each byte doubled into a 16-bit word, shifted down with its sign: the int8 code as int16.
+      r[0] = _mm256_srai_epi16(_mm256_unpacklo_epi8(u0, u0), 8);
+      r[1] = _mm256_srai_epi16(_mm256_unpackhi_epi8(u0, u0), 8);
+      r[2] = _mm256_srai_epi16(_mm256_unpacklo_epi8(u1, u1), 8);
+      r[3] = _mm256_srai_epi16(_mm256_unpackhi_epi8(u1, u1), 8);
+    }
+    __m256i* dst = reinterpret_cast<__m256i*>(buf + t * kPairCodes);
+    UNROLL
+    for (int j = 0; j < 4; ++j) _mm256_store_si256(dst + j, r[j]);
+  }
+}
+
+// The lane sums of eight accumulators as one vector (lane k: the sum of v[k]'s lanes), in 9 instructions instead
+// of 8 reductions of 6 each.
+inline __m256 hsum8(const __m256 (&v)[8]) {
+  const __m256 h0 = _mm256_hadd_ps(v[0], v[1]);
+  const __m256 h1 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 h2 = _mm256_hadd_ps(v[4], v[5]);
+  const __m256 h3 = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 q0 = _mm256_hadd_ps(h0, h1);  // v[0..3]: lanes 0..3 summed | lanes 4..7 summed
+  const __m256 q1 = _mm256_hadd_ps(h2, h3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(q0, q1, 0x20), _mm256_permute2f128_ps(q0, q1, 0x31));
+}
+
+// The end of a pair tile: Q4_1's min term into the accumulators, 8 groups at a time (a last 8 overlapping the
+// previous block, with the groups already counted masked out; under 8 groups from zero-padded copies), then the
+// accumulators' lane sums eight at a time, and the bias.
+template <bool kInt4, int NR, int MR>
+inline void finish_pair_tile(const Problem& p, int64_t n0, int64_t m0, __m256 (&acc)[NR][MR]) {
+  const int64_t groups = p.groups;
+  if constexpr (kInt4) {
+    const uint16_t* wm = p.mins + n0 * groups;
+    const float* sx = p.act->s.get() + m0 * groups;
+    if (groups >= 8) {
+      for (int64_t v = 0; v < groups; v += 8) {
+        const int64_t g = std::min(v, groups - 8);
+        // Lanes below v - g hold groups the previous block added.
+        const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        const __m256 keep =
+            _mm256_castsi256_ps(_mm256_cmpgt_epi32(lane, _mm256_set1_epi32(static_cast<int>(v - g) - 1)));
+        UNROLL
+        for (int r = 0; r < NR; ++r) {
+          const __m256 m = _mm256_and_ps(
+              keep, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wm + r * groups + g))));
+          UNROLL
+          for (int i = 0; i < MR; ++i) acc[r][i] = _mm256_fmadd_ps(m, _mm256_loadu_ps(sx + i * groups + g), acc[r][i]);
+        }
+      }
+    } else {
+      alignas(32) float m[NR][8] = {};
+      alignas(32) float s[MR][8] = {};
+      for (int64_t g = 0; g < groups; ++g) {
+        UNROLL
+        for (int r = 0; r < NR; ++r) m[r][g] = _cvtsh_ss(wm[r * groups + g]);
+        UNROLL
+        for (int i = 0; i < MR; ++i) s[i][g] = sx[i * groups + g];
+      }
+      UNROLL
+      for (int r = 0; r < NR; ++r) {
+        UNROLL
+        for (int i = 0; i < MR; ++i) acc[r][i] = _mm256_fmadd_ps(_mm256_load_ps(m[r]), _mm256_load_ps(s[i]), acc[r][i]);
+      }
+    }
+  }
+  constexpr int kOutputs = NR * MR;
+  alignas(32) float sums[(kOutputs + 7) / 8 * 8];
+  UNROLL
+  for (int k0 = 0; k0 < kOutputs; k0 += 8) {
+    __m256 v[8];
+    UNROLL
+    for (int k = 0; k < 8; ++k) v[k] = k0 + k < kOutputs ? acc[(k0 + k) % NR][(k0 + k) / NR] : _mm256_setzero_ps();
+    _mm256_store_ps(sums + k0, hsum8(v));
+  }
+  UNROLL
+  for (int i = 0; i < MR; ++i) {
+    UNROLL
+    for (int r = 0; r < NR; ++r) {
+      p.out[(m0 + i) * p.N + n0 + r] = sums[i * NR + r] + (p.bias != nullptr ? p.bias[n0 + r] : 0.0f);
+    }
+  }
+}
+
+// out[m0 .. m0+MR, n0 .. n0+NR] for one tile in the pair layout, the weight rows widened in `wbuf`.
+template <bool kInt4, int NR, int MR, class V>
+inline void pair_tile_body(const Problem& p, const int16_t* wbuf, int64_t n0, int64_t m0) {
+  const int64_t groups = p.groups;
+  const int64_t pairs = (groups + 1) / 2;
+  const int16_t* xq = p.act->qp.get() + m0 * pairs * kPairCodes;
+  const float* xd = p.act->d.get() + m0 * groups;
+  const uint16_t* wd = p.scales + n0 * groups;
+
+  __m256 acc[NR][MR];
+  UNROLL
+  for (int r = 0; r < NR; ++r) {
+    UNROLL
+    for (int i = 0; i < MR; ++i) acc[r][i] = _mm256_setzero_ps();
+  }
+  // kScaleChunk is even, so chunks hold whole pairs; a zero scale for the missing group after an odd count.
+  alignas(32) float scale[NR][MR][kScaleChunk];
+  for (int64_t g0 = 0; g0 < groups; g0 += kScaleChunk) {
+    const int64_t g_end = std::min(g0 + kScaleChunk, groups);
+    scale_products<NR, MR>(wd, xd, groups, g0, g_end, scale);
+    if (g_end % 2 == 1) {
+      UNROLL
+      for (int r = 0; r < NR; ++r) {
+        UNROLL
+        for (int i = 0; i < MR; ++i) scale[r][i][g_end - g0] = 0.0f;
+      }
+    }
+    for (int64_t t = g0 / 2; t < (g_end + 1) / 2; ++t) {
+      // A weight row's four registers meet every activation row's, whose loads fold into vpmaddwd: 4 + 1 loads
+      // (the scale pair) per output and pair of groups, where holding both in registers would spill.
+      UNROLL
+      for (int r = 0; r < NR; ++r) {
+        const __m256i* wv = reinterpret_cast<const __m256i*>(wbuf + (r * pairs + t) * kPairCodes);
+        const __m256i w[4] = {_mm256_load_si256(wv), _mm256_load_si256(wv + 1), _mm256_load_si256(wv + 2),
+                              _mm256_load_si256(wv + 3)};
+        UNROLL
+        for (int i = 0; i < MR; ++i) {
+          const __m256i dot = V::dot_pair(w, reinterpret_cast<const __m256i*>(xq + (i * pairs + t) * kPairCodes));
+          // dw * dx of the two groups, alternating as the dot product's lanes do.
+          const __m256 s =
+              _mm256_castpd_ps(_mm256_broadcast_sd(reinterpret_cast<const double*>(&scale[r][i][2 * t - g0])));
+          acc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, acc[r][i]);
+        }
+      }
+    }
+  }
+  finish_pair_tile<kInt4, NR, MR>(p, n0, m0, acc);
 }
 
 // The end of a tile: Q4_1's min term, the bias, and each accumulator's lanes summed into out.
@@ -495,31 +743,25 @@ tokenmill::IsaChoice<Isa> g_isa({"avx2", "avx_vnni", "avx512", "avx512_vnni16"},
   return isas;
 });
 
+// f(std::integral_constant<int, rows>{}) for `rows` in 1 .. kMaxRows: a tile's activation rows, known at run
+// time, as the compile-time count its template takes.
+template <int kMaxRows, class F>
+void with_rows(int64_t rows, F&& f) {
+  if constexpr (kMaxRows > 0) {
+    if (rows == kMaxRows) {
+      f(std::integral_constant<int, kMaxRows>{});
+    } else {
+      with_rows<kMaxRows - 1>(rows, f);
+    }
+  }
+}
+
 // One tile of `rows` (1 .. I::kMaxActTile) activation rows against weight rows n0 .. n0+NR.
 template <bool kInt4, int NR, class I>
 void act_tile(const Problem& p, int64_t n0, int64_t m0, int64_t rows, bool prefetch) {
-  switch (rows) {
-    case 6:
-      if constexpr (I::kMaxActTile >= 6) I::template tile<kInt4, NR, 6>(p, n0, m0, prefetch);
-      break;
-    case 5:
-      if constexpr (I::kMaxActTile >= 5) I::template tile<kInt4, NR, 5>(p, n0, m0, prefetch);
-      break;
-    case 4:
-      I::template tile<kInt4, NR, 4>(p, n0, m0, prefetch);
-      break;
-    case 3:
-      I::template tile<kInt4, NR, 3>(p, n0, m0, prefetch);
-      break;
-    case 2:
-      I::template tile<kInt4, NR, 2>(p, n0, m0, prefetch);
-      break;
-    case 1:
-      I::template tile<kInt4, NR, 1>(p, n0, m0, prefetch);
-      break;
-    default:
-      break;
-  }
+  with_rows<I::kMaxActTile>(rows, [&](auto mr) {
+    I::template tile<kInt4, NR, decltype(mr)::value>(p, n0, m0, prefetch);
+  });
 }
 
 // Rows n0 .. n0+NR against every activation row. Each tile widens the weight rows' codes again, so a variant with
@@ -566,6 +808,57 @@ void run(const Problem& p) {
   });
 }
 
+// The avx2 and avx_vnni variants for kPairMinRows activation rows or more: each task widens a row group's weights
+// into the pair layout once (widen_pairs) and runs every activation tile over that buffer. Below, one activation
+// tile covers every row and the buffer's round trip costs more than widening in registers (Ymm's tiles).
+constexpr int64_t kPairMinRows = 5;
+// 3 x 3 tiles: 9 accumulators, a weight row's 4 registers and the temporaries fit AVX2's 16 registers without
+// spilling (2 x 4 and 3 x 4 measured within a few per cent of it, 3 x 4 spilling accumulators).
+constexpr int64_t kPairWeightTile = 3;
+constexpr int64_t kPairActTile = 3;
+
+// One pair tile of `rows` (1 .. kPairActTile) activation rows against weight rows n0 .. n0+NR.
+template <bool kInt4, int NR, class I>
+void pair_act_tile(const Problem& p, const int16_t* wbuf, int64_t n0, int64_t m0, int64_t rows) {
+  with_rows<kPairActTile>(rows, [&](auto mr) {
+    I::template pair_tile<kInt4, NR, decltype(mr)::value>(p, wbuf, n0, m0);
+  });
+}
+
+// The pair tiles over the whole problem: tasks are ranges of row groups, as in run, each with its own buffer.
+template <bool kInt4, class I>
+void run_pairs(const Problem& p) {
+  constexpr int64_t kWeightTile = kPairWeightTile;
+  const int64_t pairs = (p.groups + 1) / 2;
+  const int64_t row_groups = (p.N + kWeightTile - 1) / kWeightTile;
+  const int64_t scale_bytes = p.groups * static_cast<int64_t>(sizeof(uint16_t)) * (kInt4 ? 2 : 1);
+  const int64_t group_bytes = kWeightTile * (p.row_bytes + scale_bytes);
+  const int64_t grain = std::max<int64_t>(1, kMinBytesPerTask / group_bytes);
+  at::parallel_for(0, row_groups, grain, [&](int64_t begin, int64_t end) {
+    const std::unique_ptr<int16_t[], void (*)(int16_t*)> buf(
+        static_cast<int16_t*>(std::aligned_alloc(64, kWeightTile * pairs * kPairCodes * sizeof(int16_t))),
+        [](int16_t* ptr) { std::free(ptr); });
+    TORCH_CHECK(buf != nullptr, "out of memory for ", kWeightTile, " widened weight rows of ", p.K);
+    const int64_t n_end = std::min(end * kWeightTile, p.N);
+    const int64_t prefetch_rows = (kPrefetchBytes + p.row_bytes - 1) / p.row_bytes;
+    for (int64_t n0 = begin * kWeightTile; n0 < n_end; n0 += kWeightTile) {
+      const int64_t rows = std::min(kWeightTile, n_end - n0);
+      const bool prefetch = n0 + kWeightTile + prefetch_rows <= n_end;
+      for (int64_t r = 0; r < rows; ++r) widen_pairs<kInt4>(p, n0 + r, buf.get() + r * pairs * kPairCodes, prefetch);
+      for (int64_t m0 = 0; m0 < p.M; m0 += kPairActTile) {
+        const int64_t act_rows = std::min(kPairActTile, p.M - m0);
+        if (rows == kWeightTile) {
+          pair_act_tile<kInt4, kWeightTile, I>(p, buf.get(), n0, m0, act_rows);
+        } else {
+          for (int64_t r = 0; r < rows; ++r) {
+            pair_act_tile<kInt4, 1, I>(p, buf.get() + r * pairs * kPairCodes, n0 + r, m0, act_rows);
+          }
+        }
+      }
+    }
+  });
+}
+
 template <bool kInt4>
 void run_on(const Problem& p, Isa isa) {
   switch (isa) {
@@ -580,10 +873,18 @@ void run_on(const Problem& p, Isa isa) {
       run<kInt4, Avx512>(p);
       break;
     case Isa::kAvxVnni:
-      run<kInt4, AvxVnni>(p);
+      if (p.M >= kPairMinRows) {
+        run_pairs<kInt4, AvxVnni>(p);
+      } else {
+        run<kInt4, AvxVnni>(p);
+      }
       break;
     default:
-      run<kInt4, Avx2>(p);
+      if (p.M >= kPairMinRows) {
+        run_pairs<kInt4, Avx2>(p);
+      } else {
+        run<kInt4, Avx2>(p);
+      }
       break;
   }
 }
@@ -639,7 +940,10 @@ at::Tensor matmul(const at::Tensor& x, const at::Tensor& qweight, const at::Tens
   check_f16c();
   Isa isa = g_isa.get();
   if (isa == Isa::kAvx512Vnni && !(int4 && M >= kVnniMinRows)) isa = Isa::kAvx512;
-  const QuantizedActivations act = quantize_activations(x.data_ptr<float>(), M, K, isa == Isa::kAvx512Vnni);
+  Layout layout = Layout::kPlain;
+  if (isa == Isa::kAvx512Vnni) layout = Layout::kQuads;
+  if ((isa == Isa::kAvx2 || isa == Isa::kAvxVnni) && M >= kPairMinRows) layout = Layout::kPairs;
+  const QuantizedActivations act = quantize_activations(x.data_ptr<float>(), M, K, layout);
   const Problem p{static_cast<const uint8_t*>(qweight.data_ptr()),
                   qweight.size(1),
                   static_cast<const uint16_t*>(scales.data_ptr()),
