@@ -22,6 +22,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.config.options import config_options
 from tokenmill.errors import TokenmillError
 from tokenmill_plugins.commands.bench import options as opt
+from tokenmill_plugins.commands.bench.lora import PARTS as LORA_PARTS
 from tokenmill_plugins.commands.bench.metrics import format_table, write_json
 from tokenmill_plugins.commands.bench.structured import PARTS
 from tokenmill_plugins.commands.bench.suite import SuiteOptions, format_comparison
@@ -183,6 +184,96 @@ def structured(
         timeout_s=timeout,
     )
     _report(run_structured(options), output_json, format_structured)
+
+
+@bench.command("lora-adapters")
+@click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--model", default=None, help="Model whose architecture the adapters fit; unset: the default model.")
+@click.option("--count", type=click.IntRange(min=1), default=8, show_default=True, help="Adapters to write.")
+@click.option("--rank", type=click.IntRange(min=1), default=16, show_default=True, help="Their rank (alpha: 2 x rank).")
+@opt.seed
+def lora_adapters(directory: Path, model: str | None, count: int, rank: int, seed: int) -> None:
+    """Write PEFT LoRA adapters (random, every linear) for a model, for `tokenmill bench lora`; needs peft."""
+    from tokenmill.model_files import resolve_model
+    from tokenmill_plugins.commands.bench.lora import make_adapters
+
+    for path in make_adapters(resolve_model(model), directory, count, rank, seed):
+        click.echo(f"{path.name}={path.resolve()}")
+
+
+@bench.command()
+@click.option(
+    "--url", required=True, help="Base URL of a server started with --enable-lora, e.g. http://127.0.0.1:8000."
+)
+@click.option(
+    "--adapters", default="", help="Comma-separated adapter names to spread requests over; unset: all served."
+)
+@click.option(
+    "--parts",
+    default=",".join(LORA_PARTS),
+    show_default=True,
+    help="overhead (adapters against the base model, alternated), stall (an adapter loaded at run time).",
+)
+@opt.int_list("--concurrency", "1,32", "overhead: comma-separated streams at once.")
+@opt.input_len(128, "Prompt tokens per request.")
+@opt.output_len(128, "Generated tokens per request.")
+@click.option(
+    "--rounds",
+    type=click.IntRange(min=1),
+    default=2,
+    show_default=True,
+    help="overhead: alternations of the adapter and base runs.",
+)
+@click.option(
+    "--load-adapter",
+    default=None,
+    help="stall: path (on the server's disk) of an adapter to load at run time; the server needs "
+    "--allow-runtime-lora-updating.",
+)
+@click.option(
+    "--stall-streams",
+    type=click.IntRange(min=1),
+    default=4,
+    show_default=True,
+    help="stall: base-model streams running while the adapter loads.",
+)
+@opt.seed
+@click.option("--api-key", default=None, help="Sent as 'Authorization: Bearer KEY'; never written to the report.")
+@opt.request_timeout()
+@opt.output_json
+def lora(
+    url: str,
+    adapters: str,
+    parts: str,
+    concurrency: list[int],
+    input_len: int,
+    output_len: int,
+    rounds: int,
+    load_adapter: str | None,
+    stall_streams: int,
+    seed: int,
+    api_key: str | None,
+    timeout: float,
+    output_json: Path | None,
+) -> None:
+    """Multi-LoRA serving against a running server: throughput and ITL over adapters, stalls while one loads."""
+    from tokenmill_plugins.commands.bench.lora import LoRAOptions, format_lora, run_lora
+
+    options = LoRAOptions(
+        url=url,
+        adapters=tuple(a.strip() for a in adapters.split(",") if a.strip()),
+        parts=tuple(p.strip() for p in parts.split(",") if p.strip()),
+        concurrency=tuple(concurrency),
+        input_len=input_len,
+        output_len=output_len,
+        rounds=rounds,
+        load_adapter=load_adapter,
+        stall_streams=stall_streams,
+        seed=seed,
+        api_key=api_key,
+        timeout_s=timeout,
+    )
+    _report(run_lora(options), output_json, format_lora)
 
 
 @bench.command()

@@ -60,6 +60,9 @@ class ServeOptions:
     prompts: list[list[int]] | None = None
     #: Fields added to every request's body (``bench structured`` sends a ``response_format``), in the report.
     extra_body: dict[str, Any] | None = None
+    #: Model names the requests cycle through (request ``i`` names ``models[i % len(models)]``: ``bench lora``
+    #: spreads them over adapters) instead of ``model`` for all.
+    models: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         checks: list[tuple[bool, str, Any, str]] = [
@@ -148,8 +151,9 @@ async def _run(options: ServeOptions) -> dict[str, Any]:
                 delay = start + offsets[i] - time.perf_counter()
                 if delay > 0:
                     await asyncio.sleep(delay)
+                name = options.models[i % len(options.models)] if options.models else model
                 async with semaphore:
-                    await _send(client, url, {"model": model, **requests[i].payload}, records[i])
+                    await _send(client, url, {"model": name, **requests[i].payload}, records[i])
                 progress.update(1)
 
             await asyncio.gather(*(one(i) for i in range(len(requests))))
