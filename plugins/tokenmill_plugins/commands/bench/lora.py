@@ -27,7 +27,7 @@ import httpx
 
 from tokenmill.errors import TokenmillError
 from tokenmill_plugins.commands.bench.metrics import TABLE_WIDTH, build_report, format_header, row
-from tokenmill_plugins.commands.bench.serve import ServeOptions, _has_content, run_serve
+from tokenmill_plugins.commands.bench.serve import ServeOptions, _has_content, alternate, run_serve
 from tokenmill_plugins.commands.bench.workload import random_texts
 
 PARTS = ("overhead", "stall")
@@ -130,27 +130,8 @@ def _overhead(options: LoRAOptions, base_model: str, adapters: tuple[str, ...]) 
                         model=base_model, seed=options.seed, endpoint="chat", api_key=options.api_key,
                         timeout_s=options.timeout_s, show_progress=False)  # fmt: skip
     run_serve(replace(base, models=adapters, num_requests=len(adapters)))  # every adapter read once, untimed
-    results: dict[str, Any] = {}
-    for concurrency in options.concurrency:
-        runs: dict[str, list[dict[str, float]]] = {"base": [], "adapters": []}
-        num_requests = max(2 * concurrency, 2 * len(adapters))
-        for _ in range(options.rounds):
-            for side, models in (("base", None), ("adapters", adapters)):
-                report = run_serve(replace(base, concurrency=concurrency, num_requests=num_requests, models=models))
-                summary = report["results"]
-                if summary["num_failed"]:
-                    raise TokenmillError(f"bench lora: {summary['num_failed']} requests on the {side} failed at "
-                                         f"concurrency {concurrency}: {summary['errors']}")  # fmt: skip
-                runs[side].append({"output_throughput": summary["output_throughput"],
-                                   "itl_p50_ms": summary["itl_ms"]["p50"]})  # fmt: skip
-        best = {side: max(r["output_throughput"] for r in rs) for side, rs in runs.items()}
-        itl = {side: statistics.median(r["itl_p50_ms"] for r in rs) for side, rs in runs.items()}
-        results[str(concurrency)] = {
-            "runs": runs,
-            "throughput_ratio": best["adapters"] / best["base"],
-            "itl_p50_ratio": itl["adapters"] / itl["base"],
-        }
-    return results
+    sides: dict[str, dict[str, Any]] = {"base": {"models": None}, "adapters": {"models": adapters}}
+    return alternate(base, sides, options.concurrency, options.rounds)
 
 
 async def _stall(options: LoRAOptions, base_model: str) -> dict[str, Any]:

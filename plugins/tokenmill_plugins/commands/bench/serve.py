@@ -16,8 +16,10 @@ import itertools
 import json
 import logging
 import math
+import statistics
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
 import httpx
@@ -125,6 +127,36 @@ def make_requests(options: ServeOptions) -> list[BenchRequest]:
         BenchRequest({key: prompt, "max_tokens": m, **common}, input_len, m)
         for prompt, input_len, m in zip(prompts, input_lens, output_lens, strict=True)
     ]
+
+
+def alternate(
+    base: ServeOptions, sides: dict[str, dict[str, Any]], concurrencies: Sequence[int], rounds: int
+) -> dict[str, Any]:
+    """``run_serve`` of each side (``base`` with that side's changes) at each concurrency, the sides alternated
+    ``rounds`` times (the machine's drift meets both). Per concurrency: each run's output tok/s and ITL p50,
+    and the second side over the first: best tok/s (``throughput_ratio``), median ITL p50 (``itl_p50_ratio``).
+    A failed request raises ``BenchmarkError``: a ratio over fewer requests would mislead."""
+    first, second = sides
+    results: dict[str, Any] = {}
+    for concurrency in concurrencies:
+        runs: dict[str, list[dict[str, float]]] = {side: [] for side in sides}
+        for _ in range(rounds):
+            for side, changes in sides.items():
+                options = replace(base, concurrency=concurrency, num_requests=max(2 * concurrency, 8), **changes)
+                summary = run_serve(options)["results"]
+                if summary["num_failed"]:
+                    raise BenchmarkError(f"{summary['num_failed']} {side} requests failed at concurrency "
+                                         f"{concurrency}: {summary['errors']}")  # fmt: skip
+                runs[side].append({"output_throughput": summary["output_throughput"],
+                                   "itl_p50_ms": summary["itl_ms"]["p50"]})  # fmt: skip
+        best = {side: max(r["output_throughput"] for r in rs) for side, rs in runs.items()}
+        itl = {side: statistics.median(r["itl_p50_ms"] for r in rs) for side, rs in runs.items()}
+        results[str(concurrency)] = {
+            "runs": runs,
+            "throughput_ratio": best[second] / best[first],
+            "itl_p50_ratio": itl[second] / itl[first],
+        }
+    return results
 
 
 def run_serve(options: ServeOptions) -> dict[str, Any]:

@@ -30,7 +30,7 @@ import httpx
 from tokenmill.errors import TokenmillError
 from tokenmill_plugins.commands.bench.metrics import TABLE_WIDTH, RequestRecord, build_report, format_header, row
 from tokenmill_plugins.commands.bench.schemas import PROMPTS, SCHEMAS, TOOLS
-from tokenmill_plugins.commands.bench.serve import ServeOptions, _first_model, _send, run_serve
+from tokenmill_plugins.commands.bench.serve import ServeOptions, _first_model, _send, alternate, run_serve
 
 logger = logging.getLogger(__name__)
 
@@ -240,27 +240,11 @@ def _overhead(options: StructuredOptions, model: str) -> dict[str, Any]:
     constrained_body = {"response_format": response_format("long", LONG_SCHEMA)}
     # The schema compiles once, before anything is timed.
     run_serve(replace(base, extra_body=constrained_body))
-    results: dict[str, Any] = {}
-    for concurrency in options.overhead_concurrency:
-        runs: dict[str, list[dict[str, float]]] = {"unconstrained": [], "constrained": []}
-        num_requests = max(2 * concurrency, 8)
-        for _ in range(options.rounds):
-            for side, extra in (("unconstrained", None), ("constrained", constrained_body)):
-                report = run_serve(replace(base, concurrency=concurrency, num_requests=num_requests, extra_body=extra))
-                summary = report["results"]
-                if summary["num_failed"]:
-                    raise TokenmillError(f"bench structured: {summary['num_failed']} {side} requests failed at "
-                                         f"concurrency {concurrency}; see the server's log")  # fmt: skip
-                runs[side].append({"output_throughput": summary["output_throughput"],
-                                   "itl_p50_ms": summary["itl_ms"]["p50"]})  # fmt: skip
-        best = {side: max(r["output_throughput"] for r in rs) for side, rs in runs.items()}
-        itl = {side: statistics.median(r["itl_p50_ms"] for r in rs) for side, rs in runs.items()}
-        results[str(concurrency)] = {
-            "runs": runs,
-            "throughput_ratio": best["constrained"] / best["unconstrained"],
-            "itl_p50_ratio": itl["constrained"] / itl["unconstrained"],
-        }
-    return results
+    sides: dict[str, dict[str, Any]] = {
+        "unconstrained": {"extra_body": None},
+        "constrained": {"extra_body": constrained_body},
+    }
+    return alternate(base, sides, options.overhead_concurrency, options.rounds)
 
 
 def fifty_properties(tag: str) -> dict[str, Any]:
