@@ -6,11 +6,12 @@ rather than letting the process die of an illegal instruction; they also need F1
 which every AVX2 CPU has and the compiled op checks.
 
 The kernels come in one variant per instruction set, all multiplying int16 activation codes with the weights
-widened to int16: ``"avx2"`` (``vpmaddwd`` on 256-bit vectors, a group of 32 in two halves), ``"avx_vnni"``
-(the same with ``vpdpwssd`` adding the halves) and ``"avx512"`` (one 512-bit ``vpmaddwd`` per group, 32
-vector registers, 4 x 4 tiles), and ``"avx512_vnni16"`` (AVX512-VNNI ``vpdpwssd`` over four groups at once,
-for int4 weights and inputs of 5 rows or more, in tiles of up to 6 rows, faster than ``"avx512"`` there;
-``"avx512"``'s tiles otherwise).
+widened to int16: ``"avx2"`` (``vpmaddwd`` on 256-bit vectors, a group of 32 in two halves; from 5 rows on, two
+groups in four registers whose int32 lanes alternate between them, one conversion and scaled add for both, the
+weights widened once per row group for every activation tile), ``"avx_vnni"`` (the same with ``vpdpwssd``
+adding the products) and ``"avx512"`` (one 512-bit ``vpmaddwd`` per group, 32 vector registers, 4 x 4 tiles),
+and ``"avx512_vnni16"`` (AVX512-VNNI ``vpdpwssd`` over four groups at once, for int4 weights and inputs of 5 rows
+or more, in tiles of up to 6 rows, faster than ``"avx512"`` there; ``"avx512"``'s tiles otherwise).
 The best one the CPU supports is used; :func:`supported_isas` lists them and :func:`set_isa` forces one, e.g.
 to compare speeds. ``"avx2"`` and ``"avx_vnni"`` give bit-identical outputs; the 512-bit variants sum 16
 float32 lanes instead of 8 (``"avx512_vnni16"`` four groups before converting them), so their outputs differ
