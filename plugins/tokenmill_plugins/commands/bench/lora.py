@@ -27,7 +27,14 @@ import httpx
 
 from tokenmill.errors import TokenmillError
 from tokenmill_plugins.commands.bench.metrics import TABLE_WIDTH, build_report, format_header, row
-from tokenmill_plugins.commands.bench.serve import ServeOptions, _has_content, alternate, run_serve
+from tokenmill_plugins.commands.bench.serve import (
+    ServeOptions,
+    _has_content,
+    alternate,
+    base_url,
+    check_parts,
+    run_serve,
+)
 from tokenmill_plugins.commands.bench.workload import random_texts
 
 PARTS = ("overhead", "stall")
@@ -80,15 +87,13 @@ class LoRAOptions:
     timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
-        unknown = sorted(set(self.parts) - set(PARTS))
-        if unknown or not self.parts:
-            raise TokenmillError(f"parts={','.join(self.parts)!r} is invalid: choose from {', '.join(PARTS)}")
+        check_parts(self.parts, PARTS)
         if "stall" in self.parts and self.load_adapter is None:
             raise TokenmillError("the stall part loads an adapter at run time: give its path with --load-adapter")
 
     @property
     def base_url(self) -> str:
-        return self.url.rstrip("/").removesuffix("/v1")
+        return base_url(self.url)
 
     @property
     def headers(self) -> dict[str, str]:

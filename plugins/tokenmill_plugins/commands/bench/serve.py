@@ -40,6 +40,17 @@ class BenchmarkError(TokenmillError):
     """The benchmark cannot start (server unreachable, no model to name); the message says what to pass."""
 
 
+def check_parts(parts: tuple[str, ...], allowed: tuple[str, ...]) -> None:
+    """Raise ``BenchmarkError`` unless ``parts`` is a non-empty choice among ``allowed`` (a command's ``--parts``)."""
+    if not parts or not set(parts) <= set(allowed):
+        raise BenchmarkError(f"parts={','.join(parts)!r} is invalid: choose from {', '.join(allowed)}")
+
+
+def base_url(url: str) -> str:
+    """``url`` as http://host:port: a trailing / or /v1 dropped."""
+    return url.rstrip("/").removesuffix("/v1")
+
+
 @dataclass(frozen=True)
 class ServeOptions:
     """The parameters of one ``bench serve`` run; all but ``api_key`` go into the report."""
@@ -87,8 +98,7 @@ class ServeOptions:
 
     @property
     def base_url(self) -> str:
-        # Accept http://host:port, with or without a trailing / or /v1.
-        return self.url.rstrip("/").removesuffix("/v1")
+        return base_url(self.url)
 
     def parameters(self, model: str) -> dict[str, Any]:
         hidden = ("api_key", "show_progress", "prompts")

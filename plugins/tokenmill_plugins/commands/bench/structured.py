@@ -30,7 +30,15 @@ import httpx
 from tokenmill.errors import TokenmillError
 from tokenmill_plugins.commands.bench.metrics import TABLE_WIDTH, RequestRecord, build_report, format_header, row
 from tokenmill_plugins.commands.bench.schemas import PROMPTS, SCHEMAS, TOOLS
-from tokenmill_plugins.commands.bench.serve import ServeOptions, _first_model, _send, alternate, run_serve
+from tokenmill_plugins.commands.bench.serve import (
+    ServeOptions,
+    _first_model,
+    _send,
+    alternate,
+    base_url,
+    check_parts,
+    run_serve,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -61,13 +69,11 @@ class StructuredOptions:
     timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
-        unknown = sorted(set(self.parts) - set(PARTS))
-        if unknown or not self.parts:
-            raise TokenmillError(f"parts={','.join(self.parts)!r} is invalid: choose from {', '.join(PARTS)}")
+        check_parts(self.parts, PARTS)
 
     @property
     def base_url(self) -> str:
-        return self.url.rstrip("/").removesuffix("/v1")
+        return base_url(self.url)
 
     def parameters(self, model: str) -> dict[str, Any]:
         return {**{k: v for k, v in asdict(self).items() if k != "api_key"}, "model": model}
