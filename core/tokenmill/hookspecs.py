@@ -172,8 +172,8 @@ def tokenmill_register_layer_kernels(register: Register) -> None:
 
 @hookspec
 def tokenmill_register_lora_kernels(register: Register) -> None:
-    """Register LoRA kernels (slot ``lora_kernel``): shrink and expand over a batch whose tokens use different
-    adapters (Punica's SGMV/BGMV).
+    """Register LoRA kernels (slot ``lora_kernel``): each adapted linear's shrink and expand over a batch whose
+    tokens use different adapters (Punica's SGMV/BGMV).
 
     :param register: ``register(name, import_path)``; the import path names a
         ``tokenmill.interfaces.LoRAKernels`` subclass, built with no arguments (plus ``options=`` when its plugin
@@ -181,7 +181,8 @@ def tokenmill_register_lora_kernels(register: Register) -> None:
     :return: nothing; every implementation is called.
 
     Called once per process at start-up; only an engine with ``lora.enable_lora`` builds one. Selected by
-    ``lora.lora_kernels`` (``--lora-kernels``; built in: ``torch``).
+    ``lora.lora_kernels`` (``--lora-kernels``; built in: ``torch``; ``auto`` picks the highest ``auto_priority``
+    that runs on the device).
     Since: 0.1. Stability: provisional.
     """
 

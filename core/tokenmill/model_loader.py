@@ -21,6 +21,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.layers.fused_experts import FusedExperts, UsesFusedExperts, install_fused_experts
 from tokenmill.layers.kernels import LayerKernels, install_layer_kernels
 from tokenmill.layers.quantizer import Quantizer
+from tokenmill.lora.kernels import LoRAKernels
 from tokenmill.model_files import resolve_model
 from tokenmill.models.architecture import ArchitectureConfig
 from tokenmill.models.base import CausalLM
@@ -209,6 +210,14 @@ def select_fused_experts(name: str, device: torch.device, plugins: PluginSystem)
     picked on ``device`` (``FusedExperts.auto_selectable``)."""
     return _select_by_priority(
         plugins, Slot.FUSED_EXPERT, name, device, "model.fused_experts", lambda cls: cls.auto_selectable(device)
+    )
+
+
+def select_lora_kernels(name: str, device: torch.device, plugins: PluginSystem) -> LoRAKernels:
+    """The named LoRA kernels, or for ``"auto"`` those with the highest priority among the ones that may be picked
+    on ``device`` (``LoRAKernels.auto_selectable``)."""
+    return _select_by_priority(
+        plugins, Slot.LORA_KERNEL, name, device, "lora.lora_kernels", lambda cls: cls.auto_selectable(device)
     )
 
 

@@ -88,8 +88,11 @@ def test_ngram_speculation_is_verified_by_the_target_with_the_adapter(
         lora_model_dir, model={"dtype": "float32"}, lora={"enable_lora": True, "max_loras": 4},
         speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
     )  # fmt: skip
-    tokens = _run(engine, _requests(_loras(adapters), 8))
-    assert {request_id: t for (request_id, _), t in tokens.items()} == alone
+    # 32 requests (the 8 of `alone`, four times): on a random model a draft is accepted only by chance, and which
+    # steps propose drafts varies from run to run; 8 requests sometimes saw none accepted.
+    tokens = _run(engine, _requests(_loras(adapters), 32))
+    for (request_id, _), completion in tokens.items():
+        assert completion == alone[f"r{int(request_id[1:]) % 8}"]
     stats = engine.stats()
     assert stats.spec_decode_num_draft_tokens > 0 and stats.spec_decode_num_accepted_tokens > 0
 

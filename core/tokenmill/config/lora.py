@@ -53,8 +53,11 @@ class LoRAConfig(ConfigSection, frozen=True):
     ] = False
     lora_kernels: Annotated[
         str,
-        describe("LoRA kernels plugin by name (slot `lora_kernel`; built in: 'torch')."),
-    ] = "torch"
+        describe(
+            "LoRA kernels plugin (slot `lora_kernel`): 'torch' is the built-in reference; 'auto' picks the fastest "
+            "installed one that runs on the device ('cpu', C++ with AVX2, on a CPU)."
+        ),
+    ] = "auto"
 
     def __post_init__(self) -> None:
         if self.lora_modules and not self.enable_lora:

@@ -1,27 +1,32 @@
 """LoRA kernels (slot ``lora_kernel``): a batch's adapter products, whatever adapter each token uses.
 
 A step's tokens may each use a different adapter (or none). The weights of the adapters in use sit in *slots*:
-per adapted linear, ``lora_a`` ``[num_slots, rank, in]`` and ``lora_b`` ``[num_slots, out, rank]`` (the scaling
-folded into B), and each token carries its slot (-1: no adapter). Every adapted linear then runs Punica's two
-operations on top of its base matmul::
+per adapted linear, ``lora_a`` ``[num_slots, num_parts * rank, in]`` and, per part of a merged linear (q, k and v
+of ``qkv_proj``), ``lora_b`` ``[num_slots, rank, out]`` (B transposed, the scaling folded in), and each token
+carries its slot (-1: no adapter). Every adapted linear then runs Punica's two operations on top of its base
+matmul, in one ``add_lora`` call::
 
-    h = shrink(x, lora_a)          # h[t] = lora_a[slot[t]] @ x[t]            [num_tokens, rank]
-    expand(h, lora_b, y, offset)   # y[t, offset:offset + out] += lora_b[slot[t]] @ h[t]
+    h = lora_a[slot[t]] @ x[t]                                     # shrink: [num_parts * rank]
+    y[t, offset[p]:offset[p] + out_p] += h[p * rank:(p + 1) * rank] @ lora_b[p][slot[t]]   # expand, each part
 
 Punica calls these SGMV (segments of tokens with one adapter: a prompt) and BGMV (one token each: decode).
 ``TorchLoRAKernels`` (``torch``) is the reference, built in: it groups the step's tokens by adapter once
-(``prepare``) and runs one matmul per adapter in each. A plugin registers faster ones (a Triton SGMV, a CPU
-kernel) through ``tokenmill_register_lora_kernels``; ``lora.lora_kernels`` selects one.
+(``prepare``) and runs one matmul per adapter and part. A plugin registers faster ones (a Triton SGMV, the ``cpu``
+kernel) through ``tokenmill_register_lora_kernels``; ``lora.lora_kernels`` selects one, ``auto`` the fastest that
+runs on the device.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy
 import torch
+
+from tokenmill.layers.kernels import SelectableKernels
 
 
 @dataclass(frozen=True)
@@ -36,19 +41,14 @@ class LoRABatch:
     groups: tuple[tuple[int, torch.Tensor | None], ...]
 
 
-class LoRAKernels(ABC):
+class LoRAKernels(SelectableKernels, ABC):
     """Shrink and expand over a batch of tokens that use different adapters.
 
     Built once per engine process (with no arguments, plus ``options=`` when its plugin declares options).
-    ``prepare`` runs once per step on the host before the forward; ``shrink`` and ``expand`` run inside the
-    forward, once per adapted linear, and must not wait on the device or read device values on the host.
-    Results must match ``TorchLoRAKernels`` up to float rounding.
+    ``prepare`` runs once per step on the host before the forward; ``add_lora`` runs inside the forward, once per
+    adapted linear, and must not wait on the device or read device values on the host. Results must match
+    ``TorchLoRAKernels`` up to float rounding.
     """
-
-    #: Registered name.
-    name: ClassVar[str]
-    #: Device types it runs on.
-    supported_devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
 
     def prepare(self, token_slots: numpy.ndarray, device: torch.device) -> LoRABatch:
         """Lay out a step whose token ``t`` uses slot ``token_slots[t]`` (-1: no adapter); ``token_slots`` is
@@ -63,37 +63,45 @@ class LoRAKernels(ABC):
         return LoRABatch(int(token_slots.size), device_slots, tuple(groups))
 
     @abstractmethod
-    def shrink(self, batch: LoRABatch, x: torch.Tensor, lora_a: torch.Tensor) -> torch.Tensor:
-        """``h[t] = lora_a[slot[t]] @ x[t]`` for ``x`` ``[num_tokens, in]`` and ``lora_a`` ``[num_slots, rank,
-        in]``: ``[num_tokens, rank]`` in ``lora_a``'s dtype (rows of tokens without an adapter: anything finite)."""
-
-    @abstractmethod
-    def expand(self, batch: LoRABatch, h: torch.Tensor, lora_b: torch.Tensor, y: torch.Tensor, offset: int) -> None:
-        """``y[t, offset:offset + out] += lora_b[slot[t]] @ h[t]`` in place for the tokens with an adapter, for
-        ``h`` ``[num_tokens, rank]``, ``lora_b`` ``[num_slots, out, rank]`` and ``y`` ``[num_tokens, >= offset +
-        out]`` (the base linear's output, in its own dtype)."""
+    def add_lora(
+        self,
+        batch: LoRABatch,
+        x: torch.Tensor,
+        lora_a: torch.Tensor,
+        lora_b: Sequence[torch.Tensor],
+        offsets: Sequence[int],
+        y: torch.Tensor,
+    ) -> None:
+        """Add each token's adapter product to ``y`` in place: for ``x`` ``[num_tokens, in]``, ``lora_a``
+        ``[num_slots, num_parts * rank, in]`` and ``lora_b[p]`` ``[num_slots, rank, out_p]`` (in ``lora_a``'s
+        dtype), ``y[t, offsets[p]:offsets[p] + out_p] += (lora_a[s] @ x[t])[p * rank:(p + 1) * rank] @
+        lora_b[p][s]`` for each token ``t`` whose slot ``s`` is not -1. ``y`` ``[num_tokens, out]`` is the base
+        linear's output, in its own dtype; tokens without an adapter keep their row."""
 
 
 class TorchLoRAKernels(LoRAKernels):
-    """The reference: one matmul per adapter in the step, over that adapter's tokens (gathered when the step
-    mixes adapters)."""
+    """The reference: per adapter in the step, one matmul for the shrink and one per part for the expand, over that
+    adapter's tokens (gathered when the step mixes adapters)."""
 
     name: ClassVar[str] = "torch"
 
-    def shrink(self, batch: LoRABatch, x: torch.Tensor, lora_a: torch.Tensor) -> torch.Tensor:
+    def add_lora(
+        self,
+        batch: LoRABatch,
+        x: torch.Tensor,
+        lora_a: torch.Tensor,
+        lora_b: Sequence[torch.Tensor],
+        offsets: Sequence[int],
+        y: torch.Tensor,
+    ) -> None:
         x = x.to(lora_a.dtype)
-        if len(batch.groups) == 1 and batch.groups[0][1] is None:
-            return x @ lora_a[batch.groups[0][0]].T
-        h = x.new_zeros((x.shape[0], lora_a.shape[1]))  # [num_tokens, rank]
+        rank = lora_a.shape[1] // len(lora_b)
         for slot, index in batch.groups:
-            assert index is not None, "a group of all tokens is the only group"
-            h[index] = x[index] @ lora_a[slot].T
-        return h
-
-    def expand(self, batch: LoRABatch, h: torch.Tensor, lora_b: torch.Tensor, y: torch.Tensor, offset: int) -> None:
-        target = y[:, offset : offset + lora_b.shape[1]]
-        for slot, index in batch.groups:
-            if index is None:
-                target += (h @ lora_b[slot].T).to(y.dtype)
-            else:
-                target.index_add_(0, index, (h[index] @ lora_b[slot].T).to(y.dtype))
+            h = (x if index is None else x[index]) @ lora_a[slot].T  # [tokens, num_parts * rank]
+            for part, (b, offset) in enumerate(zip(lora_b, offsets, strict=True)):
+                delta = (h[:, part * rank : (part + 1) * rank] @ b[slot]).to(y.dtype)
+                target = y[:, offset : offset + b.shape[2]]
+                if index is None:
+                    target += delta
+                else:
+                    target.index_add_(0, index, delta)

@@ -3,8 +3,9 @@
 A ``tokenmill.layers.Linear`` holds one of these in ``lora`` when LoRA is enabled (``LoRAManager`` installs them).
 A merged linear (``qkv_proj``: q, k and v; ``gate_up_proj``: gate and up) holds the adapters of each of its parts:
 one ``lora_a`` for all parts, their ranks side by side, so one shrink serves them, and one ``lora_b`` per part,
-expanded into that part's columns of the merged output. Ranks below ``max_lora_rank`` are zero-padded, and the
-scaling is folded into B. The base matmul stays the quantizer's, whatever it stores (float, int4, int8, GPTQ).
+stored transposed (``[rank, out]``: an expand reads whole rows), expanded into that part's columns of the merged
+output. Ranks below ``max_lora_rank`` are zero-padded, and the scaling is folded into B. The base matmul stays the
+quantizer's, whatever it stores (float, int4, int8, GPTQ).
 """
 
 from __future__ import annotations
@@ -48,15 +49,15 @@ class LinearLoRA:
             (max_loras, len(part_sizes) * rank, in_features), dtype=dtype, device=device
         )  # [max_loras, num_parts * max_lora_rank, in_features]
         self.lora_b = [
-            torch.zeros((max_loras, size, rank), dtype=dtype, device=device) for size in part_sizes
-        ]  # each [max_loras, part_size, max_lora_rank]
+            torch.zeros((max_loras, rank, size), dtype=dtype, device=device) for size in part_sizes
+        ]  # each [max_loras, max_lora_rank, part_size]
 
     def set_slot(self, slot: int, part: int, lora_a: torch.Tensor, lora_b: torch.Tensor) -> None:
         """Put one adapter's ``lora_a`` ``[r, in]`` and scaled ``lora_b`` ``[out, r]`` for ``part`` in ``slot``."""
         rank = lora_a.shape[0]
         start = part * self.max_lora_rank
         self.lora_a[slot, start : start + rank].copy_(lora_a)
-        self.lora_b[part][slot, :, :rank].copy_(lora_b)
+        self.lora_b[part][slot, :rank].copy_(lora_b.T)
 
     def clear_slot(self, slot: int) -> None:
         """Zero ``slot`` (before another adapter moves in: one that adapts fewer modules leaves the rest zero)."""
@@ -70,9 +71,5 @@ class LinearLoRA:
         if batch is None:
             return y
         assert batch.num_tokens == x.shape[0], f"the step has {batch.num_tokens} tokens, the input {x.shape[0]}"
-        kernels = self.context.kernels
-        h = kernels.shrink(batch, x, self.lora_a)  # [num_tokens, num_parts * max_lora_rank]
-        rank = self.max_lora_rank
-        for part, (lora_b, offset) in enumerate(zip(self.lora_b, self.offsets, strict=True)):
-            kernels.expand(batch, h[:, part * rank : (part + 1) * rank], lora_b, y, offset)
+        self.context.kernels.add_lora(batch, x, self.lora_a, self.lora_b, self.offsets, y)
         return y

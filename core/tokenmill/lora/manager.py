@@ -37,6 +37,7 @@ from tokenmill.lora.kernels import LoRAKernels
 from tokenmill.lora.layers import LinearLoRA, LoRAContext
 from tokenmill.lora.request import LoRARequest, lora_cache_salt
 from tokenmill.messages import EngineCoreRequest
+from tokenmill.model_loader import select_lora_kernels
 from tokenmill.plugin_manager import Slot
 from tokenmill.sampling_params import InvalidRequestError
 from tokenmill.scheduler import ScheduledRequest
@@ -313,12 +314,7 @@ def build_lora_manager(config: EngineConfig, plugins: PluginSystem, loaded: Load
     if not plugins.load(Slot.SCHEDULER, config.scheduler.policy).supports_lora:
         raise ConfigError(f"scheduler.policy={config.scheduler.policy!r} does not run LoRA adapters; "
                           "choose 'fcfs' or 'priority', or turn lora.enable_lora off")  # fmt: skip
-    kernels: LoRAKernels = plugins.create(Slot.LORA_KERNEL, lora.lora_kernels)
-    if loaded.device.type not in kernels.supported_devices:
-        raise LoRAAdapterError(
-            f"lora.lora_kernels={lora.lora_kernels!r} does not run on {loaded.device.type}; "
-            f"it runs on {', '.join(kernels.supported_devices)}"
-        )
+    kernels = select_lora_kernels(lora.lora_kernels, loaded.device, plugins)
     # On the CPU the adapters add in float32, whatever the model's dtype; on a GPU in the model's dtype.
     dtype = torch.float32 if loaded.device.type == "cpu" else loaded.dtype
     return LoRAManager(loaded.model, kernels, lora.max_loras, lora.max_lora_rank,

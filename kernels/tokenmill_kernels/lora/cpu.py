@@ -1,0 +1,47 @@
+"""Launcher for the CPU LoRA kernel in ``cpu/lora.cpp`` (AVX2, FMA), float32 only.
+
+``add_lora`` adds each token's adapter product to a linear's output in place: ``h = lora_a[slot] @ x[t]``, then
+for each part ``p`` of a merged linear ``y[t, offsets[p]:offsets[p] + out_p] += h[p] @ lora_b[p][slot]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from torch import Tensor
+
+from tokenmill_kernels.cpp_build import CppExtension
+
+__all__ = ["add_lora", "is_available", "load", "prepare"]
+
+_EXTENSION = CppExtension(
+    "tokenmill_lora_kernels", Path(__file__).resolve().parent / "cpu" / "lora.cpp", ["-O3", "-mavx2", "-mfma"],
+    "CPU LoRA kernels",
+)  # fmt: skip
+
+
+def is_available() -> bool:
+    """True when the CPU can run the kernel and the toolchain to build it is present."""
+    return _EXTENSION.is_available()
+
+
+def prepare() -> None:
+    """Start building (first use on a machine) or loading the extension in the background and return; the first
+    call that needs it waits."""
+    _EXTENSION.prepare()
+
+
+def load() -> None:
+    """Build (first use on a machine) or load the extension; raises ``RuntimeError`` naming what is missing."""
+    _EXTENSION.load()
+
+
+def add_lora(
+    x: Tensor, lora_a: Tensor, lora_b: Sequence[Tensor], offsets: Sequence[int], token_slots: Tensor, y: Tensor
+) -> None:
+    """Add to ``y`` [tokens, out] (rows contiguous) in place each token's adapter product, for ``x`` [tokens, in]
+    (rows contiguous), ``lora_a`` [slots, parts * rank, in], ``lora_b[p]`` [slots, rank, out_p] (contiguous) and
+    ``token_slots`` [tokens] int64 (-1: no adapter), all float32 on the CPU but the slots. The compiled op checks
+    shapes, dtypes, strides and slots and raises ``ValueError``."""
+    _EXTENSION.load().add_lora(x, lora_a, list(lora_b), list(offsets), token_slots, y)

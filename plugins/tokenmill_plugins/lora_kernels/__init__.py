@@ -1,0 +1,1 @@
+"""LoRA kernels plugin: ``cpu`` (C++, AVX2): every adapted linear's shrink and expand in one call."""

@@ -1,0 +1,10 @@
+"""Registers the LoRA kernels ``cpu`` (registration only: no torch import here)."""
+
+from __future__ import annotations
+
+from tokenmill.hookspecs import Register, hookimpl
+
+
+@hookimpl
+def tokenmill_register_lora_kernels(register: Register) -> None:
+    register("cpu", "tokenmill_plugins.lora_kernels.cpu_kernels:CpuLoRAKernels")

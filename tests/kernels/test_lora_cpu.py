@@ -1,0 +1,80 @@
+"""The CPU LoRA kernel (C++, AVX2) against the torch reference, float32: batches mixing adapters, merged linears,
+tokens without an adapter, and the checks that refuse bad input."""
+
+from __future__ import annotations
+
+import numpy
+import pytest
+import torch
+from tokenmill_kernels.lora import cpu as kernels
+from tokenmill_plugins.lora_kernels.cpu_kernels import CpuLoRAKernels
+
+from tests.cpu_machine import needs_cpu_kernels
+from tokenmill.lora.kernels import TorchLoRAKernels
+
+pytestmark = needs_cpu_kernels
+REFERENCE = TorchLoRAKernels()
+
+
+def _randn(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _case(tokens: int, in_features: int, part_sizes: tuple[int, ...], slots: int, rank: int, seed: int):
+    lora_a = _randn(slots, len(part_sizes) * rank, in_features, seed=seed) / in_features**0.5  # h of order 1
+    lora_b = [_randn(slots, rank, size, seed=seed + 1 + i) for i, size in enumerate(part_sizes)]
+    offsets = [sum(part_sizes[:i]) for i in range(len(part_sizes))]
+    x = _randn(tokens, in_features, seed=seed + 10)
+    y = _randn(tokens, sum(part_sizes), seed=seed + 11)
+    token_slots = numpy.random.default_rng(seed).integers(-1, slots, size=tokens)
+    return x, lora_a, lora_b, offsets, y, token_slots
+
+
+@pytest.mark.parametrize("tokens", [0, 1, 5, 64])  # 64 tokens run on several threads
+@pytest.mark.parametrize(
+    ("in_features", "part_sizes", "rank"),
+    [(576, (576, 192, 192), 16), (1536, (576,), 8), (100, (33, 70), 4)],  # qkv; down; tails after the 8-wide loops
+)
+def test_matches_the_reference_over_mixed_adapters(
+    tokens: int, in_features: int, part_sizes: tuple[int, ...], rank: int
+) -> None:
+    x, lora_a, lora_b, offsets, y, token_slots = _case(tokens, in_features, part_sizes, 4, rank, seed=tokens)
+    expected = y.clone()
+    REFERENCE.add_lora(REFERENCE.prepare(token_slots, x.device), x, lora_a, lora_b, offsets, expected)
+    cpu = CpuLoRAKernels()
+    cpu.add_lora(cpu.prepare(token_slots, x.device), x, lora_a, lora_b, offsets, y)
+    torch.testing.assert_close(y, expected, atol=1e-4, rtol=1e-5)
+    untouched = torch.from_numpy(token_slots < 0)
+    assert torch.equal(y[untouched], expected[untouched])  # rows without an adapter are left exactly as they were
+
+
+def test_a_row_view_of_x_and_columns_of_a_wider_y() -> None:
+    """x may be a slice of wider rows; y's rows may be longer than the parts (an output that holds more)."""
+    x, lora_a, lora_b, offsets, _, token_slots = _case(6, 64, (16, 24), 3, 4, seed=3)
+    wide_x = torch.cat([x, _randn(6, 7, seed=4)], dim=1)[:, :64]
+    y = _randn(6, 50, seed=5)
+    expected = y.clone()
+    REFERENCE.add_lora(REFERENCE.prepare(token_slots, x.device), x, lora_a, lora_b, offsets, expected)
+    kernels.add_lora(wide_x, lora_a, lora_b, offsets, torch.from_numpy(token_slots), y)
+    torch.testing.assert_close(y, expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(y[:, 40:], expected[:, 40:])
+
+
+def test_bad_input_is_a_value_error() -> None:
+    x, lora_a, lora_b, offsets, y, _ = _case(2, 32, (8,), 2, 4, seed=6)
+    with pytest.raises(ValueError, match="uses slot 2 of 2"):
+        kernels.add_lora(x, lora_a, lora_b, offsets, torch.tensor([0, 2]), y)
+    with pytest.raises(ValueError, match="falls outside"):
+        kernels.add_lora(x, lora_a, lora_b, [1], torch.tensor([0, 1]), y)
+    with pytest.raises(ValueError, match="lora_a"):
+        kernels.add_lora(x, lora_a.double(), lora_b, offsets, torch.tensor([0, 1]), y)
+
+
+def test_other_dtypes_go_to_the_reference() -> None:
+    x, lora_a, lora_b, offsets, y, token_slots = _case(3, 32, (8, 8), 2, 4, seed=7)
+    lora_a, lora_b, x, y = lora_a.double(), [b.double() for b in lora_b], x.double(), y.double()
+    expected = y.clone()
+    REFERENCE.add_lora(REFERENCE.prepare(token_slots, x.device), x, lora_a, lora_b, offsets, expected)
+    cpu = CpuLoRAKernels()
+    cpu.add_lora(cpu.prepare(token_slots, x.device), x, lora_a, lora_b, offsets, y)
+    assert torch.equal(y, expected)
