@@ -30,7 +30,7 @@ def _case(tokens: int, in_features: int, part_sizes: tuple[int, ...], slots: int
     return x, lora_a, lora_b, offsets, y, token_slots
 
 
-@pytest.mark.parametrize("tokens", [0, 1, 5, 64])  # 64 tokens run on several threads
+@pytest.mark.parametrize("tokens", [0, 1, 5, 64])  # 64: blocks of 4 tokens of one adapter, on several threads
 @pytest.mark.parametrize(
     ("in_features", "part_sizes", "rank"),
     [(576, (576, 192, 192), 16), (1536, (576,), 8), (100, (33, 70), 4)],  # qkv; down; tails after the 8-wide loops
@@ -46,6 +46,20 @@ def test_matches_the_reference_over_mixed_adapters(
     torch.testing.assert_close(y, expected, atol=1e-4, rtol=1e-5)
     untouched = torch.from_numpy(token_slots < 0)
     assert torch.equal(y[untouched], expected[untouched])  # rows without an adapter are left exactly as they were
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 9])  # 9: blocks of 4, 4 and 1 tokens of one adapter
+def test_narrow_weights_widen_as_the_reference_does(tokens: int, dtype: torch.dtype) -> None:
+    """float16 and bfloat16 adapters (--lora-dtype) add in float32, as the reference computes them."""
+    x, lora_a, lora_b, offsets, y, _ = _case(tokens, 300, (64, 200), 2, 8, seed=8)
+    lora_a, lora_b = lora_a.to(dtype), [b.to(dtype) for b in lora_b]
+    token_slots = numpy.ones(tokens, dtype=numpy.int64)
+    expected = y.clone()
+    REFERENCE.add_lora(REFERENCE.prepare(token_slots, x.device), x, lora_a, lora_b, offsets, expected)
+    cpu = CpuLoRAKernels()
+    cpu.add_lora(cpu.prepare(token_slots, x.device), x, lora_a, lora_b, offsets, y)
+    torch.testing.assert_close(y, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_a_row_view_of_x_and_columns_of_a_wider_y() -> None:
@@ -68,6 +82,8 @@ def test_bad_input_is_a_value_error() -> None:
         kernels.add_lora(x, lora_a, lora_b, [1], torch.tensor([0, 1]), y)
     with pytest.raises(ValueError, match="lora_a"):
         kernels.add_lora(x, lora_a.double(), lora_b, offsets, torch.tensor([0, 1]), y)
+    with pytest.raises(ValueError, match="like lora_a"):
+        kernels.add_lora(x, lora_a.half(), lora_b, offsets, torch.tensor([0, 1]), y)
 
 
 def test_other_dtypes_go_to_the_reference() -> None:

@@ -98,3 +98,26 @@ def test_quantized_base_adds_the_adapter_on_top(lora_model_dir: Path, adapters: 
     torch.testing.assert_close(layer(x), base + torch.cat(parts, dim=1), atol=1e-5, rtol=1e-5)
     engine.lora.set_batch([None], [5])
     torch.testing.assert_close(layer(x), base)
+
+
+@pytest.mark.parametrize(("lora_dtype", "share"), [("float16", 0.01), ("bfloat16", 0.1)])
+@pytest.mark.parametrize("kernels", ["cpu", "torch"])
+def test_narrow_adapter_dtypes_stay_close_to_peft(
+    lora_model_dir: Path, adapters: list[Path], lora_dtype: str, share: float, kernels: str
+) -> None:
+    """--lora-dtype float16/bfloat16 stores the adapters narrower and still adds them in float32: the logits move
+    by the weights' rounding only, a small share of what the adapter moves them by."""
+    engine = _lora_engine(lora_model_dir, lora_dtype=lora_dtype, lora_kernels=kernels)
+    assert engine.lora is not None
+    lora = LoRARequest("a0", 1, str(adapters[0]))
+    engine.lora.add_adapter(lora)
+    reference = peft_model("llama-tiny", adapters[0])
+    prompt = PROMPTS[0]
+    engine.lora.set_batch([lora], [len(prompt)])
+    logits = engine.executor.runner.execute([SequenceChunk(prompt, 0, list(range(8)))], all_logits=True)
+    with torch.no_grad():
+        expected = reference(torch.tensor([prompt])).logits[0]
+        with reference.disable_adapter():
+            base = reference(torch.tensor([prompt])).logits[0]
+    error, effect = (logits - expected).abs().max().item(), (expected - base).abs().max().item()
+    assert 1e-6 < error < share * effect  # rounded (not float32), but only by the weights' precision

@@ -73,8 +73,8 @@ class LoRAKernels(SelectableKernels, ABC):
         y: torch.Tensor,
     ) -> None:
         """Add each token's adapter product to ``y`` in place: for ``x`` ``[num_tokens, in]``, ``lora_a``
-        ``[num_slots, num_parts * rank, in]`` and ``lora_b[p]`` ``[num_slots, rank, out_p]`` (in ``lora_a``'s
-        dtype), ``y[t, offsets[p]:offsets[p] + out_p] += (lora_a[s] @ x[t])[p * rank:(p + 1) * rank] @
+        ``[num_slots, num_parts * rank, in]`` and ``lora_b[p]`` ``[num_slots, rank, out_p]`` (one dtype, which
+        may be narrower than ``x``'s: the products are in ``x``'s), ``y[t, offsets[p]:offsets[p] + out_p] += (lora_a[s] @ x[t])[p * rank:(p + 1) * rank] @
         lora_b[p][s]`` for each token ``t`` whose slot ``s`` is not -1. ``y`` ``[num_tokens, out]`` is the base
         linear's output, in its own dtype; tokens without an adapter keep their row."""
 
@@ -94,12 +94,12 @@ class TorchLoRAKernels(LoRAKernels):
         offsets: Sequence[int],
         y: torch.Tensor,
     ) -> None:
-        x = x.to(lora_a.dtype)
         rank = lora_a.shape[1] // len(lora_b)
         for slot, index in batch.groups:
-            h = (x if index is None else x[index]) @ lora_a[slot].T  # [tokens, num_parts * rank]
+            # In the activations' dtype (the adapters' may be narrower: --lora-dtype).
+            h = (x if index is None else x[index]) @ lora_a[slot].T.to(x.dtype)  # [tokens, num_parts * rank]
             for part, (b, offset) in enumerate(zip(lora_b, offsets, strict=True)):
-                delta = (h[:, part * rank : (part + 1) * rank] @ b[slot]).to(y.dtype)
+                delta = (h[:, part * rank : (part + 1) * rank] @ b[slot].to(x.dtype)).to(y.dtype)
                 target = y[:, offset : offset + b.shape[2]]
                 if index is None:
                     target += delta

@@ -317,6 +317,8 @@ def build_lora_manager(config: EngineConfig, plugins: PluginSystem, loaded: Load
     kernels = select_lora_kernels(lora.lora_kernels, loaded.device, plugins)
     # On the CPU the adapters add in float32, whatever the model's dtype; on a GPU in the model's dtype.
     dtype = torch.float32 if loaded.device.type == "cpu" else loaded.dtype
+    if lora.lora_dtype != "auto":
+        dtype = getattr(torch, lora.lora_dtype)
     return LoRAManager(loaded.model, kernels, lora.max_loras, lora.max_lora_rank,
                        lora.max_cpu_loras or lora.max_loras, loaded.device, dtype)  # fmt: skip
 

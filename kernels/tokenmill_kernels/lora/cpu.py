@@ -1,4 +1,5 @@
-"""Launcher for the CPU LoRA kernel in ``cpu/lora.cpp`` (AVX2, FMA), float32 only.
+"""Launcher for the CPU LoRA kernel in ``cpu/lora.cpp`` (AVX2, FMA, F16C): float32 activations, adapter weights in
+float32, float16 or bfloat16.
 
 ``add_lora`` adds each token's adapter product to a linear's output in place: ``h = lora_a[slot] @ x[t]``, then
 for each part ``p`` of a merged linear ``y[t, offsets[p]:offsets[p] + out_p] += h[p] @ lora_b[p][slot]``.
@@ -16,7 +17,7 @@ from tokenmill_kernels.cpp_build import CppExtension
 __all__ = ["add_lora", "is_available", "load", "prepare"]
 
 _EXTENSION = CppExtension(
-    "tokenmill_lora_kernels", Path(__file__).resolve().parent / "cpu" / "lora.cpp", ["-O3", "-mavx2", "-mfma"],
+    "tokenmill_lora_kernels", Path(__file__).resolve().parent / "cpu" / "lora.cpp", ["-O3", "-mavx2", "-mfma", "-mf16c"],
     "CPU LoRA kernels",
 )  # fmt: skip
 
@@ -41,7 +42,8 @@ def add_lora(
     x: Tensor, lora_a: Tensor, lora_b: Sequence[Tensor], offsets: Sequence[int], token_slots: Tensor, y: Tensor
 ) -> None:
     """Add to ``y`` [tokens, out] (rows contiguous) in place each token's adapter product, for ``x`` [tokens, in]
-    (rows contiguous), ``lora_a`` [slots, parts * rank, in], ``lora_b[p]`` [slots, rank, out_p] (contiguous) and
-    ``token_slots`` [tokens] int64 (-1: no adapter), all float32 on the CPU but the slots. The compiled op checks
+    (rows contiguous), ``lora_a`` [slots, parts * rank, in], ``lora_b[p]`` [slots, rank, out_p] (contiguous, float32,
+    float16 or bfloat16, one dtype) and ``token_slots`` [tokens] int64 (-1: no adapter), on the CPU; ``x`` and ``y``
+    float32. The compiled op checks
     shapes, dtypes, strides and slots and raises ``ValueError``."""
     _EXTENSION.load().add_lora(x, lora_a, list(lora_b), list(offsets), token_slots, y)

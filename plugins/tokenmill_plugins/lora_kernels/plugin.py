@@ -1,4 +1,4 @@
-"""Registers the LoRA kernels ``cpu`` (registration only: no torch import here)."""
+"""Registers the LoRA kernels ``cpu`` and ``triton`` (registration only: no torch import here)."""
 
 from __future__ import annotations
 
@@ -8,3 +8,4 @@ from tokenmill.hookspecs import Register, hookimpl
 @hookimpl
 def tokenmill_register_lora_kernels(register: Register) -> None:
     register("cpu", "tokenmill_plugins.lora_kernels.cpu_kernels:CpuLoRAKernels")
+    register("triton", "tokenmill_plugins.lora_kernels.triton_kernels:TritonLoRAKernels")

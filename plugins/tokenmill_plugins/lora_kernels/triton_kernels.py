@@ -1,0 +1,58 @@
+"""The ``triton`` LoRA kernels: every adapted linear's shrink and expand in two Triton launches on a GPU
+(``tokenmill_kernels.lora.triton``: Punica's BGMV, one program per token).
+
+The torch reference costs a gather, a matmul per part and an ``index_add_`` per adapter in the step, per linear;
+these cost two launches whatever the adapters, and read each token's slot on the device, so a CUDA graph can hold
+them. ``auto`` picks them on CUDA. Triton is a GPU extra: the kernels are imported when the plugin is built, so this
+module imports, and ``auto`` passes it over, on a CPU install without Triton. On CPU they run only under the Triton
+interpreter, built directly (for tests). Other dtypes than float32, float16 and bfloat16, and inputs that need
+gradients, go to the torch reference.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Sequence
+from typing import ClassVar
+
+import torch
+
+from tokenmill import PluginError
+from tokenmill.lora.kernels import LoRABatch, TorchLoRAKernels
+from tokenmill_plugins.triton_import import import_triton_kernels
+
+
+class TritonLoRAKernels(TorchLoRAKernels):
+    name: ClassVar[str] = "triton"
+    supported_devices: ClassVar[tuple[str, ...]] = ("cuda",)
+    #: Above ``torch`` (0).
+    auto_priority: ClassVar[int] = 5
+
+    @classmethod
+    def is_available(cls) -> bool:
+        """A CUDA device is visible and Triton is installed (the CPU interpreter is for tests only)."""
+        return torch.cuda.is_available() and importlib.util.find_spec("triton") is not None
+
+    def __init__(self) -> None:
+        self._kernels = import_triton_kernels(
+            "tokenmill_kernels.lora.triton", "the lora_kernel 'triton'", "select --lora-kernels torch"
+        )
+        if not torch.cuda.is_available() and not self._kernels.is_interpreted():
+            raise PluginError(
+                "no CUDA device found: the 'triton' LoRA kernels run on CPU only under the Triton interpreter "
+                "(TRITON_INTERPRET=1 in the environment; slow: for tests); select --lora-kernels cpu or torch"
+            )
+
+    def add_lora(
+        self,
+        batch: LoRABatch,
+        x: torch.Tensor,
+        lora_a: torch.Tensor,
+        lora_b: Sequence[torch.Tensor],
+        offsets: Sequence[int],
+        y: torch.Tensor,
+    ) -> None:
+        supported = self._kernels.SUPPORTED_DTYPES
+        if lora_a.dtype not in supported or y.dtype not in supported or x.requires_grad:
+            return super().add_lora(batch, x, lora_a, lora_b, offsets, y)
+        self._kernels.add_lora(x, lora_a, lora_b, offsets, batch.token_slots, y)
