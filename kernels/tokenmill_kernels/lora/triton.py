@@ -8,11 +8,14 @@
   (token, block of output columns) does that block of every part (up to three parts per launch: q, k and v).
 
 Each program reads its token's slot from ``token_slots`` on the device and returns at once for -1 (no adapter),
-so the host never reads the slots and a CUDA graph can hold both launches. Products are summed in float32; ``x``
-is rounded to the adapters' dtype first and the expand's sum to ``y``'s dtype before it is added, where
-``tokenmill.lora.kernels.TorchLoRAKernels`` rounds them. Every program of a token reads its slot's whole A (or a
-block of B): the weights stay in L2 over a decode batch, and a long prompt reads them once per token (an SGMV that
-tiles tokens of one adapter with ``tl.dot`` would read them once per tile).
+so the host never reads the slots and a CUDA graph can hold both launches. The adapters' weights may be narrower
+than ``x`` (``--lora-dtype``). Everything is widened to float32 and summed there, ``h`` included, and each product
+is rounded to ``y``'s dtype before it is added, as in ``tokenmill.lora.kernels.TorchLoRAKernels``, which computes in
+``x``'s dtype: in float16 or bfloat16 the two differ by that dtype's rounding of ``h`` and of the product.
+
+Every program of a token reads its slot's rows of A (or a block of B): over a decode batch the weights stay in L2,
+and a long prompt reads them once per token (an SGMV that tiled the tokens of one adapter for ``tl.dot`` would read
+them once per tile).
 
 On a machine without a GPU the kernels run under the Triton interpreter, which is chosen when the kernels are
 decorated: ``TRITON_INTERPRET=1`` must be in the environment before this module is imported (``is_interpreted``
@@ -63,9 +66,9 @@ def _shrink_kernel(
     for start in range(0, in_features, BLOCK_K):
         k = start + cols
         k_mask = k < in_features
-        x = tl.load(x_row + k, mask=k_mask, other=0.0).to(a_ptr.dtype.element_ty)  # x.to(lora_a.dtype)
+        x = tl.load(x_row + k, mask=k_mask, other=0.0).to(tl.float32)
         a = tl.load(a_rows + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        acc += a.to(tl.float32) * x.to(tl.float32)[None, :]
+        acc += a.to(tl.float32) * x[None, :]
     tl.store(h_ptr + token * h_stride + rows, tl.sum(acc, axis=1), mask=row_mask)
 
 
@@ -123,15 +126,16 @@ def add_lora(
     y: torch.Tensor,
 ) -> None:
     """Add to ``y`` [tokens, out] (last dimension contiguous) in place each token's adapter product, for ``x``
-    [tokens, in], ``lora_a`` [slots, parts * rank, in] and ``lora_b[p]`` [slots, rank, out_p] (contiguous, in one
-    of ``SUPPORTED_DTYPES``), part ``p`` landing in ``y``'s columns from ``offsets[p]``, and ``token_slots``
-    [tokens] int64 (-1: no adapter; others must be below ``slots``: they are not checked on the device)."""
+    [tokens, in], ``lora_a`` [slots, parts * rank, in] and ``lora_b[p]`` [slots, rank, out_p] (contiguous, one
+    dtype), part ``p`` landing in ``y``'s columns from ``offsets[p]``, and ``token_slots`` [tokens] int64 (-1: no
+    adapter; the others must be below ``slots``: the device does not check them). ``x``, the adapters and ``y`` are
+    each in one of ``SUPPORTED_DTYPES``."""
     num_tokens, in_features = x.shape
     num_slots, num_rows, _ = lora_a.shape
     num_parts = len(lora_b)
     rank = num_rows // num_parts
     assert lora_a.shape == (num_slots, num_parts * rank, in_features), (lora_a.shape, num_parts, x.shape)
-    assert lora_a.dtype in SUPPORTED_DTYPES and y.dtype in SUPPORTED_DTYPES, (lora_a.dtype, y.dtype)
+    assert {x.dtype, lora_a.dtype, y.dtype} <= set(SUPPORTED_DTYPES), (x.dtype, lora_a.dtype, y.dtype)
     assert lora_a.is_contiguous() and all(b.is_contiguous() for b in lora_b), "lora_a and lora_b must be contiguous"
     for b in lora_b:
         assert b.shape[:2] == (num_slots, rank) and b.dtype == lora_a.dtype, (b.shape, b.dtype, lora_a.shape)

@@ -1,1 +1,2 @@
-"""LoRA kernels plugin: ``cpu`` (C++, AVX2): every adapted linear's shrink and expand in one call."""
+"""LoRA kernels plugin: ``cpu`` (C++, AVX2) and ``triton`` (GPU): every adapted linear's shrink and expand in one
+call (two Triton launches)."""

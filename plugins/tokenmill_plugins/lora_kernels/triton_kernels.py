@@ -2,11 +2,12 @@
 (``tokenmill_kernels.lora.triton``: Punica's BGMV, one program per token).
 
 The torch reference costs a gather, a matmul per part and an ``index_add_`` per adapter in the step, per linear;
-these cost two launches whatever the adapters, and read each token's slot on the device, so a CUDA graph can hold
-them. ``auto`` picks them on CUDA. Triton is a GPU extra: the kernels are imported when the plugin is built, so this
-module imports, and ``auto`` passes it over, on a CPU install without Triton. On CPU they run only under the Triton
-interpreter, built directly (for tests). Other dtypes than float32, float16 and bfloat16, and inputs that need
-gradients, go to the torch reference.
+these cost two launches whatever the adapters (for three parts or fewer), and read each token's slot on the
+device, so a CUDA graph can hold them. ``auto`` picks them on CUDA. Triton is a GPU extra: the kernels are imported
+when the plugin is built, so this module imports, and ``auto`` passes it over, on a CPU install without Triton. On
+CPU they run only under the Triton interpreter, built directly (for tests). Activations, adapters (``--lora-dtype``:
+they may be narrower) and outputs in float32, float16 or bfloat16 are summed in float32; other dtypes, and inputs
+that need gradients, go to the torch reference.
 """
 
 from __future__ import annotations
@@ -52,7 +53,6 @@ class TritonLoRAKernels(TorchLoRAKernels):
         offsets: Sequence[int],
         y: torch.Tensor,
     ) -> None:
-        supported = self._kernels.SUPPORTED_DTYPES
-        if lora_a.dtype not in supported or y.dtype not in supported or x.requires_grad:
+        if not {x.dtype, lora_a.dtype, y.dtype} <= set(self._kernels.SUPPORTED_DTYPES) or x.requires_grad:
             return super().add_lora(batch, x, lora_a, lora_b, offsets, y)
         self._kernels.add_lora(x, lora_a, lora_b, offsets, batch.token_slots, y)
