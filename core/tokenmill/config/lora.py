@@ -63,7 +63,7 @@ class LoRAConfig(ConfigSection, frozen=True):
         str,
         describe(
             "LoRA kernels plugin (slot `lora_kernel`): 'torch' is the built-in reference; 'auto' picks the fastest "
-            "installed one that runs on the device ('cpu', C++ with AVX2, on a CPU)."
+            "installed one that runs on the device ('cpu', C++ with AVX2, on a CPU; 'triton' on a CUDA GPU)."
         ),
     ] = "auto"
 
