@@ -72,7 +72,7 @@ def test_both_parts_against_a_real_server(model_dir: Path, adapters: list[Path],
         overhead = report["results"]["overhead"][concurrency]
         assert overhead["throughput_ratio"] > 0 and overhead["itl_p50_ratio"] > 0
     stall = report["results"]["stall"]
-    assert stall["load_ms"] > 0 and stall["itl_p50_ms"] > 0 and stall["max_gap_control_ms"] > 0
+    assert stall["load_ms"] > 0 and stall["itl_p50_ms"] > 0 and stall["max_gap_base_join_ms"] > 0
     assert stall["extra_gap_in_steps"] == pytest.approx(
-        (stall["max_gap_during_load_ms"] - stall["max_gap_control_ms"]) / stall["itl_p50_ms"]
+        (stall["max_gap_load_join_ms"] - stall["max_gap_adapter_join_ms"]) / stall["itl_p50_ms"]
     )

@@ -74,8 +74,9 @@ class LoRAKernels(SelectableKernels, ABC):
     ) -> None:
         """Add each token's adapter product to ``y`` in place: for ``x`` ``[num_tokens, in]``, ``lora_a``
         ``[num_slots, num_parts * rank, in]`` and ``lora_b[p]`` ``[num_slots, rank, out_p]`` (one dtype, which
-        may be narrower than ``x``'s: the products are in ``x``'s), ``y[t, offsets[p]:offsets[p] + out_p] += (lora_a[s] @ x[t])[p * rank:(p + 1) * rank] @
-        lora_b[p][s]`` for each token ``t`` whose slot ``s`` is not -1. ``y`` ``[num_tokens, out]`` is the base
+        may be narrower than ``x``'s: the products are in ``x``'s), ``y[t, offsets[p]:offsets[p] + out_p] +=
+        (lora_a[s] @ x[t])[p * rank:(p + 1) * rank] @ lora_b[p][s]`` for each token ``t`` whose slot ``s`` is not
+        -1. ``y`` ``[num_tokens, out]`` is the base
         linear's output, in its own dtype; tokens without an adapter keep their row."""
 
 

@@ -52,18 +52,21 @@ class LinearLoRA:
             torch.zeros((max_loras, rank, size), dtype=dtype, device=device) for size in part_sizes
         ]  # each [max_loras, max_lora_rank, part_size]
 
-    def set_slot(self, slot: int, part: int, lora_a: torch.Tensor, lora_b: torch.Tensor) -> None:
-        """Put one adapter's ``lora_a`` ``[r, in]`` and scaled ``lora_b`` ``[out, r]`` for ``part`` in ``slot``."""
-        rank = lora_a.shape[0]
-        start = part * self.max_lora_rank
-        self.lora_a[slot, start : start + rank].copy_(lora_a)
-        self.lora_b[part][slot, :rank].copy_(lora_b.T)
-
-    def clear_slot(self, slot: int) -> None:
-        """Zero ``slot`` (before another adapter moves in: one that adapts fewer modules leaves the rest zero)."""
-        self.lora_a[slot].zero_()
-        for lora_b in self.lora_b:
-            lora_b[slot].zero_()
+    def load_slot(self, slot: int, parts: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Put one adapter in ``slot``: for each part it adapts, its ``lora_a`` ``[r, in]`` and scaled, transposed
+        ``lora_b`` ``[r, out]`` (``parts[part]``); what it leaves (parts it does not adapt, ranks below
+        ``max_lora_rank``) is zeroed, and nothing is written twice."""
+        max_rank = self.max_lora_rank
+        for part, lora_b_slots in enumerate(self.lora_b):
+            a_rows = self.lora_a[slot, part * max_rank : (part + 1) * max_rank]
+            lora_a, lora_b = parts.get(part, (None, None))
+            rank = 0 if lora_a is None else lora_a.shape[0]
+            if lora_a is not None and lora_b is not None:
+                a_rows[:rank].copy_(lora_a)
+                lora_b_slots[slot, :rank].copy_(lora_b)
+            if rank < max_rank:
+                a_rows[rank:].zero_()
+                lora_b_slots[slot, rank:].zero_()
 
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The base output ``y`` ``[num_tokens, out]`` of input ``x`` with each token's adapter added, in place."""

@@ -52,7 +52,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class _AdapterWeights:
-    """One adapter in host memory: per module, ``lora_a`` ``[r, in]`` and ``lora_b`` ``[out, r]`` scaled."""
+    """One adapter in host memory: per module, ``lora_a`` ``[r, in]`` and ``lora_b`` scaled and transposed,
+    ``[r, out]`` (as the slots hold it, so putting it in one is a plain copy)."""
 
     request: LoRARequest
     modules: dict[str, tuple[torch.Tensor, torch.Tensor]]
@@ -237,7 +238,7 @@ class LoRAManager:
         modules = {}
         for name, spec in adapter.modules.items():
             lora_a = tensors[spec.lora_a].float()
-            lora_b = tensors[spec.lora_b].float() * spec.scaling
+            lora_b = (tensors[spec.lora_b].float() * spec.scaling).T.contiguous()  # [r, out], as slots hold it
             modules[name] = (lora_a.to(self.dtype), lora_b.to(self.dtype))
         self.num_loads += 1
         logger.info(
@@ -296,11 +297,12 @@ class LoRAManager:
         if weights is None:
             self.add_adapter(request)  # back from disk (only callers of set_batch that hold nothing)
             weights = self._cpu[lora_id]
-        for layer in self.layers:
-            layer.clear_slot(slot)
+        parts: dict[LinearLoRA, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {layer: {} for layer in self.layers}
         for module, (lora_a, lora_b) in weights.modules.items():
             layer, part = self.targets[module]
-            layer.set_slot(slot, part, lora_a.to(self.device), lora_b.to(self.device))
+            parts[layer][part] = (lora_a.to(self.device), lora_b.to(self.device))
+        for layer, adapted in parts.items():
+            layer.load_slot(slot, adapted)
         self._slot_of[lora_id] = slot
         return slot
 

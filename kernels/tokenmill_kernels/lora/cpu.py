@@ -17,9 +17,11 @@ from tokenmill_kernels.cpp_build import CppExtension
 __all__ = ["add_lora", "is_available", "load", "prepare"]
 
 _EXTENSION = CppExtension(
-    "tokenmill_lora_kernels", Path(__file__).resolve().parent / "cpu" / "lora.cpp", ["-O3", "-mavx2", "-mfma", "-mf16c"],
+    "tokenmill_lora_kernels",
+    Path(__file__).resolve().parent / "cpu" / "lora.cpp",
+    ["-O3", "-mavx2", "-mfma", "-mf16c"],
     "CPU LoRA kernels",
-)  # fmt: skip
+)
 
 
 def is_available() -> bool:

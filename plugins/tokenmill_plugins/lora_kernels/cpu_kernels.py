@@ -17,7 +17,6 @@ from tokenmill_kernels.lora import cpu as kernels
 
 from tokenmill.lora.kernels import LoRABatch, TorchLoRAKernels
 
-
 _WEIGHTS = (torch.float32, torch.float16, torch.bfloat16)
 
 

@@ -10,7 +10,8 @@ server started with those adapters:
   ratios are the adapters' cost.
 - ``stall``: base-model streams run while an adapter is loaded at run time (``POST /v1/load_lora_adapter``) and
   its first request runs (the engine reads its weights then); the longest gap between two tokens of any stream
-  meanwhile, against the streams' median gap, says whether loading stalled them for more than a step.
+  meanwhile, less the longest while a second request runs on the adapter once loaded, in the streams' median
+  gaps, says whether loading stalled them for more than a step.
 """
 
 from __future__ import annotations
@@ -140,10 +141,11 @@ def _overhead(options: LoRAOptions, base_model: str, adapters: tuple[str, ...]) 
 
 
 async def _stall(options: LoRAOptions, base_model: str) -> dict[str, Any]:
-    """Token arrival times of ``stall_streams`` base-model streams while two requests join them, one after the
-    other, with the same prompt: first on the base model (the control: what any request joining costs the others,
-    its prompt's prefill), then on an adapter loaded at run time just before it. The load stalls the others by
-    the difference between the longest gaps the two cause."""
+    """Token arrival times of ``stall_streams`` base-model streams while three requests join them, one after the
+    other, each with a prompt of the same length that no cache holds: on the base model, on an adapter loaded at
+    run time just before it, and on that adapter again, loaded by then. The load stalls the others by the
+    difference between the longest gaps the last two cause (both run the adapter on their prompt's prefill); the
+    first says what any request joining costs."""
     assert options.load_adapter is not None
     name = f"bench-loaded-{int(time.time())}"
     prompts = random_texts([options.input_len] * (options.stall_streams + 1), seed=options.seed)
@@ -160,21 +162,23 @@ async def _stall(options: LoRAOptions, base_model: str) -> dict[str, Any]:
                     if line.startswith("data:") and "[DONE]" not in line and _has_content(json.loads(line[5:])):
                         arrivals[i].append(time.perf_counter())
 
-        async def join(model: str) -> tuple[float, float]:
-            """Send ``probe`` on ``model`` for one token once every stream has moved on; its window."""
+        async def join(model: str, nonce: str, load: bool = False) -> tuple[float, float]:
+            """Send ``probe`` (after ``nonce``, so that no prefix cache holds it) on ``model`` for one token once
+            every stream has moved on, loading ``model`` first when ``load``; its window."""
             counts = [len(a) for a in arrivals]
             while any(
                 len(a) < count + 8 and not task.done() for a, count, task in zip(arrivals, counts, streams, strict=True)
             ):
                 await asyncio.sleep(0.01)
             started = time.perf_counter()
-            if model == name:
+            if load:
                 response = await client.post(options.base_url + "/v1/load_lora_adapter",
                                              json={"lora_name": name, "lora_path": options.load_adapter})  # fmt: skip
                 if response.status_code != 200:
                     raise TokenmillError(f"POST /v1/load_lora_adapter answered {response.status_code}: "
                                          f"{response.text[:200]} (is --allow-runtime-lora-updating on?)")  # fmt: skip
-            body = {"model": model, "messages": [{"role": "user", "content": probe}], "max_tokens": 1}
+            content = f"{nonce} {probe}"
+            body = {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 1}
             response = await client.post(options.base_url + "/v1/chat/completions", json=body)
             response.raise_for_status()
             return started, time.perf_counter()
@@ -184,8 +188,10 @@ async def _stall(options: LoRAOptions, base_model: str) -> dict[str, Any]:
         while any(len(a) < options.output_len // 4 and not t.done() for a, t in zip(arrivals, streams, strict=True)):
             await asyncio.sleep(0.01)  # every stream is decoding
         try:
-            control = await join(base_model)  # the base model's request reads nothing
-            load = await join(name)
+            nonce = str(time.time_ns())
+            control = await join(base_model, nonce + "a")
+            load = await join(name, nonce + "b", load=True)
+            loaded = await join(name, nonce + "c")
         finally:
             for task in streams:
                 task.cancel()
@@ -201,9 +207,10 @@ async def _stall(options: LoRAOptions, base_model: str) -> dict[str, Any]:
     return {
         "load_ms": (load[1] - load[0]) * 1000,
         "itl_p50_ms": median * 1000,
-        "max_gap_control_ms": longest(control) * 1000,
-        "max_gap_during_load_ms": longest(load) * 1000,
-        "extra_gap_in_steps": (longest(load) - longest(control)) / median,
+        "max_gap_base_join_ms": longest(control) * 1000,
+        "max_gap_load_join_ms": longest(load) * 1000,
+        "max_gap_adapter_join_ms": longest(loaded) * 1000,
+        "extra_gap_in_steps": (longest(load) - longest(loaded)) / median,
     }
 
 
@@ -224,8 +231,9 @@ def format_lora(report: dict[str, Any]) -> str:
             row("stall: load and first token (ms)", s["load_ms"]),
             row("stall: ITL p50 (ms)", s["itl_p50_ms"]),
             row(
-                "stall: longest gap, base / adapter join (ms)",
-                f"{s['max_gap_control_ms']:.1f} / {s['max_gap_during_load_ms']:.1f}",
+                "stall: longest gap, base / load / loaded join (ms)",
+                f"{s['max_gap_base_join_ms']:.1f} / {s['max_gap_load_join_ms']:.1f} / "
+                f"{s['max_gap_adapter_join_ms']:.1f}",
             ),
             row("stall: the load's extra gap in steps", s["extra_gap_in_steps"]),
         ]
