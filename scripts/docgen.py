@@ -42,7 +42,7 @@ def configuration_reference() -> str:
                 "| setting | flag | default | meaning |",
                 "|---|---|---|---|",
             ]
-        default = "unset" if spec.default in (None, []) else f"`{spec.default!r}`"
+        default = "unset" if spec.default in (None, [], {}) else f"`{spec.default!r}`"
         flag = f"`{spec.flag}` (JSON key `{spec.json_key}`)" if spec.json_key else f"`{spec.flag}`"
         lines.append(f"| `{spec.path[-1]}` | {flag} | {default} | {spec.description} |")
     lines += ["", "## Environment variables", "", "| variable | default | meaning |", "|---|---|---|"]

@@ -20,7 +20,7 @@ from tokenmill.output_processor import OutputProcessor
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import InvalidRequestError, SamplingParams
 from tokenmill.structured_output.validator import ConstraintValidator
-from tokenmill.tokenizer import Tokenizer
+from tokenmill.tokenizer import Tokenizer, check_template_kwargs
 
 logger = logging.getLogger(__name__)
 
@@ -116,24 +116,38 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
         **template_kwargs: Any,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation, then generate (with ``lora_request`` as in
-        ``generate``)."""
+        ``generate``).
+
+        ``chat_template_kwargs`` (vLLM's argument, e.g. ``{"enable_thinking": False}``) and any other keyword
+        arguments become template variables, over the config's ``server.default_chat_template_kwargs``; a key
+        the renderer sets itself (``messages``, ``tools``, ...) in ``chat_template_kwargs`` raises
+        ``InvalidRequestError``.
+        """
         conversations = cast(
             list[Conversation], [messages] if messages and isinstance(messages[0], dict) else list(messages)
         )
+        try:
+            check_template_kwargs(chat_template_kwargs or {})
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc)) from None
+        variables = {**(chat_template_kwargs or {}), **template_kwargs}
         encoded: list[tuple[str | None, list[int]]] = [
-            self.render_chat(c, add_generation_prompt, **template_kwargs) for c in conversations
+            self.render_chat(c, add_generation_prompt, **variables) for c in conversations
         ]
         return self._run(encoded, sampling_params, use_tqdm, lora_request=lora_request)
 
     def render_chat(
         self, conversation: Conversation, add_generation_prompt: bool = True, **template_kwargs: Any
     ) -> tuple[str, list[int]]:
-        """The prompt text and token ids the chat template makes of ``conversation``."""
+        """The prompt text and token ids the chat template makes of ``conversation``, with ``template_kwargs``
+        over the config's ``server.default_chat_template_kwargs``."""
+        variables = {**self.config.server.default_chat_template_kwargs, **template_kwargs}
         text = self.tokenizer.apply_chat_template(
-            conversation, add_generation_prompt=add_generation_prompt, **template_kwargs
+            conversation, add_generation_prompt=add_generation_prompt, **variables
         )
         assert isinstance(text, str)
         # The template already wrote BOS and the other special tokens as text.

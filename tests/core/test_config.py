@@ -105,3 +105,30 @@ def test_llm_keywords_select_every_slot_by_flag_name() -> None:
     assert config_from_kwargs(None, None, backend="torch").server.backend == "torch"
     with pytest.raises(PluginError, match="^server.backend: unknown engine_backend 'torch'; installed: .*ray"):
         load_plugins().check_config(config_from_kwargs(None, None, backend="torch"))
+
+
+def test_default_chat_template_kwargs_flag_takes_a_json_object(tmp_path: Path) -> None:
+    import click
+    from click.testing import CliRunner
+
+    from tokenmill.config.options import config_options
+
+    seen: list[EngineConfig] = []
+
+    @click.command()
+    @config_options
+    def command(config: EngineConfig) -> None:
+        seen.append(config)
+
+    flag = "--default-chat-template-kwargs"
+    result = CliRunner().invoke(command, [flag, '{"enable_thinking": false, "persona": {"name": "x"}}'])
+    assert result.exit_code == 0, result.output
+    kwargs = seen[0].server.default_chat_template_kwargs
+    assert kwargs == {"enable_thinking": False, "persona": {"name": "x"}}
+    assert msgspec.convert(tomllib.loads(seen[0].to_toml()), EngineConfig) == seen[0]
+    result = CliRunner().invoke(command, [flag, "[1]"])
+    assert result.exit_code != 0 and "must be a JSON object, got [1]" in result.output
+    result = CliRunner().invoke(command, [flag, '{"add_generation_prompt": false}'])
+    assert isinstance(result.exception, ConfigError)
+    assert "server.default_chat_template_kwargs cannot set 'add_generation_prompt'" in str(result.exception)
+    assert load_config().server.default_chat_template_kwargs == {}

@@ -8,8 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.tokenizer.thinking_model import PROMPT_START, THINKING_OFF, save_thinking_model
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import ConfigError
+from tokenmill.sampling_params import InvalidRequestError
 
 pytestmark = pytest.mark.slow
 
@@ -68,6 +70,22 @@ def test_chat_applies_the_template(llm: LLM) -> None:
     assert output.prompt.endswith("<|im_start|>assistant\n")
     assert "Paris" in output.outputs[0].text
     assert output.outputs[0].finish_reason == "stop"  # ended by <|im_end|>, the chat's EOS
+
+
+def test_chat_template_kwargs_over_the_configs_default(tmp_path: Path) -> None:
+    model_dir = save_thinking_model(tmp_path / "thinking")
+    llm = LLM(str(model_dir), device="cpu", num_kv_blocks=64, block_size=4,
+              default_chat_template_kwargs={"persona": "a pirate"})  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=1)
+    conversation = [{"role": "user", "content": "hi"}]
+    (plain,) = llm.chat(conversation, params, use_tqdm=False)
+    assert plain.prompt == PROMPT_START + "As a pirate: "
+    off = {"enable_thinking": False, "persona": "a parrot"}  # vLLM's argument, over the default key by key
+    (thinking_off,) = llm.chat(conversation, params, use_tqdm=False, chat_template_kwargs=off)
+    assert thinking_off.prompt == PROMPT_START + "As a parrot: " + THINKING_OFF
+    assert thinking_off.prompt_token_ids == llm.tokenizer.encode(thinking_off.prompt, add_special_tokens=False)
+    with pytest.raises(InvalidRequestError, match="^chat_template_kwargs cannot set 'messages'"):
+        llm.chat(conversation, params, use_tqdm=False, chat_template_kwargs={"messages": []})
 
 
 def test_stop_string_end_to_end(llm: LLM) -> None:

@@ -11,9 +11,11 @@ thinks longer."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -103,6 +105,36 @@ def test_reasoning_content_is_split_from_the_answer(client: openai.OpenAI) -> No
     assert reasoning == "" and message.content and message.content.isalpha()
     streamed, calls, finish = _joined(_create(client, "[a-z]{2,6}", seed=4, stream=True))
     assert (streamed, calls, finish) == ({"reasoning_content": reasoning, "content": message.content}, [], "stop")
+
+
+def test_enable_thinking_false_closes_the_thinking_in_the_prompt(client: openai.OpenAI, server: Server) -> None:
+    # Qwen3's switch, through vLLM's chat_template_kwargs: the template writes "<think>\n\n</think>\n\n" into
+    # the prompt, so the whole output is content and the grammar masks from the first token (no logit_bias here:
+    # the thinking is already over).
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    for stream in (False, True):
+        completion = client.chat.completions.create(
+            model="tiny", messages=MESSAGES, temperature=1.0, seed=5, max_tokens=20, stream=stream,
+            extra_body={"structured_outputs": {"regex": "[a-z]{2,6}"}, **off},
+        )  # fmt: skip
+        if stream:
+            texts, calls, finish = _joined(completion)
+            assert texts["reasoning_content"] == "" and not calls and finish == "stop"
+            assert re.fullmatch("[a-z]{2,6}", texts["content"]), texts
+        else:
+            message = completion.choices[0].message
+            assert message.model_extra.get("reasoning_content") is None
+            assert re.fullmatch("[a-z]{2,6}", message.content or ""), message
+    on = {"chat_template_kwargs": {"enable_thinking": True}}
+    usages = [
+        client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=1, extra_body=body).usage
+        for body in (on, off)
+    ]
+    block = httpx.post(
+        f"{server.url}/tokenize", json={"prompt": "<think>\n\n</think>\n\n", "add_special_tokens": False}
+    )
+    assert usages[0] and usages[1]
+    assert usages[1].prompt_tokens == usages[0].prompt_tokens + block.json()["count"]
 
 
 def test_text_without_calls_stays_content_and_the_template_sees_the_tools(client: openai.OpenAI) -> None:

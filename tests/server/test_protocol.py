@@ -24,6 +24,7 @@ from tokenmill.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     ProtocolError,
+    TokenizeChatRequest,
     chat_chunk,
     chat_logprobs,
     chat_messages,
@@ -35,6 +36,7 @@ from tokenmill.server.protocol import (
     completion_response,
     decode_chat_request,
     decode_completion_request,
+    decode_tokenize_request,
     error_body,
     error_dict,
     model_not_found,
@@ -114,9 +116,17 @@ def test_chat_messages_are_plain_text_for_the_template() -> None:
     ]
 
 
+def test_chat_template_kwargs_are_kept_for_the_template() -> None:
+    kwargs = {"enable_thinking": False, "persona": {"name": "x", "traits": [1, 2.5, None]}, "bos_token": ""}
+    assert chat(chat_template_kwargs=kwargs).chat_template_kwargs == kwargs
+    assert chat().chat_template_kwargs is None
+    request = decode_tokenize_request(body(messages=USER, chat_template_kwargs={"enable_thinking": True}))
+    assert isinstance(request, TokenizeChatRequest) and request.chat_template_kwargs == {"enable_thinking": True}
+
+
 # ---------------------------------------------------------------- invalid bodies
 
-C, CHAT = decode_completion_request, decode_chat_request
+C, CHAT, TOKENIZE = decode_completion_request, decode_chat_request, decode_tokenize_request
 MSG = {"model": "m", "messages": USER}
 PROMPT = {"model": "m", "prompt": "x"}
 
@@ -198,6 +208,17 @@ INVALID = [
     (C, b'{"model": "\xff", "prompt": "x"}', "request body is not valid UTF-8 (invalid start byte)", None),
     (CHAT, body(model="m", messages=[{"role": "user"}]),
      "missing required parameter: 'messages[0].content' (a user message needs content)", "messages[0].content"),
+    (CHAT, body(**MSG, chat_template_kwargs=["enable_thinking"]),
+     "invalid value for 'chat_template_kwargs': expected an object, got `array`", "chat_template_kwargs"),
+    (CHAT, body(**MSG, chat_template_kwargs={"enable_thinking": False, "messages": []}),
+     "chat_template_kwargs cannot set 'messages': messages, tools, documents and add_generation_prompt come from "
+     "the request itself, and chat_template and tokenize are not template variables", "chat_template_kwargs"),
+    (TOKENIZE, body(messages=USER, chat_template_kwargs={"tokenize": True}),
+     "chat_template_kwargs cannot set 'tokenize': messages, tools, documents and add_generation_prompt come from "
+     "the request itself, and chat_template and tokenize are not template variables", "chat_template_kwargs"),
+    (CHAT, b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"a": '
+     + b"[" * 40 + b"]" * 40 + b"}}", "chat_template_kwargs is nested more than 32 levels deep",
+     "chat_template_kwargs"),
 ]  # fmt: skip
 
 

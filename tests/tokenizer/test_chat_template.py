@@ -7,7 +7,13 @@ from typing import Any
 
 import pytest
 
-from tokenmill.tokenizer import ChatTemplate, Tokenizer, render_chat_template
+from tokenmill.tokenizer import (
+    RESERVED_TEMPLATE_VARIABLES,
+    ChatTemplate,
+    Tokenizer,
+    check_template_kwargs,
+    render_chat_template,
+)
 
 # Llama 3.2 style: system block with date, tools as JSON (indent=4), tool calls and ipython results.
 LLAMA3_TEMPLATE = """{{- bos_token }}
@@ -305,3 +311,14 @@ def test_inputs_are_copied_into_plain_data() -> None:
     text = render_chat_template("{{ messages[0].obj }}|{{ messages[0].obj.secret }}", messages)
     assert text == "<Opaque>|"
     assert isinstance(messages[0]["obj"], Opaque)  # the caller's messages are untouched
+
+
+def test_template_kwargs_reach_the_template_but_not_the_renderers_own_names() -> None:
+    # Qwen3's switch: enable_thinking=False closes an empty thinking block in the prompt.
+    template = "{% if enable_thinking is defined and enable_thinking is false %}<think></think>{% endif %}{{ who }}"
+    assert render_chat_template(template, CONVERSATIONS[0], enable_thinking=False, who="w") == "<think></think>w"
+    assert render_chat_template(template, CONVERSATIONS[0], who="w") == "w"
+    check_template_kwargs({"enable_thinking": False, "bos_token": "", "custom_tools": []})
+    for name in RESERVED_TEMPLATE_VARIABLES:
+        with pytest.raises(ValueError, match=f"^the default cannot set '{name}': messages, tools, documents"):
+            check_template_kwargs({"enable_thinking": True, name: None}, "the default")

@@ -59,7 +59,7 @@ def _collect(struct_type: type, prefix: tuple[str, ...]) -> list[FlagSpec]:
                       for spec in _collect(inner.cls, (*prefix, field.name))]  # fmt: skip
             continue
         type_info, description, flag = _unwrap(field.type)
-        if isinstance(type_info, mi.DictType):
+        if isinstance(type_info, mi.DictType) and flag is None:
             continue  # per-plugin tables: TOML only
         if field.default is not msgspec.NODEFAULT:
             default = field.default
@@ -83,8 +83,10 @@ def flag_specs() -> list[FlagSpec]:
 
 def _click_option(spec: FlagSpec) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     param_name = "cfg__" + "__".join(spec.path)
-    help_text = spec.description + (f" [default: {spec.default}]" if spec.default not in (None, []) else "")
+    help_text = spec.description + (f" [default: {spec.default}]" if spec.default not in (None, [], {}) else "")
     info = spec.type_info
+    if isinstance(info, mi.DictType):  # a mapping field with a flag takes it whole, as JSON
+        return _json_option(spec.flag, spec.path, help_text)
     if isinstance(info, (mi.ListType, mi.VarTupleType)):
         item = info.item_type.type if isinstance(info.item_type, mi.Metadata) else info.item_type
         item_type = {mi.IntType: int, mi.FloatType: float}.get(type(item), str)
@@ -97,8 +99,10 @@ def _click_option(spec: FlagSpec) -> Callable[[Callable[..., Any]], Callable[...
     return click.option(spec.flag, param_name, type=click_type, help=help_text)
 
 
-def _json_option(flag: str, path: tuple[str, ...]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """One flag taking a whole section as a JSON object; bad JSON is a one-line usage error."""
+def _json_option(
+    flag: str, path: tuple[str, ...], help_text: str
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """One flag taking a JSON object (a whole section, or a mapping field); bad JSON is a one-line usage error."""
 
     def parse(ctx: click.Context, param: click.Parameter, value: str | None) -> dict[str, Any] | None:
         if value is None:
@@ -111,7 +115,6 @@ def _json_option(flag: str, path: tuple[str, ...]) -> Callable[[Callable[..., An
             raise click.BadParameter(f"must be a JSON object, got {value}")
         return parsed
 
-    help_text = f"The [{'.'.join(path)}] table as a JSON object (keys in docs/configuration.md)."
     return click.option(flag, "cfg__" + "__".join(path), callback=parse, help=help_text)
 
 
@@ -130,7 +133,7 @@ def config_options(command: Callable[..., Any]) -> Callable[..., Any]:
             target = overrides
             for section in sections:
                 target = target.setdefault(section, {})
-            if isinstance(value, dict):  # a section given as JSON
+            if isinstance(value, dict):  # a section or a mapping given as JSON
                 target.setdefault(field, {}).update(value)
             else:
                 target[field] = list(value) if isinstance(value, tuple) else value
@@ -145,7 +148,8 @@ def config_options(command: Callable[..., Any]) -> Callable[..., Any]:
     specs = flag_specs()
     json_sections = {spec.flag: spec.path[:-1] for spec in specs if spec.json_key is not None}
     for flag, path in json_sections.items():
-        decorated = _json_option(flag, path)(decorated)
+        help_text = f"The [{'.'.join(path)}] table as a JSON object (keys in docs/configuration.md)."
+        decorated = _json_option(flag, path, help_text)(decorated)
     for spec in reversed([spec for spec in specs if spec.json_key is None]):
         decorated = _click_option(spec)(decorated)
     return click.option(

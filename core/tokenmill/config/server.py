@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -46,6 +46,15 @@ class ServerConfig(ConfigSection, frozen=True):
     served_model_name: Annotated[
         str | None, describe("Model name clients use; unset uses the model file or folder name.")
     ] = None
+    default_chat_template_kwargs: Annotated[
+        dict[str, Any],
+        describe(
+            "Variables every chat request's template sees, as a JSON object (vLLM's flag), e.g. "
+            "'{\"enable_thinking\": false}' for Qwen3's templates; a request's chat_template_kwargs override "
+            "them key by key. Not messages, tools, documents, add_generation_prompt, chat_template or tokenize.",
+            flag="--default-chat-template-kwargs",
+        ),
+    ] = msgspec.field(default_factory=dict)
     max_waiting: Annotated[
         Annotated[int, msgspec.Meta(ge=0)],
         describe("Requests allowed to wait beyond those running; more get 429."),
@@ -137,6 +146,10 @@ class ServerConfig(ConfigSection, frozen=True):
     ] = 60.0
 
     def __post_init__(self) -> None:
+        if self.default_chat_template_kwargs:
+            from tokenmill.tokenizer.chat_template import check_template_kwargs  # jinja2 and tokenizers: only if set
+
+            check_template_kwargs(self.default_chat_template_kwargs, "server.default_chat_template_kwargs")
         if self.backend != LOCAL_BACKEND and (self.engines or self.disaggregated_prefill):
             setting = "server.engines (--engine)" if self.engines else "server.disaggregated_prefill"
             raise ValueError(

@@ -373,7 +373,7 @@ class OpenAIServer:
         await self._check_constraint(body, params)
         # The template sees the tools (a template that knows them tells the model how to call them), as vLLM's.
         template_tools = msgspec.to_builtins(body.tools) if body.tools else None
-        prompt_text = self._chat_prompt(body.messages, add_generation_prompt=True, tools=template_tools)
+        prompt_text = self._chat_prompt(body.messages, True, body.chat_template_kwargs, tools=template_tools)
         token_ids = self.state.tokenizer.encode(prompt_text, add_special_tokens=False)
         top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         forced = protocol.forced_tool_call(body)
@@ -384,12 +384,21 @@ class OpenAIServer:
             self._stream_chat, protocol.chat_response, parsing=parsing,
         )  # fmt: skip
 
-    def _chat_prompt(self, messages: list[protocol.ChatMessage], add_generation_prompt: bool, tools: Any = None) -> str:
-        """The conversation through the model's chat template; a template that fails is the request's 400."""
+    def _chat_prompt(
+        self,
+        messages: list[protocol.ChatMessage],
+        add_generation_prompt: bool,
+        template_kwargs: dict[str, Any] | None,
+        tools: Any = None,
+    ) -> str:
+        """The conversation through the model's chat template, with the request's ``chat_template_kwargs`` over
+        ``--default-chat-template-kwargs`` (vLLM's order); a template that fails is the request's 400."""
+        variables = {**self.state.config.server.default_chat_template_kwargs, **(template_kwargs or {})}
         try:
             text = self.state.tokenizer.apply_chat_template(
-                protocol.chat_messages(messages), add_generation_prompt=add_generation_prompt, tools=tools
-            )
+                protocol.chat_messages(messages), add_generation_prompt=add_generation_prompt, tools=tools,
+                **variables,
+            )  # fmt: skip
         except ValueError as exc:
             raise ProtocolError(400, str(exc).splitlines()[0], param="messages") from None
         assert isinstance(text, str)
@@ -495,7 +504,7 @@ class OpenAIServer:
         if body.model is not None:
             self._check_model(body.model, request)
         if isinstance(body, protocol.TokenizeChatRequest):
-            text = self._chat_prompt(body.messages, body.add_generation_prompt)
+            text = self._chat_prompt(body.messages, body.add_generation_prompt, body.chat_template_kwargs)
         else:
             text = body.prompt
         tokens = self.state.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)

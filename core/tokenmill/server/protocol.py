@@ -18,6 +18,7 @@ import msgspec
 from tokenmill.outputs import Logprob, RequestOutput, TextToken
 from tokenmill.sampling_params import InvalidRequestError, SamplingParams, StructuredOutputsParams
 from tokenmill.server.tools import ChatTool, ForcedToolCall, ResponseFormat, ToolChoice, ToolError, request_constraint
+from tokenmill.tokenizer.chat_template import check_template_kwargs
 
 logger = logging.getLogger(__name__)
 
@@ -200,6 +201,9 @@ class ChatCompletionRequest(_RequestBase, kw_only=True, forbid_unknown_fields=Tr
     """``none``, ``auto`` (needs ``--enable-auto-tool-choice``), ``required`` or a named function: the last two
     are enforced by a grammar, so the arguments always match the function's parameters."""
     parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    """vLLM's: extra variables for the chat template (``{"enable_thinking": false}`` for Qwen3's), over the
+    server's ``--default-chat-template-kwargs`` key by key."""
 
 
 class TokenizeCompletionRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -219,6 +223,8 @@ class TokenizeChatRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tr
     add_generation_prompt: bool = True
     add_special_tokens: bool = False
     return_token_strs: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    """As in a chat completion request."""
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -316,6 +322,7 @@ def decode_chat_request(body: bytes, auto_tool_choice: bool = False) -> tuple[Ch
     free text (``--enable-auto-tool-choice``), so ``tool_choice: "auto"`` is allowed."""
     request = _decode(body, ChatCompletionRequest)
     _check_messages(request.messages)
+    _check_template_kwargs(request.chat_template_kwargs)
     if request.top_logprobs is not None and not request.logprobs:
         raise _bad("top_logprobs", "top_logprobs requires logprobs to be true")
     for i, tool in enumerate(request.tools or []):
@@ -363,6 +370,17 @@ def _check_messages(messages: list[ChatMessage]) -> None:
             _check_free_form(f"messages[{i}].tool_calls", message.tool_calls)
 
 
+def _check_template_kwargs(template_kwargs: dict[str, Any] | None) -> None:
+    """``chat_template_kwargs`` is JSON the wire can carry and names no variable the renderer sets itself."""
+    if template_kwargs is None:
+        return
+    _check_free_form("chat_template_kwargs", template_kwargs)
+    try:
+        check_template_kwargs(template_kwargs)
+    except ValueError as exc:
+        raise _bad("chat_template_kwargs", str(exc)) from None
+
+
 def decode_tokenize_request(body: bytes) -> TokenizeCompletionRequest | TokenizeChatRequest:
     """Decode a ``/tokenize`` body: chat messages when it has ``messages``, else a prompt."""
     try:
@@ -373,6 +391,7 @@ def decode_tokenize_request(body: bytes) -> TokenizeCompletionRequest | Tokenize
         return _decode(body, TokenizeCompletionRequest)
     request = _decode(body, TokenizeChatRequest)
     _check_messages(request.messages)
+    _check_template_kwargs(request.chat_template_kwargs)
     return request
 
 

@@ -7,8 +7,20 @@ Built from a Hugging Face model directory or a GGUF file with the
 
 from __future__ import annotations
 
-from tokenmill.tokenizer.chat_template import ChatTemplate, render_chat_template
+from tokenmill.tokenizer.chat_template import (
+    RESERVED_TEMPLATE_VARIABLES,
+    ChatTemplate,
+    check_template_kwargs,
+    render_chat_template,
+)
 from tokenmill.tokenizer.detokenizer import IncrementalDetokenizer
 from tokenmill.tokenizer.tokenizer import Tokenizer
 
-__all__ = ["ChatTemplate", "IncrementalDetokenizer", "Tokenizer", "render_chat_template"]
+__all__ = [
+    "RESERVED_TEMPLATE_VARIABLES",
+    "ChatTemplate",
+    "IncrementalDetokenizer",
+    "Tokenizer",
+    "check_template_kwargs",
+    "render_chat_template",
+]

@@ -28,6 +28,24 @@ logger = logging.getLogger(__name__)
 # A message's reasoning goes by several names; templates read the first.
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
+#: Names extra template variables (``chat_template_kwargs``) may not take: the renderer sets the first four from
+#: the request itself, and the last two are arguments of ``apply_chat_template``, not template variables (vLLM
+#: refuses those two too).
+RESERVED_TEMPLATE_VARIABLES = ("messages", "tools", "documents", "add_generation_prompt", "chat_template", "tokenize")
+
+
+def check_template_kwargs(template_kwargs: Mapping[str, Any], name: str = "chat_template_kwargs") -> None:
+    """Raise ``ValueError`` naming ``name`` and the key when ``template_kwargs`` sets a reserved variable.
+
+    Called once per request (API front end) or per ``LLM.chat`` call, and once on the server's default.
+    """
+    reserved = [key for key in template_kwargs if key in RESERVED_TEMPLATE_VARIABLES]
+    if reserved:
+        raise ValueError(
+            f"{name} cannot set {reserved[0]!r}: messages, tools, documents and add_generation_prompt come from "
+            "the request itself, and chat_template and tokenize are not template variables"
+        )
+
 
 class ChatTemplate:
     """A compiled chat template.
