@@ -2,15 +2,19 @@
 1.0, which writes bytes at random unless masked), driven by the official openai client: ``parse()`` with a
 pydantic model, ``json_schema`` strict, vLLM's ``structured_outputs`` on both endpoints, ``tools`` with
 ``tool_choice`` required and named (whole and streamed), and a constraint that cannot compile is a 400 while the
-server keeps serving. Every JSON output is checked with ``jsonschema``."""
+server keeps serving; the same constraints sent at once to a server with two engine replicas come back valid from
+both. Every JSON output is checked with ``jsonschema``."""
 
 from __future__ import annotations
 
+import functools
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
+import httpx
 import jsonschema
 import openai
 import pydantic
@@ -114,17 +118,21 @@ TOOLS: Any = [
 PARAMETERS = {"get_weather": WEATHER, "get_time": TIME}
 
 
+def _assert_valid_tool_calls(choice: Any) -> None:
+    """A forced tool call's choice ended by its calls, each one's arguments valid against its function's parameters."""
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice.message.content
+    for call in choice.message.tool_calls:
+        assert call.type == "function"
+        jsonschema.validate(json.loads(call.function.arguments), PARAMETERS[call.function.name])
+
+
 def test_required_and_named_tool_calls_match_their_parameters(client: openai.OpenAI) -> None:
     for seed in range(4):
         completion = client.chat.completions.create(
             model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice="required", temperature=1.0, seed=seed,
             max_tokens=600,  # parallel calls: each ends the array or adds a call, about evenly at random
         )  # fmt: skip
-        choice = completion.choices[0]
-        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice.message.content
-        for call in choice.message.tool_calls:
-            assert call.type == "function"
-            jsonschema.validate(json.loads(call.function.arguments), PARAMETERS[call.function.name])
+        _assert_valid_tool_calls(completion.choices[0])
     named = client.chat.completions.create(
         model="tiny", messages=MESSAGES, tools=TOOLS, temperature=1.0, seed=9, max_tokens=60,
         tool_choice={"type": "function", "function": {"name": "get_time"}},
@@ -183,3 +191,52 @@ def test_a_constraint_that_cannot_be_used_is_a_400_and_the_server_keeps_serving(
         model="tiny", messages=MESSAGES, max_tokens=20, extra_body={"structured_outputs": {"choice": ["y", "n"]}}
     )
     assert ok.choices[0].message.content in ("y", "n")
+
+
+def test_data_parallel_engines_each_serve_valid_structured_outputs(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Every engine replica compiles and applies constraints of its own: json_schema strict and tool_choice
+    required requests sent at once to two engines (round-robin) all come back valid, and both engines ran some."""
+    model_dir = save_tiny_model(tmp_path_factory.mktemp("structured-dp") / "llama")
+    server = start_server(
+        tmp_path_factory.mktemp("structured-dp-server"), str(model_dir), "--served-model-name", "tiny",
+        "--data-parallel-size", "2", "--structured-outputs-config", '{"disable_any_whitespace": true}',
+        model_name="tiny",
+    )  # fmt: skip
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+    def schema_reply(name: str, seed: int) -> None:
+        schema = SCHEMAS[name]
+        response_format: Any = {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
+        completion = client.chat.completions.create(
+            model="tiny", messages=MESSAGES, response_format=response_format, temperature=1.0, seed=seed,
+            max_tokens=120,
+        )  # fmt: skip
+        choice = completion.choices[0]
+        assert choice.finish_reason == "stop", choice.message.content
+        assert_valid(choice.message.content or "", schema)
+
+    def tool_reply(seed: int) -> None:
+        completion = client.chat.completions.create(
+            model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+            temperature=1.0, seed=seed, max_tokens=120,
+        )  # fmt: skip
+        _assert_valid_tool_calls(completion.choices[0])
+
+    try:
+        jobs: list[Callable[[], None]] = [
+            functools.partial(schema_reply, name, seed) for name in SCHEMAS for seed in range(2)
+        ]
+        jobs += [functools.partial(tool_reply, seed) for seed in range(2)]
+        with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+            for future in [pool.submit(job) for job in jobs]:
+                future.result()  # re-raises a reply's failed check
+        ended = re.findall(r'^tokenmill:request_success_total\{[^}]*engine="(\d+)"[^}]*\} (\S+)$',
+                           httpx.get(f"{server.url}/metrics").text, flags=re.MULTILINE)  # fmt: skip
+        by_engine: dict[str, float] = {}
+        for engine, value in ended:
+            by_engine[engine] = by_engine.get(engine, 0.0) + float(value)
+        assert sum(by_engine.values()) == len(jobs)
+        assert set(by_engine) == {"0", "1"} and all(count > 0 for count in by_engine.values()), by_engine
+    finally:
+        client.close()
+        assert server.stop() == 0
