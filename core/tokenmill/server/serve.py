@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import shutil
@@ -251,6 +252,8 @@ async def _run(config: EngineConfig, state: ServerState, shutdown: _Shutdown) ->
         server.should_exit = True
 
     supervisor = asyncio.create_task(supervise())
+    gc.collect()  # start-up's objects (the tokenizer's, the app's) out of the collector's full passes, as engines do
+    gc.freeze()
     logger.info(
         "serving %s with %d engine(s) at http://%s:%d", state.model_name, len(group.clients), config.server.host,
         config.server.port,
