@@ -79,10 +79,11 @@ def test_an_architecture_without_a_native_plugin_runs_through_the_fallback_named
         _load(tmp_path, quantization="int8")
 
 
-def test_the_fallback_on_a_native_architecture_gives_the_native_logits(tmp_path: Path) -> None:
+@pytest.mark.parametrize("tied", [False, True])  # tied: the checkpoint has no lm_head.weight
+def test_the_fallback_on_a_native_architecture_gives_the_native_logits(tmp_path: Path, tied: bool) -> None:
     from tokenmill.model_runner import ModelRunner, SequenceChunk
 
-    save_hf_model("qwen3-tiny", tmp_path)
+    save_hf_model("qwen3-tiny", tmp_path, tie_word_embeddings=tied)
     logits = []
     for impl in ("tokenmill", "transformers"):
         loaded = _load(tmp_path, model_impl=impl)

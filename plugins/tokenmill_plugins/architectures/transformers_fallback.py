@@ -114,6 +114,7 @@ class TransformersForCausalLM(CausalLM):
             model = transformers.AutoModelForCausalLM.from_config(
                 hf_config, attn_implementation=ATTENTION_NAME, dtype=self.dtype
             )
+        model.tie_weights()  # from_config under no_init_weights leaves a tied lm_head its own tensor
         for module in model.modules():
             if hasattr(module, "layer_idx") and hasattr(module, "scaling"):  # an attention module
                 module.__dict__["_tokenmill_model"] = self  # not a submodule: no cycle in modules()
