@@ -10,8 +10,9 @@ from tokenmill_plugins.commands.bench.step import run_step
 from tests.factories import make_engine, save_hf_model
 
 
-def test_step_times_a_decode_step_and_its_parts(tmp_path: Path) -> None:
-    save_hf_model("llama-tiny", tmp_path)
+@pytest.mark.parametrize("model", ["llama-tiny", "qwen3-tiny"])  # qwen3: q/k norms over the heads
+def test_step_times_a_decode_step_and_its_parts(tmp_path: Path, model: str) -> None:
+    save_hf_model(model, tmp_path)
     engine = make_engine(tmp_path)
     report = run_step(engine, batch_size=3, context_len=10, num_steps=2, seed=0)
     results, parameters = report["results"], report["parameters"]

@@ -140,7 +140,10 @@ def run_step(engine: EngineCore, *, batch_size: int, context_len: int, num_steps
 
     def all_layer_kernels() -> None:
         for norm in norms:
-            norm(hidden, residual)
+            if norm.weight.shape[-1] == hidden.shape[-1]:
+                norm(hidden, residual)
+            else:  # a q/k norm (Qwen3, Gemma 3) over the heads
+                norm(query_and_key)
         for _ in specs:
             rotary.rotate(query_and_key)
             rotary.layer_kernels.silu_and_mul(gate_up)
