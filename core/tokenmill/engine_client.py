@@ -106,6 +106,8 @@ class RequestStream:
     request_id: str
     queue: asyncio.Queue[EngineCoreOutput | EngineDeadError]
     client: EngineClient
+    #: The request's LoRA adapter, once it is sent (``EngineClient.submit``); None for the base model.
+    lora_name: str | None = None
 
 
 class EngineClient:
@@ -165,6 +167,8 @@ class EngineClient:
         self._orphaned_ids: list[str] = []  # requests a remote engine may still be running for nobody
         # Estimated tokens of the requests sent since the engine's last stats message (not in its counts yet).
         self._num_unreported_tokens = 0
+        # Requests in flight here by LoRA adapter (``lora_name``): the engine holds those adapters (routers).
+        self._num_in_flight_by_lora: dict[str, int] = {}
 
     @property
     def num_in_flight(self) -> int:
@@ -251,19 +255,32 @@ class EngineClient:
         if max_tokens is None:
             max_tokens = max(0, self.ready.max_model_len - num_prompt) if self.ready is not None else 0
         self._num_unreported_tokens += max(0, num_prompt - num_cached_tokens) + max_tokens * request.params.n
+        stream = self._streams.get(request.request_id)
+        if request.lora_request is not None and stream is not None and stream.lora_name is None:
+            stream.lora_name = name = request.lora_request.lora_name
+            self._num_in_flight_by_lora[name] = self._num_in_flight_by_lora.get(name, 0) + 1
 
     def abort(self, request_ids: list[str], completions_only: bool = False) -> None:
         """Abort whole requests (every completion; their streams end here), or with ``completions_only``
         single completions whose stop string matched (the request's stream stays for its other completions)."""
         if not completions_only:
             for request_id in request_ids:
-                self._streams.pop(request_id, None)
+                self._close_stream(request_id)
         if request_ids and not self.is_dead and self._connection is not None:
             self._connection.send(encode(AbortRequests(request_ids, completions_only)))
 
     def release(self, request_id: str) -> None:
         """Forget a finished request's queue."""
-        self._streams.pop(request_id, None)
+        self._close_stream(request_id)
+
+    def _close_stream(self, request_id: str) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is not None and stream.lora_name is not None:
+            count = self._num_in_flight_by_lora[stream.lora_name] - 1
+            if count:
+                self._num_in_flight_by_lora[stream.lora_name] = count
+            else:
+                del self._num_in_flight_by_lora[stream.lora_name]
 
     def fail_requests(self, reason: str) -> None:
         """End every request in flight here with ``EngineDeadError(reason)`` and abort them in the engine (the
@@ -329,6 +346,7 @@ class EngineClient:
         for stream in self._streams.values():
             stream.queue.put_nowait(EngineDeadError(reason))
         self._streams.clear()
+        self._num_in_flight_by_lora.clear()
         return request_ids
 
     async def _recover(self) -> bool:
@@ -383,6 +401,9 @@ class EngineClient:
         block_size = self.ready.block_size if self.ready is not None else 0
         num_free_kv_tokens = stats.num_free_kv_blocks * block_size if stats else 0
         num_cached_blocks = self.prefix_cache.num_matching_blocks(prefix_keys) if prefix_keys else 0
+        lora_adapters = frozenset(self._num_in_flight_by_lora)
+        if stats is not None and (stats.running_lora_adapters or stats.waiting_lora_adapters):
+            lora_adapters = lora_adapters.union(stats.running_lora_adapters, stats.waiting_lora_adapters)
         return EngineState(
             index=self.index,
             is_healthy=not self.is_dead,
@@ -393,6 +414,8 @@ class EngineClient:
             num_outstanding_tokens=(stats.num_outstanding_tokens if stats else 0) + unreported,
             num_free_kv_tokens=max(0, num_free_kv_tokens - unreported),
             num_cached_prefix_tokens=num_cached_blocks * block_size,
+            lora_adapters=lora_adapters,
+            max_loras=stats.max_loras if stats else 0,
         )
 
     def kill(self) -> None:

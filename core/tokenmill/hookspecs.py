@@ -355,9 +355,10 @@ def tokenmill_register_routers(register: Register) -> None:
     Called once at start-up in the API front end (which never imports torch, so
     keep the router's module free of it). Selected by ``server.router``
     (``--router``; built in: ``round_robin``, alias ``round-robin``; the
-    first-party plugin ``routers`` adds ``least_loaded``, ``kv_aware`` and
-    ``prefix_aware``). A router that raises at run time fails no request: the
-    front end routes it with ``least_loaded`` and counts the fallback.
+    first-party plugin ``routers`` adds ``least_loaded``, ``kv_aware``,
+    ``prefix_aware`` and ``lora_aware``). A router that raises at run time
+    fails no request: the front end routes it with ``least_loaded`` and
+    counts the fallback.
     Since: 0.1. Stability: provisional.
     """
 

@@ -10,7 +10,10 @@ blocks, computed with the engines' block size and hash salt and the request's
 ``cache_salt`` exactly as the engines' prefix caches compute them
 (``tokenmill.kv_cache.block_hash``), and each ``EngineState`` says how many of
 the prompt's leading tokens that engine holds (``num_cached_prefix_tokens``), so
-it can send a request where its prefix is cached.
+it can send a request where its prefix is cached. With LoRA, each
+``EngineState`` also names the adapters the engine holds (``lora_adapters``:
+those its running and waiting requests name, and those of this front end's
+requests in flight there) and says how many it runs at once (``max_loras``).
 
 A router that raises, or returns something that is not a healthy engine's
 index, does not fail the request: the front end routes that request with
@@ -51,6 +54,15 @@ class EngineState:
     #: Leading tokens of this request's prompt whose KV blocks the engine's prefix cache holds (or that were
     #: routed there lately); 0 unless the router ``needs_prefix_hashes``.
     num_cached_prefix_tokens: int = 0
+    #: LoRA adapters (``lora_name``) the engine holds for requests: those of its running and waiting requests
+    #: (its stats' ``running_lora_adapters`` and ``waiting_lora_adapters``) plus those of the requests this front
+    #: end has in flight there (from when it sends them until they end, whatever the stats say meanwhile), so a
+    #: burst of requests for an adapter follows the first one before the engine reports it. Each takes one of
+    #: its ``max_loras`` slots while its requests run; an adapter whose requests all ended is not listed. Empty
+    #: without LoRA.
+    lora_adapters: frozenset[str] = frozenset()
+    #: Adapters the engine runs at once (``lora.max_loras``, its slots); 0 without LoRA or before its first stats.
+    max_loras: int = 0
 
 
 class Router(ABC):

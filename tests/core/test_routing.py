@@ -17,6 +17,7 @@ import pytest
 from tokenmill.engine_client import DisaggregatedGroup, EngineClient, EngineDeadError, RoutedEngineGroup
 from tokenmill.hookspecs import Register, hookimpl
 from tokenmill.kv_cache.block_hash import block_hashes
+from tokenmill.lora.request import LoRARequest
 from tokenmill.messages import (
     PROTOCOL_VERSION,
     EngineCoreOutput,
@@ -289,6 +290,58 @@ def test_states_carry_the_engines_stats_plus_the_requests_sent_since() -> None:
         assert (state.num_outstanding_tokens, state.num_free_kv_tokens) == (77, 90 * BLOCK_SIZE)
 
     _with_group(RoundRobinRouter(), body)
+
+
+def _lora_request(request_id: str, lora_name: str) -> EngineCoreRequest:
+    lora = LoRARequest(lora_name, 1 + ord(lora_name[0]), f"/adapters/{lora_name}")
+    return EngineCoreRequest(request_id, [1, 2, 3], SamplingParams(), [0], 0.0, lora_request=lora)
+
+
+def test_states_name_the_adapters_an_engine_holds_from_its_stats_and_the_requests_in_flight() -> None:
+    async def body(group: RoutedEngineGroup, transport: _FakeTransport) -> None:
+        client = group.clients[0]
+        assert (client.state().lora_adapters, client.state().max_loras) == (frozenset(), 0)
+        await _report(transport, 0, _stats(running_lora_adapters=["a"], waiting_lora_adapters=["b"], max_loras=2))
+        assert (client.state().lora_adapters, client.state().max_loras) == ({"a", "b"}, 2)
+        # Requests sent count at once, and until they end, whatever the engine reports meanwhile (a report
+        # may have left before the request arrived).
+        client.add_request(_lora_request("c1", "c"))
+        client.add_request(_lora_request("c2", "c"))
+        client.add_request(_lora_request("d1", "d"))
+        client.add_request(_request("base"))
+        assert client.state().lora_adapters == {"a", "b", "c", "d"}
+        await _report(transport, 0, _stats(max_loras=2))
+        assert client.state().lora_adapters == {"c", "d"}
+        client.release("c1")
+        client.abort(["d1"])
+        assert client.state().lora_adapters == {"c"}
+        client.abort(["c2"], completions_only=True)  # one completion of it: the request still runs
+        assert client.state().lora_adapters == {"c"}
+        client.release("c2")
+        client.release("base")
+        assert client.state().lora_adapters == frozenset()
+        # An engine that dies fails its requests: it holds their adapters no more.
+        client.add_request(_lora_request("c3", "c"))
+        client.fail_requests("drained")
+        assert client.state().lora_adapters == frozenset()
+
+    _with_group(RoundRobinRouter(), body, num_engines=1)
+
+
+def test_lora_aware_keeps_each_adapter_of_a_burst_on_one_engine() -> None:
+    """Through the group, before any engine reports the requests: the front end's own count is what keeps
+    the burst together."""
+    router = load_plugins().create(Slot.ROUTER, "lora_aware")
+
+    async def body(group: RoutedEngineGroup, transport: _FakeTransport) -> None:
+        for index in range(2):
+            await _report(transport, index, _stats(max_loras=1))
+        for number, lora_name in enumerate("abbaabba"):
+            group.add_request(_lora_request(f"{lora_name}{number}", lora_name))
+        group.add_request(_request("base"))  # the least loaded: equal loads, so the lower index
+        assert _received(transport) == [["a0", "a3", "a4", "a7", "base"], ["b1", "b2", "b5", "b6"]]
+
+    _with_group(router, body, num_engines=2)
 
 
 def _summary(

@@ -7,8 +7,15 @@ from collections.abc import Sequence
 
 import pytest
 from tokenmill_plugins.routers.options import RoutersOptions
-from tokenmill_plugins.routers.policies import KVAwareRouter, LeastLoadedRouter, PrefixAwareRouter, is_imbalanced
+from tokenmill_plugins.routers.policies import (
+    KVAwareRouter,
+    LeastLoadedRouter,
+    LoRAAwareRouter,
+    PrefixAwareRouter,
+    is_imbalanced,
+)
 
+from tokenmill.lora.request import LoRARequest
 from tokenmill.messages import EngineCoreRequest
 from tokenmill.plugin_manager import PluginError, Slot, load_plugins
 from tokenmill.routing import EngineState, RoundRobinRouter, least_loaded
@@ -18,19 +25,24 @@ from tokenmill.testing import check_router
 PROMPT_LEN = 64
 
 
-def _request(prompt_len: int = PROMPT_LEN) -> EngineCoreRequest:
-    return EngineCoreRequest("r", list(range(prompt_len)), SamplingParams(), [0], 0.0)
+def _request(prompt_len: int = PROMPT_LEN, lora_name: str | None = None) -> EngineCoreRequest:
+    lora = LoRARequest(lora_name, 1 + ord(lora_name[0]), f"/adapters/{lora_name}") if lora_name else None
+    return EngineCoreRequest("r", list(range(prompt_len)), SamplingParams(), [0], 0.0, lora_request=lora)
 
 
 def _engine(index: int, outstanding: int = 0, free_kv: int = 0, cached: int = 0, healthy: bool = True,
-            in_flight: int = 0) -> EngineState:  # fmt: skip
+            in_flight: int = 0, adapters: str = "", max_loras: int = 0) -> EngineState:  # fmt: skip
+    """``adapters``: the names of the LoRA adapters it holds, one letter each."""
     return EngineState(index, healthy, 0, 0, 0.0, in_flight, num_outstanding_tokens=outstanding,
-                       num_free_kv_tokens=free_kv, num_cached_prefix_tokens=cached)  # fmt: skip
+                       num_free_kv_tokens=free_kv, num_cached_prefix_tokens=cached, lora_adapters=frozenset(adapters),
+                       max_loras=max_loras)  # fmt: skip
 
 
-def _select(router: object, engines: Sequence[EngineState], prompt_len: int = PROMPT_LEN) -> int:
-    assert isinstance(router, LeastLoadedRouter | KVAwareRouter | PrefixAwareRouter | RoundRobinRouter)
-    return router.select(_request(prompt_len), list(engines), [b"h" * 32] * (prompt_len // 16))
+def _select(router: object, engines: Sequence[EngineState], prompt_len: int = PROMPT_LEN,
+            lora_name: str | None = None) -> int:  # fmt: skip
+    assert isinstance(router, LeastLoadedRouter | KVAwareRouter | PrefixAwareRouter | LoRAAwareRouter
+                      | RoundRobinRouter)  # fmt: skip
+    return router.select(_request(prompt_len, lora_name), list(engines), [b"h" * 32] * (prompt_len // 16))
 
 
 # ---------------------------------------------------------------- least_loaded, kv_aware
@@ -93,7 +105,71 @@ def test_imbalance_is_both_limits() -> None:
     assert not is_imbalanced([_engine(0, 300), _engine(1, 200)], 50, 1.5)  # ratio 1.5 is not past 1.5
 
 
-@pytest.mark.parametrize("router", [LeastLoadedRouter(), KVAwareRouter(), PrefixAwareRouter(), RoundRobinRouter()])
+# ---------------------------------------------------------------- lora_aware
+
+
+def test_lora_aware_sends_an_adapter_to_the_least_loaded_engine_holding_it() -> None:
+    engines = [_engine(0, 100, adapters="b", max_loras=2), _engine(1, 900, adapters="ab", max_loras=2),
+               _engine(2, 500, adapters="a", max_loras=2), _engine(3, 0, max_loras=2)]  # fmt: skip
+    assert _select(LoRAAwareRouter(), engines, lora_name="a") == 2  # not 3, the least loaded, which lacks it
+    assert _select(LoRAAwareRouter(), engines, lora_name="b") == 0
+    # Holding it wins over a free slot, even where the adapter takes more than max_loras (its requests wait).
+    assert _select(LoRAAwareRouter(), [_engine(0, 50, adapters="ab", max_loras=1), _engine(1)], lora_name="a") == 0
+
+
+def test_lora_aware_without_a_holder_prefers_a_free_slot_then_the_least_loaded() -> None:
+    engines = [_engine(0, 10, adapters="ab", max_loras=2), _engine(1, 300, adapters="b", max_loras=2),
+               _engine(2, 200, adapters="bc", max_loras=2)]  # fmt: skip
+    assert _select(LoRAAwareRouter(), engines, lora_name="d") == 1  # the only engine with a free slot
+    full = [_engine(0, 300, adapters="a", max_loras=1), _engine(1, 200, adapters="b", max_loras=1)]
+    assert _select(LoRAAwareRouter(), full, lora_name="d") == 1  # no free slot anywhere: the least loaded
+    # Before an engine's first stats (max_loras 0), no slot counts as free.
+    assert _select(LoRAAwareRouter(), [_engine(0, 300), _engine(1, 200)], lora_name="d") == 1
+
+
+def test_lora_aware_sends_base_model_requests_to_the_least_loaded() -> None:
+    engines = [_engine(0, 300, adapters="a", max_loras=2), _engine(1, 200, max_loras=2)]
+    assert _select(LoRAAwareRouter(), engines) == 1
+
+
+def test_lora_aware_ignores_a_dead_engine_that_holds_the_adapter() -> None:
+    engines = [_engine(0, 0, adapters="a", max_loras=2, healthy=False), _engine(1, 90, adapters="b", max_loras=2),
+               _engine(2, 50, adapters="bc", max_loras=2)]  # fmt: skip
+    assert _select(LoRAAwareRouter(), engines, lora_name="a") == 1
+
+
+def test_lora_aware_falls_back_to_least_loaded_when_the_loads_are_imbalanced() -> None:
+    router = LoRAAwareRouter(RoutersOptions(balance_abs_threshold=1000, balance_rel_threshold=2.0))
+    # Gap 1500 > 1000 and ratio 4 > 2: imbalanced, so the adapter does not matter.
+    assert _select(router, [_engine(0, 2000, adapters="a", max_loras=1), _engine(1, 500, max_loras=1)],
+                   lora_name="a") == 1  # fmt: skip
+    # Gap 900 <= 1000: balanced, the adapter wins despite the load.
+    assert _select(router, [_engine(0, 1400, adapters="a", max_loras=1), _engine(1, 500, max_loras=1)],
+                   lora_name="a") == 0  # fmt: skip
+    # The free-slot preference gives way too: engine 0 has the slot, engine 1 the lighter load.
+    assert _select(router, [_engine(0, 2000, max_loras=1), _engine(1, 500, adapters="b", max_loras=1)],
+                   lora_name="a") == 1  # fmt: skip
+
+
+def test_lora_aware_keeps_a_burst_for_one_adapter_on_one_engine() -> None:
+    """What the front end's estimate gives the router: each request sent counts as held (and as load) on
+    its engine before the engine reports it, so a burst of two adapters over two idle engines with one slot
+    each splits by adapter instead of loading both adapters on both engines."""
+    router = LoRAAwareRouter()
+    engines = [_engine(0, max_loras=1), _engine(1, max_loras=1)]
+    placed: dict[str, set[int]] = {"a": set(), "b": set()}
+    for lora_name in "abbaabab":
+        index = _select(router, engines, lora_name=lora_name)
+        placed[lora_name].add(index)
+        sent = engines[index]  # as EngineClient.state() shows it after the request went out
+        engines[index] = _engine(index, sent.num_outstanding_tokens + PROMPT_LEN + 16, in_flight=sent.num_in_flight + 1,
+                                 adapters="".join(sent.lora_adapters | {lora_name}), max_loras=1)  # fmt: skip
+    assert placed == {"a": {0}, "b": {1}}
+
+
+@pytest.mark.parametrize(
+    "router", [LeastLoadedRouter(), KVAwareRouter(), PrefixAwareRouter(), LoRAAwareRouter(), RoundRobinRouter()]
+)
 def test_the_routers_pass_the_conformance_check(router: object) -> None:
     check_router(router)  # type: ignore[arg-type]
 
@@ -105,6 +181,7 @@ def test_the_routers_pass_the_conformance_check(router: object) -> None:
     ("name", "cls"),
     [("least_loaded", LeastLoadedRouter), ("least-loaded", LeastLoadedRouter), ("kv_aware", KVAwareRouter),
      ("prefix_aware", PrefixAwareRouter), ("prefix-aware", PrefixAwareRouter), ("cache_aware", PrefixAwareRouter),
+     ("lora_aware", LoRAAwareRouter), ("lora-aware", LoRAAwareRouter), ("lora_affinity", LoRAAwareRouter),
      ("round_robin", RoundRobinRouter), ("round-robin", RoundRobinRouter)],
 )  # fmt: skip
 def test_routers_load_through_the_entry_point_by_either_spelling(name: str, cls: type) -> None:

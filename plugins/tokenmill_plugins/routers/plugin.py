@@ -1,7 +1,8 @@
 """Registers the first-party routers and declares their options (registration only: no torch import here).
 
 Each router is registered under its name with underscores (vLLM's and SGLang's spelling) and with hyphens
-(``round-robin``'s); ``cache_aware`` is SGLang's name for ``prefix_aware``.
+(``round-robin``'s); ``cache_aware`` is SGLang's name for ``prefix_aware``, and ``lora_affinity`` llm-d's
+(its ``lora-affinity-scorer``) for ``lora_aware``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ _ROUTERS = {
     "least_loaded": "LeastLoadedRouter",
     "kv_aware": "KVAwareRouter",
     "prefix_aware": "PrefixAwareRouter",
+    "lora_aware": "LoRAAwareRouter",
 }
 
 
@@ -29,3 +31,4 @@ def tokenmill_register_routers(register: Register) -> None:
         register(name, path)
         register(name.replace("_", "-"), path)
     register("cache_aware", "tokenmill_plugins.routers.policies:PrefixAwareRouter")
+    register("lora_affinity", "tokenmill_plugins.routers.policies:LoRAAwareRouter")

@@ -1,4 +1,4 @@
-"""The load- and cache-aware routers. Run in the API front end, which never imports torch: nor does this.
+"""The load-, cache- and adapter-aware routers. Run in the API front end, which never imports torch: nor does this.
 
 Every router here picks among healthy engines only, from the ``EngineState`` the front end builds per
 request (the engines' latest stats plus its estimate for requests sent since), and never blocks.
@@ -13,7 +13,7 @@ from tokenmill import EngineCoreRequest, EngineState, Router
 from tokenmill.routing import least_loaded
 from tokenmill_plugins.routers.options import RoutersOptions
 
-__all__ = ["KVAwareRouter", "LeastLoadedRouter", "PrefixAwareRouter", "is_imbalanced"]
+__all__ = ["KVAwareRouter", "LeastLoadedRouter", "LoRAAwareRouter", "PrefixAwareRouter", "is_imbalanced"]
 
 
 def _healthy(engines: Sequence[EngineState]) -> list[EngineState]:
@@ -87,3 +87,33 @@ class PrefixAwareRouter(Router):
         if best.num_cached_prefix_tokens > 0 and best.num_cached_prefix_tokens >= options.cache_threshold * num_prompt:
             return best.index
         return least_loaded(healthy)
+
+
+class LoRAAwareRouter(Router):
+    """Sends each request naming a LoRA adapter where that adapter already is, so an adapter is read and takes
+    a slot on one engine rather than on every one (llm-d's ``lora-affinity-scorer``, as a policy).
+
+    While the engines' loads are balanced (``is_imbalanced`` with ``balance_abs_threshold`` and
+    ``balance_rel_threshold``, as ``prefix_aware``), a request naming an adapter goes to the least loaded engine
+    holding it (``EngineState.lora_adapters``: its running or waiting requests name it, or this front end's
+    requests in flight there do, so a burst follows its first request); if none holds it, to the least loaded
+    engine with a free slot (fewer adapters held than its ``max_loras``), where it runs at once instead of
+    waiting for another adapter's requests to end; else to the least loaded engine. Requests for the base model,
+    and every request while the loads are imbalanced, go to the least loaded engine. Unlike llm-d's scorer, an
+    engine where the adapter's requests wait counts as holding it: its weights are read there, or already are.
+    """
+
+    name: ClassVar[str] = "lora_aware"
+
+    def __init__(self, options: RoutersOptions | None = None) -> None:
+        self.options = options or RoutersOptions()
+
+    def select(self, request: EngineCoreRequest, engines: list[EngineState], prefix_hashes: Sequence[bytes]) -> int:
+        options = self.options
+        healthy = _healthy(engines)
+        lora = request.lora_request
+        if lora is None or is_imbalanced(healthy, options.balance_abs_threshold, options.balance_rel_threshold):
+            return least_loaded(healthy)
+        holding = [engine for engine in healthy if lora.lora_name in engine.lora_adapters]
+        with_free_slot = [engine for engine in healthy if len(engine.lora_adapters) < engine.max_loras]
+        return least_loaded(holding or with_free_slot or healthy)

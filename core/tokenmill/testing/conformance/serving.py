@@ -10,11 +10,14 @@ import subprocess
 import sys
 import time
 
+from tokenmill.lora.request import LoRARequest
 from tokenmill.messages import EngineCoreRequest
 from tokenmill.routing import EngineState, Router
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.testing.conformance._util import calling, conformance_check, fail, instantiate
 from tokenmill.transport.base import EngineEndpoint, FrontendConnection, Transport
+
+_LORA_NAMES = ["a", "b", "c"]
 
 
 @conformance_check
@@ -24,9 +27,9 @@ def check_router(
     """Check a router against the ``Router`` contract.
 
     For 1 to ``max_engines`` engines and every pattern of which are healthy (at least one), with random
-    loads, KV headroom and cached prefixes, ``select`` returns the ``index`` of a healthy engine, every
-    time, for requests with and without a prefix (``prefix_hashes`` are given when
-    ``needs_prefix_hashes``), within a second. With
+    loads, KV headroom, cached prefixes and LoRA adapters held, ``select`` returns the ``index`` of a healthy
+    engine, every time, for requests with and without a prefix (``prefix_hashes`` are given when
+    ``needs_prefix_hashes``) and with and without an adapter, within a second. With
     ``torch_free``, the router's module is imported in a fresh interpreter, which must not import torch:
     routers run in the API front end.
 
@@ -53,12 +56,17 @@ def check_router(
                     num_outstanding_tokens=rng.randrange(10_000),
                     num_free_kv_tokens=rng.randrange(10_000),
                     num_cached_prefix_tokens=rng.choice((0, 16, 32)),
+                    lora_adapters=frozenset(rng.sample(_LORA_NAMES, rng.randrange(3))),
+                    max_loras=rng.choice((0, 1, 2)),
                 )  # fmt: skip
                 for i, healthy in enumerate(health)
             ]
             healthy_indices = {engine.index for engine in engines if engine.is_healthy}
-            for prompt_len in (3, 40, 40):  # the same long prompt twice: a prefix-aware router may reuse it
-                request = EngineCoreRequest(f"req-{next(counter)}", list(range(prompt_len)), params, [2], 0.0)
+            # The same long prompt twice (a prefix-aware router may reuse it), then with an adapter, twice.
+            for prompt_len, lora_name in ((3, None), (40, None), (40, None), (40, "a"), (40, "a"), (40, "c")):
+                lora = LoRARequest(lora_name, 1 + _LORA_NAMES.index(lora_name), "/unused") if lora_name else None
+                request = EngineCoreRequest(f"req-{next(counter)}", list(range(prompt_len)), params, [2], 0.0,
+                                            lora_request=lora)  # fmt: skip
                 prefix_hashes = (
                     [bytes([b]) * 8 for b in range(prompt_len // 16)] if candidate.needs_prefix_hashes else []
                 )
