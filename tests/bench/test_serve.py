@@ -153,3 +153,15 @@ def test_explicit_prompts_are_sent_as_given_and_kept_out_of_the_report(fake: tup
         ServeOptions(url=url, num_requests=4, input_len=5, output_len=2, prompts=prompts[:3])
     with pytest.raises(BenchmarkError, match="endpoint='chat'"):
         ServeOptions(url=url, num_requests=4, input_len=5, output_len=2, prompts=prompts, endpoint="chat")
+
+
+def test_token_id_prompts_stay_below_a_known_vocabulary() -> None:
+    """``bench isa`` runs models of any vocabulary: its random prompts must be ids the model has."""
+    from tokenmill_plugins.commands.bench.serve import ServeOptions, make_requests
+    from tokenmill_plugins.commands.bench.workload import MAX_TOKEN_ID
+
+    options = ServeOptions(url="http://127.0.0.1:1", num_requests=8, input_len=64, output_len=4, vocab_size=512)
+    small = [token for request in make_requests(options) for token in request.payload["prompt"]]
+    assert max(small) < 512
+    unbounded = make_requests(ServeOptions(url="http://127.0.0.1:1", num_requests=8, input_len=64, output_len=4))
+    assert 512 <= max(token for request in unbounded for token in request.payload["prompt"]) < MAX_TOKEN_ID

@@ -249,14 +249,17 @@ def _last_line(log_path: Path) -> str:
 # ------------------------------------------------------------------ the workloads
 
 
-def _decode_runs(url: str, options: IsaBenchOptions, api_key: str | None = None) -> dict[str, dict[str, Any]]:
-    """The warm-up, then one load per concurrency level against ``url``: the figures of each, by level."""
+def _decode_runs(
+    url: str, options: IsaBenchOptions, vocab_size: int, api_key: str | None = None
+) -> dict[str, dict[str, Any]]:
+    """The warm-up, then one load per concurrency level against ``url`` (token-id prompts below ``vocab_size``):
+    the figures of each, by level."""
 
     def load(concurrency: int, num_requests: int, output_len: int, seed: int, progress: bool) -> dict[str, Any]:
         serve_options = ServeOptions(
             url=url, num_requests=num_requests, input_len=options.input_len, output_len=output_len,
             concurrency=concurrency, seed=seed, api_key=api_key, timeout_s=options.request_timeout_s,
-            show_progress=progress,
+            show_progress=progress, vocab_size=vocab_size,
         )  # fmt: skip
         results: dict[str, Any] = run_serve(serve_options)["results"]
         if results["num_failed"]:
@@ -359,12 +362,12 @@ def run_isa(config: EngineConfig, options: IsaBenchOptions) -> dict[str, Any]:
                     }  # fmt: skip
                     timeout = options.server_timeout_s
                     with _tokenmill_server(config, Path(work), variant["isa"], timeout) as url:
-                        decode = _decode_runs(url, options, config.server.api_key)
+                        decode = _decode_runs(url, options, engine.vocab_size, config.server.api_key)
                     variant["runs"].append({"step": step, "decode": decode})
                 if llama is not None and options.llama_server is not None:
                     with llama_server(options.llama_server, model, llama["flags"], Path(work),
                                       options.server_timeout_s) as url:  # fmt: skip
-                        llama["runs"].append({"decode": _decode_runs(url, options)})
+                        llama["runs"].append({"decode": _decode_runs(url, options, engine.vocab_size)})
     finally:
         for name, isa in before.items():
             launchers[name].set_isa(isa)

@@ -76,6 +76,9 @@ class ServeOptions:
     #: Model names the requests cycle through (request ``i`` names ``models[i % len(models)]``: ``bench lora``
     #: spreads them over adapters) instead of ``model`` for all.
     models: tuple[str, ...] | None = None
+    #: The model's vocabulary, when the caller knows it: random token-id prompts stay below it (a model with a
+    #: small vocabulary refuses ids beyond). Unset: below ``workload.MAX_TOKEN_ID``.
+    vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         checks: list[tuple[bool, str, Any, str]] = [
@@ -125,7 +128,7 @@ def make_requests(options: ServeOptions) -> list[BenchRequest]:
         prompts = [[{"role": "user", "content": text}] for text in random_texts(input_lens, seed=seed)]
         key = "messages"
     else:
-        prompts, key = random_token_ids(input_lens, seed=seed), "prompt"
+        prompts, key = random_token_ids(input_lens, seed=seed, vocab_size=options.vocab_size), "prompt"
     common = {
         "temperature": 0,
         "ignore_eos": True,  # every request generates exactly max_tokens
