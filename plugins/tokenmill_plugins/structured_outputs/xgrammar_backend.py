@@ -76,9 +76,12 @@ class XgrammarBackend(StructuredOutputBackend):
         try:
             if kind in ("json", "json_object"):
                 schema: Any = {"type": "object"} if params.json_object else params.json
+                compact = params.disable_any_whitespace
                 return self.compiler.compile_json_schema(
                     schema if isinstance(schema, str) else json.dumps(schema),
-                    any_whitespace=not params.disable_any_whitespace,
+                    any_whitespace=not compact,
+                    # Without whitespace, xgrammar still writes ": " and ", " unless given the separators.
+                    separators=(",", ":") if compact else None,
                 )
             if kind == "regex":
                 assert params.regex is not None
