@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -37,11 +38,13 @@ from tokenmill.testing import (
     check_kv_tier,
     check_layer_kernels,
     check_logits_processor,
+    check_lora_kernels,
     check_quantizer,
     check_router,
     check_sampler,
     check_scheduler,
     check_speculator,
+    check_structured_outputs_backend,
     check_transport,
 )
 
@@ -73,7 +76,7 @@ def _first_party() -> list[tuple[Slot, str]]:
 
 def _runnable(cls: Any, slot: Slot, name: str) -> None:
     """Skip what this machine cannot run (a GPU backend, kernels that need AVX2), saying why."""
-    if slot in (Slot.ATTENTION_BACKEND, Slot.LAYER_KERNEL) and name == "triton":
+    if slot in (Slot.ATTENTION_BACKEND, Slot.LAYER_KERNEL, Slot.LORA_KERNEL) and name == "triton":
         pytest.importorskip("triton")
         return  # runs under the interpreter without a GPU
     devices = getattr(cls, "supported_devices", ("cpu",))
@@ -125,9 +128,10 @@ def test_first_party_implementation_passes_its_check(slot: Slot, name: str, tmp_
     elif slot in (Slot.TOOL_PARSER, Slot.REASONING_PARSER):
         pytest.skip(f"{slot.value} {name!r} reads its models' own format: tests/parsers checks it on their outputs")
     elif slot is Slot.STRUCTURED_OUTPUTS_BACKEND:
-        pytest.skip(f"no kit check yet for {slot.value} {name!r}: tests/structured_output checks every backend")
+        check_structured_outputs_backend(cls)
     elif slot is Slot.LORA_KERNEL:
-        pytest.skip(f"no kit check yet for {slot.value} {name!r}: tests/lora checks it against PEFT")
+        dtypes = (torch.float32, torch.float16, torch.bfloat16)
+        check_lora_kernels(cls, device="cpu" if name == "cpu" else DEVICE, dtypes=dtypes)
     else:
         pytest.fail(f"no conformance check is wired up for first-party {slot.value} {name!r}")
 
@@ -502,3 +506,171 @@ def test_transport_that_reorders_frames_fails() -> None:
             return connection
 
     _fails(check_transport, Reordering, match="changed or out of order")
+
+
+def test_lora_kernels_that_ignore_the_slot_fail() -> None:
+    from tokenmill.lora.kernels import LoRABatch, TorchLoRAKernels
+
+    class FirstSlot(TorchLoRAKernels):
+        """Every token with an adapter reads slot 0's weights."""
+
+        def add_lora(self, batch: LoRABatch, x: torch.Tensor, *args: Any) -> None:
+            slots = batch.token_slots.clamp(max=0).cpu().numpy()
+            super().add_lora(self.prepare(slots, x.device), x, *args)
+
+    match = r"FirstSlot.add_lora\(x torch.float32, adapters torch.float32, 1 tokens, one slot: \[2\]\) .*differs"
+    _fails(check_lora_kernels, FirstSlot, match=match + r" from the torch reference .* in rows \[0\] of slots \[2\]")
+
+
+def test_lora_kernels_that_add_to_tokens_without_an_adapter_fail() -> None:
+    from tokenmill.lora.kernels import LoRABatch, TorchLoRAKernels
+
+    class Gathered(TorchLoRAKernels):
+        """Gathers every token's weights by its slot, so -1 reads the last slot (Python's indexing)."""
+
+        def add_lora(self, batch: LoRABatch, x: torch.Tensor, lora_a: torch.Tensor, lora_b: Sequence[torch.Tensor],
+                     offsets: Sequence[int], y: torch.Tensor) -> None:  # fmt: skip
+            rank = lora_a.shape[1] // len(lora_b)
+            slots = batch.token_slots
+            h = torch.einsum("ti,tri->tr", x, lora_a[slots].to(x.dtype))
+            for part, (b, offset) in enumerate(zip(lora_b, offsets, strict=True)):
+                delta = torch.einsum("tr,tro->to", h[:, part * rank : (part + 1) * rank], b[slots].to(x.dtype))
+                y[:, offset : offset + b.shape[2]] += delta.to(y.dtype)
+
+    _fails(check_lora_kernels, Gathered, match=r"mixed slots.*changed the rows of tokens without an adapter")
+
+
+def test_lora_kernels_that_add_in_the_adapters_dtype_fail() -> None:
+    from tokenmill.lora.kernels import LoRABatch, TorchLoRAKernels
+
+    class Narrow(TorchLoRAKernels):
+        """Computes the products in the adapters' dtype, not the activations' (--lora-dtype float16)."""
+
+        def add_lora(self, batch: LoRABatch, x: torch.Tensor, lora_a: torch.Tensor, lora_b: Sequence[torch.Tensor],
+                     offsets: Sequence[int], y: torch.Tensor) -> None:  # fmt: skip
+            delta = torch.zeros_like(y, dtype=lora_a.dtype)
+            super().add_lora(batch, x.to(lora_a.dtype), lora_a, lora_b, offsets, delta)
+            y += delta.to(y.dtype)
+
+    check_lora_kernels(Narrow, adapter_dtypes=(torch.float32,))
+    _fails(check_lora_kernels, Narrow, match=r"adapters torch.float16.*differs from the torch reference")
+
+
+def test_lora_kernels_that_round_the_whole_output_fail() -> None:
+    from tokenmill.lora.kernels import LoRABatch, TorchLoRAKernels
+
+    class RoundTrip(TorchLoRAKernels):
+        """Adds in place, then writes y back through bfloat16, rows without an adapter too."""
+
+        def add_lora(self, batch: LoRABatch, *args: Any) -> None:
+            super().add_lora(batch, *args)
+            y = args[-1]
+            y.copy_(y.to(torch.bfloat16).to(y.dtype))
+
+    _fails(check_lora_kernels, RoundTrip, match="changed the rows of tokens without an adapter")
+
+
+# ---------------------------------------------------------------- planted structured-output backends
+
+
+def _guidance() -> Any:
+    from tokenmill_plugins.structured_outputs.guidance import GuidanceBackend, GuidanceGrammar
+
+    return GuidanceBackend, GuidanceGrammar
+
+
+def test_structured_outputs_backend_whose_mask_allows_everything_fails() -> None:
+    GuidanceBackend, GuidanceGrammar = _guidance()
+
+    class AllowAll(GuidanceGrammar):
+        def fill_bitmask(self, bitmask: torch.Tensor, index: int) -> None:
+            bitmask[index] = -1
+
+    class AllowAllBackend(GuidanceBackend):
+        def grammar(self, compiled: Any) -> Any:
+            return AllowAll(compiled.deep_copy())
+
+    _fails(check_structured_outputs_backend, AllowAllBackend,
+           match=r"on the JSON schema .*: fill_bitmask .* allows tokens the constraint refuses")  # fmt: skip
+
+
+def test_structured_outputs_backend_that_only_sets_allowed_bits_fails() -> None:
+    GuidanceBackend, GuidanceGrammar = _guidance()
+
+    class OrMask(GuidanceGrammar):
+        """ORs the allowed tokens into the row: right on a row of zeros, all-allowed on the engine's rows of ones."""
+
+        def fill_bitmask(self, bitmask: torch.Tensor, index: int) -> None:
+            row = bitmask[index].clone()
+            super().fill_bitmask(bitmask, index)
+            bitmask[index] |= row
+
+    class OrMaskBackend(GuidanceBackend):
+        def grammar(self, compiled: Any) -> Any:
+            return OrMask(compiled.deep_copy())
+
+    _fails(check_structured_outputs_backend, OrMaskBackend, match="it must write every word of its row")
+
+
+def test_structured_outputs_backend_whose_matchers_share_state_fails() -> None:
+    GuidanceBackend, GuidanceGrammar = _guidance()
+
+    class SharedBackend(GuidanceBackend):
+        """Every request's matcher is the compiled one itself, not a copy."""
+
+        def grammar(self, compiled: Any) -> Any:
+            return GuidanceGrammar(compiled)
+
+    _fails(check_structured_outputs_backend, SharedBackend, match="of a new matcher while another of the same compiled")
+
+
+def test_structured_outputs_backend_that_cannot_roll_back_fails() -> None:
+    GuidanceBackend, GuidanceGrammar = _guidance()
+
+    class NoRollback(GuidanceGrammar):
+        def rollback(self, num_tokens: int) -> None:
+            pass
+
+    class NoRollbackBackend(GuidanceBackend):
+        def grammar(self, compiled: Any) -> Any:
+            return NoRollback(compiled.deep_copy())
+
+    _fails(check_structured_outputs_backend, NoRollbackBackend, match=r"accepting it all, then rollback\(2\)\) is True")
+
+
+def test_structured_outputs_backend_that_compiles_anything_fails() -> None:
+    from tokenmill.sampling_params import StructuredOutputsParams
+
+    GuidanceBackend, _ = _guidance()
+
+    class Lenient(GuidanceBackend):
+        """Compiles a constraint it cannot read as any JSON object, and validates nothing."""
+
+        validates = False
+
+        def compile_grammar(self, params: StructuredOutputsParams) -> Any:
+            try:
+                return super().compile_grammar(params)
+            except ValueError:
+                return super().compile_grammar(StructuredOutputsParams(json_object=True))
+
+    _fails(check_structured_outputs_backend, Lenient,
+           match=r"compile_grammar\(a schema of an unknown type.*must raise ValueError")  # fmt: skip
+
+
+def test_structured_outputs_backend_whose_compact_json_has_spaces_fails() -> None:
+    """xgrammar's JSON without whitespace still has ": " and ", " unless given the separators (the first-party
+    backend did so until this check found it)."""
+    pytest.importorskip("xgrammar")
+    from tokenmill_plugins.structured_outputs.xgrammar_backend import XgrammarBackend
+
+    from tokenmill.sampling_params import StructuredOutputsParams
+
+    class Spaced(XgrammarBackend):
+        def compile_grammar(self, params: StructuredOutputsParams) -> Any:
+            if not params.disable_any_whitespace:
+                return super().compile_grammar(params)
+            return self.compiler.compile_json_schema(json.dumps(params.json), any_whitespace=False)
+
+    # the '"' after '{"color":', where this backend wants a space
+    _fails(check_structured_outputs_backend, Spaced, match=r"validate_tokens after '' gave 8 \(it stops at 4 \('\"'\)")

@@ -20,11 +20,13 @@ if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and
         LAYER_KERNEL_TOLERANCES,
         check_layer_kernels,
     )
+    from tokenmill.testing.conformance.lora_kernels import LORA_KERNEL_TOLERANCES, check_lora_kernels  # noqa: F401
     from tokenmill.testing.conformance.quantizer import check_quantizer  # noqa: F401
     from tokenmill.testing.conformance.sampling import check_logits_processor, check_sampler  # noqa: F401
     from tokenmill.testing.conformance.scheduler import check_scheduler  # noqa: F401
     from tokenmill.testing.conformance.serving import check_router, check_transport  # noqa: F401
     from tokenmill.testing.conformance.speculator import check_speculator  # noqa: F401
+    from tokenmill.testing.conformance.structured_outputs import check_structured_outputs_backend  # noqa: F401
 
 _EXPORTS: dict[str, str] = {
     "ATTENTION_TOLERANCES": "tokenmill.testing.conformance.attention",
@@ -36,11 +38,14 @@ _EXPORTS: dict[str, str] = {
     "check_layer_kernels": "tokenmill.testing.conformance.layer_kernels",
     "LAYER_KERNEL_TOLERANCES": "tokenmill.testing.conformance.layer_kernels",
     "check_logits_processor": "tokenmill.testing.conformance.sampling",
+    "check_lora_kernels": "tokenmill.testing.conformance.lora_kernels",
+    "LORA_KERNEL_TOLERANCES": "tokenmill.testing.conformance.lora_kernels",
     "check_quantizer": "tokenmill.testing.conformance.quantizer",
     "check_router": "tokenmill.testing.conformance.serving",
     "check_sampler": "tokenmill.testing.conformance.sampling",
     "check_scheduler": "tokenmill.testing.conformance.scheduler",
     "check_speculator": "tokenmill.testing.conformance.speculator",
+    "check_structured_outputs_backend": "tokenmill.testing.conformance.structured_outputs",
     "check_transport": "tokenmill.testing.conformance.serving",
 }
 
