@@ -40,11 +40,13 @@ from tokenmill.testing import (
     check_logits_processor,
     check_lora_kernels,
     check_quantizer,
+    check_reasoning_parser,
     check_router,
     check_sampler,
     check_scheduler,
     check_speculator,
     check_structured_outputs_backend,
+    check_tool_parser,
     check_transport,
 )
 
@@ -58,6 +60,24 @@ ACTIVATING_PARAMS = {
     "logit_bias": SamplingParams(logit_bias={3: 5.0, 7: -100.0}),
     "min_tokens": SamplingParams(min_tokens=4),
 }
+#: Outputs in each first-party tool-call parser's format (tests/parsers has more, and their expected calls).
+TOOL_CALL_OUTPUTS = {
+    "hermes": [
+        'Let me check.\n\n<tool_call>\n{"name": "f", "arguments": {"a": [1, {"b": "}"}]}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>',
+        '<tool_call>\n{"name": "f", "arguments": {"a": }\n</tool_call>',  # malformed: content
+    ],
+    "llama3_json": ['<|python_tag|>{"name": "a", "parameters": {"x": 1}}; {"name": "b", "arguments": {}}', '{"a": 4}'],
+    "mistral": ['Sure.[TOOL_CALLS] [{"name": "a", "arguments": {"x": "y"}}, {"name": "b", "arguments": {}}]'],
+}
+#: Outputs of a model that thinks between <think> and </think>.
+THINKING_OUTPUTS = [
+    "<think>\nThe user greets me.\n</think>\n\nHello!",
+    "Okay, 2 + 2 = 4.\n</think>\n\n4",  # the template opened the thinking
+    "<think>only thinking</think>",
+    "a</b> <thin </think>c",
+    "<think>never closed </thi",
+]
 #: Slots that have no conformance check (the model itself is checked against transformers; an engine backend
 #: places real engines: tests/server/test_ray_backend.py serves through the first-party one).
 UNCHECKED_SLOTS = {Slot.ARCHITECTURE, Slot.WEIGHT_FORMAT, Slot.ENGINE_BACKEND}
@@ -125,8 +145,10 @@ def test_first_party_implementation_passes_its_check(slot: Slot, name: str, tmp_
             pytest.skip("zmq-push keeps nothing (it sends): tests/kv_tiers/test_zmq_connector.py checks the pair")
         path = f"ipc://{tmp_path}/kv.sock" if name == "zmq-pull" else str(tmp_path)
         check_kv_tier(functools.partial(cls, path=path) if cls.takes_path else cls)
-    elif slot in (Slot.TOOL_PARSER, Slot.REASONING_PARSER):
-        pytest.skip(f"{slot.value} {name!r} reads its models' own format: tests/parsers checks it on their outputs")
+    elif slot is Slot.TOOL_PARSER:
+        check_tool_parser(cls, TOOL_CALL_OUTPUTS[name])
+    elif slot is Slot.REASONING_PARSER:
+        check_reasoning_parser(cls, THINKING_OUTPUTS, added_tokens=("<think>", "</think>"))
     elif slot is Slot.STRUCTURED_OUTPUTS_BACKEND:
         check_structured_outputs_backend(cls)
     elif slot is Slot.LORA_KERNEL:
@@ -674,3 +696,71 @@ def test_structured_outputs_backend_whose_compact_json_has_spaces_fails() -> Non
 
     # the '"' after '{"color":', where this backend wants a space
     _fails(check_structured_outputs_backend, Spaced, match=r"validate_tokens after '' gave 8 \(it stops at 4 \('\"'\)")
+
+
+# ---------------------------------------------------------------- planted parsers
+
+
+def test_tool_parser_that_streams_a_markers_start_as_content_fails() -> None:
+    from tokenmill_plugins.parsers.tool_parsers import HermesToolParser
+
+    from tokenmill.parsers.tool_parser import PartialToolCalls
+
+    class Eager(HermesToolParser):
+        """Sends text as content until the whole marker is there, then takes back its start."""
+
+        def extract_tool_calls_streaming(self, text: str) -> PartialToolCalls:
+            if self.start not in text:
+                return PartialToolCalls(text, [])
+            return super().extract_tool_calls_streaming(text)
+
+    match = r"in pieces of 1: at .*, the content went from '.*\\n<tool_call' to 'Let me check.\\n\\n'"
+    _fails(check_tool_parser, Eager, TOOL_CALL_OUTPUTS["hermes"], match=match)
+
+
+def test_tool_parser_that_drops_the_content_before_its_calls_fails() -> None:
+    from tokenmill_plugins.parsers.tool_parsers import HermesToolParser
+
+    from tokenmill.parsers.tool_parser import ExtractedToolCalls
+
+    class NoContent(HermesToolParser):
+        def extract_tool_calls(self, text: str) -> ExtractedToolCalls:
+            extracted = super().extract_tool_calls(text)
+            return ExtractedToolCalls(extracted.calls, None) if extracted.calls else extracted
+
+    _fails(check_tool_parser, NoContent, TOOL_CALL_OUTPUTS["hermes"],
+           match=r"the stream's content joins into 'Let me check.\\n\\n', the whole output's is None")  # fmt: skip
+
+
+def test_tool_parser_without_a_call_in_its_outputs_fails() -> None:
+    from tokenmill_plugins.parsers.tool_parsers import HermesToolParser
+
+    _fails(check_tool_parser, HermesToolParser, ["No call here."], match="give at least one output with a call")
+
+
+def test_reasoning_parser_that_streams_a_markers_start_as_reasoning_fails() -> None:
+    from tokenmill_plugins.parsers.reasoning_parsers import Qwen3ReasoningParser
+
+    class Eager(Qwen3ReasoningParser):
+        """Holds back nothing: '<think' goes out as reasoning, then is taken back once it is '<think>'."""
+
+        def extract_reasoning_streaming(self, text: str) -> tuple[str, str]:
+            body = text.split(self.start_token, 1)[-1]
+            reasoning, ended, content = body.partition(self.end_token)
+            return (reasoning, content) if ended else (body, "")
+
+    _fails(check_reasoning_parser, Eager, THINKING_OUTPUTS, added_tokens=("<think>", "</think>"),
+           match=r"in pieces of 1: the reasoning went from '<think' to '' at '<think>'")  # fmt: skip
+
+
+def test_reasoning_parser_whose_whole_split_keeps_the_marker_fails() -> None:
+    from tokenmill_plugins.parsers.reasoning_parsers import DeepSeekR1ReasoningParser
+
+    class KeepsMarker(DeepSeekR1ReasoningParser):
+        def extract_reasoning(self, text: str) -> tuple[str | None, str | None]:
+            reasoning, content = super().extract_reasoning(text)
+            return reasoning, None if content is None else self.end_token + content
+
+    _fails(check_reasoning_parser, KeepsMarker, THINKING_OUTPUTS, added_tokens=("<think>", "</think>"),
+           match=r"the stream joins into .*, the whole output splits into \('\\nThe user greets me.\\n', "
+                 r"'</think>\\n\\nHello!'\)")  # fmt: skip

@@ -3,8 +3,8 @@
 - conformance checks, one per slot: ``check_attention_backend``, ``check_quantizer``, ``check_sampler``,
   ``check_logits_processor``, ``check_scheduler``, ``check_kv_cache_manager``, ``check_router``,
   ``check_kv_tier``, ``check_speculator``, ``check_transport``, ``check_layer_kernels``, ``check_lora_kernels``,
-  ``check_structured_outputs_backend``; each raises ``AssertionError`` naming the case when an implementation
-  breaks its interface's contract;
+  ``check_structured_outputs_backend``, ``check_tool_parser``, ``check_reasoning_parser``; each raises
+  ``AssertionError`` naming the case when an implementation breaks its interface's contract;
 - tiny random models and engines: ``save_tiny_model``, ``make_engine``, ``run_to_completion``,
   ``make_scheduler``, ``make_requests``, ``TINY_CONFIGS``;
 - a real server: ``start_server`` / ``TokenmillServer``; a plugin package installed by pip outside the tree:

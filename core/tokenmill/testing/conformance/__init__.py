@@ -21,6 +21,7 @@ if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and
         check_layer_kernels,
     )
     from tokenmill.testing.conformance.lora_kernels import LORA_KERNEL_TOLERANCES, check_lora_kernels  # noqa: F401
+    from tokenmill.testing.conformance.parsers import check_reasoning_parser, check_tool_parser  # noqa: F401
     from tokenmill.testing.conformance.quantizer import check_quantizer  # noqa: F401
     from tokenmill.testing.conformance.sampling import check_logits_processor, check_sampler  # noqa: F401
     from tokenmill.testing.conformance.scheduler import check_scheduler  # noqa: F401
@@ -41,11 +42,13 @@ _EXPORTS: dict[str, str] = {
     "check_lora_kernels": "tokenmill.testing.conformance.lora_kernels",
     "LORA_KERNEL_TOLERANCES": "tokenmill.testing.conformance.lora_kernels",
     "check_quantizer": "tokenmill.testing.conformance.quantizer",
+    "check_reasoning_parser": "tokenmill.testing.conformance.parsers",
     "check_router": "tokenmill.testing.conformance.serving",
     "check_sampler": "tokenmill.testing.conformance.sampling",
     "check_scheduler": "tokenmill.testing.conformance.scheduler",
     "check_speculator": "tokenmill.testing.conformance.speculator",
     "check_structured_outputs_backend": "tokenmill.testing.conformance.structured_outputs",
+    "check_tool_parser": "tokenmill.testing.conformance.parsers",
     "check_transport": "tokenmill.testing.conformance.serving",
 }
 

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, NoReturn, ParamSpec, TypeVar
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn, ParamSpec, TypeVar
+
+if TYPE_CHECKING:
+    from tokenmill.tokenizer import Tokenizer
 
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -47,3 +52,22 @@ def instantiate(implementation: type[T] | T, *args: Any, **kwargs: Any) -> T:
     if isinstance(implementation, type):
         return implementation(*args, **kwargs)
     return implementation
+
+
+def tiny_tokenizer(added_tokens: Sequence[str] = ()) -> Tokenizer:
+    """The kit's tiny byte-level tokenizer (``save_tiny_tokenizer``: 512 ids, EOS ``<|im_end|>``), with
+    ``added_tokens`` as its last ids (ordinary added tokens, as ``<think>`` is in Qwen3's vocabulary)."""
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from tokenmill.testing.factories import save_tiny_tokenizer
+    from tokenmill.tokenizer import Tokenizer
+
+    with tempfile.TemporaryDirectory(prefix="tokenmill-conformance-") as folder:
+        save_tiny_tokenizer(Path(folder), 512 - len(added_tokens))
+        if added_tokens:
+            path = str(Path(folder) / "tokenizer.json")
+            backend = HFTokenizer.from_file(path)
+            backend.add_tokens([AddedToken(token, special=False, normalized=False) for token in added_tokens])
+            backend.save(path)
+        return Tokenizer.from_path(Path(folder))

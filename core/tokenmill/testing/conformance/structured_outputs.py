@@ -9,18 +9,16 @@ EOS once the prefix is one of them.
 from __future__ import annotations
 
 import itertools
-import tempfile
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from tokenmill.sampling_params import StructuredOutputsParams
 from tokenmill.structured_output.backend import StructuredOutputBackend, StructuredOutputGrammar
-from tokenmill.testing.conformance._util import calling, conformance_check, fail
+from tokenmill.testing.conformance._util import calling, conformance_check, fail, tiny_tokenizer
 from tokenmill.tokenizer import Tokenizer
 
 _SCHEMA = {
@@ -88,7 +86,7 @@ def check_structured_outputs_backend(
         taking those two (``functools.partial(MyBackend, options=...)``).
     :raises AssertionError: naming the constraint, the position and the tokens that differ.
     """
-    tokenizer = _tiny_tokenizer()
+    tokenizer = tiny_tokenizer()
     vocab_size = tokenizer.vocab_size + _PADDED_IDS
     with calling("building the backend"):
         candidate = backend(tokenizer, vocab_size)
@@ -115,14 +113,6 @@ def check_structured_outputs_backend(
         matcher.walk(matcher.new())
         matcher.refuses()
         matcher.rolls_back()
-
-
-def _tiny_tokenizer() -> Tokenizer:
-    from tokenmill.testing.factories import save_tiny_tokenizer
-
-    with tempfile.TemporaryDirectory(prefix="tokenmill-conformance-") as folder:
-        save_tiny_tokenizer(Path(folder))
-        return Tokenizer.from_path(Path(folder))
 
 
 def _token_texts(tokenizer: Tokenizer) -> list[str | None]:
