@@ -47,7 +47,7 @@ class LoRAKernels(SelectableKernels, ABC):
     Built once per engine process (with no arguments, plus ``options=`` when its plugin declares options).
     ``prepare`` runs once per step on the host before the forward; ``add_lora`` runs inside the forward, once per
     adapted linear, and must not wait on the device or read device values on the host. Results must match
-    ``TorchLoRAKernels`` up to float rounding.
+    ``TorchLoRAKernels`` up to float rounding (``tokenmill.testing.check_lora_kernels`` runs a plugin's against it).
     """
 
     def prepare(self, token_slots: numpy.ndarray, device: torch.device) -> LoRABatch:
