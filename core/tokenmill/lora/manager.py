@@ -317,7 +317,8 @@ def build_lora_manager(config: EngineConfig, plugins: PluginSystem, loaded: Load
         raise ConfigError(f"scheduler.policy={config.scheduler.policy!r} does not run LoRA adapters; "
                           "choose 'fcfs' or 'priority', or turn lora.enable_lora off")  # fmt: skip
     kernels = select_lora_kernels(lora.lora_kernels, loaded.device, plugins)
-    # On the CPU the adapters add in float32, whatever the model's dtype; on a GPU in the model's dtype.
+    # The slots' dtype: --lora-dtype, else float32 on the CPU (where the adapters add in float32 whatever they are
+    # stored in) and the model's dtype on a GPU.
     dtype = torch.float32 if loaded.device.type == "cpu" else loaded.dtype
     if lora.lora_dtype != "auto":
         dtype = getattr(torch, lora.lora_dtype)
