@@ -244,11 +244,20 @@ def _decode(body: bytes, type_: type[_T]) -> _T:
     except msgspec.ValidationError as exc:
         raise _validation_error(str(exc)) from None
     except msgspec.DecodeError as exc:  # after ValidationError, its subclass
+        if "UTF-8" in str(exc):  # msgspec 0.23 checks strings' UTF-8 itself, before a UnicodeDecodeError could
+            _check_utf8(body)
         raise ProtocolError(400, f"request body is not valid JSON: {exc}") from None
     except UnicodeDecodeError as exc:
         raise ProtocolError(400, f"request body is not valid UTF-8 ({exc.reason})") from None
     except RecursionError:
         raise _too_deep("request body") from None
+
+
+def _check_utf8(body: bytes) -> None:
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ProtocolError(400, f"request body is not valid UTF-8 ({exc.reason})") from None
 
 
 def _too_deep(where: str) -> ProtocolError:

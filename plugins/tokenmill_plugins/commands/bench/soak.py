@@ -541,6 +541,7 @@ async def _run(options: SoakOptions) -> dict[str, Any]:
         await asyncio.gather(phases(), *(loop() for _ in range(options.concurrency)))
         load_s = time.monotonic() - start
         idle = await _wait_for_idle(sampler, options.idle_timeout_s)
+        sampler.phase = "idle"  # the sampler's own thread may take one more sample before it stops
         final = await asyncio.to_thread(sampler.take, "idle")
         sampler.stop()
         if progress is not None:
