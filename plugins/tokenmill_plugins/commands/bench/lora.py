@@ -183,7 +183,7 @@ async def _stall(options: LoRAOptions, base_model: str) -> dict[str, Any]:
             response.raise_for_status()
             return started, time.perf_counter()
 
-        # The streams decode until both requests have joined (4 * output_len tokens at most), then are cut.
+        # The streams decode until the three requests have joined (4 * output_len tokens at most), then are cut.
         streams = [asyncio.create_task(stream(i)) for i in range(len(prompts))]
         while any(len(a) < options.output_len // 4 and not t.done() for a, t in zip(arrivals, streams, strict=True)):
             await asyncio.sleep(0.01)  # every stream is decoding
@@ -195,7 +195,10 @@ async def _stall(options: LoRAOptions, base_model: str) -> dict[str, Any]:
         finally:
             for task in streams:
                 task.cancel()
-            await asyncio.gather(*streams, return_exceptions=True)
+            ended = await asyncio.gather(*streams, return_exceptions=True)
+        failure = next((e for e in ended if isinstance(e, Exception)), None)  # not the cancellations
+        if failure is not None:
+            raise failure
         await client.post(options.base_url + "/v1/unload_lora_adapter", json={"lora_name": name})
     gaps = [(a, b) for times in arrivals for a, b in zip(times, times[1:], strict=False)]
 
