@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -26,6 +27,20 @@ def _request(request_id: str, prompt: list[int], lora: LoRARequest | None, max_t
     return EngineCoreRequest(request_id, prompt, params, [], now(), lora_request=lora)
 
 
+def _logits_beside_peft(
+    engine: EngineCore, lora: LoRARequest, reference: Any, prompt: list[int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The engine's logits for ``prompt`` under ``lora``, PEFT's with the adapter, and PEFT's without it."""
+    assert engine.lora is not None
+    engine.lora.set_batch([lora], [len(prompt)])
+    logits = engine.executor.runner.execute([SequenceChunk(prompt, 0, list(range(8)))], all_logits=True)
+    with torch.no_grad():
+        expected = reference(torch.tensor([prompt])).logits[0]
+        with reference.disable_adapter():
+            base = reference(torch.tensor([prompt])).logits[0]
+    return logits, expected, base
+
+
 @pytest.mark.parametrize("index", range(5))
 def test_logits_match_peft(lora_model_dir: Path, adapters: list[Path], index: int) -> None:
     engine = _lora_engine(lora_model_dir, max_lora_rank=16)
@@ -34,12 +49,7 @@ def test_logits_match_peft(lora_model_dir: Path, adapters: list[Path], index: in
     engine.lora.add_adapter(lora)
     reference = peft_model("llama-tiny", adapters[index])
     for prompt in PROMPTS:
-        engine.lora.set_batch([lora], [len(prompt)])
-        logits = engine.executor.runner.execute([SequenceChunk(prompt, 0, list(range(8)))], all_logits=True)
-        with torch.no_grad():
-            expected = reference(torch.tensor([prompt])).logits[0]
-            with reference.disable_adapter():
-                base = reference(torch.tensor([prompt])).logits[0]
+        logits, expected, base = _logits_beside_peft(engine, lora, reference, prompt)
         torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
         assert (logits - base).abs().max() > 0.1  # the adapter changes the logits well beyond the tolerance
 
@@ -111,13 +121,6 @@ def test_narrow_adapter_dtypes_stay_close_to_peft(
     assert engine.lora is not None
     lora = LoRARequest("a0", 1, str(adapters[0]))
     engine.lora.add_adapter(lora)
-    reference = peft_model("llama-tiny", adapters[0])
-    prompt = PROMPTS[0]
-    engine.lora.set_batch([lora], [len(prompt)])
-    logits = engine.executor.runner.execute([SequenceChunk(prompt, 0, list(range(8)))], all_logits=True)
-    with torch.no_grad():
-        expected = reference(torch.tensor([prompt])).logits[0]
-        with reference.disable_adapter():
-            base = reference(torch.tensor([prompt])).logits[0]
+    logits, expected, base = _logits_beside_peft(engine, lora, peft_model("llama-tiny", adapters[0]), PROMPTS[0])
     error, effect = (logits - expected).abs().max().item(), (expected - base).abs().max().item()
     assert 1e-6 < error < share * effect  # rounded (not float32), but only by the weights' precision
