@@ -108,8 +108,6 @@ class EngineCore:
         """Flush the KV tiers' pending writes and release them, and stop the tensor-parallel workers; once,
         when the engine stops."""
         self.structured_outputs.close()
-        if self.lora is not None:
-            self.lora.close()
         self.kv_tier_stack.close()
         if self.shards is not None:
             self.shards.stop()

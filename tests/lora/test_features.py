@@ -1,9 +1,9 @@
 """Everything else keeps working with adapters: preemption, n > 1, n-gram speculative decoding, async scheduling;
-and an adapter read from disk never stalls the other requests (its read runs in a thread)."""
+and an adapter read from disk never stalls the other requests (it is read a slice a step)."""
 
 from __future__ import annotations
 
-import threading
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +12,7 @@ import pytest
 from tests.factories import make_engine
 from tokenmill import LoRARequest, SamplingParams
 from tokenmill.engine import EngineCore, now
+from tokenmill.lora import manager as lora_manager
 from tokenmill.messages import EngineCoreRequest, completion_request_id
 
 _PROMPTS = [[9, 8, 7, 6, 5], [1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2], [40, 41, 42, 43, 40, 41, 42], [5, 6, 5, 6, 5, 6]]
@@ -109,59 +110,64 @@ def test_async_scheduling_with_adapters(
     assert {request_id: t for (request_id, _), t in tokens.items()} == alone
 
 
+def _read_in_slices(monkeypatch: pytest.MonkeyPatch, adapter: Path, slices: int) -> None:
+    """Make an adapter's read take ``slices`` polls: one chunk each."""
+    size = (adapter / "adapter_model.safetensors").stat().st_size
+    monkeypatch.setattr(lora_manager, "_READ_SLICE_S", 0.0)
+    monkeypatch.setattr(lora_manager, "_READ_CHUNK_BYTES", size // slices + 1)
+
+
 def test_an_adapter_read_from_disk_does_not_stall_other_requests(
-    lora_model_dir: Path, adapters: list[Path], alone: dict[str, list[int]]
+    lora_model_dir: Path, adapters: list[Path], alone: dict[str, list[int]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     engine = make_engine(lora_model_dir, model={"dtype": "float32"}, lora={"enable_lora": True, "max_loras": 2})
     assert engine.lora is not None
-    read, release = engine.lora._read, threading.Event()
-
-    def slow_read(request: LoRARequest) -> Any:
-        assert release.wait(30), "the test never let the read finish"
-        return read(request)
-
-    engine.lora._read = slow_read  # type: ignore[method-assign]
+    _read_in_slices(monkeypatch, adapters[0], slices=10)
     requests = _requests(_loras(adapters), 4)  # r3 has no adapter, r0 adapter a0
     engine.add_request(requests[3])  # the base model's request runs
-    engine.add_request(requests[0])  # its adapter is being read: it waits
+    engine.add_request(requests[0])  # its adapter is being read, a slice a step: it waits
     tokens: dict[str, list[int]] = {"r0": [], "r3": []}
     for _ in range(6):  # the other request keeps stepping meanwhile, one token a step
         for output in engine.step():
             tokens[output.request_id] += output.new_token_ids
     assert len(tokens["r3"]) == 6 and tokens["r0"] == []
-    assert engine.stats().waiting_lora_adapters == ["a0"]
-    release.set()
+    assert engine.stats().waiting_lora_adapters == ["a0"] and engine.lora.num_cpu_adapters == 0
     while engine.has_unfinished_requests():
         for output in engine.step():
             tokens[output.request_id] += output.new_token_ids
     assert tokens == {"r0": alone["r0"], "r3": alone["r3"]}
-    assert engine.lora.num_cpu_adapters == 1
+    assert engine.lora.num_cpu_adapters == 1 and engine.lora.num_loads == 1
 
 
 def test_an_adapter_whose_weights_cannot_be_read_fails_its_requests_only(
-    lora_model_dir: Path, adapters: list[Path]
+    lora_model_dir: Path, adapters: list[Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     engine = make_engine(lora_model_dir, model={"dtype": "float32"}, lora={"enable_lora": True})
     assert engine.lora is not None
-    read, fail = engine.lora._read, [True]
-
-    def flaky_read(request: LoRARequest) -> Any:
-        if fail[0]:
-            raise OSError("the disk went away")
-        return read(request)
-
-    engine.lora._read = flaky_read  # type: ignore[method-assign]
-    lora = LoRARequest("a0", 1, str(adapters[0]))
+    adapter = tmp_path / "a0"
+    shutil.copytree(adapters[0], adapter)
+    weights = adapter / "adapter_model.safetensors"
+    _read_in_slices(monkeypatch, adapter, slices=4)
+    lora = LoRARequest("a0", 1, str(adapter))
     for request_id in ("bad", "base"):
         engine.add_request(EngineCoreRequest(request_id, [1, 2, 3], _params(max_tokens=2), [], now(),
                                              lora_request=lora if request_id == "bad" else None))  # fmt: skip
+    weights.rename(tmp_path / "away")  # the file goes while it is being read
     errors: dict[str, str | None] = {}
     tokens: dict[str, list[int]] = {}
     while engine.has_unfinished_requests():
         for output in engine.step():
             errors[output.request_id] = output.error
             tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
-    assert errors == {"bad": "the disk went away", "base": None} and len(tokens["base"]) == 2
-    fail[0] = False  # the next request naming the adapter reads it again
+    assert errors["base"] is None and len(tokens["base"]) == 2
+    assert errors["bad"] is not None and "No such file" in errors["bad"] and str(weights) in errors["bad"]
+    (tmp_path / "away").rename(weights)  # the next request naming the adapter reads it again
     assert len(_run(engine, [EngineCoreRequest("good", [1, 2, 3], _params(max_tokens=2), [], now(),
                                                lora_request=lora)])[("good", 0)]) == 2  # fmt: skip
+    engine.lora.remove_adapter(1)
+    engine.add_request(EngineCoreRequest("grown", [1, 2, 3], _params(max_tokens=2), [], now(), lora_request=lora))
+    with weights.open("ab") as f:  # the file grows between the check and the end of the read
+        f.write(b"\0" * 64)
+    outputs = [output for _ in range(10) for output in engine.step()]
+    assert [(o.request_id, o.finished) for o in outputs] == [("grown", True)]
+    assert outputs[0].error is not None and "changed while it was read" in outputs[0].error

@@ -34,6 +34,8 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 _PEFT_PREFIX = "base_model.model."
 #: The linears of a decoder layer that adapters apply to, by their Hugging Face names.
 SUPPORTED_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+#: The safetensors dtypes an adapter's tensors may have, with their sizes in bytes.
+TENSOR_DTYPES = {"F32": 4, "F16": 2, "BF16": 2}
 #: Header larger than this is not a safetensors file we read.
 _MAX_HEADER_BYTES = 100 * 2**20
 
@@ -43,12 +45,24 @@ class LoRAAdapterError(TokenmillError, ValueError):
 
 
 @dataclass(frozen=True)
+class TensorSpec:
+    """Where one tensor of ``adapter_model.safetensors`` lies: its name, safetensors dtype (``F32``, ``F16``,
+    ``BF16``), shape and byte range in the file."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
 class LoRAModule:
-    """One adapted linear: its tensors' names, rank and scaling."""
+    """One adapted linear: its tensors, rank and scaling."""
 
     module: str  # the base model's module name (``model.layers.0.self_attn.q_proj``)
-    lora_a: str  # tensor names in the safetensors file
-    lora_b: str
+    lora_a: TensorSpec  # [r, in]
+    lora_b: TensorSpec  # [out, r]
     rank: int
     scaling: float
 
@@ -59,6 +73,7 @@ class LoRAAdapter:
 
     path: Path
     modules: dict[str, LoRAModule]  # by module name
+    weights_size: int  # bytes of adapter_model.safetensors when it was checked
 
     @property
     def max_rank(self) -> int:
@@ -111,7 +126,7 @@ def read_adapter(
                     f"{where}: target module {target!r} is not one tokenmill adapts in this base model "
                     f"({', '.join(leaves)})"
                 )
-    header = _read_header(directory / ADAPTER_WEIGHTS, where)
+    header, data_start = _read_header(directory / ADAPTER_WEIGHTS, where)
     pairs: dict[str, dict[str, str]] = {}
     for tensor_name in header:
         if tensor_name == "__metadata__":
@@ -126,9 +141,9 @@ def read_adapter(
         if missing:
             raise LoRAAdapterError(f"{where}: {module} has no {missing.pop()}.weight")
         modules[module] = _check_module(
-            where, config, module, names, header, linear_shapes, module_names, max_lora_rank
+            where, config, module, names, header, data_start, linear_shapes, module_names, max_lora_rank
         )
-    return LoRAAdapter(directory, modules)
+    return LoRAAdapter(directory, modules, (directory / ADAPTER_WEIGHTS).stat().st_size)
 
 
 def _read_config(directory: Path, where: str) -> dict[str, Any]:
@@ -166,8 +181,9 @@ def _read_config(directory: Path, where: str) -> dict[str, Any]:
     return config
 
 
-def _read_header(weights_path: Path, where: str) -> dict[str, Any]:
-    """The safetensors header: tensor name -> {dtype, shape, data_offsets}."""
+def _read_header(weights_path: Path, where: str) -> tuple[dict[str, Any], int]:
+    """The safetensors header (tensor name -> {dtype, shape, data_offsets}) and where the tensors' data starts in
+    the file (their offsets count from there)."""
     try:
         with weights_path.open("rb") as f:
             (length,) = struct.unpack("<Q", f.read(8))
@@ -182,7 +198,7 @@ def _read_header(weights_path: Path, where: str) -> dict[str, Any]:
         raise LoRAAdapterError(f"{where}: {ADAPTER_WEIGHTS} is not a safetensors file ({exc})") from None
     if not isinstance(header, dict):
         raise LoRAAdapterError(f"{where}: {ADAPTER_WEIGHTS} is not a safetensors file")
-    return header
+    return header, 8 + length
 
 
 def _parse_tensor_name(tensor_name: str, where: str) -> tuple[str, str]:
@@ -212,6 +228,7 @@ def _check_module(
     module: str,
     names: dict[str, str],
     header: Mapping[str, Any],
+    data_start: int,
     linear_shapes: Mapping[str, tuple[int, int]] | None,
     module_names: set[str] | None,
     max_lora_rank: int,
@@ -248,4 +265,21 @@ def _check_module(
         )
     alpha = _pattern_value(config.get("alpha_pattern") or {}, module, float(config["lora_alpha"]))
     scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-    return LoRAModule(module, names["lora_A"], names["lora_B"], rank, scaling)
+    return LoRAModule(module, _spec(where, names["lora_A"], header, data_start),
+                      _spec(where, names["lora_B"], header, data_start), rank, scaling)  # fmt: skip
+
+
+def _spec(where: str, name: str, header: Mapping[str, Any], data_start: int) -> TensorSpec:
+    entry = header[name]
+    dtype = entry.get("dtype")
+    if dtype not in TENSOR_DTYPES:
+        raise LoRAAdapterError(f"{where}: {name} is {dtype}; adapters are read in {', '.join(TENSOR_DTYPES)}")
+    offsets = entry.get("data_offsets")
+    shape = tuple(int(n) for n in entry["shape"])
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or offsets[1] - offsets[0] != math.prod(shape) * TENSOR_DTYPES[dtype]
+    ):
+        raise LoRAAdapterError(f"{where}: {name} has data_offsets {offsets!r}, which do not fit its shape {shape}")
+    return TensorSpec(name, dtype, shape, data_start + int(offsets[0]), data_start + int(offsets[1]))

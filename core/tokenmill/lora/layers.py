@@ -51,22 +51,29 @@ class LinearLoRA:
         self.lora_b = [
             torch.zeros((max_loras, rank, size), dtype=dtype, device=device) for size in part_sizes
         ]  # each [max_loras, max_lora_rank, part_size]
+        # Each slot's rows of each part, viewed once: loading an adapter is a few hundred small copies.
+        self._slot_rows = [
+            [(self.lora_a[slot, p * rank : (p + 1) * rank], b[slot]) for p, b in enumerate(self.lora_b)]
+            for slot in range(max_loras)
+        ]
 
-    def load_slot(self, slot: int, parts: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Put one adapter in ``slot``: for each part it adapts, its ``lora_a`` ``[r, in]`` and scaled, transposed
-        ``lora_b`` ``[r, out]`` (``parts[part]``); what it leaves (parts it does not adapt, ranks below
-        ``max_lora_rank``) is zeroed, and nothing is written twice."""
+    def load_slot(self, slot: int, parts: dict[int, tuple[torch.Tensor, torch.Tensor, float]]) -> None:
+        """Put one adapter in ``slot``: for each part it adapts, its ``lora_a`` ``[r, in]``, ``lora_b`` ``[out, r]``
+        and scaling (``parts[part]``, any float dtype, on any device). Each is converted, and B scaled in float32
+        and transposed, in the one copy into the slot; what the adapter leaves (parts it does not adapt, ranks
+        below ``max_lora_rank``) is zeroed, and nothing is written twice."""
         max_rank = self.max_lora_rank
-        for part, lora_b_slots in enumerate(self.lora_b):
-            a_rows = self.lora_a[slot, part * max_rank : (part + 1) * max_rank]
-            lora_a, lora_b = parts.get(part, (None, None))
+        for part, (a_rows, b_rows) in enumerate(self._slot_rows[slot]):
+            lora_a, lora_b, scaling = parts.get(part, (None, None, 1.0))
             rank = 0 if lora_a is None else lora_a.shape[0]
             if lora_a is not None and lora_b is not None:
-                a_rows[:rank].copy_(lora_a)
-                lora_b_slots[slot, :rank].copy_(lora_b)
+                if lora_b.dtype != torch.float32 or lora_b.device != b_rows.device:
+                    lora_b = lora_b.to(b_rows.device, torch.float32)
+                (a_rows if rank == max_rank else a_rows[:rank]).copy_(lora_a)
+                torch.mul(lora_b.T, scaling, out=b_rows if rank == max_rank else b_rows[:rank])
             if rank < max_rank:
                 a_rows[rank:].zero_()
-                lora_b_slots[slot, rank:].zero_()
+                b_rows[rank:].zero_()
 
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The base output ``y`` ``[num_tokens, out]`` of input ``x`` with each token's adapter added, in place."""

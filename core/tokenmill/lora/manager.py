@@ -6,8 +6,8 @@ least-recently-used caches, as vLLM's worker LoRA manager does:
 
 - up to ``max_cpu_loras`` adapters read from disk and checked, in host memory. When a request naming an adapter
   arrives, the engine checks its config and tensor header at once (``check_adapter``: a few KB, so a wrong base
-  is the request's error), and ``load_adapter`` reads its weights in a thread, as structured outputs compile off
-  the loop: the request waits in the scheduler until its ``AdapterLoad`` is ready, and the others keep stepping.
+  is the request's error), and ``load_adapter`` starts reading its weights, a slice of about a millisecond each
+  step: the request waits in the scheduler until its ``AdapterLoad`` is ready, and the others keep stepping.
   A request holds its adapter's weights until it ends, so one whose adapter left host memory meanwhile never
   waits for the disk again;
 - up to ``max_loras`` of them in the model's slots, on the device. Each step, ``set_step`` puts the step's
@@ -18,11 +18,14 @@ least-recently-used caches, as vLLM's worker LoRA manager does:
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -32,7 +35,7 @@ from torch import nn
 
 from tokenmill.config import ConfigError
 from tokenmill.layers.linear import Linear
-from tokenmill.lora.adapter import SUPPORTED_TARGET_MODULES, LoRAAdapterError, read_adapter
+from tokenmill.lora.adapter import SUPPORTED_TARGET_MODULES, LoRAAdapter, LoRAAdapterError, TensorSpec, read_adapter
 from tokenmill.lora.kernels import LoRAKernels
 from tokenmill.lora.layers import LinearLoRA, LoRAContext
 from tokenmill.lora.request import LoRARequest, lora_cache_salt
@@ -49,14 +52,78 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+_TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+#: How long one poll of an adapter's read may take on the engine loop, and the most one call to read asks for.
+_READ_SLICE_S = 0.001
+_READ_CHUNK_BYTES = 1 << 20
+
 
 @dataclass(frozen=True)
 class _AdapterWeights:
-    """One adapter in host memory: per module, ``lora_a`` ``[r, in]`` and ``lora_b`` scaled and transposed,
-    ``[r, out]`` (as the slots hold it, so putting it in one is a plain copy)."""
+    """One adapter in host memory, as its file holds it: the checked header and the file's bytes. ``modules``
+    views them per module; putting an adapter in a slot converts, scales and transposes in the one copy."""
 
     request: LoRARequest
-    modules: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    adapter: LoRAAdapter
+    data: torch.Tensor  # uint8, the whole adapter_model.safetensors
+
+    def modules(self) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
+        """Per module: ``lora_a`` ``[r, in]``, ``lora_b`` ``[out, r]`` (in the file's dtype) and the scaling."""
+        typed: dict[str, torch.Tensor] = {}  # the whole buffer as each dtype, where the sizes allow
+
+        def tensor(spec: TensorSpec) -> torch.Tensor:
+            dtype = _TORCH_DTYPES[spec.dtype]
+            if spec.start % dtype.itemsize:  # a view needs aligned elements
+                return self.data[spec.start : spec.end].clone().view(dtype).view(spec.shape)
+            if spec.dtype not in typed:
+                typed[spec.dtype] = self.data[: self.data.numel() // dtype.itemsize * dtype.itemsize].view(dtype)
+            return typed[spec.dtype].as_strided(spec.shape, (spec.shape[1], 1), spec.start // dtype.itemsize)
+
+        return {name: (tensor(m.lora_a), tensor(m.lora_b), m.scaling) for name, m in self.adapter.modules.items()}
+
+
+class _Read:
+    """An adapter's weights file coming into host memory on the engine loop, about a millisecond of it each time
+    ``advance`` is called: the scheduler polls every waiting request's adapter once a step, so no step waits for a
+    whole file. Not in a thread: one beside the step takes time slices from the step's threads, and the others
+    wait for it at their next barrier. The kernel is told to read the file ahead from the disk at the start."""
+
+    def __init__(self, request: LoRARequest, adapter: LoRAAdapter) -> None:
+        self.request = request
+        self.adapter = adapter
+        self.weights: _AdapterWeights | None = None
+        self.error: str | None = None
+        # torch's allocator, not numpy's: numpy asks for huge pages for large arrays, and in an engine process the
+        # kernel may then compact memory at each fault (milliseconds per MiB read).
+        self._data = torch.empty(adapter.weights_size, dtype=torch.uint8).numpy()
+        self._done = 0
+        with contextlib.suppress(OSError, AttributeError), adapter.weights_path.open("rb") as f:
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_WILLNEED)
+
+    def advance(self) -> bool:
+        """Read on for about ``_READ_SLICE_S``; whether the read has ended (``weights`` or ``error`` set)."""
+        if self.weights is not None or self.error is not None:
+            return True
+        deadline = time.perf_counter() + _READ_SLICE_S
+        size, view = self._data.size, self._data.data
+        try:
+            with self.adapter.weights_path.open("rb", buffering=0) as f:
+                f.seek(self._done)
+                while self._done < size:
+                    n = f.readinto(view[self._done : self._done + _READ_CHUNK_BYTES])
+                    if not n:
+                        break
+                    self._done += n
+                    if self._done < size and time.perf_counter() >= deadline:
+                        return False
+                if self._done < size or f.read(1):
+                    where = f"LoRA adapter {str(self.adapter.path)!r}"
+                    raise LoRAAdapterError(f"{where}: {self.adapter.weights_path.name} changed while it was read")
+        except Exception as exc:  # a read that fails fails its requests, not the engine
+            self.error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        else:
+            self.weights = _AdapterWeights(self.request, self.adapter, torch.from_numpy(self._data))
+        return True
 
 
 class AdapterLoad:
@@ -64,25 +131,26 @@ class AdapterLoad:
     ``is_ready`` (then ``weights`` is set, or ``error`` says why the adapter cannot be used). Read on the engine
     loop only."""
 
-    def __init__(self, manager: LoRAManager, lora_id: int, future: Future[_AdapterWeights]) -> None:
+    def __init__(self, manager: LoRAManager, read: _Read | None, weights: _AdapterWeights | None = None) -> None:
         self._manager = manager
-        self._lora_id = lora_id
-        self._future = future
-        self.weights: _AdapterWeights | None = None
+        self._read = read
+        self.weights = weights
         self.error: str | None = None
 
     def is_ready(self) -> bool:
-        """Whether the read has ended (never waits); the first call after it has puts the adapter in host memory."""
+        """Whether the adapter is in host memory (or cannot be); each call until then reads a slice of it, and the
+        call that ends the read puts it in host memory."""
         if self.weights is not None or self.error is not None:
             return True
-        if not self._future.done():
+        assert self._read is not None
+        if not self._read.advance():
             return False
-        try:
-            self.weights = self._future.result()
-        except Exception as exc:  # a read that fails fails its requests, not the engine
-            self.error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            self._manager._end_load(self._lora_id, self._future)  # the next request naming it tries again
+        self.error = self._read.error
+        if self.error is not None:
+            self._manager._end_load(self._read)  # the next request naming it tries again
         else:
+            self.weights = self._read.weights
+            assert self.weights is not None
             self._manager._install(self.weights)
         return True
 
@@ -133,10 +201,11 @@ class LoRAManager:
         self._cpu: OrderedDict[int, _AdapterWeights] = OrderedDict()  # least recently used first
         self._slot_of: OrderedDict[int, int] = OrderedDict()  # lora_int_id -> slot, least recently used first
         self._free_slots = list(range(max_loras))
-        #: Adapters loaded since start (for metrics and tests).
+        #: Adapters read into host memory since start (for metrics and tests).
         self.num_loads = 0
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenmill-lora")
-        self._loading: dict[int, tuple[LoRARequest, Future[_AdapterWeights]]] = {}  # by lora_int_id
+        self._loading: dict[int, _Read] = {}  # by lora_int_id
+        #: Adapters whose header ``check_adapter`` read, until their weights are read (by lora_int_id).
+        self._checked: dict[int, LoRAAdapter] = {}
 
     # ------------------------------------------------------------ adapters
 
@@ -146,9 +215,10 @@ class LoRAManager:
         the engine loop when a request naming it arrives. Raises ``LoRAAdapterError`` with one line (a wrong base,
         a rank above ``max_lora_rank``, an id that already names another adapter)."""
         lora_id = request.lora_int_id
-        known = self._cpu[lora_id].request if lora_id in self._cpu else self._loading.get(lora_id, (None,))[0]
+        loading = self._loading.get(lora_id)
+        known = self._cpu[lora_id].request if lora_id in self._cpu else loading.request if loading else None
         if known is None:
-            read_adapter(request.lora_path, self.linear_shapes, self.max_lora_rank)
+            self._checked[lora_id] = read_adapter(request.lora_path, self.linear_shapes, self.max_lora_rank)
         elif known.lora_path != request.lora_path:
             raise LoRAAdapterError(
                 f"lora_int_id {lora_id} already names adapter {known.lora_name!r} at {known.lora_path!r}, not "
@@ -156,27 +226,23 @@ class LoRAManager:
             )
 
     def load_adapter(self, request: LoRARequest) -> AdapterLoad:
-        """``request``'s adapter for one request: ready at once when it is in host memory, else read in the
-        loader thread (one read per adapter however many requests wait for it). Called on the engine loop for
-        each request queued with an adapter; never waits."""
-        load = AdapterLoad(self, request.lora_int_id, self._future_of(request))
-        load.is_ready()
-        return load
-
-    def _future_of(self, request: LoRARequest) -> Future[_AdapterWeights]:
+        """``request``'s adapter for one request: ready at once when it is in host memory, else read on the engine
+        loop a slice at a time (one read per adapter however many requests wait for it). Called on the engine loop
+        for each request queued with an adapter; reads its first slice."""
         lora_id = request.lora_int_id
         known = self._cpu.get(lora_id)
         if known is not None and known.request.lora_path == request.lora_path:
             self._cpu.move_to_end(lora_id)
-            future: Future[_AdapterWeights] = Future()
-            future.set_result(known)
-            return future
-        loading = self._loading.get(lora_id)
-        if loading is not None and loading[0].lora_path == request.lora_path:
-            return loading[1]
-        future = self._pool.submit(self._read, request)
-        self._loading[lora_id] = (request, future)
-        return future
+            return AdapterLoad(self, None, known)
+        read = self._loading.get(lora_id)
+        if read is None or read.request.lora_path != request.lora_path:
+            checked = self._checked.pop(lora_id, None)
+            if checked is None or checked.path != Path(request.lora_path):
+                checked = read_adapter(request.lora_path, self.linear_shapes, self.max_lora_rank)
+            read = self._loading[lora_id] = _Read(request, checked)
+        load = AdapterLoad(self, read)
+        load.is_ready()
+        return load
 
     def add_adapter(self, request: LoRARequest) -> None:
         """Check and read ``request``'s adapter into host memory now unless it is there (tests and tools that
@@ -185,36 +251,46 @@ class LoRAManager:
         self.check_adapter(request)
         if request.lora_int_id in self._cpu:
             self._cpu.move_to_end(request.lora_int_id)
-        else:
-            self._install(self._read(request))
+            return
+        read = _Read(request, self._checked.pop(request.lora_int_id))
+        while not read.advance():
+            pass
+        if read.error is not None:
+            raise LoRAAdapterError(read.error)
+        assert read.weights is not None
+        self._install(read.weights)
 
     def _install(self, weights: _AdapterWeights) -> None:
         """Put an adapter read from disk in host memory (the least recently used ones leave beyond
         ``max_cpu_loras``); on the engine loop."""
-        lora_id = weights.request.lora_int_id
-        self._end_load(lora_id)
+        request, lora_id = weights.request, weights.request.lora_int_id
+        loading = self._loading.get(lora_id)
+        if loading is not None:
+            self._end_load(loading)
         if self._cpu.get(lora_id) is weights:
             return
+        self.num_loads += 1
+        logger.info(
+            "LoRA adapter %r (id %d) read from %s: %d modules, rank <= %d",
+            request.lora_name, lora_id, request.lora_path, len(weights.adapter.modules), weights.adapter.max_rank,
+        )  # fmt: skip
         self._cpu[lora_id] = weights
         self._cpu.move_to_end(lora_id)
         while len(self._cpu) > self.max_cpu_loras:
             evicted, _ = self._cpu.popitem(last=False)
             logger.debug("LoRA adapter %d left host memory", evicted)
 
-    def _end_load(self, lora_id: int, future: Future[_AdapterWeights] | None = None) -> None:
-        """Forget a finished read of ``lora_id`` (``future``'s, when given)."""
-        loading = self._loading.get(lora_id)
-        if loading is not None and loading[1].done() and (future is None or loading[1] is future):
+    def _end_load(self, read: _Read) -> None:
+        """Forget ``read`` once it has ended."""
+        lora_id = read.request.lora_int_id
+        if self._loading.get(lora_id) is read:
             del self._loading[lora_id]
-
-    def close(self) -> None:
-        """Stop the loader thread (a read under way finishes); once, when the engine stops."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
 
     def remove_adapter(self, lora_int_id: int) -> None:
         """Forget an adapter: its host copy and its slot (``/v1/unload_lora_adapter``)."""
         self._cpu.pop(lora_int_id, None)
         self._loading.pop(lora_int_id, None)
+        self._checked.pop(lora_int_id, None)
         slot = self._slot_of.pop(lora_int_id, None)
         if slot is not None:
             self._free_slots.append(slot)
@@ -227,25 +303,6 @@ class LoRAManager:
     def slot_adapters(self) -> dict[int, int]:
         """``lora_int_id -> slot`` of the adapters in slots."""
         return dict(self._slot_of)
-
-    def _read(self, request: LoRARequest) -> _AdapterWeights:
-        """Read and check the adapter's weights from disk (in the loader thread; touches no manager state but
-        the ``num_loads`` counter)."""
-        from safetensors.torch import load_file
-
-        adapter = read_adapter(request.lora_path, self.linear_shapes, self.max_lora_rank)
-        tensors = load_file(str(adapter.weights_path), device="cpu")
-        modules = {}
-        for name, spec in adapter.modules.items():
-            lora_a = tensors[spec.lora_a].float()
-            lora_b = (tensors[spec.lora_b].float() * spec.scaling).T.contiguous()  # [r, out], as slots hold it
-            modules[name] = (lora_a.to(self.dtype), lora_b.to(self.dtype))
-        self.num_loads += 1
-        logger.info(
-            "LoRA adapter %r (id %d) read from %s: %d modules, rank <= %d",
-            request.lora_name, request.lora_int_id, request.lora_path, len(modules), adapter.max_rank,
-        )  # fmt: skip
-        return _AdapterWeights(request, modules)
 
     # ------------------------------------------------------------ the step
 
@@ -297,10 +354,12 @@ class LoRAManager:
         if weights is None:
             self.add_adapter(request)  # back from disk (only callers of set_batch that hold nothing)
             weights = self._cpu[lora_id]
-        parts: dict[LinearLoRA, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {layer: {} for layer in self.layers}
-        for module, (lora_a, lora_b) in weights.modules.items():
+        parts: dict[LinearLoRA, dict[int, tuple[torch.Tensor, torch.Tensor, float]]] = {}
+        for layer in self.layers:
+            parts[layer] = {}
+        for module, tensors in weights.modules().items():
             layer, part = self.targets[module]
-            parts[layer][part] = (lora_a.to(self.device), lora_b.to(self.device))
+            parts[layer][part] = tensors
         for layer, adapted in parts.items():
             layer.load_slot(slot, adapted)
         self._slot_of[lora_id] = slot
