@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 from tokenmill_plugins.commands.bench.cli import bench
-from tokenmill_plugins.commands.bench.lora import TARGET_MODULES, make_adapters
+from tokenmill_plugins.commands.bench.lora import TARGET_MODULES, make_adapters, time_lost
 
 from tests.server.conftest import start_server
 from tokenmill.testing import save_tiny_model
@@ -76,3 +76,15 @@ def test_both_parts_against_a_real_server(model_dir: Path, adapters: list[Path],
     assert stall["extra_gap_in_steps"] == pytest.approx(
         (stall["max_gap_load_join_ms"] - stall["max_gap_adapter_join_ms"]) / stall["itl_p50_ms"]
     )
+    assert stall["extra_lost_in_steps"] == pytest.approx(
+        (stall["lost_load_join_ms"] - stall["lost_adapter_join_ms"]) / stall["itl_p50_ms"]
+    )
+
+
+def test_time_lost_counts_every_late_step_in_the_window() -> None:
+    # Streams at 10 ms a token; in the window [0.1, 0.2] the first waits 30 ms once and 12 ms twice, the second
+    # 25 ms once. Gaps outside the window, however long, do not count.
+    first = [(0.05, 0.06), (0.09, 0.12), (0.12, 0.132), (0.132, 0.144), (0.3, 0.4)]
+    second = [(0.08, 0.09), (0.1, 0.125), (0.125, 0.135), (0.25, 0.5)]
+    lost = time_lost([first, second], 0.01, (0.1, 0.2))
+    assert lost == pytest.approx(((0.02 + 0.002 + 0.002) + 0.015) / 2)

@@ -10,8 +10,8 @@ server started with those adapters:
   ratios are the adapters' cost.
 - ``stall``: base-model streams run while an adapter is loaded at run time (``POST /v1/load_lora_adapter``) and
   its first request runs (the engine reads its weights then); the longest gap between two tokens of any stream
-  meanwhile, less the longest while a second request runs on the adapter once loaded, in the streams' median
-  gaps, says whether loading stalled them for more than a step.
+  meanwhile, and the time the streams lost, each less the same while a second request runs on the adapter once
+  loaded, in the streams' median gaps, say whether loading stalled them for more than a step.
 """
 
 from __future__ import annotations
@@ -163,7 +163,7 @@ async def _stall(options: LoRAOptions, base_model: str) -> dict[str, Any]:
                         arrivals[i].append(time.perf_counter())
 
         async def join(model: str, nonce: str, load: bool = False) -> tuple[float, float]:
-            """Send ``probe`` (after ``nonce``, so that no prefix cache holds it) on ``model`` for one token once
+            """Send ``probe`` (after ``nonce``, so that no prefix cache holds any of it) on ``model`` for one token once
             every stream has moved on, loading ``model`` first when ``load``; its window."""
             counts = [len(a) for a in arrivals]
             while any(
@@ -177,8 +177,12 @@ async def _stall(options: LoRAOptions, base_model: str) -> dict[str, Any]:
                 if response.status_code != 200:
                     raise TokenmillError(f"POST /v1/load_lora_adapter answered {response.status_code}: "
                                          f"{response.text[:200]} (is --allow-runtime-lora-updating on?)")  # fmt: skip
-            content = f"{nonce} {probe}"
-            body = {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 1}
+            # The nonce opens the prompt (a system message in place of the template's default one): a prompt that
+            # began with the template's system prompt would find its first blocks cached under the base model and,
+            # from the second request on, under the adapter, and the first request on an adapter would prefill
+            # more tokens than the next.
+            messages = [{"role": "system", "content": nonce}, {"role": "user", "content": probe}]
+            body = {"model": model, "messages": messages, "max_tokens": 1}
             response = await client.post(options.base_url + "/v1/chat/completions", json=body)
             response.raise_for_status()
             return started, time.perf_counter()
@@ -189,9 +193,9 @@ async def _stall(options: LoRAOptions, base_model: str) -> dict[str, Any]:
             await asyncio.sleep(0.01)  # every stream is decoding
         try:
             nonce = str(time.time_ns())
-            control = await join(base_model, nonce + "a")
-            load = await join(name, nonce + "b", load=True)
-            loaded = await join(name, nonce + "c")
+            control = await join(base_model, "a" + nonce)  # the letter first: the prompts differ from their first block
+            load = await join(name, "b" + nonce, load=True)
+            loaded = await join(name, "c" + nonce)
         finally:
             for task in streams:
                 task.cancel()
@@ -200,13 +204,17 @@ async def _stall(options: LoRAOptions, base_model: str) -> dict[str, Any]:
         if failure is not None:
             raise failure
         await client.post(options.base_url + "/v1/unload_lora_adapter", json={"lora_name": name})
-    gaps = [(a, b) for times in arrivals for a, b in zip(times, times[1:], strict=False)]
+    per_stream = [list(zip(times, times[1:], strict=False)) for times in arrivals]
+    gaps = [gap for stream_gaps in per_stream for gap in stream_gaps]
+    median = statistics.median(b - a for a, b in gaps)
 
     def longest(window: tuple[float, float]) -> float:
         """The longest gap between two tokens of a stream that overlaps ``window``."""
         return max((b - a for a, b in gaps if b >= window[0] and a <= window[1]), default=0.0)
 
-    median = statistics.median(b - a for a, b in gaps)
+    def lost(window: tuple[float, float]) -> float:
+        return time_lost(per_stream, median, window)
+
     return {
         "load_ms": (load[1] - load[0]) * 1000,
         "itl_p50_ms": median * 1000,
@@ -214,7 +222,19 @@ async def _stall(options: LoRAOptions, base_model: str) -> dict[str, Any]:
         "max_gap_load_join_ms": longest(load) * 1000,
         "max_gap_adapter_join_ms": longest(loaded) * 1000,
         "extra_gap_in_steps": (longest(load) - longest(loaded)) / median,
+        "lost_base_join_ms": lost(control) * 1000,
+        "lost_load_join_ms": lost(load) * 1000,
+        "lost_adapter_join_ms": lost(loaded) * 1000,
+        "extra_lost_in_steps": (lost(load) - lost(loaded)) / median,
     }
+
+
+def time_lost(per_stream: list[list[tuple[float, float]]], median: float, window: tuple[float, float]) -> float:
+    """The time the streams lost to the steps that overlap ``window``: over each stream's gaps ``(a, b)`` between
+    two tokens that overlap it, the sum of each gap beyond ``median``; the mean over the streams. Unlike the longest
+    gap, it counts the small delays of many steps too."""
+    totals = [sum(b - a - median for a, b in gaps if b >= window[0] and a <= window[1]) for gaps in per_stream]
+    return statistics.fmean(totals)
 
 
 def format_lora(report: dict[str, Any]) -> str:
@@ -239,6 +259,11 @@ def format_lora(report: dict[str, Any]) -> str:
                 f"{s['max_gap_adapter_join_ms']:.1f}",
             ),
             row("stall: the load's extra gap in steps", s["extra_gap_in_steps"]),
+            row(
+                "stall: time lost, base / load / loaded join (ms)",
+                f"{s['lost_base_join_ms']:.1f} / {s['lost_load_join_ms']:.1f} / {s['lost_adapter_join_ms']:.1f}",
+            ),
+            row("stall: the load's extra time lost in steps", s["extra_lost_in_steps"]),
         ]
     lines.append("=" * TABLE_WIDTH)
     return "\n".join(lines)
