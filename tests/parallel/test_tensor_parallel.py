@@ -70,9 +70,11 @@ CASES: dict[str, dict[str, Any]] = {
     "qwen3-moe-tiny": {},  # every expert sliced (each shard: 8 experts of inner 16); a dense layer
     "qwen2-moe-tiny": {},  # and the shared expert with its sigmoid gate
     "mixtral-tiny": {},  # its checkpoint names
+    "olmoe-tiny": {},  # q/k norms over the whole projection: the shards' sums of squares added
     "qwen3-moe-ep": EXPERT_PARALLEL,  # each shard: 4 whole experts
     "qwen2-moe-ep": EXPERT_PARALLEL,  # the shared expert stays sliced
     "mixtral-ep": EXPERT_PARALLEL,
+    "olmoe-ep": EXPERT_PARALLEL,
     # int8 experts of inner 32: sliced, a shard's down_proj would hold half a block (refused); whole, they run.
     "mixtral-ep-int8": {"model": {"quantization": "int8"}, **EXPERT_PARALLEL},
 }
@@ -80,6 +82,7 @@ MODELS = {
     "qwen3-moe-ep": "qwen3-moe-tiny",
     "qwen2-moe-ep": "qwen2-moe-tiny",
     "mixtral-ep": "mixtral-tiny",
+    "olmoe-ep": "olmoe-tiny",
     "mixtral-ep-int8": "mixtral-tiny",
 }
 #: A small cache (block_size 4): the batch below needs more, so requests are preempted and recomputed.

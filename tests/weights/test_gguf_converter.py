@@ -1,5 +1,5 @@
 """GGUF files written by llama.cpp's own converter (``convert_hf_to_gguf.py``) for the architectures beyond the
-Llama family: Qwen3-MoE, Qwen2-MoE, Mixtral (which llama.cpp writes as ``llama`` with stacked experts), Gemma 2,
+Llama family: Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral (which llama.cpp writes as ``llama`` with stacked experts), Gemma 2,
 Gemma 3 text and Phi-3. Each tiny random model is saved with ``save_pretrained``, converted to F32 and to Q8_0, and
 read back through tokenmill's loader; the reference is the original checkpoint run by transformers.
 """
@@ -39,6 +39,8 @@ CASES: dict[str, dict[str, Any]] = {
     # Widths the int8 quantizer (which keeps Q8_0 weights exactly) can hold: multiples of 32.
     "qwen2-moe-tiny": {"shared_expert_intermediate_size": 64},
     "mixtral-tiny": {},
+    # The converter writes an rms eps of 1e-5 and drops clip_qkv, which llama.cpp's OLMoE never applies.
+    "olmoe-tiny": {"rms_norm_eps": 1e-5, "clip_qkv": None},
     # Not stored: llama.cpp scales queries by head_dim below the 27B size,
     "gemma2-tiny": {"query_pre_attn_scalar": 16},
     # ... and makes every sixth Gemma 3 layer global.
@@ -47,7 +49,7 @@ CASES: dict[str, dict[str, Any]] = {
     "phi3-longrope": {},  # partial rotary; the LongRoPE factors become tensors
 }
 #: These ship a byte-level BPE tokenizer; the others a SentencePiece model.
-_BPE_TOKENIZER = {"qwen3-moe-tiny", "qwen2-moe-tiny"}
+_BPE_TOKENIZER = {"qwen3-moe-tiny", "qwen2-moe-tiny", "olmoe-tiny"}
 OUTTYPES = ("f32", "q8_0")
 
 

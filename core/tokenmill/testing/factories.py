@@ -117,6 +117,11 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
     "mixtral-tiny": ("MixtralConfig", {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32}),
+    # q/k norms over the whole projection, q/k/v clipped low enough that the clip changes them.
+    "olmoe-tiny": (
+        "OlmoeConfig",
+        {"num_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32, "clip_qkv": 0.5, "eos_token_id": 2},
+    ),
     # No native plugin: these run through the transformers fallback. Granite's multipliers all differ from one.
     "granite-tiny": (
         "GraniteConfig",

@@ -74,6 +74,13 @@ def _qwen_moe(norm_topk_prob: bool) -> ConfigExtras:
     return extras
 
 
+def _olmoe(get: Getter, config: dict[str, Any]) -> dict[str, Any]:
+    """OLMoE. llama.cpp never renormalises its top-k weights, nor clips q/k/v (the converter drops ``clip_qkv``);
+    each expert's width is ``feed_forward_length``, as OLMoE's config says."""
+    num_experts, top_k = _experts(get)
+    return {"num_experts": num_experts, "num_experts_per_tok": top_k, "norm_topk_prob": False}
+
+
 def _mixtral(get: Getter, config: dict[str, Any]) -> dict[str, Any]:
     num_experts, top_k = _experts(get)  # feed_forward_length is each expert's width, as Mixtral's config says
     return {"num_local_experts": num_experts, "num_experts_per_tok": top_k}
@@ -173,6 +180,7 @@ ARCHITECTURES: dict[str, GGUFArchitecture] = {
     "qwen3": GGUFArchitecture("qwen3", "Qwen3ForCausalLM"),
     "qwen2moe": GGUFArchitecture("qwen2_moe", "Qwen2MoeForCausalLM", _QWEN_MOE_NAMES, extras=_qwen_moe(False)),
     "qwen3moe": GGUFArchitecture("qwen3_moe", "Qwen3MoeForCausalLM", _QWEN_MOE_NAMES, extras=_qwen_moe(True)),
+    "olmoe": GGUFArchitecture("olmoe", "OlmoeForCausalLM", _QWEN_MOE_NAMES, extras=_olmoe),
     "gemma2": GGUFArchitecture("gemma2", "Gemma2ForCausalLM", _GEMMA_NAMES, norm_offset=1.0, extras=_gemma2),
     "gemma3": GGUFArchitecture("gemma3_text", "Gemma3ForCausalLM", _GEMMA_NAMES, norm_offset=1.0, extras=_gemma3),
     "phi3": GGUFArchitecture("phi3", "Phi3ForCausalLM", _PHI3_NAMES),

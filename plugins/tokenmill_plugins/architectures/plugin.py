@@ -12,6 +12,7 @@ ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "tokenmill_plugins.architectures.moe:MoEForCausalLM",
     "Qwen2MoeForCausalLM": "tokenmill_plugins.architectures.moe:MoEForCausalLM",
     "MixtralForCausalLM": "tokenmill_plugins.architectures.moe:MoEForCausalLM",
+    "OlmoeForCausalLM": "tokenmill_plugins.architectures.olmoe:OlmoeForCausalLM",
     # The fallback for every other architecture (model.model_impl).
     "TransformersForCausalLM": "tokenmill_plugins.architectures.transformers_fallback:TransformersForCausalLM",
 }

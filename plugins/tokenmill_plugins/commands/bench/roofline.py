@@ -66,7 +66,7 @@ def known_peak_bandwidth_gbs(device_name: str) -> float | None:
 
 
 #: Model types that normalise q and k over all heads at once (OLMo 2, through the transformers fallback).
-_WHOLE_QK_NORM_MODEL_TYPES = frozenset({"olmo2"})
+_WHOLE_QK_NORM_MODEL_TYPES = frozenset({"olmo2", "olmoe"})
 #: Model types whose layers normalise the attention and MLP outputs too.
 _FOUR_NORM_MODEL_TYPES = frozenset({"gemma2", "gemma3", "gemma3_text"})
 
