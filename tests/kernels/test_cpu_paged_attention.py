@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -85,6 +86,38 @@ def test_matches_reference_on_mixed_batches(
     got = kernels.paged_attention(
         query, cache[0], cache[1], metadata.block_tables, token_req, metadata.positions, spec.scale, sliding_window
     )
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (5, 1, 40)])
+@pytest.mark.parametrize("sliding_window", [None, 5])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+def test_soft_capped_scores_match_the_reference(block_size, num_heads, num_kv_heads, head_dim, sliding_window,
+                                                cache_dtype, isa):  # fmt: skip
+    """Gemma 2's attention: scores through cap * tanh(score / cap) before the softmax, a cap low enough (1.0, on
+    scores of about N(0, 1) and up to 4) that it changes every weight."""
+    query_lens, computed = [1, 1, 7, 5, 1], [0, 37, 0, 9, 16]
+    num_blocks = 64
+    _, metadata = _step(query_lens, computed, block_size, num_blocks, seed=block_size + head_dim)
+    generator = torch.Generator().manual_seed(1)
+    query = 2 * torch.randn(metadata.num_tokens, num_heads, head_dim, generator=generator)
+    key = torch.randn(metadata.num_tokens, num_kv_heads, head_dim, generator=generator)
+    value = torch.randn(metadata.num_tokens, num_kv_heads, head_dim, generator=generator)
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=generator).to(cache_dtype)
+    spec = AttentionLayerSpec(num_heads, num_kv_heads, head_dim, head_dim**-0.5, sliding_window, logits_soft_cap=1.0)
+    reference = TorchAttentionBackend()
+    reference.prepare(metadata, block_size)
+    expected = reference.forward(spec, query, key, value, cache.clone(), metadata)
+    uncapped = reference.forward(dataclasses.replace(spec, logits_soft_cap=None), query, key, value, cache.clone(),
+                                 metadata)  # fmt: skip
+    assert (expected - uncapped).abs().max() > 0.1  # the cap matters
+    kernels.write_kv_cache(key, value, cache[0], cache[1], metadata.slot_mapping)
+    token_req = torch.repeat_interleave(torch.arange(len(query_lens), dtype=torch.int32), torch.tensor(query_lens))
+    got = kernels.paged_attention(
+        query, cache[0], cache[1], metadata.block_tables, token_req, metadata.positions, spec.scale, sliding_window,
+        logits_soft_cap=spec.logits_soft_cap,
+    )  # fmt: skip
     torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
 
 

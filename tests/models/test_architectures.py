@@ -8,10 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.cpu_machine import needs_cpu_kernels
 from tests.factories import TINY_CONFIGS, make_hf_model, save_hf_model
 from tokenmill.config import load_config
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.model_loader import load_model
+from tokenmill.model_runner import ModelRunner, SequenceChunk
 from tokenmill.models.architecture import ArchitectureConfig
 from tokenmill.plugin_manager import PluginError
 
@@ -49,12 +51,14 @@ def test_gemma_configs_without_layer_types_alternate_windows(model_type: str, ex
     assert ArchitectureConfig.from_hf_config(hf).sliding_windows == expected
 
 
+@needs_cpu_kernels
 def test_soft_capped_attention_picks_a_backend_that_caps(tmp_path: Path) -> None:
     save_hf_model("gemma2-tiny", tmp_path)
     overrides = {"model": {"model": str(tmp_path)}, "device": {"device": "cpu"}}
-    assert load_model(load_config(overrides=overrides)).attention.supports_logits_soft_cap
-    with pytest.raises(PluginError, match="does not cap attention scores.*torch"):
-        load_model(load_config(overrides={**overrides, "attention": {"backend": "cpu"}}))
+    assert load_model(load_config(overrides=overrides)).attention.name == "cpu"  # its kernel caps
+    # The contrib example backend does not: refused in one line naming those that do.
+    with pytest.raises(PluginError, match="does not cap attention scores.*torch, cpu"):
+        load_model(load_config(overrides={**overrides, "attention": {"backend": "eager"}}))
 
 
 def test_new_tiny_configs_are_registered() -> None:
@@ -91,3 +95,23 @@ def test_the_fallback_on_a_native_architecture_gives_the_native_logits(tmp_path:
         logits.append(runner.execute([SequenceChunk(list(range(3, 30)), 0, list(range(7)))], all_logits=True))
     assert type(loaded.model).__name__ == "TransformersForCausalLM"
     torch.testing.assert_close(logits[1], logits[0], atol=1e-4, rtol=0)
+
+
+@needs_cpu_kernels
+def test_a_long_soft_capped_prompt_through_the_cpu_backend_matches_transformers(tmp_path: Path) -> None:
+    # 70 tokens: a chunk over max_kernel_query_len, attended by the capped torch path (SDPA cannot cap), then
+    # decode steps through the kernel; gemma2-tiny caps scores at 2 and slides an 8-token window on even layers.
+    hf_model = save_hf_model("gemma2-tiny", tmp_path)
+    overrides = {"model": {"model": str(tmp_path)}, "device": {"device": "cpu"}, "attention": {"backend": "cpu"}}
+    loaded = load_model(load_config(overrides=overrides))
+    assert loaded.attention.max_kernel_query_len < 70
+    prompt = [(7 * t + 3) % 500 for t in range(70)]
+    runner = ModelRunner(loaded, num_blocks=32, block_size=4)
+    blocks = list(range(20))
+    logits = runner.execute([SequenceChunk(prompt, 0, blocks)], all_logits=True)
+    with torch.no_grad():
+        expected = hf_model(torch.tensor([prompt + [11, 12]])).logits[0].float()
+    torch.testing.assert_close(logits, expected[:70], atol=1e-4, rtol=0)
+    for step, token in enumerate([11, 12]):  # decode: the kernel's cap
+        decoded = runner.execute([SequenceChunk([token], 70 + step, blocks)])
+        torch.testing.assert_close(decoded[0], expected[70 + step], atol=1e-4, rtol=0)

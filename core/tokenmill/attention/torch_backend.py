@@ -99,7 +99,7 @@ class TorchAttentionBackend(AttentionBackend):
             window = state.key_positions > state.query_positions - layer.sliding_window
             mask = mask & window[:, None]
         if layer.logits_soft_cap is not None:
-            out = _soft_capped_attention(padded_query.transpose(1, 2), keys, values, mask, layer)
+            out = soft_capped_attention(padded_query.transpose(1, 2), keys, values, mask, layer)
         else:
             out = F.scaled_dot_product_attention(
                 padded_query.transpose(1, 2),
@@ -112,7 +112,7 @@ class TorchAttentionBackend(AttentionBackend):
         return out.transpose(1, 2)[state.token_req, state.token_row]
 
 
-def _soft_capped_attention(
+def soft_capped_attention(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, layer: AttentionLayerSpec
 ) -> torch.Tensor:
     """Attention whose scaled scores pass through ``cap * tanh(score / cap)`` (SDPA has no such step), the softmax

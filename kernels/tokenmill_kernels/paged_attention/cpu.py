@@ -65,9 +65,11 @@ def paged_attention(
     sliding_window: int | None = None,
     tree_start: Tensor | None = None,  # [num_tokens] int64, -1 for a token outside any draft tree
     tree_bits: Tensor | None = None,  # [num_tokens] int64
+    logits_soft_cap: float | None = None,
 ) -> Tensor:
     """Attention of each token over its request's keys at positions ``<= positions[t]`` (and within
-    ``sliding_window``); returns [num_tokens, heads, head_dim]. The cache must already hold them.
+    ``sliding_window``); returns [num_tokens, heads, head_dim]. The cache must already hold them. With
+    ``logits_soft_cap``, the scaled scores pass through ``cap * tanh(score / cap)`` before the softmax.
 
     With ``tree_start`` and ``tree_bits`` (draft trees, ``tokenmill.speculative.draft_tree``): a token with
     ``tree_start[t] >= 0`` sees a key at position ``p >= tree_start[t]`` only when bit
@@ -77,7 +79,7 @@ def paged_attention(
     head; the compiled op checks them with the shapes and raises ``ValueError``."""
     return _EXTENSION.load().paged_attention(
         query, key_cache, value_cache, block_tables, token_req, positions, scale, sliding_window or 0, tree_start,
-        tree_bits,
+        tree_bits, logits_soft_cap or 0.0,
     )  # fmt: skip
 
 

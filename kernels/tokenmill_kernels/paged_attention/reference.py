@@ -51,8 +51,10 @@ def paged_attention_reference(
     positions: torch.Tensor,  # [num_tokens] int64
     scale: float,
     sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Attention of every query token over its request's cached tokens; returns ``[num_tokens, num_heads, head_dim]``.
+    With ``logits_soft_cap``, the scaled scores pass through ``cap * tanh(score / cap)`` before the softmax.
 
     Called by the kernel tests (any mix of decode tokens and prefill chunks).
     Computes in float32 and rounds once to ``query.dtype`` at the end. Rows of
@@ -73,6 +75,8 @@ def paged_attention_reference(
         keys = key_cache[blocks, offsets].float().repeat_interleave(group, dim=1)  # [seq_len, num_heads, head_dim]
         values = value_cache[blocks, offsets].float().repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", query[start:end].float(), keys) * scale  # [heads, q_len, seq_len]
+        if logits_soft_cap is not None:
+            scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
         query_positions = positions[start:end].to(key_positions.device)
         allowed = key_positions[None, :] <= query_positions[:, None]  # [q_len, seq_len]
         if sliding_window is not None:

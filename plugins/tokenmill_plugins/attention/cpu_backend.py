@@ -16,6 +16,9 @@ such chunk (a step rarely holds more than one), over the chunk's keys gathered o
 Draft trees (``metadata.draft_tree``): the kernel skips the keys of a tree token's other
 branches (each tree token's visible nodes as a 64-bit mask); a long chunk holding tree tokens
 gets the same as an SDPA mask.
+
+Soft-capped scores (Gemma 2's ``attn_logit_softcapping``): the kernel caps them before its softmax; a long
+chunk of such a layer is attended by the torch backend's capped attention (SDPA has no cap).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from tokenmill.attention.backend import (
     tree_visibility,
 )
 from tokenmill.attention.kv_quant import read_kv
+from tokenmill.attention.torch_backend import soft_capped_attention
 
 
 @dataclass
@@ -63,6 +67,7 @@ class CpuAttentionBackend(AttentionBackend):
     supported_devices: ClassVar[tuple[str, ...]] = ("cpu",)
     auto_priority: ClassVar[int] = 10
     supports_draft_trees: ClassVar[bool] = True
+    supports_logits_soft_cap: ClassVar[bool] = True
     kv_cache_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float16, torch.float8_e4m3fn, torch.int8)
     #: Longer prompt chunks are attended with SDPA rather than the per-token kernel.
     max_kernel_query_len: ClassVar[int] = 64
@@ -149,6 +154,7 @@ class CpuAttentionBackend(AttentionBackend):
                 chunk.key_slots.shape[0] == chunk.end - chunk.start
                 and layer.sliding_window is None
                 and chunk.tree_mask is None
+                and layer.logits_soft_cap is None
             )
             mask = None
             if not is_whole_prompt:
@@ -157,15 +163,17 @@ class CpuAttentionBackend(AttentionBackend):
                     mask = chunk.tree_mask
                 if layer.sliding_window is not None:  # (not in place: a tree mask serves every layer)
                     mask = mask & (chunk.key_positions > chunk.query_positions - layer.sliding_window)
-            attended = F.scaled_dot_product_attention(
-                query[chunk.start : chunk.end].transpose(0, 1)[None],  # [1, heads, query_len, head_dim]
-                read_kv(flat_keys[chunk.key_slots], query.dtype).transpose(0, 1)[None],  # [1, kv_heads, seq_len, dim]
-                read_kv(flat_values[chunk.key_slots], query.dtype).transpose(0, 1)[None],
-                attn_mask=mask,
-                is_causal=is_whole_prompt,
-                scale=layer.scale,
-                enable_gqa=layer.num_heads != layer.num_kv_heads,
-            )  # [1, heads, query_len, head_dim]
+            chunk_query = query[chunk.start : chunk.end].transpose(0, 1)[None]  # [1, heads, query_len, head_dim]
+            keys = read_kv(flat_keys[chunk.key_slots], query.dtype).transpose(0, 1)[None]  # [1, kv_heads, seq_len, dim]
+            values = read_kv(flat_values[chunk.key_slots], query.dtype).transpose(0, 1)[None]
+            if layer.logits_soft_cap is not None:  # SDPA has no cap: the scores are computed whole
+                assert mask is not None
+                attended = soft_capped_attention(chunk_query, keys, values, mask, layer)
+            else:
+                attended = F.scaled_dot_product_attention(
+                    chunk_query, keys, values, attn_mask=mask, is_causal=is_whole_prompt, scale=layer.scale,
+                    enable_gqa=layer.num_heads != layer.num_kv_heads,
+                )  # [1, heads, query_len, head_dim]  # fmt: skip
             out[chunk.start : chunk.end] = attended[0].transpose(0, 1)
         return out
 
@@ -185,5 +193,5 @@ class CpuAttentionBackend(AttentionBackend):
             tree_start, tree_bits = tree_start[tokens], tree_bits[tokens]
         return kernels.paged_attention(
             query, key_cache, value_cache, state.block_tables, token_req, positions, layer.scale, layer.sliding_window,
-            tree_start, tree_bits,
+            tree_start, tree_bits, layer.logits_soft_cap,
         )  # fmt: skip

@@ -7,6 +7,7 @@
 // paged cache through the request's
 // block table: no gather into a padded copy, no mask tensor. The query heads that share a kv
 // head (GQA) are processed together, so each key and value row is loaded once per group.
+// Scores may pass through a soft cap, cap * tanh(score / cap), before the softmax (Gemma 2's attention).
 // Softmax is computed online (running max and sum) 64 keys (or one larger block) at a time. A float16 cache
 // halves the bytes a decode step reads and doubles the tokens a cache holds; rows are widened
 // to float32 as they are loaded (F16C), so all arithmetic stays float32.
@@ -320,6 +321,7 @@ struct Problem {
   int row_len;  // cache elements per (slot, kv head): head_dim, plus the scale's bytes when quantized
   int64_t max_blocks, sliding_window;
   float scale;
+  float soft_cap;  // scores pass through soft_cap * tanh(score / soft_cap) (Gemma 2); 0: none
 };
 
 template <typename T, class V>
@@ -549,6 +551,15 @@ void attend_items(const Problem<T>& p, int64_t begin, int64_t end) {
       }
       float correction[kMaxGroup];
       for (int j = 0; j < n; j += 8) V::scores8(q, group, head_dim, key_rows + j, p.scale, scores, j);
+      if (p.soft_cap > 0.f) {
+        const __m256 cap = _mm256_set1_ps(p.soft_cap), inverse = _mm256_set1_ps(1.f / p.soft_cap);
+        for (int g = 0; g < group; ++g) {
+          for (int j = 0; j < n; j += 8) {
+            const __m256 capped = tokenmill::tanh8(_mm256_mul_ps(_mm256_loadu_ps(scores[g] + j), inverse));
+            _mm256_storeu_ps(scores[g] + j, _mm256_mul_ps(capped, cap));
+          }
+        }
+      }
       for (int g = 0; g < group; ++g) {
         float* s = scores[g];
         if (tree_start >= 0 && hi >= tree_start) {
@@ -668,7 +679,8 @@ at::Tensor paged_attention(const at::Tensor& query,         // [num_tokens, head
                               const at::Tensor& positions,     // [num_tokens] int64: position of each token
                               double scale, int64_t sliding_window /* <= 0: none */,
                               const c10::optional<at::Tensor>& tree_start,  // [num_tokens] int64, -1: no tree
-                              const c10::optional<at::Tensor>& tree_bits    // [num_tokens] int64 bit masks
+                              const c10::optional<at::Tensor>& tree_bits,   // [num_tokens] int64 bit masks
+                              double logits_soft_cap /* <= 0: none */
 ) {
   check_cache(key_cache, value_cache);
   check_float(query, "query", 3, "[num_tokens, heads, head_dim]");
@@ -709,7 +721,8 @@ at::Tensor paged_attention(const at::Tensor& query,         // [num_tokens, head
                       int(key_cache.size(3)),
                       block_tables.size(1),
                       sliding_window,
-                      float(scale)};
+                      float(scale),
+                      float(std::max(logits_soft_cap, 0.0))};
   };
   if (key_cache.scalar_type() == at::kFloat8_e4m3fn) {
     attend(problem(static_cast<Fp8*>(nullptr)));
@@ -728,6 +741,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "Causal attention of each token over its request's paged cache",
         py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"), py::arg("token_req"),
         py::arg("positions"), py::arg("scale"), py::arg("sliding_window"), py::arg("tree_start") = py::none(),
-        py::arg("tree_bits") = py::none());
+        py::arg("tree_bits") = py::none(), py::arg("logits_soft_cap") = 0.0);
   g_isa.def(m, "the variant paged_attention uses now");
 }
