@@ -111,6 +111,10 @@ def run_engine_process(
             else:
                 timeout_ms = 0 if engine.has_unfinished_requests() else int(HEARTBEAT_INTERVAL_S * 1000)
             server.receive(timeout_ms=timeout_ms)
+            if server.clients and not engine.has_unfinished_requests():
+                # Serving and idle: build the grammar backend now, not beside the steps of the first constrained
+                # request, nor beside the front end's start-up (once; later calls do nothing).
+                engine.structured_outputs.prepare()
             if engine.has_unfinished_requests():
                 num_steps = engine.num_steps
                 outputs = engine.step()

@@ -24,6 +24,7 @@ from tokenmill.messages import EngineCoreRequest, TokenLogprobs
 from tokenmill.plugin_manager import load_plugins
 from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 from tokenmill.structured_output.backend import StructuredOutputGrammar
+from tokenmill.structured_output.validator import ConstraintValidator
 from tokenmill.tokenizer import Tokenizer
 
 BACKENDS = ["guidance", "xgrammar"]
@@ -251,3 +252,29 @@ def test_ngram_speculation_keeps_greedy_output_and_validity(model_dir: Path, tok
         assert_valid(text, schema)
     stats = speculative.stats()
     assert stats.spec_decode_num_draft_tokens > 0 and stats.spec_decode_num_accepted_tokens > 0
+
+
+def test_prepare_builds_the_backend_once_before_any_constrained_request(model_dir: Path) -> None:
+    engine = make_engine(model_dir)
+    manager = engine.structured_outputs
+    built: list[object] = []
+    make = manager._make_backend
+    manager._make_backend = lambda: built.append(make()) or built[-1]  # type: ignore[method-assign,func-returns-value]
+    manager.prepare()
+    manager.prepare()  # once
+    assert manager._prepared is not None and manager._prepared.result(timeout=60) is built[0]
+    constraint = StructuredOutputsParams(regex="[ab]{3}")
+    manager.request(constraint).is_ready()
+    assert len(built) == 1 and manager.backend() is built[0]
+
+
+def test_the_front_ends_validator_builds_its_backend_when_prepared(model_dir: Path, tokenizer: Tokenizer) -> None:
+    validator = ConstraintValidator(load_plugins(), "guidance", tokenizer, tokenizer.vocab_size)
+    assert validator._backend is None
+    validator.prepare()
+    deadline = time.monotonic() + 60
+    while validator._backend is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert validator._backend is not None
+    with pytest.raises(ValueError):
+        validator.validate(StructuredOutputsParams(regex="(unclosed"))

@@ -122,7 +122,13 @@ class OpenAIServer:
         self._openapi = msgspec.json.encode(document)  # encoded once: it never changes while serving
         #: With ``lora.enable_lora``: the adapters served, by name.
         self.lora = LoRAEndpoints.from_config(state.config, state.model_name, self.tenants)
+        #: Checks constraints before requests are accepted (with the front end's plugins); its backend is built a
+        #: second after start-up, not beside the engine's steps when the first constrained request comes.
         self._validator: ConstraintValidator | None = None
+        if state.plugins is not None:
+            backend = state.config.structured_outputs_config.backend
+            self._validator = ConstraintValidator(state.plugins, backend, state.tokenizer, state.tokenizer.vocab_size)
+            self._validator.prepare(delay_s=1.0)
         #: ``--tool-call-parser`` and ``--reasoning-parser``, with ``--enable-auto-tool-choice``.
         self.parsers = ServerParsers(state.config, state.plugins, state.tokenizer)
 
@@ -334,7 +340,7 @@ class OpenAIServer:
         """A constraint that cannot compile is the request's 400, naming the field that carried it and the
         problem, before the request reaches an engine (when the backend can check without torch)."""
         constraint = params.structured_outputs
-        if constraint is None or self.state.plugins is None:
+        if constraint is None or self._validator is None:
             return
         if body.response_format is not None and body.response_format.type != "text":
             param = "response_format"
@@ -343,11 +349,6 @@ class OpenAIServer:
         else:
             param = "tools"
         try:
-            if self._validator is None:
-                config = self.state.config.structured_outputs_config
-                self._validator = ConstraintValidator(
-                    self.state.plugins, config.backend, self.state.tokenizer, self.state.tokenizer.vocab_size
-                )
             await asyncio.to_thread(self._validator.validate, constraint)
         except (ValueError, PluginError) as exc:
             raise ProtocolError(400, f"{param} cannot be used: {exc}", param=param) from None

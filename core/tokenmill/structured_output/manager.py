@@ -62,8 +62,8 @@ def build_backend(
 
 def build_structured_outputs(config: EngineConfig, plugins: PluginSystem, vocab_size: int) -> StructuredOutputManager:
     """The engine's manager. Its backend and, with ``parsers.reasoning_parser`` (and not ``enable_in_reasoning``),
-    the reasoning parser that says where a constraint starts are built in a compile thread on the first
-    constrained request, over the model's tokenizer, read once."""
+    the reasoning parser that says where a constraint starts are built in a compile thread (``prepare``: an engine
+    process starts them once a front end has connected), over the model's tokenizer, read once."""
     settings = config.structured_outputs_config
     reasoning_parser = config.parsers.reasoning_parser
     lock = threading.Lock()
@@ -95,8 +95,8 @@ def cache_key(params: StructuredOutputsParams) -> tuple[str, str, bool, bool]:
 class StructuredOutputManager:
     """Compiles constraints off the engine loop and hands each request its ``StructuredOutputRequest``.
 
-    :param make_backend: builds the backend (called once, in a compile thread, on the first constrained
-        request), so an engine that never sees one never reads the vocabulary for it.
+    :param make_backend: builds the backend (called once, in a compile thread: when ``prepare`` is called, else
+        on the first constrained request).
     :param disable_any_whitespace: ``structured_outputs_config.disable_any_whitespace``, applied to every
         request.
     :param make_reasoner: builds the reasoning parser (``parsers.reasoning_parser``), once, in a compile thread;
@@ -115,6 +115,7 @@ class StructuredOutputManager:
         self._reasoner: Future[ReasoningParser] | None = None
         self._backend: StructuredOutputBackend | None = None
         self._backend_lock = threading.Lock()
+        self._prepared: Future[StructuredOutputBackend] | None = None
         self.disable_any_whitespace = disable_any_whitespace
         workers = max_workers or max(1, min(4, (os.cpu_count() or 2) // 2))
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tokenmill-grammar")
@@ -142,6 +143,17 @@ class StructuredOutputManager:
         if self._make_reasoner is not None and self._reasoner is None:
             self._reasoner = self._pool.submit(self._make_reasoner)
         return StructuredOutputRequest(params, future, self._reasoner, prompt_token_ids)
+
+    def prepare(self) -> None:
+        """Start building the backend (and the reasoning parser) in a compile thread, unless that has begun. The
+        engine process calls it once a front end has connected, while nothing runs: built on the first constrained
+        request instead, it would take a core from the steps running then for about half a second (a thread beside
+        a step holds every step thread up at its next barrier). A build that fails is tried again by the first
+        constrained request, which then fails with its error."""
+        if self._prepared is None:
+            self._prepared = self._pool.submit(self.backend)
+            if self._make_reasoner is not None and self._reasoner is None:
+                self._reasoner = self._pool.submit(self._make_reasoner)
 
     def backend(self) -> StructuredOutputBackend:
         """The backend, built on first use (in whichever thread asks first)."""
