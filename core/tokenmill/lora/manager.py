@@ -252,7 +252,8 @@ class LoRAManager:
         if request.lora_int_id in self._cpu:
             self._cpu.move_to_end(request.lora_int_id)
             return
-        read = _Read(request, self._checked.pop(request.lora_int_id))
+        checked = self._checked.pop(request.lora_int_id, None)  # None: its read was under way
+        read = _Read(request, checked or read_adapter(request.lora_path, self.linear_shapes, self.max_lora_rank))
         while not read.advance():
             pass
         if read.error is not None:
