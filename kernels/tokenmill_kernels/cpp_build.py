@@ -119,6 +119,10 @@ class CppExtension:
         with self._lock:
             if self._module is not None or self._background is not None or self.missing():
                 return
+            # Imported here, on the caller's thread: importing it imports setuptools, which inserts a finder into
+            # sys.meta_path and removes it again, and an import running meanwhile on another thread (the caller
+            # loading the model) can then step past the path finder: ModuleNotFoundError for a module that exists.
+            _cpp_extension()
             self._background = threading.Thread(target=self._load_in_background, name=f"build {self.name}")
             self._background.start()
 

@@ -4,6 +4,8 @@ builds, and what it logs."""
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -261,3 +263,25 @@ def test_the_isa_calls_go_to_the_extension(monkeypatch: pytest.MonkeyPatch) -> N
     with pytest.raises(ValueError, match='got "sse2"'):
         extension.set_isa("sse2")
     assert extension.isa() == "avx2"
+
+
+def test_prepare_imports_setuptools_before_its_thread_starts() -> None:
+    # In a fresh interpreter: the background thread must not be the one importing setuptools (it inserts and
+    # removes a sys.meta_path finder, and a concurrent import on the main thread can miss the path finder).
+    code = """
+import sys, threading
+from pathlib import Path
+from tokenmill_kernels import cpp_build
+seen = []
+start = threading.Thread.start
+def recording_start(self):
+    seen.append("setuptools" in sys.modules)
+    start(self)
+threading.Thread.start = recording_start
+cpp_build.CppExtension.missing = lambda self: []
+cpp_build.CppExtension._load_in_background = lambda self: None
+cpp_build.CppExtension("tokenmill_never_built", Path("unused.cpp"), [], "test kernels").prepare()
+print(seen)
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[True]", result.stdout + result.stderr
