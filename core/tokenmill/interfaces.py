@@ -47,6 +47,7 @@ _EXPORTS: dict[str, str] = {
     "AttentionBackend": "tokenmill.attention.backend",
     "AttentionLayerSpec": "tokenmill.attention.backend",
     "AttentionMetadata": "tokenmill.attention.backend",
+    "BoundLoRA": "tokenmill.lora.kernels",
     "CausalLM": "tokenmill.models.base",
     "DraftTokens": "tokenmill.scheduler",
     "EngineBackend": "tokenmill.engine_backend",

@@ -78,12 +78,50 @@ def test_bad_input_is_a_value_error() -> None:
     x, lora_a, lora_b, offsets, y, _ = _case(2, 32, (8,), 2, 4, seed=6)
     with pytest.raises(ValueError, match="uses slot 2 of 2"):
         kernels.add_lora(x, lora_a, lora_b, offsets, torch.tensor([0, 2]), y)
-    with pytest.raises(ValueError, match="falls outside"):
+    with pytest.raises(ValueError, match="reach column 9, past y's 8 columns"):
         kernels.add_lora(x, lora_a, lora_b, [1], torch.tensor([0, 1]), y)
     with pytest.raises(ValueError, match="lora_a"):
         kernels.add_lora(x, lora_a.double(), lora_b, offsets, torch.tensor([0, 1]), y)
     with pytest.raises(ValueError, match="like lora_a"):
         kernels.add_lora(x, lora_a.half(), lora_b, offsets, torch.tensor([0, 1]), y)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize(("part_sizes", "rank"), [((576, 192, 192), 16), ((40, 24), 5)])  # 5: unequal rank shares
+def test_bound_linear_at_one_token_on_any_number_of_threads(
+    threads: int, part_sizes: tuple[int, ...], rank: int
+) -> None:
+    """What an engine step runs: the batch prepared once, each linear's ``bind`` called once, then ``add(batch, x,
+    y)``. One token splits its adapter's rank across the threads (each adds its share; the first into y)."""
+    x, lora_a, lora_b, offsets, _, _ = _case(1, 96, part_sizes, 3, rank, seed=12)
+    y = _randn(1, sum(part_sizes) + 3, seed=13)  # columns past the parts stay as they are
+    token_slots = numpy.array([2])
+    expected = y.clone()
+    REFERENCE.add_lora(REFERENCE.prepare(token_slots, x.device), x, lora_a, lora_b, offsets, expected)
+    cpu = CpuLoRAKernels()
+    add = cpu.bind(lora_a, lora_b, offsets)
+    batch = cpu.prepare(token_slots, x.device)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        add(batch, x, y)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(y, expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(y[:, sum(part_sizes) :], expected[:, sum(part_sizes) :])
+
+
+def test_bound_linear_refuses_what_does_not_fit() -> None:
+    x, lora_a, lora_b, offsets, y, _ = _case(2, 32, (8,), 2, 4, seed=14)
+    weights = kernels.weights(lora_a, lora_b, offsets)
+    with pytest.raises(ValueError, match="x has 2 rows, the plan 3 tokens"):
+        weights.add(kernels.plan(torch.tensor([0, 1, 1])), x, y)
+    with pytest.raises(ValueError, match="uses slot 2 of 2"):
+        weights.add(kernels.plan(torch.tensor([0, 2])), x, y)
+    with pytest.raises(ValueError, match=r"x must be a float32 CPU \[tokens, 32\]"):
+        weights.add(kernels.plan(torch.tensor([0, 1])), x[:, :16], y)
+    with pytest.raises(ValueError, match="uses slot -2"):
+        kernels.plan(torch.tensor([0, -2]))
 
 
 def test_other_dtypes_go_to_the_reference() -> None:
@@ -93,4 +131,7 @@ def test_other_dtypes_go_to_the_reference() -> None:
     REFERENCE.add_lora(REFERENCE.prepare(token_slots, x.device), x, lora_a, lora_b, offsets, expected)
     cpu = CpuLoRAKernels()
     cpu.add_lora(cpu.prepare(token_slots, x.device), x, lora_a, lora_b, offsets, y)
+    assert torch.equal(y, expected)
+    cpu.bind(lora_a, lora_b, offsets)(cpu.prepare(token_slots, x.device), x, y)  # float64 weights: the reference's
+    REFERENCE.add_lora(REFERENCE.prepare(token_slots, x.device), x, lora_a, lora_b, offsets, expected)
     assert torch.equal(y, expected)

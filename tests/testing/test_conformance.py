@@ -592,6 +592,19 @@ def test_lora_kernels_that_round_the_whole_output_fail() -> None:
     _fails(check_lora_kernels, RoundTrip, match="changed the rows of tokens without an adapter")
 
 
+def test_lora_kernels_that_bind_a_copy_of_the_slots_fail() -> None:
+    from tokenmill.lora.kernels import BoundLoRA, TorchLoRAKernels
+
+    class Snapshot(TorchLoRAKernels):
+        """Binds copies of the slot tensors, so adapters loaded into the slots later are never seen."""
+
+        def bind(self, lora_a: torch.Tensor, lora_b: Sequence[torch.Tensor], offsets: Sequence[int]) -> BoundLoRA:
+            return super().bind(lora_a.clone(), [b.clone() for b in lora_b], offsets)
+
+    match = r"Snapshot.bind\(x torch.float32, adapters torch.float32, 1 tokens, .*\) .*differs from the torch reference"
+    _fails(check_lora_kernels, Snapshot, match=match)
+
+
 # ---------------------------------------------------------------- planted structured-output backends
 
 

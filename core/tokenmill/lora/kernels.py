@@ -10,6 +10,9 @@ matmul, in one ``add_lora`` call::
     y[t, offset[p]:offset[p] + out_p] += h[p * rank:(p + 1) * rank] @ lora_b[p][slot[t]]   # expand, each part
 
 Punica calls these SGMV (segments of tokens with one adapter: a prompt) and BGMV (one token each: decode).
+A linear's slot tensors never move (an adapter is loaded into a slot in place), so each adapted linear asks its
+kernels once for a function over them (``bind``); kernels whose calls cost more than their work at one token
+check and lay out the weights there, once, instead of in every call.
 ``TorchLoRAKernels`` (``torch``) is the reference, built in: it groups the step's tokens by adapter once
 (``prepare``) and runs one matmul per adapter and part. A plugin registers faster ones (a Triton SGMV, the ``cpu``
 kernel) through ``tokenmill_register_lora_kernels``; ``lora.lora_kernels`` selects one, ``auto`` the fastest that
@@ -19,9 +22,9 @@ runs on the device.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, TypeAlias
 
 import numpy
 import torch
@@ -41,12 +44,17 @@ class LoRABatch:
     groups: tuple[tuple[int, torch.Tensor | None], ...]
 
 
+#: ``add(batch, x, y)``: one adapted linear's ``add_lora`` over the slot tensors it was bound to.
+BoundLoRA: TypeAlias = Callable[[LoRABatch, torch.Tensor, torch.Tensor], None]
+
+
 class LoRAKernels(SelectableKernels, ABC):
     """Shrink and expand over a batch of tokens that use different adapters.
 
     Built once per engine process (with no arguments, plus ``options=`` when its plugin declares options).
-    ``prepare`` runs once per step on the host before the forward; ``add_lora`` runs inside the forward, once per
-    adapted linear, and must not wait on the device or read device values on the host. Results must match
+    ``prepare`` runs once per step on the host before the forward; ``add_lora`` (through the function ``bind``
+    returned for the linear) runs inside the forward, once per adapted linear, and must not wait on the device or
+    read device values on the host. Results must match
     ``TorchLoRAKernels`` up to float rounding (``tokenmill.testing.check_lora_kernels`` runs a plugin's against it).
     """
 
@@ -61,6 +69,18 @@ class LoRAKernels(SelectableKernels, ABC):
             groups.append((int(slot), index))
         device_slots = torch.from_numpy(numpy.ascontiguousarray(token_slots, dtype=numpy.int64)).to(device)
         return LoRABatch(int(token_slots.size), device_slots, tuple(groups))
+
+    def bind(self, lora_a: torch.Tensor, lora_b: Sequence[torch.Tensor], offsets: Sequence[int]) -> BoundLoRA:
+        """``add(batch, x, y)``, the same as ``add_lora(batch, x, lora_a, lora_b, offsets, y)``; called once per
+        adapted linear when its slots are made. The tensors keep their storage and shapes from then on (adapters
+        are copied into them in place). The default calls ``add_lora``."""
+        parts = tuple(lora_b)
+        where = tuple(offsets)
+
+        def add(batch: LoRABatch, x: torch.Tensor, y: torch.Tensor) -> None:
+            self.add_lora(batch, x, lora_a, parts, where, y)
+
+        return add
 
     @abstractmethod
     def add_lora(

@@ -3,21 +3,32 @@ activations, adapter weights in float32, float16 or bfloat16 (``--lora-dtype``).
 
 The torch reference costs a few dispatches per adapter in the step, per linear: at one token, or a few tokens per
 adapter, they are most of the time an adapter adds to a step (docs/benchmarks.md, "LoRA adapters (issue 40)").
-``auto`` picks these on a CPU that can build and run them (AVX2, FMA, a C++ compiler and ninja). Activations in
-other dtypes than float32, and inputs that need gradients, go to the torch reference.
+So does any per-call work beyond the product: ``prepare`` groups the step's tokens by slot once (a native plan
+the batch carries), ``bind`` checks each linear's slot tensors once, and each call checks only its input and
+output. ``auto`` picks these on a CPU that can build and run them (AVX2, FMA, a C++ compiler and ninja).
+Activations in other dtypes than float32, and inputs that need gradients, go to the torch reference.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import ClassVar
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
+import numpy
 import torch
 from tokenmill_kernels.lora import cpu as kernels
 
-from tokenmill.lora.kernels import LoRABatch, TorchLoRAKernels
+from tokenmill.lora.kernels import BoundLoRA, LoRABatch, TorchLoRAKernels
 
 _WEIGHTS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class CpuLoRABatch(LoRABatch):
+    """A ``LoRABatch`` with the step's tokens grouped by slot for the C++ kernel."""
+
+    plan: Any = None
 
 
 class CpuLoRAKernels(TorchLoRAKernels):
@@ -33,6 +44,27 @@ class CpuLoRAKernels(TorchLoRAKernels):
     def __init__(self) -> None:
         kernels.prepare()  # build (first run on a machine) or load beside the weights
 
+    def prepare(self, token_slots: numpy.ndarray, device: torch.device) -> LoRABatch:
+        batch = super().prepare(token_slots, device)
+        if batch.token_slots.device.type != "cpu":
+            return batch
+        return CpuLoRABatch(batch.num_tokens, batch.token_slots, batch.groups, kernels.plan(batch.token_slots))
+
+    def bind(self, lora_a: torch.Tensor, lora_b: Sequence[torch.Tensor], offsets: Sequence[int]) -> BoundLoRA:
+        reference = super().bind(lora_a, lora_b, offsets)
+        if lora_a.dtype not in _WEIGHTS or lora_a.device.type != "cpu":
+            return reference
+        native = kernels.weights(lora_a, lora_b, offsets).add
+        float32 = torch.float32
+
+        def add(batch: LoRABatch, x: torch.Tensor, y: torch.Tensor) -> None:
+            plan = getattr(batch, "plan", None)
+            if plan is None or x.dtype is not float32 or y.dtype is not float32 or x.requires_grad:
+                return reference(batch, x, y)
+            native(plan, x if x.stride(-1) == 1 else x.contiguous(), y)
+
+        return add
+
     def add_lora(
         self,
         batch: LoRABatch,
@@ -46,4 +78,5 @@ class CpuLoRAKernels(TorchLoRAKernels):
             return super().add_lora(batch, x, lora_a, lora_b, offsets, y)
         if x.stride(-1) != 1:
             x = x.contiguous()
-        kernels.add_lora(x, lora_a, lora_b, offsets, batch.token_slots, y)
+        plan = batch.plan if isinstance(batch, CpuLoRABatch) else kernels.plan(batch.token_slots)
+        kernels.weights(lora_a, lora_b, offsets).add(plan, x, y)

@@ -44,8 +44,9 @@ def check_lora_kernels(
     num_tokens: tuple[int, ...] = (1, 7, 0),
     seed: int = 0,
 ) -> None:
-    """Check ``prepare`` and ``add_lora`` against ``TorchLoRAKernels``, as an engine step calls them: one
-    ``prepare`` per batch, then one ``add_lora`` per adapted linear with that batch.
+    """Check ``prepare``, ``add_lora`` and ``bind`` against ``TorchLoRAKernels``, as an engine step calls them:
+    one ``prepare`` per batch, then per adapted linear, with that batch, ``add_lora`` or the function ``bind``
+    returned for it.
 
     For each dtype of the activations (``dtypes``), each dtype of the adapters' weights (``adapter_dtypes``:
     ``--lora-dtype`` may make them narrower, or wider, than the activations) and each number of tokens, batches
@@ -54,9 +55,10 @@ def check_lora_kernels(
     ``x`` a view of wider rows for every other linear, and ``y`` 3 columns wider than its parts:
 
     - ``prepare`` returns a ``LoRABatch`` of the batch's number of tokens;
-    - ``y`` matches the reference within ``LORA_KERNEL_TOLERANCES``;
-    - rows of tokens without an adapter, and the columns past the parts, are bit-identical to what they were;
-    - ``x``, ``lora_a`` and ``lora_b`` are unchanged.
+    - ``add_lora``, and the function ``bind`` returns for a linear's slot tensors (bound while they are still
+      zeros, then filled in place, as slots are), each give ``y`` within ``LORA_KERNEL_TOLERANCES`` of the
+      reference, leave the rows of tokens without an adapter and the columns past the parts bit-identical to
+      what they were, and leave ``x``, ``lora_a`` and ``lora_b`` unchanged.
 
     :param kernels: the class (built with no arguments, as the engine builds it) or an instance.
     :param dtypes: the activations' dtypes to check (``y`` has the same); float32 is what a CPU model adds in.
@@ -100,9 +102,10 @@ def check_lora_kernels(
                 x = randn(tokens, in_features + 5 * (index % 2), dtype=dtype)[:, :in_features]
                 y = randn(tokens, sum(part_sizes) + _EXTRA_COLUMNS, dtype=dtype)
                 offsets = [sum(part_sizes[:part]) for part in range(len(part_sizes))]
-                case = f"{name}.add_lora{where} on a linear of {in_features} -> {part_sizes}"
-                _check_linear(candidate, reference, case, (batch, expected_batch), token_slots,
-                              x, lora_a, lora_b, offsets, y)  # fmt: skip
+                for how in ("add_lora", "bind"):
+                    case = f"{name}.{how}{where} on a linear of {in_features} -> {part_sizes}"
+                    _check_linear(candidate, reference, case, (batch, expected_batch), token_slots,
+                                  x, lora_a, lora_b, offsets, y.clone(), bound=how == "bind")  # fmt: skip
 
 
 def _check_linear(
@@ -116,14 +119,26 @@ def _check_linear(
     lora_b: Sequence[torch.Tensor],
     offsets: list[int],
     y: torch.Tensor,
+    *,
+    bound: bool,
 ) -> None:
+    """``bound``: through ``candidate.bind(lora_a, lora_b, offsets)`` (bound on a copy that the call writes to in
+    place first, as a slot load does), else ``candidate.add_lora``."""
     batch, expected_batch = batches  # the candidate's prepare, the reference's
     inputs = (x.clone(), lora_a.clone(), [b.clone() for b in lora_b])
     expected = y.clone()
     reference.add_lora(expected_batch, x, lora_a, lora_b, offsets, expected)
     before = y.clone()
     with calling(case):
-        candidate.add_lora(batch, x, lora_a, lora_b, offsets, y)
+        if bound:
+            slots_a, slots_b = torch.zeros_like(lora_a), [torch.zeros_like(b) for b in lora_b]
+            add = candidate.bind(slots_a, slots_b, offsets)
+            slots_a.copy_(lora_a)
+            for slot_b, b in zip(slots_b, lora_b, strict=True):
+                slot_b.copy_(b)
+            add(batch, x, y)
+        else:
+            candidate.add_lora(batch, x, lora_a, lora_b, offsets, y)
     without = torch.from_numpy(token_slots < 0).to(y.device)
     if not torch.equal(y[without], before[without]):
         fail(f"{case}: changed the rows of tokens without an adapter (slot -1); they must stay bit-identical")

@@ -4,8 +4,9 @@
 //
 // In torch a linear costs per adapter in the step an index, a matmul, and per part a matmul and an index_add;
 // at one token, or a few tokens per adapter, those dispatches are the whole cost. Here the tokens are grouped by
-// adapter into blocks of up to kBlock, and each block reads its adapter's A rows (stored [rank, in]) and B rows
-// (stored [rank, out]) once for all its tokens. Blocks split across torch's threads.
+// adapter into blocks of up to kBlock (a Plan, once per step), and each block reads its adapter's A rows (stored
+// [rank, in]) and B rows (stored [rank, out]) once for all its tokens. Blocks split across torch's threads. A
+// linear's slot tensors are checked once (Weights), so a call checks only its input and output.
 
 #include <immintrin.h>
 
@@ -125,144 +126,214 @@ void expand(const float* h, int64_t h_stride, int64_t rank, const W* b, int64_t 
   }
 }
 
-// The tokens of one adapter slot, kBlock at most, and their rows of x and y.
-struct Block {
+// A step's tokens grouped by adapter slot, once per step for all its adapted linears: blocks of up to kBlock
+// tokens of one slot, slot by slot, in token order within each. Tokens without an adapter (slot -1) are in none.
+class Plan {
+ public:
+  struct Block {
+    int64_t slot;
+    int count;
+    int64_t tokens[kBlock];
+  };
+
+  explicit Plan(const at::Tensor& token_slots) {
+    TORCH_CHECK_VALUE(token_slots.dim() == 1 && token_slots.is_contiguous() &&
+                          token_slots.scalar_type() == at::kLong && token_slots.device().is_cpu(),
+                      "token_slots must be a contiguous int64 CPU vector, got ", token_slots.sizes(), " ",
+                      token_slots.scalar_type());
+    num_tokens_ = token_slots.size(0);
+    const int64_t* slot_of = token_slots.data_ptr<int64_t>();
+    for (int64_t t = 0; t < num_tokens_; ++t) {
+      TORCH_CHECK_VALUE(slot_of[t] >= -1, "token ", t, " uses slot ", slot_of[t]);
+      max_slot_ = std::max(max_slot_, slot_of[t]);
+    }
+    std::vector<std::vector<int64_t>> tokens_of(max_slot_ + 1);
+    for (int64_t t = 0; t < num_tokens_; ++t)
+      if (slot_of[t] >= 0) tokens_of[slot_of[t]].push_back(t);
+    for (int64_t s = 0; s <= max_slot_; ++s) {
+      for (size_t start = 0; start < tokens_of[s].size(); start += kBlock) {
+        Block block{s, static_cast<int>(std::min<size_t>(kBlock, tokens_of[s].size() - start)), {}};
+        for (int i = 0; i < block.count; ++i) block.tokens[i] = tokens_of[s][start + i];
+        blocks_.push_back(block);
+      }
+    }
+  }
+
+  int64_t num_tokens() const { return num_tokens_; }
+  int64_t max_slot() const { return max_slot_; }
+  const std::vector<Block>& blocks() const { return blocks_; }
+
+ private:
+  int64_t num_tokens_ = 0;
+  int64_t max_slot_ = -1;
+  std::vector<Block> blocks_;
+};
+
+// One block's rows of x and y, for one call.
+struct Rows {
   int64_t slot;
   int count;
   const float* x[kBlock];
   float* y[kBlock];
 };
 
-template <typename W, int N>
-void run_block(const Block& block, const W* a, int64_t part_rows, int64_t in, const std::vector<const W*>& b,
-               const std::vector<int64_t>& offsets, const std::vector<int64_t>& widths, int64_t rank, float* h) {
-  shrink<W, N>(a + block.slot * part_rows * in, part_rows, in, block.x, h, part_rows);
-  for (size_t p = 0; p < b.size(); ++p) {
-    float* y[N];
-    for (int t = 0; t < N; ++t) y[t] = block.y[t] + offsets[p];
-    expand<W, N>(h + p * rank, part_rows, rank, b[p] + block.slot * rank * widths[p], widths[p], y, widths[p]);
-  }
-}
-
-// One token (a decode step of one stream) has one block: its rows of A, then its columns of B, split across the
-// threads instead, so that more than one core streams the adapter's weights.
-template <typename W>
-void split_one_token(const Block& block, const W* a, int64_t part_rows, int64_t in, const std::vector<const W*>& b,
-                     const std::vector<int64_t>& offsets, const std::vector<int64_t>& widths, int64_t rank) {
-  constexpr int64_t kRowsPerTask = 8, kColumnsPerTask = 128;
-  std::vector<float> h(part_rows);
-  const W* slot_a = a + block.slot * part_rows * in;
-  at::parallel_for(0, part_rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
-    shrink<W, 1>(slot_a + begin * in, end - begin, in, block.x, h.data() + begin, part_rows);
-  });
-  std::vector<std::pair<size_t, int64_t>> chunks;  // (part, first column)
-  for (size_t p = 0; p < b.size(); ++p)
-    for (int64_t o = 0; o < widths[p]; o += kColumnsPerTask) chunks.emplace_back(p, o);
-  at::parallel_for(0, static_cast<int64_t>(chunks.size()), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const auto [p, o] = chunks[i];
-      float* y[1] = {block.y[0] + offsets[p] + o};
-      expand<W, 1>(h.data() + p * rank, part_rows, rank, b[p] + block.slot * rank * widths[p] + o, widths[p], y,
-                   std::min(kColumnsPerTask, widths[p] - o));
-    }
-  });
-}
-
-template <typename W>
-void add_lora_blocks(const std::vector<Block>& blocks, const at::Tensor& lora_a, const std::vector<at::Tensor>& lora_b,
-                     const std::vector<int64_t>& offsets, const std::vector<int64_t>& widths, int64_t rank) {
-  const W* a = lora_a.data_ptr<W>();
-  const int64_t part_rows = lora_a.size(1), in = lora_a.size(2);
-  std::vector<const W*> b;
-  for (const at::Tensor& t : lora_b) b.push_back(t.data_ptr<W>());
-  if (blocks.size() == 1 && blocks[0].count == 1 && at::get_num_threads() > 1) {
-    split_one_token(blocks[0], a, part_rows, in, b, offsets, widths, rank);
-    return;
-  }
-  at::parallel_for(0, static_cast<int64_t>(blocks.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> h(kBlock * part_rows);
-    for (int64_t i = begin; i < end; ++i) {
-      const Block& block = blocks[i];
-      switch (block.count) {
-        case 1: run_block<W, 1>(block, a, part_rows, in, b, offsets, widths, rank, h.data()); break;
-        case 2: run_block<W, 2>(block, a, part_rows, in, b, offsets, widths, rank, h.data()); break;
-        case 3: run_block<W, 3>(block, a, part_rows, in, b, offsets, widths, rank, h.data()); break;
-        default: run_block<W, kBlock>(block, a, part_rows, in, b, offsets, widths, rank, h.data()); break;
-      }
-    }
-  });
-}
-
 bool is_float_cpu(const at::Tensor& t) { return t.scalar_type() == at::kFloat && t.device().is_cpu(); }
 
-bool is_weight_cpu(const at::Tensor& t, at::ScalarType dtype) {
-  return t.scalar_type() == dtype && t.device().is_cpu() && t.is_contiguous() &&
-         (dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16);
-}
-
-// For each token t whose slot s = token_slots[t] is not -1: h = lora_a[s] @ x[t] ([parts * rank]), and for each
-// part p, y[t, offsets[p] : offsets[p] + out_p] += h[p * rank : (p + 1) * rank] @ lora_b[p][s].
-void add_lora(const at::Tensor& x, const at::Tensor& lora_a, const std::vector<at::Tensor>& lora_b,
-              const std::vector<int64_t>& offsets, const at::Tensor& token_slots, at::Tensor& y) {
-  TORCH_CHECK_VALUE(x.dim() == 2 && is_float_cpu(x) && x.stride(1) == 1,
-                    "x must be a float32 CPU [tokens, in] matrix with contiguous rows, got ", x.sizes(), " ",
-                    x.scalar_type(), " strides ", x.strides());
-  const int64_t tokens = x.size(0), in = x.size(1);
-  const at::ScalarType dtype = lora_a.scalar_type();
-  TORCH_CHECK_VALUE(lora_a.dim() == 3 && is_weight_cpu(lora_a, dtype) && lora_a.size(2) == in,
-                    "lora_a must be a contiguous float32, float16 or bfloat16 CPU [slots, parts * rank, ", in,
-                    "] tensor, got ", lora_a.sizes(), " ", dtype);
-  const int64_t slots = lora_a.size(0), part_rows = lora_a.size(1), parts = static_cast<int64_t>(lora_b.size());
-  TORCH_CHECK_VALUE(parts > 0 && part_rows % parts == 0 && static_cast<int64_t>(offsets.size()) == parts,
-                    "lora_a's ", part_rows, " rows, ", parts, " lora_b and ", offsets.size(), " offsets do not match");
-  const int64_t rank = part_rows / parts;
-  TORCH_CHECK_VALUE(y.dim() == 2 && is_float_cpu(y) && y.stride(1) == 1 && y.size(0) == tokens,
-                    "y must be a float32 CPU [", tokens, ", out] matrix with contiguous rows, got ", y.sizes());
-  std::vector<int64_t> widths(parts);
-  for (int64_t p = 0; p < parts; ++p) {
-    const at::Tensor& b = lora_b[p];
-    TORCH_CHECK_VALUE(b.dim() == 3 && is_weight_cpu(b, dtype) && b.size(0) == slots && b.size(1) == rank,
-                      "lora_b[", p, "] must be a contiguous ", dtype, " CPU [", slots, ", ", rank,
-                      ", out] tensor like lora_a, got ", b.sizes(), " ", b.scalar_type());
-    TORCH_CHECK_VALUE(offsets[p] >= 0 && offsets[p] + b.size(2) <= y.size(1), "part ", p, " (columns ", offsets[p],
-                      " to ", offsets[p] + b.size(2), ") falls outside y's ", y.size(1), " columns");
-    widths[p] = b.size(2);
-  }
-  TORCH_CHECK_VALUE(token_slots.dim() == 1 && token_slots.size(0) == tokens && token_slots.is_contiguous() &&
-                        token_slots.scalar_type() == at::kLong && token_slots.device().is_cpu(),
-                    "token_slots must be a contiguous int64 CPU vector of ", tokens, ", got ", token_slots.sizes());
-  const int64_t* slot_of = token_slots.data_ptr<int64_t>();
-  for (int64_t t = 0; t < tokens; ++t) {
-    TORCH_CHECK_VALUE(slot_of[t] >= -1 && slot_of[t] < slots, "token ", t, " uses slot ", slot_of[t], " of ", slots);
-  }
-  // Blocks of up to kBlock tokens of one slot, slot by slot, in token order within each.
-  std::vector<std::vector<int64_t>> tokens_of(slots);
-  for (int64_t t = 0; t < tokens; ++t)
-    if (slot_of[t] >= 0) tokens_of[slot_of[t]].push_back(t);
-  float* xp = x.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  std::vector<Block> blocks;
-  for (int64_t s = 0; s < slots; ++s) {
-    for (size_t start = 0; start < tokens_of[s].size(); start += kBlock) {
-      Block block{s, static_cast<int>(std::min<size_t>(kBlock, tokens_of[s].size() - start)), {}, {}};
-      for (int i = 0; i < block.count; ++i) {
-        block.x[i] = xp + tokens_of[s][start + i] * x.stride(0);
-        block.y[i] = yp + tokens_of[s][start + i] * y.stride(0);
-      }
-      blocks.push_back(block);
+// One adapted linear's slots: lora_a [slots, parts * rank, in] and lora_b[p] [slots, rank, out_p], checked once
+// when the linear's slots are made. The tensors are held, and only ever written in place (an adapter loaded into
+// a slot), so what was checked stays true.
+class Weights {
+ public:
+  Weights(at::Tensor lora_a, std::vector<at::Tensor> lora_b, std::vector<int64_t> offsets)
+      : lora_a_(std::move(lora_a)), lora_b_(std::move(lora_b)), offsets_(std::move(offsets)) {
+    dtype_ = lora_a_.scalar_type();
+    TORCH_CHECK_VALUE(lora_a_.dim() == 3 && is_weight_cpu(lora_a_, dtype_),
+                      "lora_a must be a contiguous float32, float16 or bfloat16 CPU [slots, parts * rank, in] "
+                      "tensor, got ",
+                      lora_a_.sizes(), " ", dtype_);
+    slots_ = lora_a_.size(0);
+    part_rows_ = lora_a_.size(1);
+    in_ = lora_a_.size(2);
+    const int64_t parts = static_cast<int64_t>(lora_b_.size());
+    TORCH_CHECK_VALUE(parts > 0 && part_rows_ % parts == 0 && static_cast<int64_t>(offsets_.size()) == parts,
+                      "lora_a's ", part_rows_, " rows, ", parts, " lora_b and ", offsets_.size(),
+                      " offsets do not match");
+    rank_ = part_rows_ / parts;
+    for (int64_t p = 0; p < parts; ++p) {
+      const at::Tensor& b = lora_b_[p];
+      TORCH_CHECK_VALUE(b.dim() == 3 && is_weight_cpu(b, dtype_) && b.size(0) == slots_ && b.size(1) == rank_,
+                        "lora_b[", p, "] must be a contiguous ", dtype_, " CPU [", slots_, ", ", rank_,
+                        ", out] tensor like lora_a, got ", b.sizes(), " ", b.scalar_type());
+      TORCH_CHECK_VALUE(offsets_[p] >= 0, "part ", p, " starts at column ", offsets_[p]);
+      widths_.push_back(b.size(2));
+      columns_ = std::max(columns_, offsets_[p] + b.size(2));
     }
   }
-  switch (lora_a.scalar_type()) {
-    case at::kFloat: add_lora_blocks<float>(blocks, lora_a, lora_b, offsets, widths, rank); break;
-    case at::kHalf: add_lora_blocks<at::Half>(blocks, lora_a, lora_b, offsets, widths, rank); break;
-    default: add_lora_blocks<at::BFloat16>(blocks, lora_a, lora_b, offsets, widths, rank); break;
+
+  // For each token t of the plan whose slot s is not -1: h = lora_a[s] @ x[t] ([parts * rank]), and for each
+  // part p, y[t, offsets[p] : offsets[p] + out_p] += h[p * rank : (p + 1) * rank] @ lora_b[p][s].
+  void add(const Plan& plan, const at::Tensor& x, at::Tensor& y) const {
+    TORCH_CHECK_VALUE(x.dim() == 2 && is_float_cpu(x) && x.stride(1) == 1 && x.size(1) == in_,
+                      "x must be a float32 CPU [tokens, ", in_, "] matrix with contiguous rows, got ", x.sizes(),
+                      " ", x.scalar_type(), " strides ", x.strides());
+    const int64_t tokens = x.size(0);
+    TORCH_CHECK_VALUE(tokens == plan.num_tokens(), "x has ", tokens, " rows, the plan ", plan.num_tokens(),
+                      " tokens");
+    TORCH_CHECK_VALUE(plan.max_slot() < slots_, "a token uses slot ", plan.max_slot(), " of ", slots_);
+    TORCH_CHECK_VALUE(y.dim() == 2 && is_float_cpu(y) && y.stride(1) == 1 && y.size(0) == tokens,
+                      "y must be a float32 CPU [", tokens, ", out] matrix with contiguous rows, got ", y.sizes());
+    TORCH_CHECK_VALUE(columns_ <= y.size(1), "the parts reach column ", columns_, ", past y's ", y.size(1),
+                      " columns");
+    const float* xp = x.data_ptr<float>();
+    float* yp = y.data_ptr<float>();
+    std::vector<Rows> rows;
+    rows.reserve(plan.blocks().size());
+    for (const Plan::Block& block : plan.blocks()) {
+      Rows r{block.slot, block.count, {}, {}};
+      for (int i = 0; i < block.count; ++i) {
+        r.x[i] = xp + block.tokens[i] * x.stride(0);
+        r.y[i] = yp + block.tokens[i] * y.stride(0);
+      }
+      rows.push_back(r);
+    }
+    switch (dtype_) {
+      case at::kFloat: run<float>(rows); break;
+      case at::kHalf: run<at::Half>(rows); break;
+      default: run<at::BFloat16>(rows); break;
+    }
   }
-}
+
+ private:
+  static bool is_weight_cpu(const at::Tensor& t, at::ScalarType dtype) {
+    return t.scalar_type() == dtype && t.device().is_cpu() && t.is_contiguous() &&
+           (dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16);
+  }
+
+  template <typename W>
+  const W* slot_a(int64_t slot) const {
+    return lora_a_.const_data_ptr<W>() + slot * part_rows_ * in_;
+  }
+
+  template <typename W>
+  const W* slot_b(size_t part, int64_t slot) const {
+    return lora_b_[part].const_data_ptr<W>() + slot * rank_ * widths_[part];
+  }
+
+  template <typename W>
+  void run(const std::vector<Rows>& rows) const {
+    if (rows.size() == 1 && rows[0].count == 1 && at::get_num_threads() > 1 && rank_ > 1) {
+      split_one_token<W>(rows[0]);
+      return;
+    }
+    at::parallel_for(0, static_cast<int64_t>(rows.size()), 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> h(kBlock * part_rows_);
+      for (int64_t i = begin; i < end; ++i) {
+        switch (rows[i].count) {
+          case 1: run_block<W, 1>(rows[i], h.data()); break;
+          case 2: run_block<W, 2>(rows[i], h.data()); break;
+          case 3: run_block<W, 3>(rows[i], h.data()); break;
+          default: run_block<W, kBlock>(rows[i], h.data()); break;
+        }
+      }
+    });
+  }
+
+  template <typename W, int N>
+  void run_block(const Rows& block, float* h) const {
+    shrink<W, N>(slot_a<W>(block.slot), part_rows_, in_, block.x, h, part_rows_);
+    for (size_t p = 0; p < widths_.size(); ++p) {
+      float* y[N];
+      for (int t = 0; t < N; ++t) y[t] = block.y[t] + offsets_[p];
+      expand<W, N>(h + p * rank_, part_rows_, rank_, slot_b<W>(p, block.slot), widths_[p], y, widths_[p]);
+    }
+  }
+
+  // One token (a decode step of one stream) is one block: each thread takes a share of the rank, shrinks its rows
+  // of A for every part and expands them with the same rows of B, so that the threads stream disjoint halves of
+  // the adapter in one parallel region. The first thread adds into y, the others into buffers summed after.
+  template <typename W>
+  void split_one_token(const Rows& block) const {
+    const int64_t threads = std::min<int64_t>(at::get_num_threads(), rank_);
+    const size_t parts = widths_.size();
+    std::vector<int64_t> packed(parts + 1, 0);  // each part's first column in a thread's buffer
+    for (size_t p = 0; p < parts; ++p) packed[p + 1] = packed[p] + widths_[p];
+    std::vector<float> partial((threads - 1) * packed[parts], 0.0f);
+    at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> h(rank_);
+      for (int64_t j = begin; j < end; ++j) {
+        const int64_t first = rank_ * j / threads, count = rank_ * (j + 1) / threads - first;
+        for (size_t p = 0; p < parts; ++p) {
+          shrink<W, 1>(slot_a<W>(block.slot) + (p * rank_ + first) * in_, count, in_, block.x, h.data(), 0);
+          float* y[1] = {j == 0 ? block.y[0] + offsets_[p] : partial.data() + (j - 1) * packed[parts] + packed[p]};
+          expand<W, 1>(h.data(), 0, count, slot_b<W>(p, block.slot) + first * widths_[p], widths_[p], y,
+                       widths_[p]);
+        }
+      }
+    });
+    for (int64_t j = 1; j < threads; ++j)
+      for (size_t p = 0; p < parts; ++p) {
+        const float* from = partial.data() + (j - 1) * packed[parts] + packed[p];
+        float* to = block.y[0] + offsets_[p];
+        for (int64_t o = 0; o < widths_[p]; ++o) to[o] += from[o];
+      }
+  }
+
+  at::Tensor lora_a_;
+  std::vector<at::Tensor> lora_b_;
+  std::vector<int64_t> offsets_;
+  std::vector<int64_t> widths_;
+  at::ScalarType dtype_;
+  int64_t slots_ = 0, part_rows_ = 0, in_ = 0, rank_ = 0, columns_ = 0;
+};
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("add_lora", &add_lora, "Each token's adapter product added in place to a float32 linear's output",
-        pybind11::arg("x"), pybind11::arg("lora_a"), pybind11::arg("lora_b"), pybind11::arg("offsets"),
-        pybind11::arg("token_slots"), pybind11::arg("y"));
+  pybind11::class_<Plan>(m, "Plan", "A step's tokens grouped by adapter slot (token_slots: int64, -1 for none)")
+      .def(pybind11::init<const at::Tensor&>(), pybind11::arg("token_slots"));
+  pybind11::class_<Weights>(m, "Weights", "One adapted linear's slots, checked once")
+      .def(pybind11::init<at::Tensor, std::vector<at::Tensor>, std::vector<int64_t>>(), pybind11::arg("lora_a"),
+           pybind11::arg("lora_b"), pybind11::arg("offsets"))
+      .def("add", &Weights::add, "Each token's adapter product added in place to a float32 linear's output",
+           pybind11::arg("plan"), pybind11::arg("x"), pybind11::arg("y"));
 }
