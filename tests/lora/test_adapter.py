@@ -102,3 +102,15 @@ def test_engine_without_lora_refuses_adapters(lora_model_dir: Path, adapters: li
                                 lora_request=LoRARequest("a", 1, str(adapters[0])))  # fmt: skip
     with pytest.raises(InvalidRequestError, match="LoRA is not enabled; start the engine with --enable-lora"):
         engine.add_request(request)
+
+
+def test_front_end_shapes_leave_a_mixture_of_experts_to_the_engine(tmp_path: Path, lora_model_dir: Path) -> None:
+    """The front end checks adapters against a dense Llama's linears from config.json; a MoE model's MLPs are not
+    those (a shared expert, routed experts), so it leaves the check to the engine, which reads the modules."""
+    from tokenmill.lora.registry import base_linear_shapes
+    from tokenmill.testing.factories import save_hf_model
+
+    dense = base_linear_shapes(lora_model_dir)
+    assert dense is not None and "model.layers.0.mlp.gate_proj" in dense
+    save_hf_model("qwen2-moe-tiny", tmp_path / "moe")
+    assert base_linear_shapes(tmp_path / "moe") is None

@@ -124,3 +124,40 @@ def test_narrow_adapter_dtypes_stay_close_to_peft(
     logits, expected, base = _logits_beside_peft(engine, lora, peft_model("llama-tiny", adapters[0]), PROMPTS[0])
     error, effect = (logits - expected).abs().max().item(), (expected - base).abs().max().item()
     assert 1e-6 < error < share * effect  # rounded (not float32), but only by the weights' precision
+
+
+@pytest.mark.parametrize(
+    ("base", "targets"),
+    [
+        ("qwen3-moe-tiny", ["q_proj", "k_proj", "v_proj", "o_proj"]),
+        ("qwen2-moe-tiny", r".*(self_attn\.(q|v)_proj|shared_expert\.(gate|up|down)_proj)"),
+    ],
+)
+def test_adapters_on_a_mixture_of_experts_base_match_peft(tmp_path: Path, base: str, targets: Any) -> None:
+    """On a MoE base, adapters apply to what every token passes through (attention; a shared expert's MLP):
+    logits as PEFT's. The routed experts each see only their tokens, so they hold no slots (an adapter on
+    attention alone once failed the first adapted step there), and an adapter that adapts them is refused."""
+    from tests.lora.conftest import save_peft_adapter
+    from tokenmill.lora.adapter import LoRAAdapterError
+    from tokenmill.testing.factories import save_tiny_model
+
+    model_dir = save_tiny_model(tmp_path / "base", base)
+    adapter = save_peft_adapter(tmp_path / "adapter", base=base, target_modules=targets)
+    engine = _lora_engine(model_dir, max_lora_rank=16)
+    assert engine.lora is not None
+    lora = LoRARequest("m", 1, str(adapter))
+    engine.lora.add_adapter(lora)
+    reference = peft_model(base, adapter)
+    for prompt in PROMPTS[:2]:
+        logits, expected, base_logits = _logits_beside_peft(engine, lora, reference, prompt)
+        torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
+        assert (logits - base_logits).abs().max() > 0.1
+    tokens = run_to_completion(engine, [_request("r", PROMPTS[0], lora)])["r"]
+    assert len(tokens) == 12
+    # Every target: PEFT adapts Qwen3-MoE's routed experts too (Qwen2-MoE's only through the shared expert).
+    experts = save_peft_adapter(tmp_path / "experts", base=base)
+    if base == "qwen3-moe-tiny":
+        with pytest.raises(LoRAAdapterError, match=r"adapts the routed experts of a mixture of experts \(model\."):
+            engine.lora.add_adapter(LoRARequest("e", 2, str(experts)))
+    else:
+        engine.lora.add_adapter(LoRARequest("e", 2, str(experts)))

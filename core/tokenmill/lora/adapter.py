@@ -243,6 +243,11 @@ def _check_module(
     if module_names is not None and linear_shapes is not None:
         if module not in module_names:
             leaf = module.rsplit(".", 1)[-1]
+            if ".experts." in f"{module}." and ".shared_expert" not in module:
+                raise LoRAAdapterError(
+                    f"{where}: it adapts the routed experts of a mixture of experts ({module}), which tokenmill "
+                    "does not apply adapters to yet (attention, dense MLPs and shared experts only)"
+                )
             if leaf not in SUPPORTED_TARGET_MODULES and not any(n.endswith(f".{leaf}") for n in module_names):
                 raise LoRAAdapterError(
                     f"{where}: it adapts {leaf!r}, which tokenmill does not apply adapters to "

@@ -35,6 +35,7 @@ from torch import nn
 
 from tokenmill.config import ConfigError
 from tokenmill.layers.linear import Linear
+from tokenmill.layers.moe import Experts
 from tokenmill.lora.adapter import SUPPORTED_TARGET_MODULES, LoRAAdapter, LoRAAdapterError, TensorSpec, read_adapter
 from tokenmill.lora.kernels import LoRAKernels
 from tokenmill.lora.layers import LinearLoRA, LoRAContext
@@ -180,8 +181,11 @@ class LoRAManager:
         self.linear_shapes: dict[str, tuple[int, int]] = {}
         self.layers: list[LinearLoRA] = []
         packed: dict[str, tuple[str, ...]] = getattr(model, "packed_modules", {})
+        # A MoE layer's routed experts each see only the tokens routed to them, not the step's layout: adapters
+        # apply to the linears every token passes through (attention, a dense MLP, a shared expert).
+        routed = tuple(f"{name}." for name, module in model.named_modules() if isinstance(module, Experts))
         for name, module in model.named_modules():
-            if not isinstance(module, Linear) or "." not in name:
+            if not isinstance(module, Linear) or "." not in name or name.startswith(routed):
                 continue
             parent, leaf = name.rsplit(".", 1)
             parts = packed.get(leaf, (leaf,))

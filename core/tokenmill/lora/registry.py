@@ -54,9 +54,12 @@ def base_linear_shapes(model_dir: str | Path | None) -> dict[str, tuple[int, int
     if model_dir is None or not (Path(model_dir) / "config.json").is_file():
         return None
     try:
-        arch = ArchitectureConfig.from_hf_config(json.loads((Path(model_dir) / "config.json").read_text()))
+        hf = json.loads((Path(model_dir) / "config.json").read_text())
+        arch = ArchitectureConfig.from_hf_config(hf)
     except (ArchitectureError, ValueError, KeyError, TypeError):
         return None
+    if any(hf.get(key) for key in ("num_experts", "num_local_experts", "n_routed_experts")):
+        return None  # a mixture of experts: its MLPs are not the dense ones listed below
     return linear_shapes(arch.num_layers, arch.hidden_size, arch.num_attention_heads, arch.num_kv_heads,
                          arch.head_dim, arch.intermediate_size)  # fmt: skip
 
