@@ -114,3 +114,27 @@ def test_front_end_shapes_leave_a_mixture_of_experts_to_the_engine(tmp_path: Pat
     assert dense is not None and "model.layers.0.mlp.gate_proj" in dense
     save_hf_model("qwen2-moe-tiny", tmp_path / "moe")
     assert base_linear_shapes(tmp_path / "moe") is None
+
+
+def test_fused_experts_adapters_are_checked_against_the_experts(tmp_path: Path) -> None:
+    """PEFT's adapter on a MoE model's fused experts parameters: per expert modules against the base's experts;
+    the front end (no base shapes) checks the tensors alone; experts of another width are one line."""
+    from tokenmill.testing.factories import save_tiny_model
+
+    adapter = save_peft_adapter(tmp_path / "adapter", base="qwen3-moe-tiny")
+    assert read_adapter(adapter, None, 16).modules  # attention's; the experts' wait for the engine
+    engine = make_engine(save_tiny_model(tmp_path / "base", "qwen3-moe-tiny"), lora={"enable_lora": True,
+                         "max_lora_rank": 16})  # fmt: skip
+    assert engine.lora is not None
+    checked = read_adapter(adapter, engine.lora.linear_shapes, 16)
+    gate, up, down = (checked.modules[f"model.layers.0.mlp.experts.7.{leaf}"] for leaf in ("gate_proj", "up_proj",
+                                                                                             "down_proj"))  # fmt: skip
+    assert (gate.rank, gate.out_rows, up.out_rows, gate.num_experts, down.rank) == (16, (0, 32), (32, 64), 8, 8)
+    with pytest.raises(LoRAAdapterError, match="rank 16, above lora.max_lora_rank=8"):
+        read_adapter(adapter, engine.lora.linear_shapes, 8)
+    other = make_engine(save_tiny_model(tmp_path / "other", "qwen3-moe-tiny", moe_intermediate_size=48),
+                        lora={"enable_lora": True, "max_lora_rank": 16})  # fmt: skip
+    assert other.lora is not None
+    with pytest.raises(LoRAAdapterError, match=r"experts is 32 -> 64 in the adapter, which is neither the experts' "
+                                               r"gate_up_proj \(64 -> 96\) nor their down_proj"):  # fmt: skip
+        read_adapter(adapter, other.lora.linear_shapes, 16)

@@ -14,6 +14,7 @@ from tokenmill import LoRARequest, SamplingParams
 from tokenmill.engine import EngineCore, now
 from tokenmill.messages import EngineCoreRequest
 from tokenmill.model_runner import SequenceChunk
+from tokenmill.testing.factories import save_tiny_model
 
 PROMPTS = [[5, 17, 300, 42, 9, 77, 123, 8, 64, 200, 31], [400, 3, 3, 90], [250, 251, 252, 253, 254, 255, 256]]
 
@@ -126,38 +127,131 @@ def test_narrow_adapter_dtypes_stay_close_to_peft(
     assert 1e-6 < error < share * effect  # rounded (not float32), but only by the weights' precision
 
 
-@pytest.mark.parametrize(
-    ("base", "targets"),
-    [
-        ("qwen3-moe-tiny", ["q_proj", "k_proj", "v_proj", "o_proj"]),
-        ("qwen2-moe-tiny", r".*(self_attn\.(q|v)_proj|shared_expert\.(gate|up|down)_proj)"),
-    ],
-)
-def test_adapters_on_a_mixture_of_experts_base_match_peft(tmp_path: Path, base: str, targets: Any) -> None:
-    """On a MoE base, adapters apply to what every token passes through (attention; a shared expert's MLP):
-    logits as PEFT's. The routed experts each see only their tokens, so they hold no slots (an adapter on
-    attention alone once failed the first adapted step there), and an adapter that adapts them is refused."""
+@pytest.mark.parametrize("base", ["qwen3-moe-tiny", "mixtral-tiny", "olmoe-tiny", "qwen2-moe-tiny"])
+def test_adapters_on_a_mixture_of_experts_match_peft(tmp_path: Path, base: str) -> None:
+    """Every target on a MoE base: attention, and the routed experts, which PEFT adapts through their fused
+    parameters (``target_parameters`` gate_up_proj and down_proj; Qwen2-MoE's through its shared expert). Each
+    expert runs its adapter on the tokens routed to it: logits as PEFT's, greedy tokens too."""
     from tests.lora.conftest import save_peft_adapter
-    from tokenmill.lora.adapter import LoRAAdapterError
-    from tokenmill.testing.factories import save_tiny_model
 
     model_dir = save_tiny_model(tmp_path / "base", base)
-    adapter = save_peft_adapter(tmp_path / "adapter", base=base, target_modules=targets)
-    engine = _lora_engine(model_dir, max_lora_rank=16)
+    adapter = save_peft_adapter(tmp_path / "adapter", base=base)
+    engine = _lora_engine(model_dir, max_lora_rank=16)  # gate_up_proj's rank is gate's and up's: 16
     assert engine.lora is not None
     lora = LoRARequest("m", 1, str(adapter))
     engine.lora.add_adapter(lora)
     reference = peft_model(base, adapter)
-    for prompt in PROMPTS[:2]:
+    for prompt in PROMPTS:
         logits, expected, base_logits = _logits_beside_peft(engine, lora, reference, prompt)
         torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
         assert (logits - base_logits).abs().max() > 0.1
     tokens = run_to_completion(engine, [_request("r", PROMPTS[0], lora)])["r"]
-    assert len(tokens) == 12
-    # Every target: PEFT adapts Qwen3-MoE's routed experts too (Qwen2-MoE's only through the shared expert).
-    experts = save_peft_adapter(tmp_path / "experts", base=base)
-    if base == "qwen3-moe-tiny":
-        with pytest.raises(LoRAAdapterError, match=r"adapts the routed experts of a mixture of experts \(model\."):
-            engine.lora.add_adapter(LoRARequest("e", 2, str(experts)))
-    else:
-        engine.lora.add_adapter(LoRARequest("e", 2, str(experts)))
+    with torch.no_grad():
+        generated = reference.generate(input_ids=torch.tensor([PROMPTS[0]]), max_new_tokens=12, do_sample=False,
+                                       eos_token_id=None, pad_token_id=0)  # fmt: skip
+    assert tokens == generated[0, len(PROMPTS[0]) :].tolist()
+
+
+def _per_expert_adapter(fused: Path, directory: Path, num_experts: int) -> Path:
+    """``fused``'s adapter rewritten as adapters over per-expert linears are saved (transformers 4's experts,
+    vLLM's per-expert names): ``experts.{e}.gate_proj``/``up_proj``/``down_proj``, each its own lora_A/lora_B."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((fused / "adapter_config.json").read_text())
+    tensors = load_file(fused / "adapter_model.safetensors")
+    out: dict[str, torch.Tensor] = {}
+    rank_pattern: dict[str, int] = {}
+    alpha_pattern: dict[str, float] = {}
+    for name, tensor in tensors.items():
+        if ".experts." not in name or not name.endswith("lora_A.weight"):
+            out.setdefault(name, tensor)
+            continue
+        prefix = name.removesuffix(".lora_A.weight")
+        a, b = tensor, tensors[f"{prefix}.lora_B.weight"]
+        layer = prefix.split(".experts")[0] + ".experts"
+        rank = a.shape[0] // num_experts
+        # PEFT wraps target_parameters in order, the last outermost: gate_up_proj is the inner wrapper.
+        param = "gate_up_proj" if prefix.endswith(".base_layer") else "down_proj"
+        leaves = ("gate_proj", "up_proj") if param == "gate_up_proj" else ("down_proj",)
+        for expert in range(num_experts):
+            a_e = a.reshape(num_experts, rank, -1)[expert]
+            b_e = b.reshape(b.shape[0], rank, num_experts)[:, :, expert]
+            for index, leaf in enumerate(leaves):
+                rows = b_e.shape[0] // len(leaves)
+                out[f"{layer}.{expert}.{leaf}.lora_A.weight"] = a_e.clone()
+                out[f"{layer}.{expert}.{leaf}.lora_B.weight"] = b_e[index * rows : (index + 1) * rows].clone()
+            for leaf in leaves:
+                rank_pattern[leaf] = rank
+                alpha_pattern[leaf] = config["alpha_pattern"].get(rf".*\.{param}", config["lora_alpha"])
+        out.pop(name, None)
+        out.pop(f"{prefix}.lora_B.weight", None)
+    for name in list(out):
+        if ".experts.base_layer." in name or name.endswith(".experts.lora_B.weight"):
+            del out[name]
+    directory.mkdir()
+    config.update(target_parameters=None, rank_pattern=rank_pattern, alpha_pattern=alpha_pattern,
+                  target_modules=sorted(set(config["target_modules"]) | set(rank_pattern)))  # fmt: skip
+    (directory / "adapter_config.json").write_text(json.dumps(config))
+    save_file(out, directory / "adapter_model.safetensors")
+    return directory
+
+
+def test_per_expert_adapters_equal_the_fused_ones(tmp_path: Path) -> None:
+    """An adapter saved over per-expert linears (``experts.{e}.gate_proj``..., as transformers 4 named them) gives
+    the logits of the same weights saved over the fused experts; a batch mixing the two, another adapter and the
+    base model gives each request what it gets alone."""
+    from tests.lora.conftest import save_peft_adapter
+
+    model_dir = save_tiny_model(tmp_path / "base", "qwen3-moe-tiny")
+    fused = save_peft_adapter(tmp_path / "fused", base="qwen3-moe-tiny")
+    split = _per_expert_adapter(fused, tmp_path / "split", num_experts=8)
+    other = save_peft_adapter(tmp_path / "other", base="qwen3-moe-tiny", seed=5)
+    loras = [LoRARequest("fused", 1, str(fused)), LoRARequest("split", 2, str(split)),
+             LoRARequest("other", 3, str(other)), None]  # fmt: skip
+    engine = _lora_engine(model_dir, max_lora_rank=16, max_loras=3)
+    assert engine.lora is not None
+    for lora in loras[:3]:
+        assert lora is not None
+        engine.lora.add_adapter(lora)
+    prompt = PROMPTS[0]
+    outputs = []
+    for lora in loras[:2]:
+        assert lora is not None
+        engine.lora.set_batch([lora], [len(prompt)])
+        outputs.append(engine.executor.runner.execute([SequenceChunk(prompt, 0, list(range(8)))], all_logits=True))
+    torch.testing.assert_close(outputs[0], outputs[1], atol=1e-5, rtol=0)
+    alone = {}
+    for i, lora in enumerate(loras):
+        alone[i] = run_to_completion(_lora_engine(model_dir, max_lora_rank=16), [_request(f"r{i}", prompt, lora)])
+    together = run_to_completion(
+        _lora_engine(model_dir, max_lora_rank=16, max_loras=3),
+        [_request(f"r{i}", prompt, lora) for i, lora in enumerate(loras)],
+    )
+    assert together == {k: v for out in alone.values() for k, v in out.items()}
+    assert alone[0]["r0"] == alone[1]["r1"] and len({tuple(alone[i][f"r{i}"]) for i in (0, 2, 3)}) == 3
+
+
+def test_adapters_on_experts_need_fused_experts_kernels_that_run_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under fused experts kernels that do not run adapters, an adapter on the routed experts is refused in one
+    line, and one on attention still serves (the experts hold no slots: an attention adapter once failed the first
+    adapted step of a MoE model, whose experts' linears held slots but saw only their tokens)."""
+    from tests.lora.conftest import save_peft_adapter
+    from tokenmill.layers.fused_experts import TorchFusedExperts
+    from tokenmill.lora.adapter import LoRAAdapterError
+
+    monkeypatch.setattr(TorchFusedExperts, "supports_lora", False)
+    model_dir = save_tiny_model(tmp_path / "base", "qwen3-moe-tiny")
+    engine = _lora_engine(model_dir, max_lora_rank=16)
+    assert engine.lora is not None
+    experts = save_peft_adapter(tmp_path / "experts", base="qwen3-moe-tiny")
+    with pytest.raises(LoRAAdapterError, match=r"adapts the routed experts of a mixture of experts \(model\.layers"):
+        engine.lora.add_adapter(LoRARequest("e", 1, str(experts)))
+    attention = save_peft_adapter(tmp_path / "attention", base="qwen3-moe-tiny", target_modules=["q_proj", "o_proj"])
+    lora = LoRARequest("a", 2, str(attention))
+    engine.lora.add_adapter(lora)
+    logits, expected, _ = _logits_beside_peft(engine, lora, peft_model("qwen3-moe-tiny", attention), PROMPTS[1])
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)

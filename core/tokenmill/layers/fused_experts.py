@@ -38,6 +38,11 @@ class FusedExperts(SelectableKernels):
     ``auto`` (``model.fused_experts``) picks by ``auto_priority`` among those ``auto_selectable`` on the device.
     """
 
+    #: Whether ``apply`` runs LoRA adapters on the experts: when ``experts.lora`` is set, it calls
+    #: ``experts.lora.route`` with each pair's token, grouped by expert, then ``experts.lora.select`` before each
+    #: expert's linears run, as the reference does. Otherwise adapters on the routed experts are refused at load.
+    supports_lora: ClassVar[bool] = False
+
     @abstractmethod
     def apply(
         self, experts: Experts, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
@@ -56,6 +61,7 @@ class TorchFusedExperts(FusedExperts):
     """The reference: tokens grouped by expert, each active expert's linears run once over its tokens."""
 
     name: ClassVar[str] = "torch"
+    supports_lora: ClassVar[bool] = True
 
     def apply(
         self, experts: Experts, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
@@ -69,13 +75,20 @@ class TorchFusedExperts(FusedExperts):
         weight_of_pair = topk_weights.reshape(-1)[order, None]  # [num_pairs, 1]
         sorted_x = x[token_of_pair]  # [num_pairs, hidden]
         out = torch.zeros_like(x)  # [num_tokens, hidden]
+        lora = experts.lora
+        if lora is not None:
+            lora.route(token_of_pair)
         start = 0
         for expert_id, count in enumerate(counts):
             if count == 0:
                 continue
             rows = slice(start, start + count)
+            if lora is not None:
+                lora.select(start, start + count)
             out.index_add_(0, token_of_pair[rows], experts[expert_id](sorted_x[rows]) * weight_of_pair[rows])
             start += count
+        if lora is not None:
+            lora.select(0, 0)
         return out
 
 

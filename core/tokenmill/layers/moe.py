@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +30,9 @@ from tokenmill.layers.linear import Linear, LinearShard, MergedLinear
 from tokenmill.layers.quantizer import Quantizer, layer_tensor
 from tokenmill.parallel.group import TensorParallelGroup, single_process_group
 from tokenmill.weights.format import LoadedTensor
+
+if TYPE_CHECKING:
+    from tokenmill.lora.layers import RoutedLoRA
 
 
 @dataclass(frozen=True)
@@ -86,6 +90,10 @@ class ExpertMLP(UsesLayerKernels):
 
 class Experts(nn.ModuleList):
     """The routed experts, ``experts[e]`` an ``ExpertMLP`` (checkpoint names ``experts.{e}.*``)."""
+
+    #: With LoRA enabled under fused experts kernels that support it: what tells the experts' adapters which tokens
+    #: each expert runs on (``FusedExperts.supports_lora``).
+    lora: RoutedLoRA | None = None
 
     def stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every expert's dense weights stacked: ``gate_up`` [num_experts, 2 * inner, hidden] and ``down``

@@ -36,6 +36,11 @@ _PEFT_PREFIX = "base_model.model."
 SUPPORTED_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 #: The safetensors dtypes an adapter's tensors may have, with their sizes in bytes.
 TENSOR_DTYPES = {"F32": 4, "F16": 2, "BF16": 2}
+#: PEFT's wrapper of a mixture of experts' fused parameters: ``<layer>.experts``, each further parameter of the same
+#: module wrapping the last (``.base_layer``).
+_FUSED_EXPERTS = re.compile(r"(.*\.experts)((?:\.base_layer)*)")
+#: The fused experts' parameters an adapter may adapt.
+_FUSED_EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
 #: Header larger than this is not a safetensors file we read.
 _MAX_HEADER_BYTES = 100 * 2**20
 
@@ -58,13 +63,34 @@ class TensorSpec:
 
 @dataclass(frozen=True)
 class LoRAModule:
-    """One adapted linear: its tensors, rank and scaling."""
+    """One adapted linear: its tensors, rank and scaling.
+
+    An expert of a mixture of experts whose adapter PEFT made over the experts' fused parameters (its
+    ``target_parameters``: ``gate_up_proj`` ``[experts, 2 * inner, hidden]``, ``down_proj``) shares its tensors with
+    the other experts: ``lora_a`` ``[experts * r, in]`` holds expert ``e``'s rows ``e * r`` onwards, and ``lora_b``
+    ``[out, r * experts]`` its columns ``k * experts + e`` (PEFT's ``ParamWrapper``); a merged parameter's parts
+    (gate and up of ``gate_up_proj``) take their own rows of the outputs (``out_rows``). ``a_view``/``b_view`` say
+    where one module's matrices lie in its tensors."""
 
     module: str  # the base model's module name (``model.layers.0.self_attn.q_proj``)
-    lora_a: TensorSpec  # [r, in]
-    lora_b: TensorSpec  # [out, r]
+    lora_a: TensorSpec  # [r, in]; a fused experts' [experts * r, in]
+    lora_b: TensorSpec  # [out, r]; a fused experts' [out of every part, r * experts]
     rank: int
     scaling: float
+    expert: int = 0
+    num_experts: int = 1
+    out_rows: tuple[int, int] | None = None  # the rows of lora_b's outputs this module takes (None: all)
+
+    def a_view(self) -> tuple[tuple[int, int], tuple[int, int], int]:
+        """``(shape, strides, offset)`` in elements of ``lora_a`` ``[r, in]`` within its tensor."""
+        columns = self.lora_a.shape[1]
+        return (self.rank, columns), (columns, 1), self.expert * self.rank * columns
+
+    def b_view(self) -> tuple[tuple[int, int], tuple[int, int], int]:
+        """``(shape, strides, offset)`` in elements of ``lora_b`` ``[out, r]`` within its tensor."""
+        first, end = self.out_rows or (0, self.lora_b.shape[0])
+        width = self.lora_b.shape[1]
+        return (end - first, self.rank), (width, self.num_experts), first * width + self.expert
 
 
 @dataclass(frozen=True)
@@ -140,6 +166,11 @@ def read_adapter(
         missing = {"lora_A", "lora_B"} - set(names)
         if missing:
             raise LoRAAdapterError(f"{where}: {module} has no {missing.pop()}.weight")
+        if _FUSED_EXPERTS.fullmatch(module):
+            for expert in _fused_experts(where, config, module, names, header, data_start, linear_shapes,
+                                         max_lora_rank):  # fmt: skip
+                modules[expert.module] = expert
+            continue
         modules[module] = _check_module(
             where, config, module, names, header, data_start, linear_shapes, module_names, max_lora_rank
         )
@@ -243,10 +274,11 @@ def _check_module(
     if module_names is not None and linear_shapes is not None:
         if module not in module_names:
             leaf = module.rsplit(".", 1)[-1]
-            if ".experts." in f"{module}." and ".shared_expert" not in module:
+            if ".experts." in module:
                 raise LoRAAdapterError(
-                    f"{where}: it adapts the routed experts of a mixture of experts ({module}), which tokenmill "
-                    "does not apply adapters to yet (attention, dense MLPs and shared experts only)"
+                    f"{where}: it adapts the routed experts of a mixture of experts ({module}), which this base "
+                    "model does not have, or whose fused_experts kernels do not apply adapters (the torch "
+                    "reference does)"
                 )
             if leaf not in SUPPORTED_TARGET_MODULES and not any(n.endswith(f".{leaf}") for n in module_names):
                 raise LoRAAdapterError(
@@ -264,14 +296,86 @@ def _check_module(
     expected_rank = _pattern_value(config.get("rank_pattern") or {}, module, float(config["r"]))
     if rank != expected_rank:
         raise LoRAAdapterError(f"{where}: {module} has rank {rank} but its config says r={expected_rank:g}")
-    if rank > max_lora_rank:
-        raise LoRAAdapterError(
-            f"{where}: {module} has rank {rank}, above lora.max_lora_rank={max_lora_rank}; raise --max-lora-rank"
-        )
-    alpha = _pattern_value(config.get("alpha_pattern") or {}, module, float(config["lora_alpha"]))
-    scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    scaling = _scaling(where, config, module, rank, max_lora_rank)
     return LoRAModule(module, _spec(where, names["lora_A"], header, data_start),
                       _spec(where, names["lora_B"], header, data_start), rank, scaling)  # fmt: skip
+
+
+def _scaling(where: str, config: Mapping[str, Any], key: str, rank: int, max_lora_rank: int) -> float:
+    """PEFT's scaling of the module (or fused parameter) ``key`` of rank ``rank``, which must fit the slots."""
+    if rank > max_lora_rank:
+        raise LoRAAdapterError(
+            f"{where}: {key} has rank {rank}, above lora.max_lora_rank={max_lora_rank}; raise --max-lora-rank"
+        )
+    alpha = _pattern_value(config.get("alpha_pattern") or {}, key, float(config["lora_alpha"]))
+    return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+
+
+def _fused_experts(
+    where: str,
+    config: Mapping[str, Any],
+    module: str,
+    names: dict[str, str],
+    header: Mapping[str, Any],
+    data_start: int,
+    linear_shapes: Mapping[str, tuple[int, int]] | None,
+    max_lora_rank: int,
+) -> list[LoRAModule]:
+    """The per-expert modules of PEFT's adapter on a fused experts parameter (``module`` is ``<layer>.experts``,
+    with a ``.base_layer`` per parameter wrapped inside another): ``<layer>.experts.{e}.gate_proj`` and ``up_proj``
+    for ``gate_up_proj``, ``...down_proj`` for ``down_proj``. Which parameter the tensors adapt shows in their
+    shapes against the base's (``gate_up_proj`` is hidden -> 2 * inner, ``down_proj`` inner -> hidden), not in the
+    order of ``target_parameters``; without the base (the front end of a MoE model) only the tensors' own shapes
+    are checked, and no module is returned."""
+    match = _FUSED_EXPERTS.fullmatch(module)
+    assert match is not None
+    experts_module = match.group(1)
+    a_shape = [int(n) for n in header[names["lora_A"]].get("shape", [])]
+    b_shape = [int(n) for n in header[names["lora_B"]].get("shape", [])]
+    if len(a_shape) != 2 or len(b_shape) != 2 or a_shape[0] != b_shape[1]:
+        raise LoRAAdapterError(f"{where}: {module} has lora_A {a_shape} and lora_B {b_shape}; expected "
+                               "[experts * r, in], [out, r * experts]")  # fmt: skip
+    listed = {str(p).rsplit(".", 1)[-1] for p in config.get("target_parameters") or []}
+    if not listed & set(_FUSED_EXPERT_PARAMETERS):
+        raise LoRAAdapterError(f"{where}: {module} adapts a fused experts parameter, but target_parameters names "
+                               f"none of {', '.join(_FUSED_EXPERT_PARAMETERS)}")  # fmt: skip
+    if linear_shapes is None:
+        return []
+    prefix = f"{experts_module}."
+    if f"{prefix}0.gate_proj" not in linear_shapes:
+        raise LoRAAdapterError(
+            f"{where}: it adapts the routed experts of a mixture of experts ({experts_module}), which this base "
+            "model does not have, or whose fused_experts kernels do not apply adapters (the torch reference does)"
+        )
+    num_experts = len({n[len(prefix) :].split(".", 1)[0] for n in linear_shapes if n.startswith(prefix)})
+    hidden, inner = linear_shapes[f"{prefix}0.gate_proj"]
+    fits = {"gate_up_proj": (hidden, 2 * inner), "down_proj": (inner, hidden)}
+    param = next((p for p, shape in fits.items() if shape == (a_shape[1], b_shape[0])), None)
+    if param is None:
+        raise LoRAAdapterError(
+            f"{where}: {module} is {a_shape[1]} -> {b_shape[0]} in the adapter, which is neither the experts' "
+            f"gate_up_proj ({hidden} -> {2 * inner}) nor their down_proj ({inner} -> {hidden}) (an adapter for "
+            "another model?)"
+        )
+    if param not in listed:
+        raise LoRAAdapterError(f"{where}: {module} adapts the experts' {param}, which target_parameters does not list")
+    key = f"{experts_module}.{param}"
+    rank_f = _pattern_value(config.get("rank_pattern") or {}, key, float(config["r"]))
+    rank = int(rank_f)
+    if rank != rank_f or rank * num_experts != a_shape[0]:
+        raise LoRAAdapterError(f"{where}: {key} has {a_shape[0]} rows of lora_A, not r={rank_f:g} for each of "
+                               f"{num_experts} experts")  # fmt: skip
+    scaling = _scaling(where, config, key, rank, max_lora_rank)
+    lora_a = _spec(where, names["lora_A"], header, data_start)
+    lora_b = _spec(where, names["lora_B"], header, data_start)
+    parts: list[tuple[str, tuple[int, int] | None]] = [("down_proj", None)]
+    if param == "gate_up_proj":
+        parts = [("gate_proj", (0, inner)), ("up_proj", (inner, 2 * inner))]
+    return [
+        LoRAModule(f"{experts_module}.{e}.{leaf}", lora_a, lora_b, rank, scaling, e, num_experts, rows)
+        for e in range(num_experts)
+        for leaf, rows in parts
+    ]
 
 
 def _spec(where: str, name: str, header: Mapping[str, Any], data_start: int) -> TensorSpec:

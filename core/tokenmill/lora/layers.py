@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from itertools import accumulate
 
+import numpy
 import torch
 
 from tokenmill.lora.kernels import LoRABatch, LoRAKernels
@@ -25,6 +26,35 @@ class LoRAContext:
 
     kernels: LoRAKernels
     batch: LoRABatch | None = field(default=None)
+
+
+class RoutedLoRA:
+    """The adapters of a mixture of experts' routed experts. Each expert runs over the tokens routed to it, not the
+    step's, so its linears read their own ``context``, whose layout the fused experts kernels set before each
+    expert runs: ``route`` once per layer with each (token, expert) pair's token, grouped by expert, then
+    ``select`` per expert with its pairs. ``LoRAManager`` sets ``step_slots`` each step."""
+
+    def __init__(self, kernels: LoRAKernels, device: torch.device) -> None:
+        self.context = LoRAContext(kernels)
+        self.device = device
+        #: ``[num_tokens]`` int64 on the host: each of the step's tokens' slot (-1: none); None: no adapter.
+        self.step_slots: numpy.ndarray | None = None
+        self._pair_slots: numpy.ndarray | None = None
+
+    def route(self, token_of_pair: torch.Tensor) -> None:
+        """A MoE layer's pairs, grouped by expert: ``token_of_pair`` ``[num_pairs]`` int64 (any device), each
+        pair's token in the step. Reads it on the host when the step has adapters."""
+        steps = self.step_slots
+        self._pair_slots = None if steps is None else steps[token_of_pair.cpu().numpy()]
+        self.context.batch = None
+
+    def select(self, start: int, end: int) -> None:
+        """The next expert runs on pairs ``start:end`` of the last ``route`` (an empty range: none)."""
+        slots = None if self._pair_slots is None else self._pair_slots[start:end]
+        if slots is None or not (slots >= 0).any():
+            self.context.batch = None
+        else:
+            self.context.batch = self.context.kernels.prepare(slots, self.device)
 
 
 class LinearLoRA:

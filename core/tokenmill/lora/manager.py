@@ -34,11 +34,12 @@ import torch
 from torch import nn
 
 from tokenmill.config import ConfigError
+from tokenmill.layers.fused_experts import UsesFusedExperts
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.moe import Experts
 from tokenmill.lora.adapter import SUPPORTED_TARGET_MODULES, LoRAAdapter, LoRAAdapterError, TensorSpec, read_adapter
 from tokenmill.lora.kernels import LoRAKernels
-from tokenmill.lora.layers import LinearLoRA, LoRAContext
+from tokenmill.lora.layers import LinearLoRA, LoRAContext, RoutedLoRA
 from tokenmill.lora.request import LoRARequest, lora_cache_salt
 from tokenmill.messages import EngineCoreRequest
 from tokenmill.model_loader import select_lora_kernels
@@ -72,15 +73,20 @@ class _AdapterWeights:
         """Per module: ``lora_a`` ``[r, in]``, ``lora_b`` ``[out, r]`` (in the file's dtype) and the scaling."""
         typed: dict[str, torch.Tensor] = {}  # the whole buffer as each dtype, where the sizes allow
 
-        def tensor(spec: TensorSpec) -> torch.Tensor:
+        def tensor(spec: TensorSpec, view: tuple[tuple[int, int], tuple[int, int], int]) -> torch.Tensor:
             dtype = _TORCH_DTYPES[spec.dtype]
+            shape, strides, offset = view
             if spec.start % dtype.itemsize:  # a view needs aligned elements
-                return self.data[spec.start : spec.end].clone().view(dtype).view(spec.shape)
+                whole = self.data[spec.start : spec.end].clone().view(dtype)
+                return whole.as_strided(shape, strides, offset)
             if spec.dtype not in typed:
                 typed[spec.dtype] = self.data[: self.data.numel() // dtype.itemsize * dtype.itemsize].view(dtype)
-            return typed[spec.dtype].as_strided(spec.shape, (spec.shape[1], 1), spec.start // dtype.itemsize)
+            return typed[spec.dtype].as_strided(shape, strides, spec.start // dtype.itemsize + offset)
 
-        return {name: (tensor(m.lora_a), tensor(m.lora_b), m.scaling) for name, m in self.adapter.modules.items()}
+        return {
+            name: (tensor(m.lora_a, m.a_view()), tensor(m.lora_b, m.b_view()), m.scaling)
+            for name, m in self.adapter.modules.items()
+        }
 
 
 class _Read:
@@ -181,17 +187,29 @@ class LoRAManager:
         self.linear_shapes: dict[str, tuple[int, int]] = {}
         self.layers: list[LinearLoRA] = []
         packed: dict[str, tuple[str, ...]] = getattr(model, "packed_modules", {})
-        # A MoE layer's routed experts each see only the tokens routed to them, not the step's layout: adapters
-        # apply to the linears every token passes through (attention, a dense MLP, a shared expert).
-        routed = tuple(f"{name}." for name, module in model.named_modules() if isinstance(module, Experts))
+        # A MoE layer's routed experts each run on the tokens routed to them, not the step's: their linears read
+        # the layout of those tokens, which fused experts kernels that support adapters set per expert. Under
+        # kernels that do not, the experts take no adapters.
+        self.routed = RoutedLoRA(kernels, device)
+        adapted_experts, bare_experts = [], []
         for name, module in model.named_modules():
-            if not isinstance(module, Linear) or "." not in name or name.startswith(routed):
+            experts = getattr(module, "experts", None)
+            if isinstance(module, UsesFusedExperts) and isinstance(experts, Experts):
+                if module.fused_experts.supports_lora:
+                    experts.lora = self.routed
+                    adapted_experts.append(f"{name}.experts.")
+                else:
+                    bare_experts.append(f"{name}.experts.")
+        routed, bare = tuple(adapted_experts), tuple(bare_experts)
+        for name, module in model.named_modules():
+            if not isinstance(module, Linear) or "." not in name or name.startswith(bare):
                 continue
             parent, leaf = name.rsplit(".", 1)
             parts = packed.get(leaf, (leaf,))
             if len(parts) != len(module.part_sizes) or not set(parts) <= set(SUPPORTED_TARGET_MODULES):
                 continue
-            layer = LinearLoRA(self.context, module.in_features, module.part_sizes, max_loras, max_lora_rank,
+            context = self.routed.context if name.startswith(routed) else self.context
+            layer = LinearLoRA(context, module.in_features, module.part_sizes, max_loras, max_lora_rank,
                                dtype, device)  # fmt: skip
             module.lora = layer
             self.layers.append(layer)
@@ -334,6 +352,7 @@ class LoRAManager:
         from disk now)."""
         if not any(lora_requests):
             self.context.batch = None
+            self.routed.step_slots = None
             return
         in_step = {r.lora_int_id for r in lora_requests if r is not None}
         assert len(in_step) <= self.max_loras, f"{len(in_step)} adapters in one step, {self.max_loras} slots"
@@ -341,6 +360,7 @@ class LoRAManager:
         counts = numpy.asarray(num_tokens, dtype=numpy.int64)
         token_slots = numpy.repeat(numpy.asarray(slots, dtype=numpy.int64), counts)  # [num_tokens]
         self.context.batch = self.context.kernels.prepare(token_slots, self.device)
+        self.routed.step_slots = token_slots
 
     def _activate(self, request: LoRARequest, in_step: set[int], held: Mapping[int, _AdapterWeights]) -> int:
         """The slot of ``request``'s adapter, loading it there (from host memory, the request's own copy, or
