@@ -96,3 +96,35 @@ def test_bench_step_times_a_gpu_decode_step_and_its_parts(tiny_model: Path) -> N
     assert min(results["step_ms"], results["linear_ms"], results["attention_ms"]) > 0
     assert report["parameters"]["attention_backend"] == ("triton" if DEVICE == "cuda" else "cpu")
     assert not engine.has_unfinished_requests()
+
+
+def test_triton_fused_experts_decode_as_the_reference(tmp_path: Path) -> None:
+    """A MoE model under ``--fused-experts triton`` (what ``auto`` picks on CUDA) and ``torch``, float32: the same
+    greedy tokens; and the triton ones ran (their launcher was called)."""
+    from tokenmill_kernels.fused_moe import triton as fused_moe
+
+    from tokenmill.engine import now
+    from tokenmill.messages import EngineCoreRequest
+    from tokenmill.sampling_params import SamplingParams
+    from tokenmill.testing.factories import save_tiny_model
+
+    model_dir = save_tiny_model(tmp_path, "qwen3-moe-tiny")
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = {"a": [5, 17, 300, 42, 9, 77, 123], "b": [400, 3, 3, 90]}
+    launches: list[int] = []
+    launch = fused_moe.fused_experts
+
+    def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
+        launches.append(1)
+        return launch(*args, **kwargs)
+
+    fused_moe.fused_experts = counted
+    try:
+        results = [
+            run_to_completion(_engine(model_dir, model={"dtype": "float32", "fused_experts": name}),
+                              [EngineCoreRequest(r, p, params, [], now()) for r, p in prompts.items()])
+            for name in ("torch", "triton")
+        ]  # fmt: skip
+    finally:
+        fused_moe.fused_experts = launch
+    assert results[0] == results[1] and launches

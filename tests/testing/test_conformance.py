@@ -96,7 +96,7 @@ def _first_party() -> list[tuple[Slot, str]]:
 
 def _runnable(cls: Any, slot: Slot, name: str) -> None:
     """Skip what this machine cannot run (a GPU backend, kernels that need AVX2), saying why."""
-    if slot in (Slot.ATTENTION_BACKEND, Slot.LAYER_KERNEL, Slot.LORA_KERNEL) and name == "triton":
+    if slot in (Slot.ATTENTION_BACKEND, Slot.LAYER_KERNEL, Slot.LORA_KERNEL, Slot.FUSED_EXPERT) and name == "triton":
         pytest.importorskip("triton")
         return  # runs under the interpreter without a GPU
     devices = getattr(cls, "supported_devices", ("cpu",))

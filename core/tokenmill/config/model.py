@@ -49,7 +49,8 @@ class ModelConfig(ConfigSection, frozen=True):
         describe(
             "Fused-experts kernels for mixture-of-experts layers (the experts' matmuls over the tokens routed to "
             "them): 'torch' is the built-in reference, one matmul pair per active expert through its quantizer; "
-            "'auto' picks the fastest installed one that runs on the device.",
+            "'triton' (GPUs) runs dense experts in two grouped matmuls with no host read of the routing; 'auto' "
+            "picks the fastest installed one that runs on the device.",
             flag="--fused-experts",
         ),
     ] = "auto"

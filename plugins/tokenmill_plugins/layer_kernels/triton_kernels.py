@@ -13,9 +13,8 @@ from typing import ClassVar
 
 import torch
 
-from tokenmill import PluginError
 from tokenmill.interfaces import LayerKernels
-from tokenmill_plugins.triton_import import import_triton_kernels
+from tokenmill_plugins.triton_import import load_gpu_kernels
 
 
 class TritonLayerKernels(LayerKernels):
@@ -35,14 +34,9 @@ class TritonLayerKernels(LayerKernels):
         return device.type == "cuda" and cls.is_available()
 
     def __init__(self) -> None:
-        self._kernels = import_triton_kernels(
+        self._kernels = load_gpu_kernels(
             "tokenmill_kernels.layer_kernels.triton", "the layer_kernel 'triton'", "select --layer-kernels torch"
         )
-        if not torch.cuda.is_available() and not self._kernels.is_interpreted():
-            raise PluginError(
-                "no CUDA device found: the 'triton' layer kernels run on CPU only under the Triton interpreter "
-                "(TRITON_INTERPRET=1 in the environment; slow: for tests); select --layer-kernels torch"
-            )
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self._kernels.rms_norm(x, weight, eps)[0]

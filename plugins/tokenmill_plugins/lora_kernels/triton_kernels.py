@@ -18,9 +18,8 @@ from typing import ClassVar
 
 import torch
 
-from tokenmill import PluginError
 from tokenmill.lora.kernels import LoRABatch, TorchLoRAKernels
-from tokenmill_plugins.triton_import import import_triton_kernels
+from tokenmill_plugins.triton_import import load_gpu_kernels
 
 
 class TritonLoRAKernels(TorchLoRAKernels):
@@ -35,14 +34,9 @@ class TritonLoRAKernels(TorchLoRAKernels):
         return torch.cuda.is_available() and importlib.util.find_spec("triton") is not None
 
     def __init__(self) -> None:
-        self._kernels = import_triton_kernels(
-            "tokenmill_kernels.lora.triton", "the lora_kernel 'triton'", "select --lora-kernels torch"
+        self._kernels = load_gpu_kernels(
+            "tokenmill_kernels.lora.triton", "the lora_kernel 'triton'", "select --lora-kernels cpu or torch"
         )
-        if not torch.cuda.is_available() and not self._kernels.is_interpreted():
-            raise PluginError(
-                "no CUDA device found: the 'triton' LoRA kernels run on CPU only under the Triton interpreter "
-                "(TRITON_INTERPRET=1 in the environment; slow: for tests); select --lora-kernels cpu or torch"
-            )
 
     def add_lora(
         self,

@@ -1,0 +1,1 @@
+"""Fused mixture-of-experts kernels: ``triton`` (GPUs; on CPU only under the Triton interpreter, for tests)."""
