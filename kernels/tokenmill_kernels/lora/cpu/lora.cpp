@@ -84,12 +84,45 @@ void shrink(const W* a, int64_t rows, int64_t in, const float* const* x, float* 
   }
 }
 
+// shrink for one token, four rows of A at a time: each load of x serves four rows (one load per FMA, not two),
+// and two sums per row keep eight independent chains of multiply-adds. The rows past a multiple of four go to
+// shrink<W, 1>.
+template <typename W>
+void shrink_one(const W* a, int64_t rows, int64_t in, const float* x, float* h) {
+  constexpr int kRows = 4;
+  int64_t j = 0;
+  for (; j + kRows <= rows; j += kRows) {
+    __m256 acc[kRows][2];
+    for (int r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= in; i += 16) {
+      const __m256 x0 = _mm256_loadu_ps(x + i), x1 = _mm256_loadu_ps(x + i + 8);
+      for (int r = 0; r < kRows; ++r) {
+        const W* row = a + (j + r) * in + i;
+        acc[r][0] = _mm256_fmadd_ps(Widen<W>::eight(row), x0, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(Widen<W>::eight(row + 8), x1, acc[r][1]);
+      }
+    }
+    for (; i + 8 <= in; i += 8) {
+      const __m256 x0 = _mm256_loadu_ps(x + i);
+      for (int r = 0; r < kRows; ++r) acc[r][0] = _mm256_fmadd_ps(Widen<W>::eight(a + (j + r) * in + i), x0, acc[r][0]);
+    }
+    for (int r = 0; r < kRows; ++r) {
+      float sum = horizontal_sum(_mm256_add_ps(acc[r][0], acc[r][1]));
+      for (int64_t k = i; k < in; ++k) sum += Widen<W>::one(a + (j + r) * in + k) * x[k];
+      h[j + r] = sum;
+    }
+  }
+  const float* xs[1] = {x};
+  if (j < rows) shrink<W, 1>(a + j * in, rows - j, in, xs, h + j, 0);
+}
+
 // y[t][0:n] += sum over k < rank of h[t * h_stride + k] * b[k * ldb : k * ldb + n] for the block's N tokens: b
 // holds rank rows of ldb, and each is read once for all of them. Each output is summed over the rank in
 // registers first and added to y once, as torch adds the product h @ b.
 template <typename W, int N>
 void expand(const float* h, int64_t h_stride, int64_t rank, const W* b, int64_t ldb, float* const* y, int64_t n) {
-  constexpr int kVectors = N <= 2 ? 4 : 2;  // at most 8 accumulators
+  constexpr int kVectors = N == 1 ? 8 : N == 2 ? 4 : 2;  // at most 8 accumulators: 8 chains of multiply-adds
   int64_t o = 0;
   for (; o + 8 * kVectors <= n; o += 8 * kVectors) {
     __m256 acc[N][kVectors];
@@ -280,7 +313,11 @@ class Weights {
 
   template <typename W, int N>
   void run_block(const Rows& block, float* h) const {
-    shrink<W, N>(slot_a<W>(block.slot), part_rows_, in_, block.x, h, part_rows_);
+    if constexpr (N == 1) {
+      shrink_one<W>(slot_a<W>(block.slot), part_rows_, in_, block.x[0], h);
+    } else {
+      shrink<W, N>(slot_a<W>(block.slot), part_rows_, in_, block.x, h, part_rows_);
+    }
     for (size_t p = 0; p < widths_.size(); ++p) {
       float* y[N];
       for (int t = 0; t < N; ++t) y[t] = block.y[t] + offsets_[p];
@@ -303,7 +340,7 @@ class Weights {
       for (int64_t j = begin; j < end; ++j) {
         const int64_t first = rank_ * j / threads, count = rank_ * (j + 1) / threads - first;
         for (size_t p = 0; p < parts; ++p) {
-          shrink<W, 1>(slot_a<W>(block.slot) + (p * rank_ + first) * in_, count, in_, block.x, h.data(), 0);
+          shrink_one<W>(slot_a<W>(block.slot) + (p * rank_ + first) * in_, count, in_, block.x[0], h.data());
           float* y[1] = {j == 0 ? block.y[0] + offsets_[p] : partial.data() + (j - 1) * packed[parts] + packed[p]};
           expand<W, 1>(h.data(), 0, count, slot_b<W>(p, block.slot) + first * widths_[p], widths_[p], y,
                        widths_[p]);
