@@ -205,12 +205,14 @@ def select_layer_kernels(name: str, device: torch.device, plugins: PluginSystem)
     )
 
 
-def select_fused_experts(name: str, device: torch.device, plugins: PluginSystem) -> FusedExperts:
+def select_fused_experts(name: str, device: torch.device, plugins: PluginSystem, lora: bool = False) -> FusedExperts:
     """The named fused-experts kernels, or for ``"auto"`` those with the highest priority among the ones that may be
-    picked on ``device`` (``FusedExperts.auto_selectable``)."""
+    picked on ``device`` (``FusedExperts.auto_selectable``) and, with LoRA enabled (``lora``), that run adapters
+    on the experts (``supports_lora``)."""
     return _select_by_priority(
-        plugins, Slot.FUSED_EXPERT, name, device, "model.fused_experts", lambda cls: cls.auto_selectable(device)
-    )
+        plugins, Slot.FUSED_EXPERT, name, device, "model.fused_experts",
+        lambda cls: cls.auto_selectable(device) and (cls.supports_lora or not lora),
+    )  # fmt: skip
 
 
 def select_lora_kernels(name: str, device: torch.device, plugins: PluginSystem) -> LoRAKernels:
@@ -383,7 +385,7 @@ def load_model(
     materialize_empty(model, device)
     install_layer_kernels(model, layer_kernels)
     if any(isinstance(module, UsesFusedExperts) for module in model.modules()):
-        fused_experts = select_fused_experts(config.model.fused_experts, device, plugins)
+        fused_experts = select_fused_experts(config.model.fused_experts, device, plugins, config.lora.enable_lora)
         logger.info("mixture-of-experts layers run on fused experts %s", fused_experts.name)
         install_fused_experts(model, fused_experts)
     # A warm start reads the repacked weights.

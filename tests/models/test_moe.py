@@ -10,6 +10,7 @@ import torch
 
 from tests.factories import make_engine, run_to_completion, save_hf_model
 from tokenmill.engine import now
+from tokenmill.hookspecs import Register, hookimpl
 from tokenmill.layers.fused_experts import TorchFusedExperts
 from tokenmill.layers.moe import Experts, SparseMoeBlock, select_experts
 from tokenmill.messages import EngineCoreRequest
@@ -121,3 +122,26 @@ def test_the_slot_refuses_an_unknown_name() -> None:
     assert select_fused_experts("auto", torch.device("cpu"), plugins).name == "torch"
     with pytest.raises(PluginError, match="unknown fused_expert 'triton-moe'; installed: torch"):
         select_fused_experts("triton-moe", torch.device("cpu"), plugins)
+
+
+class _FasterFusedExperts(TorchFusedExperts):
+    """Fused experts that ``auto`` would prefer, and that do not run adapters on the experts."""
+
+    name = "faster"
+    auto_priority = 9
+    supports_lora = False
+
+
+class _FasterPlugin:
+    @hookimpl
+    def tokenmill_register_fused_experts(self, register: Register) -> None:
+        register("faster", f"{__name__}:_FasterFusedExperts")
+
+
+def test_auto_picks_fused_experts_that_run_adapters_when_lora_is_on() -> None:
+    """With --enable-lora, ``auto`` passes over fused experts that do not run adapters on the experts (the
+    ``triton`` ones, on a GPU), so an adapter on the routed experts is not refused by default."""
+    plugins = load_plugins(allowlist=[], extra_plugins=[("faster", _FasterPlugin())])
+    assert select_fused_experts("auto", torch.device("cpu"), plugins).name == "faster"
+    assert select_fused_experts("auto", torch.device("cpu"), plugins, lora=True).name == "torch"
+    assert select_fused_experts("faster", torch.device("cpu"), plugins, lora=True).name == "faster"  # as named
