@@ -103,7 +103,7 @@ class LoRAAdapter:
 
     @property
     def max_rank(self) -> int:
-        return max(m.rank for m in self.modules.values())
+        return max((m.rank for m in self.modules.values()), default=0)
 
     @property
     def weights_path(self) -> Path:
