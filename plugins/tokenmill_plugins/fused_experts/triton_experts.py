@@ -5,9 +5,9 @@ in a CUDA graph.
 They run dense experts (the ``none`` quantizer's weights, stacked once per layer on the first call and kept);
 quantized experts (``int8``, ``int4``, GPTQ, AWQ), activations in other dtypes, and inputs that need gradients go to
 the ``torch`` reference, which runs each expert's own quantized linears. They do not run LoRA adapters on the
-experts (``supports_lora`` is False), so ``auto`` picks them on CUDA only without ``--enable-lora``. Triton is a GPU extra: the kernels are imported when the plugin is built, so this
-module imports, and ``auto`` passes it over, on a CPU install without Triton. On CPU they run only under the
-Triton interpreter, built directly (for tests).
+experts (``supports_lora`` is False), so ``auto`` picks them on CUDA only without ``--enable-lora``. Triton is a
+GPU extra: the kernels are imported when the plugin is built, so this module imports, and ``auto`` passes it over,
+on a CPU install without Triton. On CPU they run only under the Triton interpreter, built directly (for tests).
 """
 
 from __future__ import annotations
