@@ -116,3 +116,33 @@ def test_adapters_on_data_parallel_engines(
         if line.startswith("tokenmill:lora_requests_info{")
     }
     assert engines == {"0", "1"}
+
+
+def test_a_mixture_of_experts_serves_adapters_on_its_experts(
+    tokenmill_server: Callable[..., Any], tmp_path: Path
+) -> None:
+    """A MoE model served with adapters on attention and its routed experts (PEFT's fused experts format), one
+    named at start and one loaded at run time (the front end leaves a MoE model's check to the engine): each gives
+    its own text, the one the offline engine gives."""
+    from tests.lora.conftest import save_peft_adapter
+    from tokenmill import LLM, LoRARequest, SamplingParams
+    from tokenmill.testing.factories import save_tiny_model
+
+    model_dir = save_tiny_model(tmp_path / "moe", "qwen3-moe-tiny")
+    started = save_peft_adapter(tmp_path / "started", base="qwen3-moe-tiny")
+    loaded = save_peft_adapter(tmp_path / "loaded", base="qwen3-moe-tiny", seed=7)
+    server = tokenmill_server("--enable-lora", "--max-lora-rank", "16", "--lora-modules", f"s={started}",
+                              "--allow-runtime-lora-updating", model=model_dir)  # fmt: skip
+    client = server.client
+    answer = httpx.Client(base_url=server.url, timeout=30).post(
+        "/v1/load_lora_adapter", json={"lora_name": "l", "lora_path": str(loaded)}
+    )
+    assert answer.status_code == 200, answer.text
+    prompt = "the quick brown fox jumps"
+    texts = {name: _complete(client, name, prompt) for name in (server.model, "s", "l")}
+    assert len(set(texts.values())) == 3
+    llm = LLM(model=str(model_dir), enable_lora=True, max_lora_rank=16, kv_cache_memory="64MiB")
+    params = SamplingParams(max_tokens=8, temperature=0)
+    for name, path, lora_id in (("s", started, 1), ("l", loaded, 2)):
+        output = llm.generate([prompt], params, lora_request=LoRARequest(name, lora_id, str(path)), use_tqdm=False)
+        assert output[0].outputs[0].text == texts[name], name
