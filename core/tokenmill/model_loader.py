@@ -209,16 +209,12 @@ def select_fused_experts(name: str, device: torch.device, plugins: PluginSystem,
     """The named fused-experts kernels, or for ``"auto"`` those with the highest priority among the ones that may be
     picked on ``device`` (``FusedExperts.auto_selectable``) and, with LoRA enabled (``lora``), that run adapters
     on the experts (``supports_lora``) where any does."""
-
-    def selectable(cls: Any) -> bool:
-        return bool(cls.auto_selectable(device))
-
-    if lora and name == "auto":
-        loadable = [cls for _, cls in _loadable(plugins.registry, Slot.FUSED_EXPERT) if selectable(cls)]
-        if any(cls.supports_lora for cls in loadable):
-            return _select_by_priority(plugins, Slot.FUSED_EXPERT, name, device, "model.fused_experts",
-                                       lambda cls: selectable(cls) and cls.supports_lora)  # fmt: skip
-    return _select_by_priority(plugins, Slot.FUSED_EXPERT, name, device, "model.fused_experts", selectable)
+    candidates = [cls for _, cls in _loadable(plugins.registry, Slot.FUSED_EXPERT) if cls.auto_selectable(device)]
+    lora_only = lora and any(cls.supports_lora for cls in candidates)
+    return _select_by_priority(
+        plugins, Slot.FUSED_EXPERT, name, device, "model.fused_experts",
+        lambda cls: cls.auto_selectable(device) and (cls.supports_lora or not lora_only),
+    )  # fmt: skip
 
 
 def select_lora_kernels(name: str, device: torch.device, plugins: PluginSystem) -> LoRAKernels:
