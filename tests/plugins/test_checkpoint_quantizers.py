@@ -197,7 +197,10 @@ def _load(directory: Path, quantization: str = "auto") -> object:
         ("gptq-4bit-g32-sym", {"checkpoint_format": "marlin"}, "checkpoint_format 'marlin' is not supported"),
         ("gptq-4bit-g32-sym", {"lm_head": True}, "a quantized lm_head (lm_head: true) is not supported"),
         ("awq-4bit-g128-gemm", {"version": "gemv"}, "awq: version 'gemv' is not supported; supported: gemm"),
-        ("ct-w4a16-gptq", {"ignore": ["lm_head", "re:.*down_proj"]}, "ignore entry 're:.*down_proj' is not supported"),
+        # Routers may stay in float (no linears here; the ct-moe-* checkpoints ignore them), linears may not.
+        ("ct-w4a16-gptq", {"ignore": ["lm_head", "re:.*down_proj"]},
+         "the checkpoint leaves model.layers.0.mlp.down_proj unquantized (compressed-tensors ignore list); supported: "
+         "one scheme for every linear but lm_head (MoE routers may be left out)"),
         ("ct-w4a16-gptq", {"kv_cache_scheme": {"num_bits": 8}}, "kv_cache_scheme is not supported"),
     ],
 )  # fmt: skip

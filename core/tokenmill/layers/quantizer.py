@@ -64,6 +64,13 @@ class Quantizer(ABC):
         """
         raise ValueError(f"quantizer {self.name!r} does not read quantized checkpoints")
 
+    def leaves_unquantized(self, module_name: str) -> bool:
+        """Whether the checkpoint left linear ``module_name`` (its Hugging Face name) in float, as a
+        compressed-tensors ``ignore`` list does. Called once per linear at load: a model runs one quantizer, so
+        the loader refuses a checkpoint that leaves out a linear other than ``lm_head``. Modules the model does
+        not build as linears (MoE routers) may be left out freely."""
+        return False
+
     def read_checkpoint(self, tensors: Mapping[str, torch.Tensor], out_features: int, in_features: int) -> Any:
         """One checkpoint module's weight from its tensors (:attr:`checkpoint_tensor_names`, all present), for
         a linear of that shape. Called once per checkpoint module at load. The default reads a float ``weight``.

@@ -89,6 +89,12 @@ class CausalLM(FastModule):
             if isinstance(module, Linear) and not isinstance(module, MergedLinear)
         }
         linears.update(self._checkpoint_shards())
+        for module_name, (holder, _) in linears.items():
+            if holder.quantizer.leaves_unquantized(module_name):
+                raise WeightsError(
+                    f"the checkpoint leaves {module_name} unquantized ({holder.quantizer.name} ignore list); "
+                    "supported: one scheme for every linear but lm_head (MoE routers may be left out)"
+                )
         # Parameters of which this tensor-parallel shard holds some rows only.
         embeddings = {
             f"{name}.weight": module

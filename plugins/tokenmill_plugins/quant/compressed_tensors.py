@@ -1,7 +1,8 @@
 """compressed-tensors checkpoints, as llm-compressor writes them (``quant_method: compressed-tensors``).
 
 ``quantization_config`` holds ``config_groups`` (each a scheme for the modules its ``targets`` name), an
-``ignore`` list and a ``format``. Supported, with one scheme for every ``Linear`` and ``lm_head`` ignored:
+``ignore`` list and a ``format``. Supported, with one scheme for every ``Linear`` but ``lm_head`` (the ``ignore`` list
+may also name modules that tokenmill does not build as linears, such as MoE routers):
 
 * ``pack-quantized``: 4- or 8-bit integer weights (W4A16, W8A16, W4A16_ASYM; what llm-compressor's GPTQ and AWQ
   write). ``weight_packed`` int32 ``[out, in * bits / 32]`` holds ``q + 2**(bits-1)`` packed along the input,
@@ -14,8 +15,9 @@
   block (``block_structure``); activations unquantized, FP8 per token (dynamic) or per tensor (static
   ``input_scale``): FP8_DYNAMIC, FP8, FP8_BLOCK.
 
-Anything else (sparsity, transforms, a quantized KV cache scheme, several config groups, NVFP4/MXFP4, ignored
-modules other than ``lm_head``) is refused by ``configure`` with a one-line error before loading.
+Anything else (sparsity, transforms, a quantized KV cache scheme, several config groups, NVFP4/MXFP4) is refused by
+``configure`` with a one-line error before loading; an ``ignore`` entry that leaves a linear other than ``lm_head``
+in float is refused when the model's weights start loading.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ class CompressedTensorsQuantizer(CheckpointQuantizer):
     group_size: int = -1
     block: tuple[int, int] = (1, 1)
     is_symmetric: bool = True
+    ignore: tuple[str, ...] = ()
 
     def configure(self, quantization_config: Mapping[str, Any]) -> None:
         config = quantization_config
@@ -58,9 +61,8 @@ class CompressedTensorsQuantizer(CheckpointQuantizer):
                 raise ValueError(f"{method}: {key} is not supported; supported: weight (and activation) quantization")
         status = config.get("quantization_status", "compressed")
         check_choice(method, "quantization_status", status, ("compressed",))
-        for pattern in config.get("ignore") or []:
-            if not re.fullmatch(r"(re:)?(\.\*)?lm_head\$?", str(pattern)):
-                raise ValueError(f"{method}: ignore entry {pattern!r} is not supported; supported: lm_head only")
+        # Checked against the model's linears at load (leaves_unquantized): MoE routers are no linears here.
+        self.ignore = tuple(str(pattern) for pattern in config.get("ignore") or [])
         groups = config.get("config_groups") or {}
         if len(groups) != 1:
             raise ValueError(f"{method}: {len(groups)} config_groups are not supported; supported: exactly one")
@@ -124,6 +126,13 @@ class CompressedTensorsQuantizer(CheckpointQuantizer):
         if self.activations is not None and not self.activations.is_dynamic:
             names.append("input_scale")
         self.checkpoint_tensor_names = tuple(names)
+
+    def leaves_unquantized(self, module_name: str) -> bool:
+        # compressed-tensors' matching: "re:" entries match from the start of the name, others name it whole.
+        return any(
+            re.match(pattern[3:], module_name) if pattern.startswith("re:") else pattern == module_name
+            for pattern in self.ignore
+        )
 
     def read_checkpoint(self, tensors: Mapping[str, Tensor], out_features: int, in_features: int) -> Any:
         input_scale = tensors["input_scale"].float().reshape(1) if "input_scale" in tensors else None

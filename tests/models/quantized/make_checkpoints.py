@@ -1,11 +1,11 @@
 """Makes the quantized checkpoints that tests/models/quantized/ loads, with the field's own tools.
 
-Each checkpoint is a tiny random Llama (hidden 128, intermediate 384, vocab 512, 2 layers, seed 0, with the
-tiny test tokenizer) quantized by llm-compressor (compressed-tensors formats) or GPTQModel (GPTQ and AWQ
-formats) on random token calibration data. CI cannot install either tool (llm-compressor pins an older
-transformers; GPTQModel is a large install), so the checkpoints are carried in ``checkpoints/`` and this script
-remakes them. Run each producer in a virtual environment that has it, with this repository on ``PYTHONPATH``
-(for the tiny model factory)::
+Each checkpoint is a tiny random Llama (hidden 128, intermediate 384, vocab 512, 2 layers, seed 0, with the tiny
+test tokenizer), or for the ``*-moe-*`` ones a tiny random Qwen3-MoE (``MOE_CONFIG``), quantized by llm-compressor
+(compressed-tensors formats) or GPTQModel (GPTQ and AWQ formats) on random token calibration data. CI cannot install
+either tool (llm-compressor pins an older transformers; GPTQModel is a large install), so the checkpoints are
+carried in ``checkpoints/`` and this script remakes them. Run each producer in a virtual environment that has it,
+with this repository on ``PYTHONPATH`` (for the tiny model factory)::
 
     python -m venv /tmp/lc && /tmp/lc/bin/pip install -c constraints.txt torch==2.13.0 llmcompressor msgspec pluggy
     PYTHONPATH=core:. /tmp/lc/bin/python tests/models/quantized/make_checkpoints.py llmcompressor
@@ -39,6 +39,12 @@ HERE = Path(__file__).resolve().parent
 CHECKPOINTS = HERE / "checkpoints"
 #: The tiny base model: group sizes up to 128 divide every in_features (128 and 384).
 BASE_CONFIG: dict[str, Any] = {"hidden_size": 128, "intermediate_size": 384}
+#: The tiny mixture of experts (Qwen3-MoE: 8 experts, top 2, every layer sparse as in the released models; AWQ's
+#: mappings for it expect that), for the formats' MoE checkpoints (``*-moe-*``). Group sizes up to 128 divide every
+#: in_features here too.
+MOE_CONFIG: dict[str, Any] = {"hidden_size": 128, "moe_intermediate_size": 128, "mlp_only_layers": []}
+#: The tools' own advice for MoE models: routers stay in float (they are no quantized linears in tokenmill).
+MOE_IGNORE = ["lm_head", "re:.*mlp.gate$"]
 #: Token prompts the references are computed on (ids of the tiny tokenizer, none special).
 PROMPTS: tuple[tuple[int, ...], ...] = (
     (17, 260, 301, 45, 99, 400, 12, 7, 388, 261, 262, 263),
@@ -62,6 +68,15 @@ def _base(directory: Path) -> Path:
 
     shutil.rmtree(directory, ignore_errors=True)
     return save_tiny_model(directory, "llama-tiny", seed=0, **BASE_CONFIG)
+
+
+def _moe_base(directory: Path, name: str = "qwen3-moe-tiny") -> Path:
+    from tokenmill.testing.factories import save_hf_model, save_tiny_tokenizer
+
+    shutil.rmtree(directory, ignore_errors=True)
+    save_hf_model(name, directory, seed=0, **MOE_CONFIG)
+    save_tiny_tokenizer(directory)
+    return directory
 
 
 def _clean(directory: Path) -> None:
@@ -117,11 +132,44 @@ def make_with_llmcompressor(work: Path, only: list[str]) -> None:
         # INT8 weights per channel, INT8 activations per token (dynamic): the W8A8 preset.
         "ct-w8a8-int8": GPTQModifier(targets="Linear", scheme="W8A8", ignore=["lm_head"]),
     }
+    moe_recipes: dict[str, Any] = {
+        # The routed experts quantized per expert, as llm-compressor's MoE examples do (routers left in float).
+        "ct-moe-w4a16-gptq": GPTQModifier(config_groups={"group_0": group_scheme(4, 32, True)}, ignore=MOE_IGNORE),
+    }
     for output in _oneshot_each(recipes, only, base, dataset, CHECKPOINTS, CALIBRATION_LENGTH):
         # transformers runs the checkpoint through compressed-tensors (weights dequantized, activations
         # quantized and dequantized as the scheme says).
         _write_reference(AutoModelForCausalLM.from_pretrained(output, dtype=torch.float32), output)
-        print(f"wrote {output}", file=sys.stderr)
+    moe_base = _moe_base(work / "moe-base")
+    for output in _oneshot_each(moe_recipes, only, moe_base, dataset, CHECKPOINTS, CALIBRATION_LENGTH):
+        _write_reference(_linearized_qwen3_moe(output), output)
+
+
+def _linearized_qwen3_moe(directory: Path) -> Any:
+    """A Qwen3-MoE compressed-tensors checkpoint in transformers with llm-compressor's linear experts, so that
+    compressed-tensors runs each expert as the scheme says. transformers' own fused experts dequantize them to
+    bfloat16 and skip the activations' quantization, and llm-compressor's ``load_quantizable_moe`` walks every
+    transformers module, which needs torchvision; so this does its two steps for Qwen3-MoE alone."""
+    import transformers.models.qwen3_moe.modeling_qwen3_moe as qwen3_moe
+    from llmcompressor.modeling.moe.conversion_mappings import get_linearize_load_mappings
+    from llmcompressor.modeling.moe.linear_experts import LinearExperts2D
+    from transformers import AutoModelForCausalLM
+    from transformers.conversion_mapping import register_checkpoint_conversion_mapping
+
+    if not issubclass(qwen3_moe.Qwen3MoeExperts, LinearExperts2D):  # patched once per process
+        experts, load_map, _ = get_linearize_load_mappings("qwen3_moe")
+        qwen3_moe.Qwen3MoeExperts = LinearExperts2D.get_linear_experts_cls(experts)  # type: ignore[misc]
+        register_checkpoint_conversion_mapping("qwen3_moe", load_map, overwrite=True)
+        init_weights = qwen3_moe.Qwen3MoePreTrainedModel._init_weights
+
+        def _init_weights(self: Any, module: Any) -> None:  # the fused experts' random init, on linear ones
+            if not isinstance(module, LinearExperts2D):
+                init_weights(self, module)
+
+        qwen3_moe.Qwen3MoePreTrainedModel._init_weights = _init_weights  # type: ignore[method-assign]
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    assert isinstance(model.model.layers[0].mlp.experts, LinearExperts2D)
+    return model
 
 
 def make_default_with_llmcompressor(work: Path, only: list[str]) -> None:
@@ -219,13 +267,17 @@ def make_with_gptqmodel(work: Path, only: list[str]) -> None:
         },
         "gptq-8bit-g128-asym-actorder": {"bits": 8, "group_size": 128, "desc_act": True, "sym": False},
         "awq-4bit-g128-gemm": {"bits": 4, "group_size": 128, "sym": False, "quant_method": "awq", "format": "gemm"},
+        # The routed experts quantized per expert (GPTQModel leaves the routers in float).
+        "gptq-moe-4bit-g32-asym": {"bits": 4, "group_size": 32, "desc_act": False, "sym": False},
     }
+    moe_base = _moe_base(work / "moe-base")
     for name, settings in configs.items():
         if only and name not in only:
             continue
         output = CHECKPOINTS / name
         shutil.rmtree(output, ignore_errors=True)
-        model = GPTQModel.load(str(base), QuantizeConfig(**settings), device="cpu")
+        source = moe_base if "-moe-" in name else base
+        model = GPTQModel.load(str(source), QuantizeConfig(**settings), device="cpu")
         # AWQ picks a CUDA kernel unless told to pack for the portable torch one.
         backend = BACKEND.TORCH if settings.get("quant_method") == "awq" else BACKEND.AUTO
         model.quantize(calibration, batch_size=1, backend=backend)

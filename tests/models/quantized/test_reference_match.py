@@ -59,6 +59,7 @@ def test_every_producer_and_format_is_carried() -> None:
         "ct-w4a16-gptq", "ct-w4a16-gptq-actorder", "ct-w4a16-asym-awq", "ct-w8a16-gptq", "ct-fp8-dynamic",
         "ct-fp8-static", "ct-w8a8-int8", "gptq-4bit-g32-sym", "gptq-4bit-g64-asym", "gptq-4bit-g128-asym-actorder",
         "gptq-8bit-channel-sym", "gptq-8bit-g128-asym-actorder", "awq-4bit-g128-gemm",
+        "ct-moe-w4a16-gptq", "gptq-moe-4bit-g32-asym",
     }  # fmt: skip
 
 
@@ -92,6 +93,25 @@ def test_a_wrong_unpacking_fails_the_comparison(name: str, planted: str, monkeyp
         _check_logits(name)
 
 
+def test_experts_loaded_in_the_wrong_order_fail_the_comparison(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The MoE checkpoints' comparison can fail: experts 0 and 1 of each layer swapped at load is caught."""
+    from tokenmill_plugins.architectures import moe
+
+    real = moe.local_expert_tensors
+
+    def swapped(model, tensors):  # type: ignore[no-untyped-def]
+        for item in real(model, tensors):
+            swap = {".experts.0.": ".experts.1.", ".experts.1.": ".experts.0."}
+            name = next((item.name.replace(a, b) for a, b in swap.items() if a in item.name), item.name)
+            yield type(item)(name, item.tensor, item.file)
+
+    monkeypatch.setattr(moe, "local_expert_tensors", swapped)
+    monkeypatch.setenv("TOKENMILL_WEIGHT_CACHE", "0")
+    for name in ("ct-moe-w4a16-gptq", "gptq-moe-4bit-g32-asym"):
+        with pytest.raises(AssertionError):
+            _check_logits(name)
+
+
 def _check_logits(name: str) -> None:
     prompts, reference = _reference(name)
     config = load_config(overrides={
@@ -102,6 +122,8 @@ def _check_logits(name: str) -> None:
     expected_quantizer = next(q for prefix, q in QUANTIZERS.items() if name.startswith(prefix))
     assert loaded.model.model.layers[0].self_attn.qkv_proj.quantizer.name == expected_quantizer
     assert loaded.model.lm_head.quantizer.name == "none"  # every tool leaves lm_head in float
+    if "-moe-" in name:  # the routed experts are quantized per expert, the routers left in float
+        assert loaded.model.model.layers[0].mlp.experts[0].gate_up_proj.quantizer.name == expected_quantizer
     runner = ModelRunner(loaded, num_blocks=64, block_size=4)
     # Both prompts in one flattened batch, disjoint blocks.
     chunks = [SequenceChunk(prompts[0], 0, list(range(0, 3))), SequenceChunk(prompts[1], 0, list(range(3, 5)))]
