@@ -77,7 +77,13 @@ CASES: dict[str, dict[str, Any]] = {
     "olmoe-ep": EXPERT_PARALLEL,
     # int8 experts of inner 32: sliced, a shard's down_proj would hold half a block (refused); whole, they run.
     "mixtral-ep-int8": {"model": {"quantization": "int8"}, **EXPERT_PARALLEL},
+    # Checkpoints quantized by the field's tools (CARRIED): GPTQ experts of inner 128 sliced into whole groups of
+    # 32, and compressed-tensors W4A16 experts kept whole.
+    "gptq-moe-sliced": {},
+    "ct-moe-ep": EXPERT_PARALLEL,
 }
+#: case -> a checkpoint of tests/models/quantized/checkpoints.
+CARRIED = {"gptq-moe-sliced": "gptq-moe-4bit-g32-asym", "ct-moe-ep": "ct-moe-w4a16-gptq"}
 MODELS = {
     "qwen3-moe-ep": "qwen3-moe-tiny",
     "qwen2-moe-ep": "qwen2-moe-tiny",
@@ -128,9 +134,11 @@ def _logits_of_fresh_prompt(engine: EngineCore) -> torch.Tensor:
 def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     case: str = request.param
     directory = tmp_path_factory.mktemp(case)
-    if case in ("q4_1-gguf", "mixtral-ep-int8") and not HAS_KERNELS:
+    if case in ("q4_1-gguf", "mixtral-ep-int8", *CARRIED) and not HAS_KERNELS:
         pytest.skip("the int4, int8 and cpu attention kernels need AVX2, FMA and a compiler")
-    if case == "q4_1-gguf":
+    if case in CARRIED:
+        path = Path(__file__).parents[1] / "models" / "quantized" / "checkpoints" / CARRIED[case]
+    elif case == "q4_1-gguf":
         model = make_hf_model("llama-tiny")
         path = write_llama_gguf(model, model.config, directory / "tiny.Q4_1.gguf", GGMLQuantizationType.Q4_1)
     else:

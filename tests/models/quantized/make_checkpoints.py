@@ -1,11 +1,11 @@
 """Makes the quantized checkpoints that tests/models/quantized/ loads, with the field's own tools.
 
 Each checkpoint is a tiny random Llama (hidden 128, intermediate 384, vocab 512, 2 layers, seed 0, with the tiny
-test tokenizer), or for the ``*-moe-*`` ones a tiny random Qwen3-MoE (``MOE_CONFIG``), quantized by llm-compressor
-(compressed-tensors formats) or GPTQModel (GPTQ and AWQ formats) on random token calibration data. CI cannot install
-either tool (llm-compressor pins an older transformers; GPTQModel is a large install), so the checkpoints are
-carried in ``checkpoints/`` and this script remakes them. Run each producer in a virtual environment that has it,
-with this repository on ``PYTHONPATH`` (for the tiny model factory)::
+test tokenizer), or for the ``*-moe-*`` ones a tiny random Qwen3-MoE or Mixtral (``MOE_MODELS``), quantized by llm-
+compressor (compressed-tensors formats) or GPTQModel (GPTQ and AWQ formats) on random token calibration data. CI
+cannot install either tool (llm-compressor pins an older transformers; GPTQModel is a large install), so the
+checkpoints are carried in ``checkpoints/`` and this script remakes them. Run each producer in a virtual environment
+that has it, with this repository on ``PYTHONPATH`` (for the tiny model factory)::
 
     python -m venv /tmp/lc && /tmp/lc/bin/pip install -c constraints.txt torch==2.13.0 llmcompressor msgspec pluggy
     PYTHONPATH=core:. /tmp/lc/bin/python tests/models/quantized/make_checkpoints.py llmcompressor
@@ -39,10 +39,13 @@ HERE = Path(__file__).resolve().parent
 CHECKPOINTS = HERE / "checkpoints"
 #: The tiny base model: group sizes up to 128 divide every in_features (128 and 384).
 BASE_CONFIG: dict[str, Any] = {"hidden_size": 128, "intermediate_size": 384}
-#: The tiny mixture of experts (Qwen3-MoE: 8 experts, top 2, every layer sparse as in the released models; AWQ's
-#: mappings for it expect that), for the formats' MoE checkpoints (``*-moe-*``). Group sizes up to 128 divide every
-#: in_features here too.
-MOE_CONFIG: dict[str, Any] = {"hidden_size": 128, "moe_intermediate_size": 128, "mlp_only_layers": []}
+#: The tiny mixtures of experts (8 experts, top 2; Qwen3-MoE with every layer sparse, as in the released models and
+#: as AWQ's mappings for it expect) for the formats' MoE checkpoints (``*-moe-*``), by factory name. Group sizes up
+#: to 128 divide every in_features here too.
+MOE_MODELS: dict[str, dict[str, Any]] = {
+    "qwen3-moe-tiny": {"hidden_size": 128, "moe_intermediate_size": 128, "mlp_only_layers": []},
+    "mixtral-tiny": {"hidden_size": 128, "intermediate_size": 128},
+}
 #: The tools' own advice for MoE models: routers stay in float (they are no quantized linears in tokenmill).
 MOE_IGNORE = ["lm_head", "re:.*mlp.gate$"]
 #: Token prompts the references are computed on (ids of the tiny tokenizer, none special).
@@ -74,7 +77,7 @@ def _moe_base(directory: Path, name: str = "qwen3-moe-tiny") -> Path:
     from tokenmill.testing.factories import save_hf_model, save_tiny_tokenizer
 
     shutil.rmtree(directory, ignore_errors=True)
-    save_hf_model(name, directory, seed=0, **MOE_CONFIG)
+    save_hf_model(name, directory, seed=0, **MOE_MODELS[name])
     save_tiny_tokenizer(directory)
     return directory
 
@@ -269,14 +272,18 @@ def make_with_gptqmodel(work: Path, only: list[str]) -> None:
         "awq-4bit-g128-gemm": {"bits": 4, "group_size": 128, "sym": False, "quant_method": "awq", "format": "gemm"},
         # The routed experts quantized per expert (GPTQModel leaves the routers in float).
         "gptq-moe-4bit-g32-asym": {"bits": 4, "group_size": 32, "desc_act": False, "sym": False},
+        "gptq-moe-mixtral-4bit-g64-sym": {"bits": 4, "group_size": 64, "desc_act": False, "sym": True},
     }
-    moe_base = _moe_base(work / "moe-base")
+    moe_bases = {
+        "qwen3": _moe_base(work / "moe-base"),
+        "mixtral": _moe_base(work / "mixtral-base", "mixtral-tiny"),
+    }
     for name, settings in configs.items():
         if only and name not in only:
             continue
         output = CHECKPOINTS / name
         shutil.rmtree(output, ignore_errors=True)
-        source = moe_base if "-moe-" in name else base
+        source = (moe_bases["mixtral" if "mixtral" in name else "qwen3"]) if "-moe-" in name else base
         model = GPTQModel.load(str(source), QuantizeConfig(**settings), device="cpu")
         # AWQ picks a CUDA kernel unless told to pack for the portable torch one.
         backend = BACKEND.TORCH if settings.get("quant_method") == "awq" else BACKEND.AUTO
