@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,14 @@ import torch
 from safetensors.torch import load_file, save_file
 from tokenmill_plugins.quant.awq import AWQQuantizer
 from tokenmill_plugins.quant.checkpoint_quantizer import quantize_activations, repack_int
-from tokenmill_plugins.quant.checkpoint_weights import ActivationScheme, IntWeight, merge_parts, unpack_int32
+from tokenmill_plugins.quant.checkpoint_weights import (
+    ActivationScheme,
+    FloatWeight,
+    IntWeight,
+    merge_parts,
+    shard_part,
+    unpack_int32,
+)
 from tokenmill_plugins.quant.compressed_tensors import CompressedTensorsQuantizer
 from tokenmill_plugins.quant.gptq import GPTQQuantizer
 
@@ -150,6 +158,35 @@ def test_merged_parts_need_one_activation_order() -> None:
     other_order = IntWeight(4, a.codes, a.scales, a.zeros, 32, a.g_idx.flip(0))  # type: ignore[union-attr]
     with pytest.raises(ValueError, match="activation orders"):
         merge_parts([a, other_order])
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 256])  # 256 = k: one scale per output channel
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_tensor_parallel_shares_dequantize_to_the_whole_weights_slices(group_size: int, symmetric: bool) -> None:
+    weight = _random_int_weight(4, group_size, act_order=False, symmetric=symmetric)
+    whole = weight.dequantize()  # [48, 256]
+    for dim in (0, 1):
+        shares = [shard_part(weight, dim, rank, 2).dequantize() for rank in range(2)]
+        assert torch.equal(torch.cat(shares, dim=dim), whole)
+    # GPTQ stores g_idx even without activation order: i // group_size is no order, and splits.
+    trivial = replace(weight, g_idx=torch.arange(256) // group_size)
+    assert torch.equal(shard_part(trivial, 1, 1, 2).dequantize(), whole[:, 128:])
+    values = (torch.randn(48, 256) * 30).to(torch.float8_e4m3fn)
+    for block in ((1, 256), (1, 64), (8, 64)):
+        scales = torch.rand(48 // block[0], 256 // block[1]) + 0.01
+        fp8 = FloatWeight(values=values, scales=scales, block_size=block)
+        for dim in (0, 1):
+            shares = [shard_part(fp8, dim, rank, 2).dequantize() for rank in range(2)]
+            assert torch.equal(torch.cat(shares, dim=dim), fp8.dequantize())
+
+
+def test_tensor_parallel_shares_refuse_to_cut_groups_or_activation_order() -> None:
+    with pytest.raises(ValueError, match="not whole groups of 128"):
+        shard_part(_random_int_weight(4, 128, act_order=False, symmetric=True), 1, 0, 4)
+    with pytest.raises(ValueError, match="activation-ordered groups"):
+        shard_part(_random_int_weight(4, 32, act_order=True, symmetric=True), 1, 0, 2)
+    ordered = shard_part(_random_int_weight(4, 32, act_order=True, symmetric=True), 0, 1, 2)  # rows: any order
+    assert ordered.codes.shape == (24, 256)
 
 
 def test_activation_quantization_follows_compressed_tensors() -> None:

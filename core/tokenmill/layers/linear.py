@@ -46,9 +46,8 @@ class Linear(UsesLayerKernels):
     by the quantizer into one weight. The model's layer kernels are installed on it (``UsesLayerKernels``): the
     ``none`` quantizer multiplies with theirs where they bring a dense matmul.
 
-    With a ``shard`` (tensor parallelism), ``in_features`` and ``out_features`` are this rank's, and each
-    checkpoint tensor is cut to this rank's slice as it arrives, before the quantizer reads it (a float
-    ``weight`` only: the loader refuses to split pre-quantized checkpoints).
+    With a ``shard`` (tensor parallelism), ``in_features`` and ``out_features`` are this rank's: the quantizer
+    reads each checkpoint module whole, then cuts this rank's share of it (``Quantizer.shard_weight``).
     """
 
     def __init__(
@@ -92,9 +91,6 @@ class Linear(UsesLayerKernels):
                 tensor = tensor if shard.rank == 0 else torch.zeros_like(tensor)
             elif param_name == "bias":
                 tensor = shard.take(tensor, 0, size)
-            else:
-                assert param_name == "weight", "only float checkpoints are split (checked at load)"
-                tensor = shard.take(tensor, shard.dim, size if shard.dim == 0 else self.in_features)
         if param_name == "bias":
             if tuple(tensor.shape) != (size,):
                 raise ValueError(f"has shape {list(tensor.shape)}, expected {[size]}")
@@ -104,7 +100,15 @@ class Linear(UsesLayerKernels):
         tensors[param_name] = tensor
         if tensors.keys() >= set(self.quantizer.checkpoint_tensor_names):
             del self._pending[("weight", part)]
-            self._collect("weight", part, self.quantizer.read_checkpoint(tensors, size, self.in_features))
+            if shard is None:
+                weight = self.quantizer.read_checkpoint(tensors, size, self.in_features)
+            else:
+                whole = (
+                    (size * shard.size, self.in_features) if shard.dim == 0 else (size, self.in_features * shard.size)
+                )
+                weight = self.quantizer.read_checkpoint(tensors, *whole)
+                weight = self.quantizer.shard_weight(weight, shard.dim, shard.rank, shard.size)
+            self._collect("weight", part, weight)
 
     def _collect(self, what: str, part: int, value: Any) -> None:
         parts = self._parts.setdefault(what, [None] * len(self.part_sizes))

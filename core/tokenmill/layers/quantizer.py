@@ -38,8 +38,8 @@ class Quantizer(ABC):
     #: "scales", "g_idx")`` for GPTQ); :meth:`configure` may set them from the checkpoint's config.
     checkpoint_tensor_names: tuple[str, ...] = ("weight",)
     #: Input columns stored together (a block with one scale): a tensor-parallel split of a linear's input
-    #: (o_proj, down_proj) must give every shard whole groups.
-    input_group_size: ClassVar[int] = 1
+    #: (o_proj, down_proj) must give every shard whole groups. :meth:`configure` may set it from the checkpoint.
+    input_group_size: int = 1
 
     @classmethod
     def is_available(cls) -> bool:
@@ -83,6 +83,14 @@ class Quantizer(ABC):
         if tuple(weight.shape) != (out_features, in_features):
             raise ValueError(f"has shape {list(weight.shape)}, expected {[out_features, in_features]}")
         return weight
+
+    def shard_weight(self, weight: Any, dim: int, rank: int, size: int) -> Any:
+        """Tensor-parallel rank ``rank``'s part of a weight that :meth:`read_checkpoint` read whole: its share of
+        the output rows (``dim`` 0) or input columns (``dim`` 1), of ``size`` equal shares. Called once per
+        checkpoint module at load under tensor parallelism, before :meth:`merge`. The default cuts a float
+        weight; raises ``ValueError`` (one line, as :meth:`read_checkpoint`) where a share cannot be cut."""
+        count = weight.shape[dim] // size
+        return weight.narrow(dim, rank * count, count)
 
     def merge(self, parts: Sequence[Any]) -> Any:
         """What :meth:`read_checkpoint` returned for the parts of a merged linear (q, k, v), as one weight

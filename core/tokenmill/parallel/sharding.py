@@ -61,11 +61,6 @@ def check_shardable(
                 f"{setting}: the model's {count} {what} do not split into {size} equal shards; "
                 f"choose a tensor_parallel_size that divides {count}{hint}"
             )
-    if quantizer.checkpoint_tensor_names != ("weight",):
-        raise TensorParallelError(
-            f"{setting}: quantizer {quantizer.name!r} reads a checkpoint quantized by another tool, which "
-            "tokenmill does not split over shards; use tensor_parallel_size = 1"
-        )
     group = quantizer.input_group_size
     # Row-parallel layers (o_proj, down_proj) split their input; every shard must hold whole quant groups.
     for what, num_inputs, hint in (

@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from tokenmill_plugins.quant.checkpoint_quantizer import CheckpointQuantizer
+from tokenmill_plugins.quant.checkpoint_quantizer import CheckpointQuantizer, integer_input_group
 from tokenmill_plugins.quant.checkpoint_weights import IntWeight, unpack_int32
 from tokenmill_plugins.quant.config_checks import check_choice, check_group_size, expect_shape, num_groups
 
@@ -41,6 +41,7 @@ class AWQQuantizer(CheckpointQuantizer):
         config = quantization_config
         check_choice("awq", "bits", config.get("bits", config.get("w_bit")), (4,))
         self.group_size = check_group_size("awq", config.get("group_size", config.get("q_group_size", 128)))
+        self.input_group_size = integer_input_group(self.group_size)
         version = str(config.get("version") or config.get("format") or "gemm").lower()
         check_choice("awq", "version", version, ("gemm",))
         if config.get("zero_point") is False:

@@ -46,6 +46,7 @@ model computes in float16, bfloat16 or float32 and the same names hold GPU layou
 from __future__ import annotations
 
 import importlib.util
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -58,12 +59,26 @@ from torch import Tensor, nn
 
 from tokenmill.layers.dense import DenseQuantizer
 from tokenmill.layers.quantizer import Quantizer, layer_bias, layer_tensor
-from tokenmill_plugins.quant.checkpoint_weights import ActivationScheme, FloatWeight, IntWeight, merge_parts
+from tokenmill_plugins.quant.checkpoint_weights import (
+    ActivationScheme,
+    FloatWeight,
+    IntWeight,
+    merge_parts,
+    shard_part,
+)
 from tokenmill_plugins.quant.options import QuantOptions
 from tokenmill_plugins.quant.weight_only import Int8Quantizer
 
 #: The kernels' group: 32 consecutive inputs share a scale.
 KERNEL_GROUP = quant_matmul.GROUP
+
+
+def integer_input_group(group_size: int) -> int:
+    """``input_group_size`` for integer weights in groups of ``group_size`` inputs (-1: one scale per output
+    channel): a shard's inputs must be whole groups and whole blocks of the kernels."""
+    return math.lcm(KERNEL_GROUP, group_size) if group_size > 0 else KERNEL_GROUP
+
+
 #: Output rows of an FP8 weight converted to float32 at a time.
 FP8_TILE_ROWS = 128
 #: Output rows of an FP8 weight dequantized at a time on a GPU without FP8 matmuls (or for block scales).
@@ -204,6 +219,9 @@ class CheckpointQuantizer(Quantizer):
             return out.to(x.dtype)
         use_scaled_mm = supports_fp8_matmul(x.device)
         return fp8_matmul(x, qweight, scales, self.activations, input_scale, bias, use_scaled_mm=use_scaled_mm)
+
+    def shard_weight(self, weight: Any, dim: int, rank: int, size: int) -> Any:
+        return shard_part(weight, dim, rank, size)
 
     # What each format supplies.
     def configure(self, quantization_config: Mapping[str, Any]) -> None:

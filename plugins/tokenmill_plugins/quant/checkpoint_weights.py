@@ -9,7 +9,7 @@ along the output dimension and one runtime (``checkpoint_quantizer``) repacks th
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -129,3 +129,50 @@ def unpack_int32(packed: Tensor, bits: int, dim: int, count: int) -> Tensor:
         raise ValueError(f"holds {available} codes along dimension {dim}, expected {count}")
     signed = packing.unpack_int32(packed.to(torch.int32), bits, count, dim=dim)
     return (signed.to(torch.int16) + (1 << (bits - 1))).to(torch.uint8)
+
+
+def shard_part(weight: IntWeight | FloatWeight, dim: int, rank: int, size: int) -> IntWeight | FloatWeight:
+    """Tensor-parallel rank ``rank``'s part of a weight read whole: its share of the output rows (``dim`` 0) or of
+    the input columns (``dim`` 1), of ``size`` equal shares.
+
+    Raises ``ValueError`` where a share would cut through a group or block of one scale, and along the inputs of
+    activation-ordered groups (a share would hold parts of groups scattered over the whole width)."""
+    if isinstance(weight, IntWeight):
+        count = weight.codes.shape[dim] // size
+        start = rank * count
+        if dim == 0:
+            rows = slice(start, start + count)
+            return replace(weight, codes=weight.codes[rows], scales=weight.scales[rows], zeros=weight.zeros[rows])
+        if weight.g_idx is not None and not torch.equal(
+            weight.g_idx, torch.arange(weight.codes.shape[1]) // weight.group_size
+        ):
+            raise ValueError(
+                "has activation-ordered groups (g_idx), which tokenmill does not split over the shards' inputs; "
+                "use tensor_parallel_size = 1 or a checkpoint quantized without activation order"
+            )
+        if weight.group_size >= weight.codes.shape[1]:  # one scale per output channel: every share keeps it
+            return replace(
+                weight, codes=weight.codes[:, start : start + count].contiguous(), group_size=count, g_idx=None
+            )
+        if count % weight.group_size:
+            raise ValueError(f"gives each shard {count} inputs, not whole groups of {weight.group_size}")
+        groups = slice(start // weight.group_size, (start + count) // weight.group_size)
+        return replace(
+            weight,
+            codes=weight.codes[:, start : start + count].contiguous(),
+            scales=weight.scales[:, groups].contiguous(),
+            zeros=weight.zeros[:, groups].contiguous(),
+            g_idx=None,  # groups of consecutive inputs (checked above)
+        )
+    count = weight.values.shape[dim] // size
+    start = rank * count
+    block = weight.block_size[dim]
+    values = weight.values.narrow(dim, start, count).contiguous()
+    if block >= weight.values.shape[dim]:  # one scale along this dimension: every share keeps it
+        sizes = list(weight.block_size)
+        sizes[dim] = count
+        return replace(weight, values=values, block_size=(sizes[0], sizes[1]))
+    if count % block:
+        raise ValueError(f"gives each shard {count} rows or columns, not whole FP8 blocks of {block}")
+    scales = weight.scales.narrow(dim, start // block, count // block).contiguous()
+    return replace(weight, values=values, scales=scales)

@@ -29,7 +29,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from tokenmill_plugins.quant.checkpoint_quantizer import CheckpointQuantizer
+from tokenmill_plugins.quant.checkpoint_quantizer import CheckpointQuantizer, integer_input_group
 from tokenmill_plugins.quant.checkpoint_weights import ActivationScheme, FloatWeight, IntWeight, unpack_int32
 from tokenmill_plugins.quant.config_checks import check_choice, check_group_size, expect_shape, num_groups
 
@@ -90,6 +90,10 @@ class CompressedTensorsQuantizer(CheckpointQuantizer):
                 raise ValueError(f"{method}: block_structure {block!r} is not [rows, columns]")
             self.block = (block[0], block[1])
         self.is_symmetric = bool(weights.get("symmetric", True))
+        if kind == "int":
+            self.input_group_size = integer_input_group(self.group_size if self.strategy == "group" else -1)
+        else:
+            self.input_group_size = self.block[1] if self.strategy == "block" else 1
         if kind == "float" and not self.is_symmetric:
             raise ValueError(f"{method}: asymmetric FP8 weights are not supported; supported: symmetric")
         if weights.get("dynamic"):

@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from tokenmill_plugins.quant.checkpoint_quantizer import CheckpointQuantizer
+from tokenmill_plugins.quant.checkpoint_quantizer import CheckpointQuantizer, integer_input_group
 from tokenmill_plugins.quant.checkpoint_weights import IntWeight, unpack_int32
 from tokenmill_plugins.quant.config_checks import check_choice, check_group_size, expect_shape, num_groups
 
@@ -35,6 +35,7 @@ class GPTQQuantizer(CheckpointQuantizer):
         config = quantization_config
         self.bits = check_choice("gptq", "bits", config.get("bits"), (4, 8))
         self.group_size = check_group_size("gptq", config.get("group_size", -1))
+        self.input_group_size = integer_input_group(self.group_size)
         checkpoint_format = config.get("checkpoint_format") or config.get("format") or "gptq"
         check_choice("gptq", "checkpoint_format", checkpoint_format, _FORMATS)
         self.zero_offset = 1 if checkpoint_format == "gptq" else 0

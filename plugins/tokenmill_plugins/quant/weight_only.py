@@ -37,7 +37,7 @@ GROUP_SIZE = 32
 
 class _WeightOnlyQuantizer(Quantizer):
     supported_devices: ClassVar[tuple[str, ...]] = ("cpu",)
-    input_group_size: ClassVar[int] = GROUP_SIZE
+    input_group_size: int = GROUP_SIZE
     #: Above this many rows of ``x``, dequantize and run one float32 GEMM instead (None: never).
     max_kernel_rows: ClassVar[int | None] = None
 
