@@ -45,6 +45,7 @@ BASE_CONFIG: dict[str, Any] = {"hidden_size": 128, "intermediate_size": 384}
 MOE_MODELS: dict[str, dict[str, Any]] = {
     "qwen3-moe-tiny": {"hidden_size": 128, "moe_intermediate_size": 128, "mlp_only_layers": []},
     "mixtral-tiny": {"hidden_size": 128, "intermediate_size": 128},
+    "qwen2-moe-tiny": {"hidden_size": 128, "moe_intermediate_size": 128, "shared_expert_intermediate_size": 256},
 }
 #: The tools' own advice for MoE models: routers stay in float (they are no quantized linears in tokenmill).
 MOE_IGNORE = ["lm_head", "re:.*mlp.gate$"]
@@ -273,17 +274,20 @@ def make_with_gptqmodel(work: Path, only: list[str]) -> None:
         # The routed experts quantized per expert (GPTQModel leaves the routers in float).
         "gptq-moe-4bit-g32-asym": {"bits": 4, "group_size": 32, "desc_act": False, "sym": False},
         "gptq-moe-mixtral-4bit-g64-sym": {"bits": 4, "group_size": 64, "desc_act": False, "sym": True},
+        "gptq-moe-qwen2-4bit-g32-sym": {"bits": 4, "group_size": 32, "desc_act": False, "sym": True},
     }
     moe_bases = {
         "qwen3": _moe_base(work / "moe-base"),
         "mixtral": _moe_base(work / "mixtral-base", "mixtral-tiny"),
+        "qwen2": _moe_base(work / "qwen2-moe-base", "qwen2-moe-tiny"),
     }
     for name, settings in configs.items():
         if only and name not in only:
             continue
         output = CHECKPOINTS / name
         shutil.rmtree(output, ignore_errors=True)
-        source = (moe_bases["mixtral" if "mixtral" in name else "qwen3"]) if "-moe-" in name else base
+        family = next((f for f in moe_bases if f"-{f}-" in name), "qwen3")
+        source = moe_bases[family] if "-moe-" in name else base
         model = GPTQModel.load(str(source), QuantizeConfig(**settings), device="cpu")
         # AWQ picks a CUDA kernel unless told to pack for the portable torch one.
         backend = BACKEND.TORCH if settings.get("quant_method") == "awq" else BACKEND.AUTO

@@ -59,7 +59,7 @@ def test_every_producer_and_format_is_carried() -> None:
         "ct-w4a16-gptq", "ct-w4a16-gptq-actorder", "ct-w4a16-asym-awq", "ct-w8a16-gptq", "ct-fp8-dynamic",
         "ct-fp8-static", "ct-w8a8-int8", "gptq-4bit-g32-sym", "gptq-4bit-g64-asym", "gptq-4bit-g128-asym-actorder",
         "gptq-8bit-channel-sym", "gptq-8bit-g128-asym-actorder", "awq-4bit-g128-gemm",
-        "ct-moe-w4a16-gptq", "gptq-moe-4bit-g32-asym", "gptq-moe-mixtral-4bit-g64-sym",
+        "ct-moe-w4a16-gptq", "gptq-moe-4bit-g32-asym", "gptq-moe-mixtral-4bit-g64-sym", "gptq-moe-qwen2-4bit-g32-sym",
     }  # fmt: skip
 
 
@@ -107,7 +107,9 @@ def test_experts_loaded_in_the_wrong_order_fail_the_comparison(monkeypatch: pyte
 
     monkeypatch.setattr(moe, "local_expert_tensors", swapped)
     monkeypatch.setenv("TOKENMILL_WEIGHT_CACHE", "0")
-    for name in ("ct-moe-w4a16-gptq", "gptq-moe-4bit-g32-asym", "gptq-moe-mixtral-4bit-g64-sym"):
+    for name in NAMES:
+        if "-moe-" not in name:
+            continue
         with pytest.raises(AssertionError):
             _check_logits(name)
 
