@@ -51,6 +51,15 @@ CASES: list[tuple[type[ToolParser], str, str | None, list[tuple[str, str]]]] = [
      "Sure.", [("a", '{"x": "y"}'), ("b", "{}")]),
     (MistralToolParser, "No tools needed.", "No tools needed.", []),
     (MistralToolParser, CUT_SHORT, CUT_SHORT, []),
+    # Tokenizers v11 and later (Mistral Small 3.1+, Magistral, Devstral): one marker per call, the name first.
+    (MistralToolParser, "[TOOL_CALLS]get_weather[ARGS]" + WEATHER, None, [("get_weather", WEATHER)]),
+    (MistralToolParser, 'Sure.[TOOL_CALLS]a[ARGS]{"x": "y"}[TOOL_CALLS]b[ARGS]{}', "Sure.",
+     [("a", '{"x": "y"}'), ("b", "{}")]),
+    (MistralToolParser, '[TOOL_CALLS]a[CALL_ID]Ab3dE9xYz[ARGS]{"x": [1, {"y": "}"}]}', None,
+     [("a", '{"x": [1, {"y": "}"}]}')]),
+    (MistralToolParser, '[TOOL_CALLS]get_time{"zone": "UTC"}', None, [("get_time", '{"zone": "UTC"}')]),  # no [ARGS]
+    (MistralToolParser, '[TOOL_CALLS]a[ARGS]{"x": ', '[TOOL_CALLS]a[ARGS]{"x": ', []),  # cut short: content
+    (MistralToolParser, "[TOOL_CALLS]a[ARGS][1, 2]", "[TOOL_CALLS]a[ARGS][1, 2]", []),  # arguments not an object
 ]  # fmt: skip
 
 

@@ -24,7 +24,7 @@ class ParsersConfig(ConfigSection, frozen=True):
         describe(
             "Tool-call parser plugin by name, for the model's own format: 'hermes' (Hermes, Qwen 2.5/3: "
             "<tool_call>{json}</tool_call>), 'llama3_json' (Llama 3.x JSON calls) or 'mistral' "
-            "([TOOL_CALLS][...])."
+            "([TOOL_CALLS][...]; from tokenizer v11, [TOOL_CALLS]name[ARGS]{json})."
         ),
     ] = None
     reasoning_parser: Annotated[

@@ -4,8 +4,10 @@
   Qwen 2.5, Qwen3); the text before the first block is the content.
 - ``llama3_json``: an output that is one or more ``{"name": "f", "parameters": {...}}`` objects (``arguments``
   also read), separated by ``;``, optionally after ``<|python_tag|>`` (Llama 3.1-3.3); no content beside them.
-- ``mistral``: ``[TOOL_CALLS][{"name": "f", "arguments": {...}}, ...]``; the text before the marker is the
-  content. ``[TOOL_CALLS]`` is a special token, so requests with tools keep special tokens in their text.
+- ``mistral``: ``[TOOL_CALLS][{"name": "f", "arguments": {...}}, ...]`` (tokenizers before v11), or one
+  ``[TOOL_CALLS]f[ARGS]{...}`` per call (v11 and later: Mistral Small 3.1+, Magistral, Devstral; an optional
+  ``[CALL_ID]id`` after the name, and ``[ARGS]`` absent in some); the text before the first marker is the
+  content. The markers are special tokens, so requests with tools keep special tokens in their text.
 
 A call's arguments are the JSON text the model wrote (streamed pieces join into exactly that text). An output
 whose calls do not parse is content, whole.
@@ -17,7 +19,7 @@ import json
 import re
 from typing import Any, ClassVar
 
-from tokenmill.parsers.json_calls import PartialCall, held_back, scan_calls
+from tokenmill.parsers.json_calls import PartialCall, held_back, scan_calls, value_end
 from tokenmill.parsers.tool_parser import ExtractedToolCalls, PartialToolCalls, ToolCall, ToolParser
 
 
@@ -127,13 +129,37 @@ class Llama3JsonToolParser(ToolParser):
         return PartialToolCalls("", scan_calls(body, self.argument_keys))
 
 
+#: The head of a v11+ Mistral call: its name, an optional call id and ``[ARGS]``, up to the arguments' ``{``.
+_MISTRAL_HEAD = re.compile(r"\s*([A-Za-z0-9_.\-]+)\s*(?:\[CALL_ID\][A-Za-z0-9]*)?\s*(?:\[ARGS\])?\s*(?=\{)")
+
+
 class MistralToolParser(ToolParser):
     name: ClassVar[str] = "mistral"
     keeps_special_tokens: ClassVar[bool] = True
     marker: ClassVar[str] = "[TOOL_CALLS]"
 
+    @staticmethod
+    def _is_v11(after_marker: str) -> bool:
+        """Whether the text after the first marker is the v11+ form (a name), not a JSON list or object."""
+        head = after_marker.lstrip()
+        return bool(head) and head[0] not in "[{"
+
+    def _v11_calls(self, text: str) -> list[ToolCall] | None:
+        """The calls of a finished v11+ output (``text`` from its first marker), or None if one does not parse."""
+        calls = []
+        for segment in text.split(self.marker)[1:]:
+            head = _MISTRAL_HEAD.match(segment)
+            values = _objects(segment[head.end() :]) if head is not None else None
+            if head is None or not values or len(values) != 1 or not isinstance(values[0][0], dict):
+                return None
+            calls.append(ToolCall(head.group(1), values[0][1]))
+        return calls
+
     def extract_tool_calls(self, text: str) -> ExtractedToolCalls:
         index = text.find(self.marker)
+        if index >= 0 and self._is_v11(text[index + len(self.marker) :]):
+            v11 = self._v11_calls(text[index:])
+            return ExtractedToolCalls(v11, text[:index] or None) if v11 else ExtractedToolCalls([], text)
         values = _objects(text[index + len(self.marker) :]) if index >= 0 else None
         if not values or len(values) != 1:
             return ExtractedToolCalls([], text)
@@ -151,4 +177,15 @@ class MistralToolParser(ToolParser):
         index = text.find(self.marker)
         if index < 0:
             return PartialToolCalls(text[: len(text) - held_back(text, self.marker)], [])
-        return PartialToolCalls(text[:index], scan_calls(text, ("arguments",), index + len(self.marker)))
+        after = text[index + len(self.marker) :]
+        if not self._is_v11(after):
+            return PartialToolCalls(text[:index], scan_calls(text, ("arguments",), index + len(self.marker)))
+        calls: list[PartialCall] = []
+        for segment in after.split(self.marker):
+            head = _MISTRAL_HEAD.match(segment)
+            if head is None:  # the name or what follows it is still being written
+                calls.append((None, ""))
+                continue
+            end = value_end(segment, head.end())
+            calls.append((head.group(1), segment[head.end() : end if end is not None else len(segment)]))
+        return PartialToolCalls(text[:index], calls)
