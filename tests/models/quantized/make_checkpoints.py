@@ -139,6 +139,10 @@ def make_with_llmcompressor(work: Path, only: list[str]) -> None:
     moe_recipes: dict[str, Any] = {
         # The routed experts quantized per expert, as llm-compressor's MoE examples do (routers left in float).
         "ct-moe-w4a16-gptq": GPTQModifier(config_groups={"group_0": group_scheme(4, 32, True)}, ignore=MOE_IGNORE),
+        # No reference beside it: with linear experts, transformers' forward disagrees with the checkpoint's own
+        # dequantized weights by about 0.06 per linear (its offloading path), and with fused experts it runs them in
+        # bfloat16 without rounding their inputs; the tests check it against the format's definition instead.
+        "ct-moe-fp8-dynamic": QuantizationModifier(targets="Linear", scheme="FP8_DYNAMIC", ignore=MOE_IGNORE),
     }
     for output in _oneshot_each(recipes, only, base, dataset, CHECKPOINTS, CALIBRATION_LENGTH):
         # transformers runs the checkpoint through compressed-tensors (weights dequantized, activations
@@ -146,7 +150,8 @@ def make_with_llmcompressor(work: Path, only: list[str]) -> None:
         _write_reference(AutoModelForCausalLM.from_pretrained(output, dtype=torch.float32), output)
     moe_base = _moe_base(work / "moe-base")
     for output in _oneshot_each(moe_recipes, only, moe_base, dataset, CHECKPOINTS, CALIBRATION_LENGTH):
-        _write_reference(_linearized_qwen3_moe(output), output)
+        if output.name != "ct-moe-fp8-dynamic":
+            _write_reference(_linearized_qwen3_moe(output), output)
 
 
 def _linearized_qwen3_moe(directory: Path) -> Any:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from tests.factories import make_engine, run_to_completion
 from tokenmill.config import load_config
@@ -166,3 +167,41 @@ def _assert_same_up_to_near_tie(got: list[int], expected: list[int], margins: li
                 f"token {step} is {token}, the reference's {reference_token} led by {margins[step]:.3f}"
             )
             return
+
+
+def test_fp8_dynamic_experts_follow_the_format_definition() -> None:
+    """``ct-moe-fp8-dynamic`` (llm-compressor's FP8_DYNAMIC on a Qwen3-MoE, no tool reference: see
+    make_checkpoints.py): a MoE block's output equals the format's definition computed here from the checkpoint's
+    tensors (FP8 weights times their channel scales; each input rounded to FP8 per token, absmax / 448), and the
+    same without the inputs' rounding is far from it, so a layer that skipped it would fail."""
+    from safetensors.torch import load_file
+
+    directory = CHECKPOINTS / "ct-moe-fp8-dynamic"
+    config = load_config(overrides={"model": {"model": str(directory)}, "device": {"device": "cpu"}})
+    block = load_model(config).model.model.layers[0].mlp
+    tensors = load_file(directory / "model.safetensors")
+    x = torch.randn(6, 128, generator=torch.Generator().manual_seed(0))
+
+    def weight(name: str) -> torch.Tensor:
+        return tensors[f"model.layers.0.mlp.{name}.weight"].float() * tensors[f"model.layers.0.mlp.{name}.weight_scale"]
+
+    def fp8_rounded(t: torch.Tensor) -> torch.Tensor:
+        scale = t.abs().amax(-1, keepdim=True) / 448.0
+        return (t / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale
+
+    def definition(rounded) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        probs = torch.softmax(x @ tensors["model.layers.0.mlp.gate.weight"].float().T, dim=-1)
+        top, experts = probs.topk(2, dim=-1)
+        top = top / top.sum(-1, keepdim=True)  # norm_topk_prob
+        out = torch.zeros_like(x)
+        for t in range(x.shape[0]):
+            for k in range(2):
+                e, xt = int(experts[t, k]), rounded(x[t : t + 1])
+                inner = F.silu(xt @ weight(f"experts.{e}.gate_proj").T) * (xt @ weight(f"experts.{e}.up_proj").T)
+                out[t] += top[t, k] * (rounded(inner) @ weight(f"experts.{e}.down_proj").T)[0]
+        return out
+
+    with torch.no_grad():
+        got = block(x)
+    torch.testing.assert_close(got, definition(fp8_rounded), atol=1e-5, rtol=0)
+    assert (got - definition(lambda t: t)).abs().max() > 1e-2
