@@ -233,7 +233,7 @@ def select_quantizer(
     quantization_config: Mapping[str, Any] | None = None,
 ) -> Quantizer:
     """The named quantizer, or for ``"auto"`` the available one that holds the checkpoint's weights exactly on
-    this device (``"none"`` when the checkpoint is float or none fits).
+    this device, else one that holds them within its own rounding (``near_lossless_for``), else ``"none"``.
 
     A checkpoint quantized by another tool (its config's ``quantization_config``) is read by a quantizer whose
     ``quant_methods`` names its ``quant_method``, configured from it; any other choice, an unknown method or a
@@ -249,19 +249,19 @@ def select_quantizer(
                 "and this checkpoint has no quantization_config; use 'auto', 'none', 'int8' or 'int4'"
             )
         return plugins.instantiate(Slot.QUANTIZER, name, implementation)
-    candidates = [
-        (quantizer_name, quantizer_class)
-        for quantizer_name, quantizer_class in (
-            _loadable(plugins.registry, Slot.QUANTIZER) if arch.stored_weight_type else []
-        )
-        if arch.stored_weight_type in quantizer_class.lossless_for
-        and device.type in quantizer_class.supported_devices
-        and quantizer_class.is_available()
-    ]
-    if not candidates:
-        return plugins.create(Slot.QUANTIZER, "none")
-    best_name, best_class = max(candidates, key=lambda c: c[1].auto_priority)
-    return plugins.instantiate(Slot.QUANTIZER, best_name, best_class)
+    loadable = _loadable(plugins.registry, Slot.QUANTIZER) if arch.stored_weight_type else []
+    for exact in (True, False):
+        candidates = [
+            (quantizer_name, quantizer_class)
+            for quantizer_name, quantizer_class in loadable
+            if arch.stored_weight_type in (quantizer_class.lossless_for if exact else quantizer_class.near_lossless_for)
+            and device.type in quantizer_class.supported_devices
+            and quantizer_class.is_available()
+        ]
+        if candidates:
+            best_name, best_class = max(candidates, key=lambda c: c[1].auto_priority)
+            return plugins.instantiate(Slot.QUANTIZER, best_name, best_class)
+    return plugins.create(Slot.QUANTIZER, "none")
 
 
 def _select_checkpoint_quantizer(

@@ -106,7 +106,9 @@ def test_auto_quantization_follows_the_stored_weight_type() -> None:
         None: "none",
         "Q4_1": "int4",
         "Q8_0": "int8",
-        "Q5_K": "none",  # no installed quantizer holds it exactly: dense float32
+        "Q5_K": "int8",  # none holds it exactly; int8's grid is finer
+        "Q4_0": "int8",
+        "F16": "none",  # float types are not stored weight types; an unknown name holds nothing
     }
     for weight_type, expected in stored.items():
         config = dict(hf, quantization_config={"quant_method": "gguf", "weight_type": weight_type})

@@ -369,3 +369,36 @@ def test_importing_the_formats_is_cheap() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("qtype", [QType.Q5_0, QType.Q4_0])
+def test_auto_holds_a_type_without_an_exact_quantizer_in_int8(qtype: QType, tmp_path: Path) -> None:
+    """A file of a type no quantizer stores exactly (Q5_0, Q4_0; K-quants alike) runs on ``int8`` under
+    ``quantization = "auto"``, not float32, and int8's rounding moves the logits by under a tenth of what the
+    file's own quantization moved them from the original model's."""
+    from tokenmill_plugins.quant.weight_only import Int8Quantizer
+
+    from tokenmill.config import load_config
+    from tokenmill.model_loader import load_model
+    from tokenmill.model_runner import ModelRunner, SequenceChunk
+
+    if not Int8Quantizer.is_available():
+        pytest.skip("the int8 kernels need AVX2, FMA and a compiler")
+    model = _tiny_model("llama")
+    path = _write(model, tmp_path / "model.gguf", qtype)
+    prompt = [3, 17, 99, 250, 7, 42, 400, 11]
+    logits = {}
+    for quantization in ("auto", "none"):
+        loaded = load_model(load_config(overrides={
+            "model": {"model": str(path), "quantization": quantization}, "device": {"device": "cpu"},
+            "cache": {"kv_cache_dtype": "float32"},
+        }))  # fmt: skip
+        expected = "int8" if quantization == "auto" else "none"
+        assert loaded.model.model.layers[0].self_attn.qkv_proj.quantizer.name == expected
+        runner = ModelRunner(loaded, num_blocks=8, block_size=4)
+        logits[quantization] = runner.execute([SequenceChunk(prompt, 0, [0, 1])], all_logits=True)
+    with torch.no_grad():
+        original = model(torch.tensor([prompt])).logits[0]
+    held = (logits["auto"] - logits["none"]).abs().max()
+    stored = (logits["none"] - original).abs().max()
+    assert held < 0.1 * stored, (float(held), float(stored))

@@ -31,8 +31,10 @@ class ModelConfig(ConfigSection, frozen=True):
         describe(
             "Quantizer plugin for linear layers: 'none' keeps dense weights in `dtype`; 'auto' keeps a "
             "quantized checkpoint (a Q4_1 or Q8_0 GGUF) in an installed quantizer that holds it exactly "
-            "on this device, else 'none', and runs a checkpoint quantized by another tool with the quantizer "
-            "named by its quantization_config.quant_method ('gptq', 'awq', 'compressed-tensors')."
+            "on this device, else in one whose finer grid holds it within its own rounding ('int8' for "
+            "K-quants and the other GGUF types), else 'none', and runs a checkpoint quantized by another tool "
+            "with the quantizer named by its quantization_config.quant_method ('gptq', 'awq', "
+            "'compressed-tensors')."
         ),
     ] = "auto"
     layer_kernels: Annotated[

@@ -25,6 +25,9 @@ class Quantizer(ABC):
     #: so that loading such a checkpoint through it loses nothing. ``quantization = "auto"`` picks a
     #: quantizer by this list, preferring the highest ``auto_priority``.
     lossless_for: ClassVar[tuple[str, ...]] = ()
+    #: Stored weight types it holds on a finer grid than theirs, within its own rounding (an 8-bit quantizer for
+    #: a 4- or 6-bit GGUF type): ``quantization = "auto"`` picks it where none holds the checkpoint exactly.
+    near_lossless_for: ClassVar[tuple[str, ...]] = ()
     auto_priority: ClassVar[int] = 0
     #: Whether the layer keeps a plain ``weight`` in the model's dtype (lets a tied output
     #: projection read the embedding instead of a copy).

@@ -110,6 +110,11 @@ class Int8Quantizer(_WeightOnlyQuantizer):
 
     name: ClassVar[str] = "int8"
     lossless_for: ClassVar[tuple[str, ...]] = ("Q8_0",)
+    # Every GGUF type of fewer bits (K-quants, i-quants): 255 steps per 32 weights against their 3 to 63.
+    near_lossless_for: ClassVar[tuple[str, ...]] = (
+        "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ1_S", "IQ1_M", "IQ2_XXS",
+        "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0",
+    )  # fmt: skip
     auto_priority: ClassVar[int] = 10
     storage_names: ClassVar[tuple[str, ...]] = ("qweight", "scales")
 
