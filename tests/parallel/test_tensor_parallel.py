@@ -259,6 +259,15 @@ def test_split_inside_a_quant_block_is_refused(tmp_path: Path) -> None:
         )
 
 
+@pytest.mark.skipif(not HAS_KERNELS, reason="the checkpoint quantizers' kernels need AVX2, FMA and a compiler")
+def test_a_split_inside_a_checkpoints_groups_is_refused() -> None:
+    # GPTQModel's groups of 128 over o_proj's 128 inputs: 64 a shard at TP=2 would cut every group in two.
+    directory = Path(__file__).parents[1] / "models" / "quantized" / "checkpoints" / "gptq-4bit-g128-asym-actorder"
+    with pytest.raises(TensorParallelError, match="o_proj's 128 inputs give each shard 64, not whole blocks of 128 "
+                                                  "for quantizer 'gptq'"):  # fmt: skip
+        make_engine(directory, parallel={"tensor_parallel_size": 2})
+
+
 @pytest.mark.skipif(not HAS_KERNELS, reason="the int8 kernel needs AVX2, FMA and a compiler")
 def test_sliced_quantized_experts_are_refused_and_point_to_expert_parallelism(tmp_path: Path) -> None:
     directory = save_tiny_model(tmp_path, "mixtral-tiny")
