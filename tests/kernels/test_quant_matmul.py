@@ -32,7 +32,7 @@ TIGHT_RTOL = 1e-5
 LOOSE_RTOL = 1e-5
 
 
-M_VALUES = (1, 2, 3, 4, 5, 8, 16, 33)
+M_VALUES = (1, 2, 3, 4, 5, 8, 16, 33, 257)  # 257: three passes of the tiles (kRowsPerPass)
 K_VALUES = (32, 64, 576, 1536)
 N_VALUES = (1, 7, 64, 192, 1536)
 
