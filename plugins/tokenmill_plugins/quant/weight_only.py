@@ -10,11 +10,11 @@ magnitude) fails to load with a ``ValueError``.
 The quantized kernels round each input row to int16 per group of 32 and multiply in integers
 (tokenmill_kernels.quant_matmul.reference gives the exact numerics): on the default model that
 stays within 0.006 nats of float32 on the same weights, which int8 activations (llama.cpp's
-Q8_1) do not (docs/performance.md, "Accuracy of the quantized path"). They run for
-any number of rows: on a 2-core AVX2 machine their integer products outrun float32 GEMM on the
-dequantized weights from one row (decode, memory-bound) up to 1,024-row prompt chunks
-(compute-bound); see docs/performance.md. ``max_kernel_rows`` switches larger inputs to
-dequantize + float32 GEMM on machines where that wins.
+Q8_1) do not (docs/performance.md, "Accuracy of the quantized path"). They run for any number of
+rows, in passes of at most 128. Whether float32 GEMM on the dequantized weights beats them at many rows
+depends on the CPU: on the AMD machine of docs/performance.md they won up to 1,024-row prompt chunks,
+on an Intel Xeon with AVX-512 GEMM is faster from about 512 rows (docs/benchmarks.md).
+``max_kernel_rows`` switches larger inputs to dequantize + float32 GEMM; nothing sets it yet.
 """
 
 from __future__ import annotations
