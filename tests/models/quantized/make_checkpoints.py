@@ -1,11 +1,11 @@
 """Makes the quantized checkpoints that tests/models/quantized/ loads, with the field's own tools.
 
 Each checkpoint is a tiny random Llama (hidden 128, intermediate 384, vocab 512, 2 layers, seed 0, with the tiny
-test tokenizer), or for the ``*-moe-*`` ones a tiny random Qwen3-MoE or Mixtral (``MOE_MODELS``), quantized by llm-
-compressor (compressed-tensors formats) or GPTQModel (GPTQ and AWQ formats) on random token calibration data. CI
-cannot install either tool (llm-compressor pins an older transformers; GPTQModel is a large install), so the
-checkpoints are carried in ``checkpoints/`` and this script remakes them. Run each producer in a virtual environment
-that has it, with this repository on ``PYTHONPATH`` (for the tiny model factory)::
+test tokenizer), or for the ``*-moe-*`` ones a tiny random mixture of experts (``MOE_MODELS``: Qwen3-MoE, Mixtral,
+Qwen2-MoE), quantized by llm-compressor (compressed-tensors formats) or GPTQModel (GPTQ and AWQ formats) on random
+token calibration data. CI cannot install either tool (llm-compressor pins an older transformers; GPTQModel is a
+large install), so the checkpoints are carried in ``checkpoints/`` and this script remakes them. Run each producer
+in a virtual environment that has it, with this repository on ``PYTHONPATH`` (for the tiny model factory)::
 
     python -m venv /tmp/lc && /tmp/lc/bin/pip install -c constraints.txt torch==2.13.0 llmcompressor msgspec pluggy
     PYTHONPATH=core:. /tmp/lc/bin/python tests/models/quantized/make_checkpoints.py llmcompressor
@@ -140,8 +140,8 @@ def make_with_llmcompressor(work: Path, only: list[str]) -> None:
         # The routed experts quantized per expert, as llm-compressor's MoE examples do (routers left in float).
         "ct-moe-w4a16-gptq": GPTQModifier(config_groups={"group_0": group_scheme(4, 32, True)}, ignore=MOE_IGNORE),
         # No reference beside it: with linear experts, transformers' forward disagrees with the checkpoint's own
-        # dequantized weights by about 0.06 per linear (its offloading path), and with fused experts it runs them in
-        # bfloat16 without rounding their inputs; the tests check it against the format's definition instead.
+        # dequantized weights by about 0.06 per linear (why, I did not find), and with fused experts it runs them
+        # in bfloat16 without rounding their inputs; the tests check it against the format's definition instead.
         "ct-moe-fp8-dynamic": QuantizationModifier(targets="Linear", scheme="FP8_DYNAMIC", ignore=MOE_IGNORE),
     }
     for output in _oneshot_each(recipes, only, base, dataset, CHECKPOINTS, CALIBRATION_LENGTH):
