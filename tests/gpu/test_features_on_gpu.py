@@ -15,8 +15,8 @@ import torch
 
 from tests.core.test_async_scheduling import greedy_token, run_workload, workload
 from tests.kv_tiers.test_engine_tiers import _prompt, _rounds
-from tests.models.quantized.test_reference_match import CHECKPOINTS, _reference
 from tests.models.quantized.test_reference_match import NAMES as QUANTIZED_CHECKPOINTS
+from tests.models.quantized.test_reference_match import _check_logits
 from tests.speculators.test_verification import _requests
 from tokenmill.engine import EngineCore
 from tokenmill.testing.factories import make_engine, run_to_completion
@@ -134,24 +134,6 @@ def test_triton_fused_experts_decode_as_the_reference(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("name", [name for name in QUANTIZED_CHECKPOINTS if "-moe-" in name])
 def test_quantized_moe_checkpoints_match_their_tools(name: str) -> None:
-    """The MoE checkpoints of tests/models/quantized on the GPU's dequantizing matmuls (float32, so the CPU's
-    tolerance holds): logits at every prompt position against the producing tool's, within 0.01."""
-    from tokenmill.config import load_config
-    from tokenmill.model_loader import load_model
-    from tokenmill.model_runner import ModelRunner, SequenceChunk
-
-    prompts, reference = _reference(name)
-    config = load_config(overrides={
-        "model": {"model": str(CHECKPOINTS / name), "dtype": "float32"}, "device": {"device": DEVICE},
-        "cache": {"kv_cache_dtype": "float32"},
-    })  # fmt: skip
-    loaded = load_model(config)
-    assert loaded.model.model.layers[0].mlp.experts[0].gate_up_proj.quantizer.name != "none"
-    runner = ModelRunner(loaded, num_blocks=64, block_size=4)
-    chunks = [SequenceChunk(prompts[0], 0, list(range(0, 3))), SequenceChunk(prompts[1], 0, list(range(3, 5)))]
-    logits = runner.execute(chunks, all_logits=True).float().cpu()
-    start = 0
-    for index, prompt in enumerate(prompts):
-        expected = reference[f"logits.{index}"]
-        torch.testing.assert_close(logits[start : start + len(prompt)], expected, atol=0.01, rtol=0)
-        start += len(prompt)
+    """The MoE checkpoints of tests/models/quantized on the GPU's dequantizing matmuls, float32, against the producing
+    tools' logits to the CPU's tolerance."""
+    _check_logits(name, DEVICE)

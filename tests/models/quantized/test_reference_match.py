@@ -115,10 +115,12 @@ def test_experts_loaded_in_the_wrong_order_fail_the_comparison(monkeypatch: pyte
             _check_logits(name)
 
 
-def _check_logits(name: str) -> None:
+def _check_logits(name: str, device: str = "cpu") -> None:
+    """tokenmill's logits at every prompt position against the tool's, in float32 on ``device`` (tests/gpu runs it
+    on CUDA, on the GPU's dequantizing matmuls)."""
     prompts, reference = _reference(name)
     config = load_config(overrides={
-        "model": {"model": str(CHECKPOINTS / name)}, "device": {"device": "cpu"},
+        "model": {"model": str(CHECKPOINTS / name), "dtype": "float32"}, "device": {"device": device},
         "cache": {"kv_cache_dtype": "float32"},  # the references keep K/V in float32
     })  # fmt: skip
     loaded = load_model(config)
@@ -130,7 +132,7 @@ def _check_logits(name: str) -> None:
     runner = ModelRunner(loaded, num_blocks=64, block_size=4)
     # Both prompts in one flattened batch, disjoint blocks.
     chunks = [SequenceChunk(prompts[0], 0, list(range(0, 3))), SequenceChunk(prompts[1], 0, list(range(3, 5)))]
-    logits = runner.execute(chunks, all_logits=True)
+    logits = runner.execute(chunks, all_logits=True).cpu()
     start = 0
     for index, prompt in enumerate(prompts):
         expected = reference[f"logits.{index}"]
