@@ -34,6 +34,14 @@ class StructuredOutputsConfig(ConfigSection, frozen=True):
             "structured_outputs.disable_any_whitespace). Small models otherwise may pad JSON with whitespace."
         ),
     ] = False
+    max_number_digits: Annotated[
+        int,
+        describe(
+            "Most digits in a row in a JSON number (its integer part, fraction and exponent each), for JSON schemas, "
+            "json_object and tool calls: JSON puts no bound on them, and a model may write digits until max_tokens. "
+            "0 bounds nothing (llama.cpp's JSON grammars bound each part to 16)."
+        ),
+    ] = 32
     enable_in_reasoning: Annotated[
         bool,
         describe(

@@ -23,7 +23,8 @@ from tokenmill.model_files import resolve_tokenizer
 from tokenmill.parsers.reasoning_parser import ReasoningParser
 from tokenmill.plugin_manager import PluginError, PluginSystem, Slot
 from tokenmill.sampling_params import StructuredOutputsParams
-from tokenmill.structured_output.backend import StructuredOutputBackend
+from tokenmill.structured_output.backend import StructuredOutputBackend, StructuredOutputGrammar
+from tokenmill.structured_output.number_digits import NumberDigitCap, TokenTexts
 from tokenmill.structured_output.request import GrammarFactory, StructuredOutputRequest
 from tokenmill.tokenizer import Tokenizer
 
@@ -34,6 +35,8 @@ logger = logging.getLogger(__name__)
 
 #: Compiled grammars kept for reuse.
 CACHE_SIZE = 1024
+#: The kinds of constraint whose output is JSON, where ``max_number_digits`` applies.
+JSON_KINDS = ("json", "json_object")
 
 
 def backend_name(plugins: PluginSystem, configured: str) -> str:
@@ -83,6 +86,7 @@ def build_structured_outputs(config: EngineConfig, plugins: PluginSystem, vocab_
     return StructuredOutputManager(
         lambda: build_backend(plugins, settings.backend, tokenizer(), vocab_size),
         settings.disable_any_whitespace,
+        max_number_digits=settings.max_number_digits,
         make_reasoner=make_reasoner if reasoning_parser is not None and not settings.enable_in_reasoning else None,
     )
 
@@ -99,6 +103,8 @@ class StructuredOutputManager:
         on the first constrained request).
     :param disable_any_whitespace: ``structured_outputs_config.disable_any_whitespace``, applied to every
         request.
+    :param max_number_digits: ``structured_outputs_config.max_number_digits``: JSON constraints' matchers are
+        wrapped in a ``NumberDigitCap`` (0: not).
     :param make_reasoner: builds the reasoning parser (``parsers.reasoning_parser``), once, in a compile thread;
         given, a request's grammar starts after its reasoning (docs/structured_outputs.md#reasoning).
     """
@@ -109,6 +115,7 @@ class StructuredOutputManager:
         disable_any_whitespace: bool = False,
         max_workers: int | None = None,
         make_reasoner: Callable[[], ReasoningParser] | None = None,
+        max_number_digits: int = 0,
     ) -> None:
         self._make_backend = make_backend
         self._make_reasoner = make_reasoner
@@ -117,6 +124,8 @@ class StructuredOutputManager:
         self._backend_lock = threading.Lock()
         self._prepared: Future[StructuredOutputBackend] | None = None
         self.disable_any_whitespace = disable_any_whitespace
+        self.max_number_digits = max_number_digits
+        self._token_texts: TokenTexts | None = None
         workers = max_workers or max(1, min(4, (os.cpu_count() or 2) // 2))
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tokenmill-grammar")
         self._cache: OrderedDict[tuple[str, str, bool, bool], Future[GrammarFactory]] = OrderedDict()
@@ -165,7 +174,21 @@ class StructuredOutputManager:
     def _compile(self, params: StructuredOutputsParams) -> GrammarFactory:
         backend = self.backend()
         compiled = backend.compile_grammar(params)
-        return lambda: backend.grammar(compiled)
+        if not self.max_number_digits or params.kind not in JSON_KINDS:
+            return lambda: backend.grammar(compiled)
+        tokens = self.token_texts(backend)
+
+        def capped() -> StructuredOutputGrammar:
+            return NumberDigitCap(backend.grammar(compiled), tokens, self.max_number_digits)
+
+        return capped
+
+    def token_texts(self, backend: StructuredOutputBackend) -> TokenTexts:
+        """The vocabulary's texts for ``NumberDigitCap``, read once."""
+        with self._backend_lock:
+            if self._token_texts is None:
+                self._token_texts = TokenTexts(backend.tokenizer, backend.vocab_size)
+            return self._token_texts
 
     def close(self) -> None:
         """Stop the compile threads (compiles under way finish); once, when the engine stops."""
