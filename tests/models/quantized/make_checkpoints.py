@@ -145,6 +145,8 @@ def make_with_llmcompressor(work: Path, only: list[str]) -> None:
         "ct-moe-fp8-dynamic": QuantizationModifier(targets="Linear", scheme="FP8_DYNAMIC", ignore=MOE_IGNORE),
         # INT8 experts per channel with INT8 activations per token (dynamic): the W8A8 preset.
         "ct-moe-w8a8-int8": GPTQModifier(targets="Linear", scheme="W8A8", ignore=MOE_IGNORE),
+        # The W4A16_ASYM preset through AWQ: zero points.
+        "ct-moe-w4a16-asym-awq": AWQModifier(targets="Linear", scheme="W4A16_ASYM", ignore=MOE_IGNORE),
     }
     for output in _oneshot_each(recipes, only, base, dataset, CHECKPOINTS, CALIBRATION_LENGTH):
         # transformers runs the checkpoint through compressed-tensors (weights dequantized, activations
