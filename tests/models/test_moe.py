@@ -105,6 +105,39 @@ def test_experts_split_over_shards_sum_to_all_experts() -> None:
     assert torch.equal(reference.apply(experts, x, topk_weights, nobody), torch.zeros(5, 16))
 
 
+@pytest.mark.parametrize("quantizer", ["none", "int4"])
+def test_one_token_takes_its_own_path_to_the_grouped_paths_bits(quantizer: str) -> None:
+    """A decode step of one stream runs its experts without grouping pairs: the same bits as the grouped path on the
+    same token (made to take it by a second token whose pairs are all another shard's), another shard's pairs (-1)
+    included, and within rounding of its row in a batch (the int4 kernel rounds a 1-row call apart)."""
+    from tokenmill.layers.moe import ExpertMLP
+    from tokenmill.parallel.group import single_process_group
+    from tokenmill.plugin_manager import Slot
+
+    torch.manual_seed(0)
+    plugins = load_plugins()
+    experts = Experts(
+        ExpertMLP(64, 32, "silu", plugins.create(Slot.QUANTIZER, quantizer), torch.float32, single_process_group())
+        for _ in range(6)
+    )
+    for expert in experts:
+        for linear in (expert.gate_up_proj, expert.down_proj):
+            linear.quantizer.load_weight(linear, "weight", torch.randn(linear.out_features, linear.in_features))
+    x = torch.randn(7, 64)
+    topk_weights, topk_ids = select_experts(torch.randn(7, 6), 3, renormalize=True)
+    topk_ids[2, 1] = -1
+    reference = TorchFusedExperts()
+    batched = reference.apply(experts, x, topk_weights, topk_ids)
+    nobody = torch.full((1, 3), -1)
+    for t in range(7):
+        alone = reference.apply(experts, x[t : t + 1], topk_weights[t : t + 1], topk_ids[t : t + 1])
+        grouped = reference.apply(experts, x[[t, 0]], topk_weights[[t, 0]], torch.cat([topk_ids[t : t + 1], nobody]))[
+            :1
+        ]
+        assert torch.equal(alone, grouped), t
+        torch.testing.assert_close(alone, batched[t : t + 1], atol=1e-4, rtol=1e-4)
+
+
 def test_int8_experts_run_through_the_quantizer(moe_dir: Path) -> None:
     prompts = [[5, 6, 7, 8, 9], [40, 41]]
     dense = _greedy(make_engine(moe_dir), prompts)

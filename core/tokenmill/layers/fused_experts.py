@@ -66,6 +66,9 @@ class TorchFusedExperts(FusedExperts):
     def apply(
         self, experts: Experts, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
+        lora = experts.lora
+        if x.shape[0] == 1 and lora is None:
+            return _one_token(experts, x, topk_weights, topk_ids)
         top_k = topk_ids.shape[1]
         flat_ids = topk_ids.reshape(-1)  # [num_tokens * top_k]
         # The one host read; bin 0 counts the pairs whose expert is on another shard (-1).
@@ -75,7 +78,6 @@ class TorchFusedExperts(FusedExperts):
         weight_of_pair = topk_weights.reshape(-1)[order, None]  # [num_pairs, 1]
         sorted_x = x[token_of_pair]  # [num_pairs, hidden]
         out = torch.zeros_like(x)  # [num_tokens, hidden]
-        lora = experts.lora
         if lora is not None:
             lora.route(token_of_pair)
         start = 0
@@ -90,6 +92,16 @@ class TorchFusedExperts(FusedExperts):
         if lora is not None:
             lora.select(0, 0)
         return out
+
+
+def _one_token(experts: Experts, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """``TorchFusedExperts.apply`` for one token (a decode step of one stream), the same sums in the same order
+    without grouping pairs by expert: at one token, the grouping's torch calls cost about as much as the experts."""
+    out = torch.zeros_like(x)  # [1, hidden]
+    for expert_id, k in sorted((expert_id, k) for k, expert_id in enumerate(topk_ids[0].tolist())):
+        if expert_id >= 0:
+            out += experts[expert_id](x) * topk_weights[:, k : k + 1]
+    return out
 
 
 class UsesFusedExperts(FastModule):
