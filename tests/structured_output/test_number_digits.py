@@ -72,7 +72,8 @@ def test_a_number_ends_at_the_cap_and_the_reply_completes(model_dir: Path, token
 def test_drafts_past_the_cap_are_trimmed_and_rollback_restores_the_state(tokenizer: Tokenizer) -> None:
     backend = GuidanceBackend(tokenizer, tokenizer.vocab_size)
     constraint = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
-    grammar = NumberDigitCap(backend.grammar(backend.compile_grammar(constraint)), TokenTexts(tokenizer, 512), 3)
+    tokens = TokenTexts(tokenizer, tokenizer.vocab_size)
+    grammar = NumberDigitCap(backend.grammar(backend.compile_grammar(constraint)), tokens, 3)
     digits = _digit_ids(tokenizer)
     one, two = tokenizer.encode("1", add_special_tokens=False), tokenizer.encode("2", add_special_tokens=False)
     assert grammar.accept_tokens(tokenizer.encode('{"x":12', add_special_tokens=False))

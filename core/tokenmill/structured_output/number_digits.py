@@ -56,7 +56,7 @@ class TokenTexts:
 
         ids = [[token_id] for token_id in range(tokenizer.vocab_size)]
         self.texts: list[str] = tokenizer.backend.decode_batch(ids, skip_special_tokens=False)
-        digit_start = np.zeros((vocab_size + 31) // 32 * 32, dtype=bool)
+        digit_start = np.zeros((max(vocab_size, len(self.texts)) + 31) // 32 * 32, dtype=bool)
         digit_start[[i for i, text in enumerate(self.texts) if "0" <= text[:1] <= "9"]] = True
         words = np.packbits(digit_start, bitorder="little").view("<i4")
         #: The bitmask's layout (int32 words, bit ``t % 32`` of word ``t // 32``): the tokens that start with a digit.
