@@ -137,3 +137,22 @@ def test_quantized_moe_checkpoints_match_their_tools(name: str) -> None:
     """The MoE checkpoints of tests/models/quantized on the GPU's dequantizing matmuls, float32, against the producing
     tools' logits to the CPU's tolerance."""
     _check_logits(name, DEVICE)
+
+
+def test_structured_output_masks_apply_on_the_device(tiny_model: Path) -> None:
+    """Constrained requests beside free ones on the GPU (the bitmask copied there and applied by torch ops before the
+    sampler), temperature 1.0: every constrained output validates with ``jsonschema``, and the free requests get
+    exactly the tokens they get alone."""
+    from tests.structured_output.schemas import SCHEMAS, assert_valid
+    from tests.structured_output.test_engine import _json, _params, _run, _texts
+    from tokenmill.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_path(tiny_model)
+    schema = SCHEMAS["flat"]
+    free = [_params(None, seed, max_tokens=12) for seed in range(3)]
+    alone = _texts(_run(_engine(tiny_model), tokenizer, free), tokenizer)
+    constrained = [_params(_json(schema), seed) for seed in range(4)]
+    mixed = _texts(_run(_engine(tiny_model), tokenizer, [*free, *constrained]), tokenizer)
+    assert [mixed[f"r{i}"] for i in range(3)] == [alone[f"r{i}"] for i in range(3)]
+    for i in range(3, 7):
+        assert_valid(mixed[f"r{i}"], schema)
