@@ -286,6 +286,7 @@ def make_with_gptqmodel(work: Path, only: list[str]) -> None:
         "gptq-moe-4bit-g32-asym": {"bits": 4, "group_size": 32, "desc_act": False, "sym": False},
         "gptq-moe-mixtral-4bit-g64-sym": {"bits": 4, "group_size": 64, "desc_act": False, "sym": True},
         "gptq-moe-qwen2-4bit-g32-sym": {"bits": 4, "group_size": 32, "desc_act": False, "sym": True},
+        "awq-moe-4bit-g32-gemm": {"bits": 4, "group_size": 32, "sym": False, "quant_method": "awq", "format": "gemm"},
     }
     moe_bases = {
         "qwen3": _moe_base(work / "moe-base"),

@@ -71,7 +71,7 @@ def test_every_producer_and_format_is_carried() -> None:
         "ct-fp8-static", "ct-w8a8-int8", "gptq-4bit-g32-sym", "gptq-4bit-g64-asym", "gptq-4bit-g128-asym-actorder",
         "gptq-8bit-channel-sym", "gptq-8bit-g128-asym-actorder", "awq-4bit-g128-gemm",
         "ct-moe-w4a16-gptq", "gptq-moe-4bit-g32-asym", "gptq-moe-mixtral-4bit-g64-sym", "gptq-moe-qwen2-4bit-g32-sym",
-        "ct-moe-w8a8-int8", "ct-moe-w4a16-asym-awq",
+        "ct-moe-w8a8-int8", "ct-moe-w4a16-asym-awq", "awq-moe-4bit-g32-gemm",
     }  # fmt: skip
 
 
