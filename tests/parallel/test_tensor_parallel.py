@@ -50,7 +50,20 @@ pytestmark = pytest.mark.multiproc
 #: int16 and its KV cache is float16, so the reordered sums reach it later: measured up to 1.9e-4. The int8
 #: kernel rounds its inputs to int16 too: measured 1.01e-4 on Mixtral with int8 experts.
 #: The integer kernels round each input to int16 per 32 values: row-parallel shards' partial sums round apart.
-LOGITS_ATOL = {"float": 1e-4, "q4_1-gguf": 1e-3, "mixtral-ep-int8": 1e-3, "gptq-moe-sliced": 1e-3, "ct-moe-ep": 1e-3}
+#: W8A8 quantizes each row-parallel input per token on its shard, over that shard's half of the row (as vLLM
+#: does): the two sides' int8 inputs differ by a rounding step. Measured up to 0.069 (0.1, as for every
+#: activation-quantized checkpoint against its tool; a wrong expert costs 0.66).
+LOGITS_ATOL = {
+    "float": 1e-4,
+    "q4_1-gguf": 1e-3,
+    "mixtral-ep-int8": 1e-3,
+    "gptq-moe-sliced": 1e-3,
+    "ct-moe-ep": 1e-3,
+    "awq-moe-sliced": 1e-3,
+    "ct-moe-w8a8-ep": 0.1,
+}
+#: Cases whose greedy tokens may part from TP=1's at a near tie (the logits test bounds how far they are apart).
+GREEDY_APART = {"ct-moe-w8a8-ep": "per-shard int8 inputs round apart; random weights have near ties"}
 
 HAS_KERNELS = Int4Quantizer.is_available()
 #: case -> config sections besides the model (the case names its tiny model, or MODELS does). "q4_1-gguf" is a
@@ -78,13 +91,21 @@ CASES: dict[str, dict[str, Any]] = {
     "olmoe-ep": EXPERT_PARALLEL,
     # int8 experts of inner 32: sliced, a shard's down_proj would hold half a block (refused); whole, they run.
     "mixtral-ep-int8": {"model": {"quantization": "int8"}, **EXPERT_PARALLEL},
-    # Checkpoints quantized by the field's tools (CARRIED): GPTQ experts of inner 128 sliced into whole groups of
-    # 32, and compressed-tensors W4A16 experts kept whole.
+    # Checkpoints quantized by the field's tools (CARRIED): GPTQ and GPTQModel's AWQ experts of inner 128 sliced
+    # into whole groups of 32; compressed-tensors W4A16 and W8A8 experts kept whole. (The AWQ W4A16_ASYM
+    # checkpoint's groups of 128 span o_proj's whole input: TP=2 refuses it.)
     "gptq-moe-sliced": {},
     "ct-moe-ep": EXPERT_PARALLEL,
+    "awq-moe-sliced": {},
+    "ct-moe-w8a8-ep": EXPERT_PARALLEL,
 }
 #: case -> a checkpoint of tests/models/quantized/checkpoints.
-CARRIED = {"gptq-moe-sliced": "gptq-moe-4bit-g32-asym", "ct-moe-ep": "ct-moe-w4a16-gptq"}
+CARRIED = {
+    "gptq-moe-sliced": "gptq-moe-4bit-g32-asym",
+    "ct-moe-ep": "ct-moe-w4a16-gptq",
+    "awq-moe-sliced": "awq-moe-4bit-g32-gemm",
+    "ct-moe-w8a8-ep": "ct-moe-w8a8-int8",
+}
 MODELS = {
     "qwen3-moe-ep": "qwen3-moe-tiny",
     "qwen2-moe-ep": "qwen2-moe-tiny",
@@ -166,6 +187,8 @@ def test_logits_match(pair: Pair) -> None:
 
 def test_greedy_batch_matches(pair: Pair) -> None:
     """Mixed lengths batched, chunked prefill, a shared prefix and preemption: the same tokens at TP=2."""
+    if pair.case in GREEDY_APART:
+        pytest.skip(GREEDY_APART[pair.case])
     sent: list[type] = []
     workers = pair.tp2.executor.runner.workers  # type: ignore[attr-defined]  # a ShardedModelRunner
     send = workers.send
@@ -185,6 +208,8 @@ def test_greedy_batch_matches(pair: Pair) -> None:
 
 
 def test_greedy_alone_matches(pair: Pair) -> None:
+    if pair.case in GREEDY_APART:
+        pytest.skip(GREEDY_APART[pair.case])
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     request = EngineCoreRequest("alone", _prompt(7, 9), params, eos_token_ids=[], arrival_time=0.0)
     assert run_to_completion(pair.tp2, [request]) == run_to_completion(pair.tp1, [request])
