@@ -44,9 +44,11 @@ from collections.abc import Iterable, Sequence
 from operator import attrgetter
 
 import torch
+from torch import nn
 
 from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
 from tokenmill.device_copy import pinned
+from tokenmill.layers.moe import experts_read_on_the_host
 from tokenmill.models.base import CausalLM
 from tokenmill.step_batch import PaddedDecodeBatch, SequenceChunk, pad_decode_batch
 
@@ -85,13 +87,15 @@ def cuda_graph_batch_sizes(
     max_num_seqs: int,
     device: torch.device,
     backend: AttentionBackend,
+    model: nn.Module,
 ) -> tuple[int, ...]:
     """The batch sizes ``ModelRunner`` should capture graphs for, or ``()`` for none.
 
     Called once at start-up by the engine. Graphs need all of: ``enabled``
-    (``device.cuda_graphs``), a CUDA ``device`` and a ``backend`` with
-    ``supports_cuda_graphs``; when only the backend is missing, it logs how to
-    get them.
+    (``device.cuda_graphs``), a CUDA ``device``, a ``backend`` with
+    ``supports_cuda_graphs`` and, in a mixture-of-experts ``model``, fused
+    experts that run on the device alone (``FusedExperts.captures``); when one
+    of the last two is missing, it logs why and how to get them.
     """
     if not enabled or device.type != "cuda":
         return ()
@@ -100,6 +104,9 @@ def cuda_graph_batch_sizes(
             "CUDA graphs off: attention backend %r does not support capture (select --attention-backend triton)",
             getattr(backend, "name", type(backend).__name__),
         )
+        return ()
+    if (reason := experts_read_on_the_host(model)) is not None:
+        logger.info("CUDA graphs off: %s (quantized experts, or select --fused-experts triton for dense ones)", reason)
         return ()
     return capture_batch_sizes(batch_sizes, max_num_seqs)
 

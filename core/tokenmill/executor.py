@@ -63,7 +63,7 @@ def load_runner(
         graph_batch_sizes = cuda_graph_batch_sizes(
             config.device.cuda_graphs and not config.lora.enable_lora,  # adapters run eagerly
             config.device.cuda_graph_batch_sizes, config.scheduler.max_num_seqs,
-            loaded.device, loaded.attention,
+            loaded.device, loaded.attention, loaded.model,
         )  # fmt: skip
         runner = ModelRunner(loaded, layout.num_blocks, layout.block_size, cuda_graph_batch_sizes=graph_batch_sizes)
     if runner.cuda_graphs is None:  # capturing the graphs ran the model already

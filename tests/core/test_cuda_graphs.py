@@ -25,8 +25,10 @@ import numpy
 import pytest
 import torch
 from click.testing import CliRunner
+from tokenmill_plugins.fused_experts.triton_experts import TritonFusedExperts
+from tokenmill_plugins.quant.weight_only import Int8Quantizer
 
-from tests.factories import make_engine, run_to_completion, save_hf_model
+from tests.factories import make_engine, run_to_completion, save_hf_model, save_tiny_model
 from tokenmill.attention.backend import AttentionBackend, AttentionLayerSpec, AttentionMetadata
 from tokenmill.config import ConfigError, EngineConfig, load_config
 from tokenmill.config.device import DEFAULT_CUDA_GRAPH_BATCH_SIZES
@@ -39,6 +41,7 @@ from tokenmill.cuda_graphs import (
     cuda_graph_batch_sizes,
 )
 from tokenmill.engine import now
+from tokenmill.layers.fused_experts import install_fused_experts
 from tokenmill.messages import EngineCoreRequest
 from tokenmill.model_loader import load_model
 from tokenmill.model_runner import ModelRunner, SequenceChunk
@@ -87,12 +90,35 @@ def test_capture_batch_sizes_are_sorted_deduplicated_and_capped() -> None:
 
 def test_graphs_only_on_cuda_with_a_backend_that_supports_them(caplog: pytest.LogCaptureFixture) -> None:
     sizes = (1, 2, 4, 8, 16)
-    assert cuda_graph_batch_sizes(True, sizes, 12, CUDA, _GraphSafeBackend()) == (1, 2, 4, 8, 12)
-    assert cuda_graph_batch_sizes(False, sizes, 12, CUDA, _GraphSafeBackend()) == ()  # --no-cuda-graphs
-    assert cuda_graph_batch_sizes(True, sizes, 12, torch.device("cpu"), _GraphSafeBackend()) == ()
+    dense = torch.nn.Linear(2, 2)
+    assert cuda_graph_batch_sizes(True, sizes, 12, CUDA, _GraphSafeBackend(), dense) == (1, 2, 4, 8, 12)
+    assert cuda_graph_batch_sizes(False, sizes, 12, CUDA, _GraphSafeBackend(), dense) == ()  # --no-cuda-graphs
+    assert cuda_graph_batch_sizes(True, sizes, 12, torch.device("cpu"), _GraphSafeBackend(), dense) == ()
     with caplog.at_level(logging.INFO, logger="tokenmill.cuda_graphs"):
-        assert cuda_graph_batch_sizes(True, sizes, 12, CUDA, _EagerOnlyBackend()) == ()
+        assert cuda_graph_batch_sizes(True, sizes, 12, CUDA, _EagerOnlyBackend(), dense) == ()
     assert "'eager-only' does not support capture" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("fused_experts", "quantization", "captured"),
+    [("triton", "none", True), ("torch", "none", False), ("triton", "int8", False)],
+)
+def test_mixture_of_experts_is_captured_only_with_experts_that_stay_on_the_device(
+    fused_experts: str, quantization: str, captured: bool, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The ``torch`` fused experts read each step's routing on the host, which a capture forbids (and the
+    ``triton`` ones hand quantized experts to them): such a model runs eagerly, saying why, rather than failing
+    at start-up."""
+    if quantization == "int8" and not Int8Quantizer.is_available():
+        pytest.skip("the int8 kernels need AVX2, FMA and a compiler")
+    save_tiny_model(tmp_path, "qwen3-moe-tiny")
+    loaded = load_model(load_config(overrides={"model": {"model": str(tmp_path), "quantization": quantization}}))
+    if fused_experts == "triton":  # built directly: auto picks it on CUDA only
+        install_fused_experts(loaded.model, TritonFusedExperts())
+    with caplog.at_level(logging.INFO, logger="tokenmill.cuda_graphs"):
+        sizes = cuda_graph_batch_sizes(True, (1, 2, 4), 8, CUDA, _GraphSafeBackend(), loaded.model)
+    assert sizes == ((1, 2, 4) if captured else ())
+    assert ("read each step's routing on the host" in caplog.text) == (not captured)
 
 
 def test_which_backends_declare_graph_support() -> None:

@@ -102,7 +102,8 @@ def test_bench_step_times_a_gpu_decode_step_and_its_parts(tiny_model: Path) -> N
 
 def test_triton_fused_experts_decode_as_the_reference(tmp_path: Path) -> None:
     """A MoE model under ``--fused-experts triton`` (what ``auto`` picks on CUDA) and ``torch``, float32: the same
-    greedy tokens; and the triton ones ran (their launcher was called)."""
+    greedy tokens; the triton ones ran (their launcher was called), decode steps replayed from CUDA graphs, which
+    the ``torch`` ones (reading the routing on the host) run without."""
     from tokenmill_kernels.fused_moe import triton as fused_moe
 
     from tokenmill.engine import now
@@ -122,14 +123,17 @@ def test_triton_fused_experts_decode_as_the_reference(tmp_path: Path) -> None:
 
     fused_moe.fused_experts = counted
     try:
-        results = [
-            run_to_completion(_engine(model_dir, model={"dtype": "float32", "fused_experts": name}),
-                              [EngineCoreRequest(r, p, params, [], now()) for r, p in prompts.items()])
-            for name in ("torch", "triton")
-        ]  # fmt: skip
+        engines = {name: _engine(model_dir, model={"dtype": "float32", "fused_experts": name})
+                   for name in ("torch", "triton")}  # fmt: skip
+        results = {
+            name: run_to_completion(engine, [EngineCoreRequest(r, p, params, [], now()) for r, p in prompts.items()])
+            for name, engine in engines.items()
+        }
     finally:
         fused_moe.fused_experts = launch
-    assert results[0] == results[1] and launches
+    assert results["torch"] == results["triton"] and launches
+    graphs = {name: engine.executor.runner.cuda_graphs for name, engine in engines.items()}
+    assert graphs["torch"] is None and (graphs["triton"] is not None or DEVICE == "cpu")
 
 
 @pytest.mark.parametrize("name", [name for name in QUANTIZED_CHECKPOINTS if "-moe-" in name])

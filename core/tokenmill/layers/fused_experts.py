@@ -9,9 +9,10 @@ the experts the model has.
 
 ``TorchFusedExperts`` (``torch``) is the reference, built in: one gate/up and one down matmul per active expert
 through the expert's own linears, whatever their quantizer (``int8``, ``int4``, GPTQ, AWQ...), so quantized experts
-need nothing more. It reads the active experts on the host (one device sync per MoE layer), so a step with
-experts is not captured in a CUDA graph. Faster kernels (a Triton fused-MoE, CPU grouped int4/int8 matmuls) are
-plugins: they may read the experts' dense weights stacked (``Experts.stacked_weights``).
+need nothing more. It reads the active experts on the host (one device sync per MoE layer), so a model whose
+experts it runs is not captured in CUDA graphs (``FusedExperts.captures``). Faster kernels (a Triton fused-MoE,
+CPU grouped int4/int8 matmuls) are plugins: they may read the experts' dense weights stacked
+(``Experts.stacked_weights``).
 """
 
 from __future__ import annotations
@@ -42,6 +43,12 @@ class FusedExperts(SelectableKernels):
     #: ``experts.lora.route`` with each pair's token, grouped by expert, then ``experts.lora.select`` before each
     #: expert's linears run, as the reference does. Otherwise adapters on the routed experts are refused at load.
     supports_lora: ClassVar[bool] = False
+
+    def captures(self, experts: Experts, dtype: torch.dtype) -> bool:
+        """Whether ``apply`` on ``experts``, with activations in ``dtype``, runs on the device alone (no host read of
+        the routing, no sync), so that a decode step can be captured in a CUDA graph (``tokenmill.cuda_graphs``).
+        Asked once at start-up for each MoE layer; False unless an implementation says so."""
+        return False
 
     @abstractmethod
     def apply(

@@ -164,6 +164,17 @@ class SparseMoeBlock(UsesFusedExperts):
         return self.tp.all_reduce(out)
 
 
+def experts_read_on_the_host(model: nn.Module) -> str | None:
+    """Why a step of ``model`` cannot be captured in a CUDA graph because of its MoE layers (their fused experts
+    read the routing on the host: ``FusedExperts.captures``), or None. Called once at start-up."""
+    for block in model.modules():
+        if isinstance(block, SparseMoeBlock) and not block.fused_experts.captures(
+            block.experts, block.gate.weight.dtype
+        ):
+            return f"fused experts {block.fused_experts.name!r} read each step's routing on the host"
+    return None
+
+
 def local_expert_tensors(model: nn.Module, tensors: Iterable[LoadedTensor]) -> Iterator[LoadedTensor]:
     """``tensors`` (Hugging Face names) as an expert-parallel shard of ``model`` loads them: expert ``e`` of each
     ``SparseMoeBlock`` renamed to its place in the shard's ``Experts`` (``experts.{e // size}``), other shards'

@@ -44,6 +44,10 @@ class TritonFusedExperts(TorchFusedExperts):
             weakref.WeakKeyDictionary()
         )
 
+    def captures(self, experts: Experts, dtype: torch.dtype) -> bool:
+        """Dense experts in a dtype the kernels take; the rest goes to the ``torch`` reference, which cannot."""
+        return dtype in self._kernels.SUPPORTED_DTYPES and _dense(experts)
+
     def apply(
         self, experts: Experts, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
@@ -61,8 +65,12 @@ class TritonFusedExperts(TorchFusedExperts):
     @staticmethod
     def _stack(experts: Experts) -> tuple[torch.Tensor, torch.Tensor, str] | None:
         """The layer's dense weights stacked, and its activation; None for quantized experts."""
-        mlps = [expert for expert in experts if isinstance(expert, ExpertMLP)]
-        if len(mlps) != len(experts) or not all(expert.gate_up_proj.quantizer.is_dense for expert in mlps):
+        if not _dense(experts):
             return None
         gate_up, down = experts.stacked_weights()
-        return gate_up.contiguous(), down.contiguous(), "gelu_tanh" if mlps[0].is_gelu else "silu"
+        return gate_up.contiguous(), down.contiguous(), "gelu_tanh" if experts[0].is_gelu else "silu"
+
+
+def _dense(experts: Experts) -> bool:
+    """Every expert an ``ExpertMLP`` with dense (unquantized) weights."""
+    return all(isinstance(expert, ExpertMLP) and expert.gate_up_proj.quantizer.is_dense for expert in experts)

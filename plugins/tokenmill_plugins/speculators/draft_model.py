@@ -83,7 +83,7 @@ class DraftModelSpeculator(Speculator):
         config = context.config
         graph_batch_sizes = cuda_graph_batch_sizes(
             config.device.cuda_graphs, config.device.cuda_graph_batch_sizes, config.scheduler.max_num_seqs,
-            self.draft.device, self.draft.attention,
+            self.draft.device, self.draft.attention, self.draft.model,
         )  # fmt: skip
         # As many blocks of the same size as the target's cache: every request the target holds fits here too
         # (the draft needs one slot fewer per request than the target's verification step).
