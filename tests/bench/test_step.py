@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
-from tokenmill_plugins.commands.bench.step import run_step
+from tokenmill_plugins.commands.bench.step import _linear_calls, run_step
 
 from tests.factories import make_engine, save_hf_model
 
@@ -30,6 +31,38 @@ def test_step_times_a_decode_step_and_its_parts(tmp_path: Path, model: str) -> N
 
     again = run_step(engine, batch_size=1, context_len=4, num_steps=1, seed=1)  # the same engine serves more runs
     assert again["results"]["batch_size"] == 1
+
+
+def test_a_mixture_of_experts_times_only_the_experts_a_step_chose(tmp_path: Path) -> None:
+    """The linears timed alone are those one decode step called, with their rows: in a MoE model (8 experts,
+    top-2) a step of 3 tokens runs at most 6 experts a layer, not all 8 over the whole batch."""
+    save_hf_model("qwen3-moe-tiny", tmp_path)
+    engine = make_engine(tmp_path)
+    for request in range(3):
+        engine.add_request(_request(f"r{request}"))
+    engine.step()  # the prompts; the next step decodes one token each
+    calls = _linear_calls(engine)
+    experts = [(layer, rows) for layer, rows in calls if ".experts." in _name(engine, layer)]
+    moe_layers = sum(".experts.0.gate_up_proj" in _name(engine, m) for m in engine.loaded.model.modules())
+    assert experts and all(rows <= 3 for _, rows in experts)
+    assert sum(rows for _, rows in experts) == 3 * 2 * 2 * moe_layers  # top-2 pairs, gate/up and down each
+    others = [rows for layer, rows in calls if ".experts." not in _name(engine, layer)]
+    assert others and set(others) == {3}
+    report = run_step(engine, batch_size=3, context_len=10, num_steps=2, seed=0)
+    assert report["results"]["linear_ms"] < report["results"]["step_ms"]
+
+
+def _name(engine: Any, module: Any) -> str:
+    return next(name for name, m in engine.loaded.model.named_modules() if m is module)
+
+
+def _request(request_id: str) -> Any:
+    from tokenmill.engine import now
+    from tokenmill.messages import EngineCoreRequest
+    from tokenmill.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    return EngineCoreRequest(request_id, [5, 9, 17, 33], params, [], now())
 
 
 def test_attention_specs_one_per_layer(tmp_path: Path) -> None:

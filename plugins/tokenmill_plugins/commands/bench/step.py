@@ -2,9 +2,10 @@
 
 A decode step is timed end to end through ``EngineCore.step`` (scheduling, batch building,
 forward, logits, sampling, output bookkeeping). Then its parts are timed alone on the same
-model with the same shapes: every linear layer of one forward (the output projection
-included) and every layer's attention (cache write plus paged attention) over the model
-runner's batch layout of the next decode step. What the parts do not account for is the
+model with the same shapes: every linear layer call of one decode step, with its rows (the output
+projection included; in a mixture of experts, the experts the step's tokens chose, over their
+tokens), and every layer's attention (cache write plus paged attention) over the model runner's
+batch layout of the next decode step. What the parts do not account for is the
 rest of the step ("other"), broken down further: the scheduler's two calls (``schedule``,
 ``update``), the batch layout (``prepare_batch``), sampling (the sampler and its metadata over
 the step's logits), the layer kernels (every RMSNorm module of the model with its residual add,
@@ -34,7 +35,10 @@ from tokenmill_plugins.commands.bench.metrics import build_report
 from tokenmill_plugins.commands.bench.workload import random_token_ids
 
 if TYPE_CHECKING:
+    import torch
+
     from tokenmill.engine import EngineCore
+    from tokenmill.layers.linear import Linear
     from tokenmill.model_runner import ModelRunner, SequenceChunk
 
 
@@ -43,7 +47,7 @@ class StepBreakdown:
     batch_size: int
     context_len: int  # tokens in each request's cache during the timed steps (about)
     step_ms: float  # one decode step through EngineCore.step, median
-    linear_ms: float  # every linear of one forward, lm_head included
+    linear_ms: float  # every linear call of one decode step, lm_head included
     attention_ms: float  # every layer's K/V write and attention
     other_ms: float  # step - linear - attention, of which:
     schedule_ms: float  # Scheduler.schedule
@@ -94,6 +98,7 @@ def run_step(engine: EngineCore, *, batch_size: int, context_len: int, num_steps
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     step_ms, schedule_ms, update_ms = _time_step_calls(engine, num_steps, sync)
     in_step = _time_parts_in_steps(engine, num_steps) if device.type == "cpu" else None
+    linear_calls = _linear_calls(engine)
     # The parts below write K/V wherever their batch says: free the requests' blocks first.
     engine.abort_requests(request_ids)
 
@@ -101,14 +106,14 @@ def run_step(engine: EngineCore, *, batch_size: int, context_len: int, num_steps
     runner = engine.executor.runner
     model = runner.loaded.model
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    inputs = {id(m): torch.randn(batch_size, m.in_features, device=device, dtype=dtype) for m in linears}
+    inputs = [(layer, torch.randn(rows, layer.in_features, device=device, dtype=dtype)) for layer, rows in linear_calls]
 
     hidden = torch.randn(batch_size, runner.loaded.arch.hidden_size, device=device, dtype=dtype)  # [batch, hidden]
     tied_dense_head = getattr(model, "lm_head", None) is None
 
     def all_linears() -> None:
-        for layer in linears:
-            layer(inputs[id(layer)])
+        for layer, x in inputs:
+            layer(x)
         if tied_dense_head:  # the output projection reads the embedding: not a Linear
             model.compute_logits(hidden)
 
@@ -237,6 +242,34 @@ def _time_step_calls(engine: EngineCore, repeats: int, sync: Callable[[], Any]) 
         schedules.append(scheduled - started)
         updates.append(finished - executed)
     return _median(steps) * 1000, _median(schedules) * 1000, _median(updates) * 1000
+
+
+def _linear_calls(engine: EngineCore) -> list[tuple[Linear, int]]:
+    """The linear layers one decode step calls, in order, with each call's rows: every linear over the batch in a
+    dense model; in a mixture of experts, only the experts the step's tokens chose, over their tokens."""
+    from tokenmill.layers.linear import Linear  # noqa: F811  # at run time too
+
+    model = engine.executor.runner.loaded.model
+    calls: list[tuple[Linear, int]] = []
+
+    def recorded(layer: Linear) -> Callable[[torch.Tensor], torch.Tensor]:
+        forward = layer.forward
+
+        def call(x: torch.Tensor) -> torch.Tensor:
+            calls.append((layer, x.shape[0]))
+            return forward(x)
+
+        return call
+
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    for layer in linears:
+        layer.forward = recorded(layer)  # type: ignore[method-assign,assignment]
+    try:
+        engine.step()
+    finally:
+        for layer in linears:
+            del layer.forward  # the instance attribute: the class's method again
+    return calls
 
 
 def _time_parts_in_steps(engine: EngineCore, repeats: int) -> dict[str, float]:
