@@ -103,12 +103,15 @@ class TorchFusedExperts(FusedExperts):
 
 def _one_token(experts: Experts, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
     """``TorchFusedExperts.apply`` for one token (a decode step of one stream), the same sums in the same order
-    without grouping pairs by expert: at one token, the grouping's torch calls cost about as much as the experts."""
-    out = torch.zeros_like(x)  # [1, hidden]
-    for expert_id, k in sorted((expert_id, k) for k, expert_id in enumerate(topk_ids[0].tolist())):
-        if expert_id >= 0:
-            out += experts[expert_id](x) * topk_weights[:, k : k + 1]
-    return out
+    without grouping pairs by expert: at one token, the grouping's torch calls cost about as much as the experts.
+    (The grouped path adds into zeros; starting from the first product instead gives the same values.)"""
+    ids = topk_ids[0].tolist()
+    out = None
+    for k in sorted(range(len(ids)), key=ids.__getitem__):  # by expert, as the grouped path adds them
+        if ids[k] >= 0:
+            weighted = experts[ids[k]](x) * topk_weights[:, k : k + 1]  # [1, hidden]
+            out = weighted if out is None else out.add_(weighted)
+    return torch.zeros_like(x) if out is None else out
 
 
 class UsesFusedExperts(FastModule):

@@ -52,12 +52,14 @@ class MoEConfig:
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over the experts (float32), then the ``top_k`` largest, renormalised to sum to one when asked:
-    ``(topk_weights [num_tokens, top_k] float32, topk_ids [num_tokens, top_k] int64)``."""
-    probs = router_logits.float().softmax(dim=-1)  # [num_tokens, num_experts]
-    topk_weights, topk_ids = probs.topk(top_k, dim=-1)
+    ``(topk_weights [num_tokens, top_k] float32, topk_ids [num_tokens, top_k] int64)``. Renormalised, that is
+    the softmax of the ``top_k`` largest logits, computed so: two operations instead of four, a few microseconds
+    of each MoE layer at one token, equal up to float rounding."""
     if renormalize:
-        topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
-    return topk_weights, topk_ids
+        top_logits, topk_ids = router_logits.float().topk(top_k, dim=-1)
+        return top_logits.softmax(dim=-1), topk_ids
+    top_weights, topk_ids = router_logits.float().softmax(dim=-1).topk(top_k, dim=-1)
+    return top_weights, topk_ids
 
 
 def _shard(tp: TensorParallelGroup, dim: int) -> LinearShard | None:
@@ -155,7 +157,9 @@ class SparseMoeBlock(UsesFusedExperts):
         if self.expert_parallel:  # global ids -> this shard's places (e // size), or -1: another shard's expert
             tp = self.tp
             topk_ids = torch.where(topk_ids % tp.size == tp.rank, topk_ids // tp.size, -1)
-        out = self.fused_experts.apply(self.experts, x, topk_weights.to(x.dtype), topk_ids)  # [num_tokens, hidden]
+        if topk_weights.dtype != x.dtype:
+            topk_weights = topk_weights.to(x.dtype)
+        out = self.fused_experts.apply(self.experts, x, topk_weights, topk_ids)  # [num_tokens, hidden]
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.shared_expert_gate is not None:
