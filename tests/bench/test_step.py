@@ -41,7 +41,12 @@ def test_a_mixture_of_experts_times_only_the_experts_a_step_chose(tmp_path: Path
     for request in range(3):
         engine.add_request(_request(f"r{request}"))
     engine.step()  # the prompts; the next step decodes one token each
+    runner = engine.executor.runner
+    graphs: Any = object()  # a replay would call it: the recorded step runs eagerly, then it is back
+    runner.cuda_graphs = graphs
     calls = _linear_calls(engine)
+    assert runner.cuda_graphs is graphs
+    runner.cuda_graphs = None
     experts = [(layer, rows) for layer, rows in calls if ".experts." in _name(engine, layer)]
     moe_layers = sum(".experts.0.gate_up_proj" in _name(engine, m) for m in engine.loaded.model.modules())
     assert experts and all(rows <= 3 for _, rows in experts)

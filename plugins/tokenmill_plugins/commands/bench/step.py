@@ -264,9 +264,12 @@ def _linear_calls(engine: EngineCore) -> list[tuple[Linear, int]]:
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     for layer in linears:
         layer.forward = recorded(layer)  # type: ignore[method-assign,assignment]
+    runner = engine.executor.runner
+    graphs, runner.cuda_graphs = runner.cuda_graphs, None  # a replayed graph calls no module: one eager step
     try:
         engine.step()
     finally:
+        runner.cuda_graphs = graphs
         for layer in linears:
             del layer.forward  # the instance attribute: the class's method again
     return calls
