@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tokenmill_plugins.commands.bench.step import _linear_calls, run_step
+from tokenmill_plugins.commands.bench.step import _recorded_calls, run_step
 
 from tests.factories import make_engine, save_hf_model
 
@@ -19,6 +19,7 @@ def test_step_times_a_decode_step_and_its_parts(tmp_path: Path, model: str) -> N
     results, parameters = report["results"], report["parameters"]
     assert report["benchmark"] == "step" and (results["batch_size"], results["context_len"]) == (3, 10)
     assert min(results["step_ms"], results["linear_ms"], results["attention_ms"]) > 0
+    assert results["experts_ms"] == 0 and results["experts_in_step_ms"] == 0  # a dense model
     assert results["other_ms"] == pytest.approx(results["step_ms"] - results["linear_ms"] - results["attention_ms"])
     parts = [results[name] for name in ("schedule_ms", "update_ms", "batch_ms", "sampling_ms", "layer_kernels_ms")]
     assert min(parts) > 0 and results["rest_ms"] == pytest.approx(results["other_ms"] - sum(parts))
@@ -33,28 +34,30 @@ def test_step_times_a_decode_step_and_its_parts(tmp_path: Path, model: str) -> N
     assert again["results"]["batch_size"] == 1
 
 
-def test_a_mixture_of_experts_times_only_the_experts_a_step_chose(tmp_path: Path) -> None:
-    """The linears timed alone are those one decode step called, with their rows: in a MoE model (8 experts,
-    top-2) a step of 3 tokens runs at most 6 experts a layer, not all 8 over the whole batch."""
-    save_hf_model("qwen3-moe-tiny", tmp_path)
-    engine = make_engine(tmp_path)
+@pytest.mark.parametrize("quantization", ["none", "int8"])  # the torch reference's experts; the cpu kernels'
+def test_a_mixture_of_experts_times_its_fused_experts_apart(tmp_path: Path, quantization: str) -> None:
+    """The linears timed alone are those one decode step called outside the fused experts, with their rows; the
+    fused experts are timed apart, each MoE layer's call replayed with the step's routing."""
+    save_hf_model("qwen3-moe-tiny", tmp_path, hidden_size=64, moe_intermediate_size=64, intermediate_size=64)
+    engine = make_engine(tmp_path, model={"quantization": quantization})
     for request in range(3):
         engine.add_request(_request(f"r{request}"))
     engine.step()  # the prompts; the next step decodes one token each
     runner = engine.executor.runner
     graphs: Any = object()  # a replay would call it: the recorded step runs eagerly, then it is back
     runner.cuda_graphs = graphs
-    calls = _linear_calls(engine)
+    calls, expert_calls = _recorded_calls(engine)
     assert runner.cuda_graphs is graphs
     runner.cuda_graphs = None
-    experts = [(layer, rows) for layer, rows in calls if ".experts." in _name(engine, layer)]
     moe_layers = sum(".experts.0.gate_up_proj" in _name(engine, m) for m in engine.loaded.model.modules())
-    assert experts and all(rows <= 3 for _, rows in experts)
-    assert sum(rows for _, rows in experts) == 3 * 2 * 2 * moe_layers  # top-2 pairs, gate/up and down each
-    others = [rows for layer, rows in calls if ".experts." not in _name(engine, layer)]
-    assert others and set(others) == {3}
+    assert moe_layers and len(expert_calls) == moe_layers
+    assert all(call().shape == (3, 64) for call in expert_calls)  # replayed over the step's three tokens
+    assert calls and all(".experts." not in _name(engine, layer) and rows == 3 for layer, rows in calls)
     report = run_step(engine, batch_size=3, context_len=10, num_steps=2, seed=0)
-    assert report["results"]["linear_ms"] < report["results"]["step_ms"]
+    results = report["results"]
+    assert 0 < results["experts_ms"] < results["step_ms"] and results["experts_in_step_ms"] > 0
+    parts = results["linear_ms"] + results["experts_ms"] + results["attention_ms"]
+    assert results["other_ms"] == pytest.approx(results["step_ms"] - parts)
 
 
 def _name(engine: Any, module: Any) -> str:

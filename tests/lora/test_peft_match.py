@@ -245,7 +245,11 @@ def test_adapters_on_experts_need_fused_experts_kernels_that_run_them(
 
     monkeypatch.setattr(TorchFusedExperts, "supports_lora", False)
     model_dir = save_tiny_model(tmp_path / "base", "qwen3-moe-tiny")
-    engine = _lora_engine(model_dir, max_lora_rank=16)
+    engine = make_engine(
+        model_dir,
+        model={"dtype": "float32", "fused_experts": "torch"},
+        lora={"enable_lora": True, "max_lora_rank": 16},
+    )
     assert engine.lora is not None
     experts = save_peft_adapter(tmp_path / "experts", base="qwen3-moe-tiny")
     with pytest.raises(LoRAAdapterError, match=r"adapts the routed experts of a mixture of experts \(model\.layers"):

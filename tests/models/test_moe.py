@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tokenmill_kernels.quant_matmul import cpu as quant_matmul
 
 from tests.factories import make_engine, run_to_completion, save_hf_model
 from tokenmill.engine import now
@@ -152,9 +153,13 @@ def test_int8_experts_run_through_the_quantizer(moe_dir: Path) -> None:
 
 def test_the_slot_refuses_an_unknown_name() -> None:
     plugins = load_plugins(allowlist=[])
-    assert select_fused_experts("auto", torch.device("cpu"), plugins).name == "torch"
-    with pytest.raises(PluginError, match="unknown fused_expert 'triton-moe'; installed: torch"):
+    assert select_fused_experts("auto", torch.device("cpu"), plugins).name == _CPU_DEFAULT
+    with pytest.raises(PluginError, match="unknown fused_expert 'triton-moe'; installed: cpu, torch, triton"):
         select_fused_experts("triton-moe", torch.device("cpu"), plugins)
+
+
+#: What ``auto`` picks on this CPU: the ``cpu`` kernels where they build, else the reference.
+_CPU_DEFAULT = "cpu" if quant_matmul.is_available() else "torch"
 
 
 class _FasterFusedExperts(TorchFusedExperts):
@@ -176,5 +181,5 @@ def test_auto_picks_fused_experts_that_run_adapters_when_lora_is_on() -> None:
     ``triton`` ones, on a GPU), so an adapter on the routed experts is not refused by default."""
     plugins = load_plugins(allowlist=[], extra_plugins=[("faster", _FasterPlugin())])
     assert select_fused_experts("auto", torch.device("cpu"), plugins).name == "faster"
-    assert select_fused_experts("auto", torch.device("cpu"), plugins, lora=True).name == "torch"
+    assert select_fused_experts("auto", torch.device("cpu"), plugins, lora=True).name == _CPU_DEFAULT
     assert select_fused_experts("faster", torch.device("cpu"), plugins, lora=True).name == "faster"  # as named

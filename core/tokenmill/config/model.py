@@ -51,8 +51,9 @@ class ModelConfig(ConfigSection, frozen=True):
         describe(
             "Fused-experts kernels for mixture-of-experts layers (the experts' matmuls over the tokens routed to "
             "them): 'torch' is the built-in reference, one matmul pair per active expert through its quantizer; "
-            "'triton' (GPUs) runs dense experts in two grouped matmuls with no host read of the routing; 'auto' "
-            "picks the fastest installed one that runs on the device.",
+            "'cpu' runs int8/int4 experts in one C++ call per layer; 'triton' (GPUs) runs dense experts in two "
+            "grouped matmuls with no host read of the routing; 'auto' picks the fastest installed one that runs on "
+            "the device.",
             flag="--fused-experts",
         ),
     ] = "auto"

@@ -50,6 +50,16 @@ class FusedExperts(SelectableKernels):
         Asked once at start-up for each MoE layer; False unless an implementation says so."""
         return False
 
+    def apply_routed(
+        self, experts: Experts, x: torch.Tensor, router_weight: torch.Tensor, top_k: int, renormalize: bool
+    ) -> torch.Tensor | None:
+        """``apply`` with the routing done here as well, as ``tokenmill.layers.moe.select_experts`` does it over
+        the router logits ``x @ router_weight.T`` (``router_weight`` [num_experts, hidden], ``x``'s dtype), or None
+        to leave the routing to the block, which then calls ``apply``: the default. Called first by a MoE block
+        without expert parallelism; kernels whose host calls cost as much as their work at one token (a CPU's)
+        save the router's few torch calls a layer."""
+        return None
+
     @abstractmethod
     def apply(
         self, experts: Experts, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor

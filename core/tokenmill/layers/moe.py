@@ -153,19 +153,28 @@ class SparseMoeBlock(UsesFusedExperts):
         self.shared_expert_gate = Router(hidden_size, 1, dtype) if config.has_shared_expert_gate else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        topk_weights, topk_ids = select_experts(self.gate(x), self.top_k, self.renormalize)
-        if self.expert_parallel:  # global ids -> this shard's places (e // size), or -1: another shard's expert
-            tp = self.tp
-            topk_ids = torch.where(topk_ids % tp.size == tp.rank, topk_ids // tp.size, -1)
-        if topk_weights.dtype != x.dtype:
-            topk_weights = topk_weights.to(x.dtype)
-        out = self.fused_experts.apply(self.experts, x, topk_weights, topk_ids)  # [num_tokens, hidden]
+        out = (
+            None
+            if self.expert_parallel
+            else self.fused_experts.apply_routed(self.experts, x, self.gate.weight, self.top_k, self.renormalize)
+        )
+        if out is None:
+            out = self._route_and_apply(x)  # [num_tokens, hidden]
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.shared_expert_gate is not None:
                 shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
             out = out + shared
         return self.tp.all_reduce(out)
+
+    def _route_and_apply(self, x: torch.Tensor) -> torch.Tensor:
+        topk_weights, topk_ids = select_experts(self.gate(x), self.top_k, self.renormalize)
+        if self.expert_parallel:  # global ids -> this shard's places (e // size), or -1: another shard's expert
+            tp = self.tp
+            topk_ids = torch.where(topk_ids % tp.size == tp.rank, topk_ids // tp.size, -1)
+        if topk_weights.dtype != x.dtype:
+            topk_weights = topk_weights.to(x.dtype)
+        return self.fused_experts.apply(self.experts, x, topk_weights, topk_ids)
 
 
 def experts_read_on_the_host(model: nn.Module) -> str | None:

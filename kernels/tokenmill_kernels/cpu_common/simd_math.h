@@ -3,6 +3,9 @@
 
 #include <immintrin.h>
 
+#include <cmath>
+#include <cstdint>
+
 namespace tokenmill {
 
 // e^x for 8 floats (Cephes' polynomial, relative error ~2e-7); inputs below -88 give ~0, above 88 infinity.
@@ -27,6 +30,36 @@ inline __m256 tanh8(__m256 x) {
   const __m256 one = _mm256_set1_ps(1.f);
   const __m256 e = exp8(_mm256_add_ps(x, x));
   return _mm256_sub_ps(one, _mm256_div_ps(_mm256_set1_ps(2.f), _mm256_add_ps(e, one)));
+}
+
+// out[i] = silu(gate[i]) * up[i] for i < n, silu as torch computes it: x / (1 + e^-x).
+inline void silu_and_mul_row(const float* gate, const float* up, float* out, int64_t n) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 g = _mm256_loadu_ps(gate + i);
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), _mm256_loadu_ps(up + i)));
+  }
+  for (; i < n; ++i) out[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+}
+
+// out[i] = gelu_tanh(gate[i]) * up[i] for i < n: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))).
+inline void gelu_tanh_and_mul_row(const float* gate, const float* up, float* out, int64_t n) {
+  constexpr float kAlpha = 0.7978845608028654f, kBeta = 0.044715f;
+  const __m256 half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 g = _mm256_loadu_ps(gate + i);
+    const __m256 inner = _mm256_mul_ps(_mm256_set1_ps(kAlpha),
+                                       _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(kBeta), g), _mm256_mul_ps(g, g), g));
+    const __m256 gelu = _mm256_mul_ps(_mm256_mul_ps(half, g), _mm256_add_ps(one, tanh8(inner)));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(gelu, _mm256_loadu_ps(up + i)));
+  }
+  for (; i < n; ++i) {
+    const float x = gate[i];
+    out[i] = 0.5f * x * (1.0f + std::tanh(kAlpha * (x + kBeta * x * x * x))) * up[i];
+  }
 }
 
 }  // namespace tokenmill

@@ -20,14 +20,17 @@ from the others' in float32 rounding only.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 from torch import Tensor
 
 from tokenmill_kernels.cpp_build import CppExtension
 
 __all__ = [
+    "experts",
     "is_available",
     "isa",
     "load",
@@ -88,6 +91,18 @@ def matmul_int4(x: Tensor, qweight: Tensor, scales: Tensor, mins: Tensor, bias: 
     Inputs are validated by the compiled op, as for :func:`matmul_int8`.
     """
     return (_module or load()).matmul_int4(x, qweight, scales, mins, bias)
+
+
+def experts(gate_up: Sequence[Tensor], down: Sequence[Tensor], *, gelu: bool = False) -> Any:
+    """A mixture-of-experts layer's routed experts in int8 or int4, checked once (raises ``ValueError``):
+    ``gate_up`` holds each expert's ``qweight``, ``scales`` (and, int4, ``mins``) of its gate and up projections
+    merged ([2 * inner, hidden]), ``down`` the same of its down projection ([hidden, inner]), as
+    :func:`matmul_int8`/:func:`matmul_int4` take them, without biases. Its ``apply(x, topk_ids, topk_weights)``
+    (``x`` [tokens, hidden] float32, ``topk_ids`` [tokens, top_k] int64 with -1 for an expert held elsewhere,
+    ``topk_weights`` [tokens, top_k] float32) returns ``sum_k topk_weights[t, k] * expert[topk_ids[t, k]](x[t])``
+    [tokens, hidden], each expert's MLP ``down(act(gate) * up)`` with ``act`` SiLU or (``gelu``) GELU's tanh form,
+    in one call: each chosen expert runs once over its tokens. The tensors must keep their storage."""
+    return (_module or load()).Experts(list(gate_up), list(down), gelu)
 
 
 def quantize_activations(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:

@@ -1,4 +1,4 @@
-"""Registers the fused experts kernels ``triton`` (registration only: no torch import here)."""
+"""Registers the fused experts kernels ``cpu`` and ``triton`` (registration only: no torch import here)."""
 
 from __future__ import annotations
 
@@ -7,4 +7,5 @@ from tokenmill.hookspecs import Register, hookimpl
 
 @hookimpl
 def tokenmill_register_fused_experts(register: Register) -> None:
+    register("cpu", "tokenmill_plugins.fused_experts.cpu_experts:CpuFusedExperts")
     register("triton", "tokenmill_plugins.fused_experts.triton_experts:TritonFusedExperts")

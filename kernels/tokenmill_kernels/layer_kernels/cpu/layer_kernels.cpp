@@ -121,18 +121,6 @@ void rotary(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   });
 }
 
-void silu_and_mul_row(const float* gate, const float* up, float* out, int64_t n) {
-  const __m256 one = _mm256_set1_ps(1.0f);
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256 g = _mm256_loadu_ps(gate + i);
-    const __m256 e = tokenmill::exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
-    const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, e));  // torch's x / (1 + e^-x)
-    _mm256_storeu_ps(out + i, _mm256_mul_ps(silu, _mm256_loadu_ps(up + i)));
-  }
-  for (; i < n; ++i) out[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
-}
-
 // silu(gate) * up for gate_up [tokens, 2 * inner] holding gate then up in each row; a new [tokens, inner].
 at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   check_rows(gate_up, "gate_up");
@@ -143,7 +131,7 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   float* op = out.data_ptr<float>();
   at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
-      silu_and_mul_row(gp + row * stride, gp + row * stride + inner, op + row * inner, inner);
+      tokenmill::silu_and_mul_row(gp + row * stride, gp + row * stride + inner, op + row * inner, inner);
     }
   });
   return out;

@@ -21,16 +21,19 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
 #include <string>
 #include <tuple>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "cpu_common/extension.h"
 #include "cpu_common/isa.h"
+#include "cpu_common/simd_math.h"
 
 namespace {
 
@@ -935,54 +938,252 @@ void check_f16c() {
 // than in passes of 128 (int4; int8 1.2-1.4x). Larger inputs (prompt chunks) go in equal passes of at most this.
 constexpr int64_t kRowsPerPass = 128;
 
-at::Tensor matmul(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, const uint16_t* mins,
-                  const c10::optional<at::Tensor>& bias, bool int4) {
-  const int64_t M = x.size(0);
-  const int64_t K = x.size(1);
-  const int64_t N = qweight.size(0);
-  at::Tensor out = at::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return out;
-  check_f16c();
+// A quantized weight [N, K] as the tiles read it: int8 codes (mins null) or packed 4-bit codes, each row's
+// float16 scales (and mins) per group of 32, and an optional bias [N].
+struct QuantWeight {
+  const uint8_t* w;
+  int64_t row_bytes;
+  const uint16_t* scales;
+  const uint16_t* mins;
+  const float* bias;
+  int64_t N, K;
+  bool int4() const { return mins != nullptr; }
+};
+
+QuantWeight quant_weight(const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor* mins,
+                         const float* bias) {
+  return QuantWeight{static_cast<const uint8_t*>(qweight.data_ptr()),
+                     qweight.size(1),
+                     static_cast<const uint16_t*>(scales.data_ptr()),
+                     mins != nullptr ? static_cast<const uint16_t*>(mins->data_ptr()) : nullptr,
+                     bias,
+                     qweight.size(0),
+                     scales.size(1) * kGroup};
+}
+
+// out [M, N] = x [M, K] @ W.T (+ bias), for M, N > 0.
+void matmul_into(const float* x, int64_t M, const QuantWeight& w, float* out) {
+  const int64_t K = w.K, N = w.N;
   const int64_t passes = (M + kRowsPerPass - 1) / kRowsPerPass;
   for (int64_t pass = 0; pass < passes; ++pass) {
     const int64_t first = M * pass / passes, rows = M * (pass + 1) / passes - first;
     Isa isa = g_isa.get();
-    if (isa == Isa::kAvx512Vnni && !(int4 && rows >= kVnniMinRows)) isa = Isa::kAvx512;
+    if (isa == Isa::kAvx512Vnni && !(w.int4() && rows >= kVnniMinRows)) isa = Isa::kAvx512;
     Layout layout = Layout::kPlain;
     if (isa == Isa::kAvx512Vnni) layout = Layout::kQuads;
     if ((isa == Isa::kAvx2 || isa == Isa::kAvxVnni) && rows >= kPairMinRows) layout = Layout::kPairs;
-    const QuantizedActivations act = quantize_activations(x.data_ptr<float>() + first * K, rows, K, layout);
-    const Problem p{static_cast<const uint8_t*>(qweight.data_ptr()),
-                    qweight.size(1),
-                    static_cast<const uint16_t*>(scales.data_ptr()),
-                    mins,
-                    bias.has_value() ? bias->data_ptr<float>() : nullptr,
-                    &act,
-                    rows,
-                    N,
-                    K,
-                    K / kGroup,
-                    out.data_ptr<float>() + first * N};
-    if (int4) {
+    const QuantizedActivations act = quantize_activations(x + first * K, rows, K, layout);
+    const Problem p{w.w, w.row_bytes, w.scales, w.mins, w.bias, &act, rows, N, K, K / kGroup, out + first * N};
+    if (w.int4()) {
       run_on<true>(p, isa);
     } else {
       run_on<false>(p, isa);
     }
   }
+}
+
+at::Tensor matmul(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor* mins,
+                  const c10::optional<at::Tensor>& bias) {
+  const int64_t M = x.size(0);
+  at::Tensor out = at::empty({M, qweight.size(0)}, x.options());
+  if (M == 0 || qweight.size(0) == 0) return out;
+  check_f16c();
+  matmul_into(x.data_ptr<float>(), M, quant_weight(qweight, scales, mins, bias ? bias->data_ptr<float>() : nullptr),
+              out.data_ptr<float>());
   return out;
 }
 
 at::Tensor matmul_int8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                        const c10::optional<at::Tensor>& bias) {
   check_inputs(x, qweight, scales, nullptr, bias, at::kChar, 1);
-  return matmul(x, qweight, scales, nullptr, bias, /*int4=*/false);
+  return matmul(x, qweight, scales, nullptr, bias);
 }
 
 at::Tensor matmul_int4(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                        const at::Tensor& mins, const c10::optional<at::Tensor>& bias) {
   check_inputs(x, qweight, scales, &mins, bias, at::kByte, 2);
-  return matmul(x, qweight, scales, static_cast<const uint16_t*>(mins.data_ptr()), bias, /*int4=*/true);
+  return matmul(x, qweight, scales, &mins, bias);
 }
+
+// A mixture-of-experts layer's routed experts in int8 or int4 (every expert's gate_up [2 * inner, hidden] and down
+// [hidden, inner], no bias), checked once; apply runs a step's tokens through the experts they chose in one call.
+// Pairs (token, expert) are grouped by expert, and each expert with pairs runs once over its tokens: gate_up,
+// the activation times up, down, then each result scaled by its router weight and added to its token's row, in
+// the order of TorchFusedExperts (experts in ascending order, tokens in order within each). So a step reads each
+// chosen expert's weights once, and costs the host one call per layer instead of several per expert.
+class Experts {
+ public:
+  Experts(std::vector<at::Tensor> gate_up, std::vector<at::Tensor> down, bool gelu)
+      : gate_up_(std::move(gate_up)), down_(std::move(down)), gelu_(gelu) {
+    // Each list: per expert qweight, scales and (int4: uint8 codes) mins.
+    const bool int4 = !gate_up_.empty() && gate_up_[0].scalar_type() == at::kByte;
+    const size_t per = int4 ? 3 : 2;
+    TORCH_CHECK_VALUE(!gate_up_.empty() && gate_up_.size() % per == 0 && down_.size() == gate_up_.size() &&
+                          gate_up_[0].dim() == 2 && gate_up_[1].dim() == 2,
+                      "gate_up and down must hold (qweight, scales", int4 ? ", mins" : "",
+                      ") for each expert alike, got ", gate_up_.size(), " and ", down_.size(), " tensors");
+    const int64_t codes_per_byte = int4 ? 2 : 1;
+    const at::ScalarType wtype = int4 ? at::kByte : at::kChar;
+    num_experts_ = static_cast<int64_t>(gate_up_.size() / per);
+    two_inner_ = gate_up_[0].size(0);
+    hidden_ = gate_up_[1].size(1) * kGroup;
+    inner_ = two_inner_ / 2;
+    TORCH_CHECK_VALUE(two_inner_ % 2 == 0 && inner_ % kGroup == 0 && hidden_ > 0,
+                      "an expert's gate_up must have an even number of rows, each half a multiple of 32, got ",
+                      two_inner_);
+    for (int64_t e = 0; e < num_experts_; ++e) {
+      const at::Tensor* gu = &gate_up_[e * per];
+      const at::Tensor* dn = &down_[e * per];
+      check_tensor(gu[0], "gate_up qweight", wtype, {two_inner_, hidden_ / codes_per_byte}, "[2 * inner, hidden]");
+      check_tensor(gu[1], "gate_up scales", at::kHalf, {two_inner_, hidden_ / kGroup}, "[2 * inner, hidden / 32]");
+      check_tensor(dn[0], "down qweight", wtype, {hidden_, inner_ / codes_per_byte}, "[hidden, inner]");
+      check_tensor(dn[1], "down scales", at::kHalf, {hidden_, inner_ / kGroup}, "[hidden, inner / 32]");
+      if (int4) {
+        check_tensor(gu[2], "gate_up mins", at::kHalf, {two_inner_, hidden_ / kGroup}, "[2 * inner, hidden / 32]");
+        check_tensor(dn[2], "down mins", at::kHalf, {hidden_, inner_ / kGroup}, "[hidden, inner / 32]");
+      }
+      gate_up_w_.push_back(quant_weight(gu[0], gu[1], int4 ? &gu[2] : nullptr, nullptr));
+      down_w_.push_back(quant_weight(dn[0], dn[1], int4 ? &dn[2] : nullptr, nullptr));
+    }
+  }
+
+  // sum over k of topk_weights[t, k] * expert[topk_ids[t, k]](x[t]) for each token t: [tokens, hidden]. An id of
+  // -1 (an expert another shard holds) adds nothing.
+  at::Tensor apply(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights) const {
+    check_input(x);
+    const int64_t M = x.size(0);
+    TORCH_CHECK_VALUE(topk_ids.dim() == 2 && topk_ids.size(0) == M, "topk_ids must be [", M, ", top_k], got ",
+                      topk_ids.sizes());
+    const int64_t top_k = topk_ids.size(1);
+    check_tensor(topk_ids, "topk_ids", at::kLong, {M, top_k}, "[tokens, top_k]");
+    check_tensor(topk_weights, "topk_weights", at::kFloat, {M, top_k}, "[tokens, top_k]");
+    at::Tensor out = at::empty({M, hidden_}, x.options());
+    if (M > 0) run(x.data_ptr<float>(), M, topk_ids.data_ptr<int64_t>(), topk_weights.data_ptr<float>(), top_k,
+                   out.data_ptr<float>());
+    return out;
+  }
+
+  // The same with the routing too, as tokenmill.layers.moe.select_experts computes it: router logits x @
+  // router_weight.T (router_weight float32 [num_experts, hidden]), a softmax over the experts and the top_k largest,
+  // renormalised to sum to one when asked (then the softmax of the top_k largest logits). Ties go to the lower id.
+  at::Tensor apply_routed(const at::Tensor& x, const at::Tensor& router_weight, int64_t top_k, bool renormalize) const {
+    check_input(x);
+    check_tensor(router_weight, "router_weight", at::kFloat, {num_experts_, hidden_}, "[num_experts, hidden]");
+    TORCH_CHECK_VALUE(top_k > 0 && top_k <= num_experts_, "top_k must be in 1..", num_experts_, ", got ", top_k);
+    const int64_t M = x.size(0);
+    at::Tensor out = at::empty({M, hidden_}, x.options());
+    if (M == 0) return out;
+    const float* xp = x.data_ptr<float>();
+    const float* wp = router_weight.data_ptr<float>();
+    std::vector<int64_t> ids(M * top_k);
+    std::vector<float> weights(M * top_k), logits(num_experts_);
+    std::vector<int64_t> rank(num_experts_);
+    for (int64_t t = 0; t < M; ++t) {
+      for (int64_t e = 0; e < num_experts_; ++e) logits[e] = dot(xp + t * hidden_, wp + e * hidden_, hidden_);
+      for (int64_t e = 0; e < num_experts_; ++e) rank[e] = e;
+      std::partial_sort(rank.begin(), rank.begin() + top_k, rank.end(),
+                        [&](int64_t a, int64_t b) { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); });
+      // Over the top_k (renormalised) or every expert, shifted by the largest logit: rank[0]'s.
+      const float largest = logits[rank[0]];
+      float total = 0.0f;
+      for (int64_t e = 0; e < (renormalize ? top_k : num_experts_); ++e)
+        total += std::exp(logits[renormalize ? rank[e] : e] - largest);
+      for (int64_t k = 0; k < top_k; ++k) {
+        ids[t * top_k + k] = rank[k];
+        weights[t * top_k + k] = std::exp(logits[rank[k]] - largest) / total;
+      }
+    }
+    run(xp, M, ids.data(), weights.data(), top_k, out.data_ptr<float>());
+    return out;
+  }
+
+ private:
+  void check_input(const at::Tensor& x) const {
+    check_activations(x);
+    TORCH_CHECK_VALUE(x.size(1) == hidden_, "x has ", x.size(1), " columns, the experts take ", hidden_);
+    check_f16c();
+  }
+
+  static float dot(const float* a, const float* b, int64_t n) {
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32)
+      for (int u = 0; u < 4; ++u)
+        acc[u] = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8 * u), _mm256_loadu_ps(b + i + 8 * u), acc[u]);
+    for (; i + 8 <= n; i += 8) acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc[0]);
+    float sum = hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+    for (; i < n; ++i) sum += a[i] * b[i];
+    return sum;
+  }
+
+  // out [M, hidden] (uninitialised) = the weighted sum of each token's experts, for ids and weights [M, top_k].
+  void run(const float* xp, int64_t M, const int64_t* ids, const float* weights, int64_t top_k, float* op) const {
+    // The pairs grouped by expert (a counting sort: token order within each expert).
+    std::vector<int64_t> start(num_experts_ + 1, 0);
+    for (int64_t i = 0; i < M * top_k; ++i) {
+      TORCH_CHECK_VALUE(ids[i] >= -1 && ids[i] < num_experts_, "token ", i / top_k, " chose expert ", ids[i], " of ",
+                        num_experts_);
+      if (ids[i] >= 0) ++start[ids[i] + 1];
+    }
+    int64_t most = 0;
+    for (int64_t e = 0; e < num_experts_; ++e) {
+      most = std::max(most, start[e + 1]);
+      start[e + 1] += start[e];
+    }
+    std::vector<int64_t> pairs(start[num_experts_]);
+    std::vector<int64_t> next(start.begin(), start.end() - 1);
+    for (int64_t i = 0; i < M * top_k; ++i)
+      if (ids[i] >= 0) pairs[next[ids[i]]++] = i;
+    std::vector<char> written(M, 0);  // a token's first product is stored, the others added (as 0 + p, then + q)
+    std::vector<float> rows(most > 1 ? most * hidden_ : 0), gate_up(most * two_inner_), act(most * inner_),
+        down(most * hidden_);
+    for (int64_t e = 0; e < num_experts_; ++e) {
+      const int64_t count = start[e + 1] - start[e];
+      if (count == 0) continue;
+      const int64_t* mine = pairs.data() + start[e];
+      const float* input = xp + (mine[0] / top_k) * hidden_;
+      if (count > 1) {
+        for (int64_t r = 0; r < count; ++r)
+          std::copy_n(xp + (mine[r] / top_k) * hidden_, hidden_, rows.data() + r * hidden_);
+        input = rows.data();
+      }
+      matmul_into(input, count, gate_up_w_[e], gate_up.data());
+      for (int64_t r = 0; r < count; ++r) {
+        const float* g = gate_up.data() + r * two_inner_;
+        if (gelu_) {
+          tokenmill::gelu_tanh_and_mul_row(g, g + inner_, act.data() + r * inner_, inner_);
+        } else {
+          tokenmill::silu_and_mul_row(g, g + inner_, act.data() + r * inner_, inner_);
+        }
+      }
+      matmul_into(act.data(), count, down_w_[e], down.data());
+      for (int64_t r = 0; r < count; ++r) {
+        const int64_t token = mine[r] / top_k;
+        const float weight = weights[mine[r]];
+        const __m256 w = _mm256_set1_ps(weight);
+        const float* from = down.data() + r * hidden_;
+        float* to = op + token * hidden_;
+        int64_t i = 0;
+        if (written[token]) {  // as torch: the product rounded, then added
+          for (; i + 8 <= hidden_; i += 8)
+            _mm256_storeu_ps(to + i, _mm256_add_ps(_mm256_loadu_ps(to + i), _mm256_mul_ps(_mm256_loadu_ps(from + i), w)));
+          for (; i < hidden_; ++i) to[i] += from[i] * weight;
+        } else {
+          for (; i + 8 <= hidden_; i += 8) _mm256_storeu_ps(to + i, _mm256_mul_ps(_mm256_loadu_ps(from + i), w));
+          for (; i < hidden_; ++i) to[i] = from[i] * weight;
+          written[token] = 1;
+        }
+      }
+    }
+    for (int64_t t = 0; t < M; ++t)
+      if (!written[t]) std::fill_n(op + t * hidden_, hidden_, 0.0f);
+  }
+
+  std::vector<at::Tensor> gate_up_, down_;  // held: the weights' storage outlives every apply
+  std::vector<QuantWeight> gate_up_w_, down_w_;
+  bool gelu_;
+  int64_t num_experts_ = 0, two_inner_ = 0, hidden_ = 0, inner_ = 0;
+};
 
 // The kernels' own activation codes, for testing them against reference.quantize_activations exactly.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_activations_op(const at::Tensor& x) {
@@ -1012,5 +1213,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("bias") = py::none());
   m.def("quantize_activations", &quantize_activations_op,
         "x [M,K] f32 -> the kernels' int16 codes [M,K], scales d and block sums s [M,K/32]", py::arg("x"));
+  py::class_<Experts>(m, "Experts", "A MoE layer's int8 or int4 routed experts, checked once")
+      .def(py::init<std::vector<at::Tensor>, std::vector<at::Tensor>, bool>(), py::arg("gate_up"), py::arg("down"),
+           py::arg("gelu"))
+      .def("apply", &Experts::apply, "each token's chosen experts, weighted and summed: [tokens, hidden] f32",
+           py::arg("x"), py::arg("topk_ids"), py::arg("topk_weights"))
+      .def("apply_routed", &Experts::apply_routed, "the same, routed here: router logits, softmax and top-k",
+           py::arg("x"), py::arg("router_weight"), py::arg("top_k"), py::arg("renormalize"));
   g_isa.def(m, "the variant matmul_* use now");
 }

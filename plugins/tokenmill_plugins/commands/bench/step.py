@@ -3,9 +3,10 @@
 A decode step is timed end to end through ``EngineCore.step`` (scheduling, batch building,
 forward, logits, sampling, output bookkeeping). Then its parts are timed alone on the same
 model with the same shapes: every linear layer call of one decode step, with its rows (the output
-projection included; in a mixture of experts, the experts the step's tokens chose, over their
-tokens), and every layer's attention (cache write plus paged attention) over the model runner's
-batch layout of the next decode step. What the parts do not account for is the
+projection included), every mixture-of-experts layer's fused experts (``FusedExperts.apply`` or ``apply_routed``: the
+experts the step's tokens chose, over their tokens, with the step's routing), and every layer's
+attention (cache write plus paged attention) over the model runner's batch layout of the next
+decode step. What the parts do not account for is the
 rest of the step ("other"), broken down further: the scheduler's two calls (``schedule``,
 ``update``), the batch layout (``prepare_batch``), sampling (the sampler and its metadata over
 the step's logits), the layer kernels (every RMSNorm module of the model with its residual add,
@@ -16,8 +17,8 @@ Timing the parts separately, rather than through a profiler, keeps the numbers h
 C++ kernels that a profiler does not see and costs nothing in the engine's hot path. Parts timed
 alone run with warm caches; inside a step each waits for memory the others evicted. So on a CPU
 the parts are also timed where the forward calls them, over as many real decode steps (``*_in_step``:
-each linear's, the attention backend's and the layer kernels' calls wrapped in a timer, about half a
-microsecond a call): ``other_in_step_ms``, the step less those, is the host time of a step (Python,
+each linear's, the fused experts', the attention backend's and the layer kernels' calls wrapped in a timer,
+about half a microsecond a call): ``other_in_step_ms``, the step less those, is the host time of a step (Python,
 glue operators, scheduler, batch layout, sampling), without the parts' cache misses. Only
 public API is used: the engine's ``add_request``/``abort_requests``, its step loop's three
 calls (what ``EngineCore.step`` runs), its executor's sampler and logits processors, and its
@@ -47,9 +48,10 @@ class StepBreakdown:
     batch_size: int
     context_len: int  # tokens in each request's cache during the timed steps (about)
     step_ms: float  # one decode step through EngineCore.step, median
-    linear_ms: float  # every linear call of one decode step, lm_head included
+    linear_ms: float  # every linear call of one decode step outside the fused experts, lm_head included
+    experts_ms: float  # every MoE layer's fused experts call (0 for a dense model)
     attention_ms: float  # every layer's K/V write and attention
-    other_ms: float  # step - linear - attention, of which:
+    other_ms: float  # step - linear - experts - attention, of which:
     schedule_ms: float  # Scheduler.schedule
     update_ms: float  # Scheduler.update_from_output (and drafts or KV tier writes, if any)
     batch_ms: float  # the batch layout and the attention backend's prepare
@@ -59,6 +61,7 @@ class StepBreakdown:
     # Inside real steps (CPU only; None on a GPU, whose kernels run after their calls return):
     step_in_step_ms: float | None  # a step with the parts' calls timed, median
     linear_in_step_ms: float | None  # the linears' calls in it (the output projection included)
+    experts_in_step_ms: float | None  # the fused experts' calls in it
     attention_in_step_ms: float | None  # the attention backend's calls in it
     layer_kernels_in_step_ms: float | None  # the layer kernels' calls in it
     other_in_step_ms: float | None  # step_in_step - the three above: the step's host time
@@ -98,7 +101,7 @@ def run_step(engine: EngineCore, *, batch_size: int, context_len: int, num_steps
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     step_ms, schedule_ms, update_ms = _time_step_calls(engine, num_steps, sync)
     in_step = _time_parts_in_steps(engine, num_steps) if device.type == "cpu" else None
-    linear_calls = _linear_calls(engine)
+    linear_calls, expert_calls = _recorded_calls(engine)
     # The parts below write K/V wherever their batch says: free the requests' blocks first.
     engine.abort_requests(request_ids)
 
@@ -116,6 +119,10 @@ def run_step(engine: EngineCore, *, batch_size: int, context_len: int, num_steps
             layer(x)
         if tied_dense_head:  # the output projection reads the embedding: not a Linear
             model.compute_logits(hidden)
+
+    def all_experts() -> None:
+        for call in expert_calls:
+            call()
 
     # The next decode step of the timed ones: each request has context_len + 2 + num_steps tokens cached.
     chunks = _decode_chunks(batch_size, context_len + 2 + num_steps, runner)
@@ -169,16 +176,18 @@ def run_step(engine: EngineCore, *, batch_size: int, context_len: int, num_steps
 
     with torch.inference_mode():
         linear_ms = _median_ms(all_linears, num_steps, sync)
+        experts_ms = _median_ms(all_experts, num_steps, sync) if expert_calls else 0.0
         attention_ms = _median_ms(all_attention, num_steps, sync)
         batch_ms = _median_ms(lambda: runner.prepare_batch(chunks), num_steps, sync)
         sampling_ms = _median_ms(sample, num_steps, sync)
         layer_kernels_ms = _median_ms(all_layer_kernels, num_steps, sync)
-    other_ms = step_ms - linear_ms - attention_ms
+    other_ms = step_ms - linear_ms - experts_ms - attention_ms
     summary = StepBreakdown(
         batch_size=batch_size,
         context_len=context_len,
         step_ms=step_ms,
         linear_ms=linear_ms,
+        experts_ms=experts_ms,
         attention_ms=attention_ms,
         other_ms=other_ms,
         schedule_ms=schedule_ms,
@@ -189,6 +198,7 @@ def run_step(engine: EngineCore, *, batch_size: int, context_len: int, num_steps
         rest_ms=other_ms - schedule_ms - update_ms - batch_ms - sampling_ms - layer_kernels_ms,
         step_in_step_ms=in_step["step"] if in_step else None,
         linear_in_step_ms=in_step["linear"] if in_step else None,
+        experts_in_step_ms=in_step["experts"] if in_step else None,
         attention_in_step_ms=in_step["attention"] if in_step else None,
         layer_kernels_in_step_ms=in_step["layer_kernels"] if in_step else None,
         other_in_step_ms=in_step["other"] if in_step else None,
@@ -244,26 +254,53 @@ def _time_step_calls(engine: EngineCore, repeats: int, sync: Callable[[], Any]) 
     return _median(steps) * 1000, _median(schedules) * 1000, _median(updates) * 1000
 
 
-def _linear_calls(engine: EngineCore) -> list[tuple[Linear, int]]:
-    """The linear layers one decode step calls, in order, with each call's rows: every linear over the batch in a
-    dense model; in a mixture of experts, only the experts the step's tokens chose, over their tokens."""
+def _recorded_calls(engine: EngineCore) -> tuple[list[tuple[Linear, int]], list[Callable[[], Any]]]:
+    """What one eager decode step calls, in order: each linear outside the fused experts with its call's rows, and
+    each call of the fused experts (``apply``, ``apply_routed``), as a call of the same with copies of its inputs."""
+    import torch
+
+    from tokenmill.layers.fused_experts import UsesFusedExperts
     from tokenmill.layers.linear import Linear  # noqa: F811  # at run time too
 
     model = engine.executor.runner.loaded.model
     calls: list[tuple[Linear, int]] = []
+    expert_calls: list[Callable[[], Any]] = []
+    inside_experts = [False]  # the reference's experts run through their own linears: those are the experts' time
 
     def recorded(layer: Linear) -> Callable[[torch.Tensor], torch.Tensor]:
         forward = layer.forward
 
         def call(x: torch.Tensor) -> torch.Tensor:
-            calls.append((layer, x.shape[0]))
+            if not inside_experts[0]:
+                calls.append((layer, x.shape[0]))
             return forward(x)
 
         return call
 
+    def recorded_experts(method: Callable[..., Any]) -> Callable[..., Any]:
+        def call(experts: Any, *args: Any) -> Any:
+            if inside_experts[0]:
+                return method(experts, *args)
+            copies = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
+            inside_experts[0] = True
+            try:
+                result = method(experts, *args)
+            finally:
+                inside_experts[0] = False
+            if result is not None:  # apply_routed's None: the block routes and calls apply, recorded then
+                expert_calls.append(lambda: method(experts, *copies))
+            return result
+
+        return call
+
     linears = [m for m in model.modules() if isinstance(m, Linear)]
+    fused = list({id(m.fused_experts): m.fused_experts for m in model.modules() if isinstance(m, UsesFusedExperts)}
+                 .values())  # fmt: skip
     for layer in linears:
         layer.forward = recorded(layer)  # type: ignore[method-assign,assignment]
+    for kernels in fused:
+        kernels.apply = recorded_experts(kernels.apply)  # type: ignore[method-assign]
+        kernels.apply_routed = recorded_experts(kernels.apply_routed)  # type: ignore[method-assign]
     runner = engine.executor.runner
     graphs, runner.cuda_graphs = runner.cuda_graphs, None  # a replayed graph calls no module: one eager step
     try:
@@ -271,8 +308,10 @@ def _linear_calls(engine: EngineCore) -> list[tuple[Linear, int]]:
     finally:
         runner.cuda_graphs = graphs
         for layer in linears:
-            del layer.forward  # the instance attribute: the class's method again
-    return calls
+            del layer.forward  # the instance attributes: the classes' methods again
+        for kernels in fused:
+            del kernels.apply, kernels.apply_routed
+    return calls, expert_calls
 
 
 def _time_parts_in_steps(engine: EngineCore, repeats: int) -> dict[str, float]:
@@ -280,11 +319,12 @@ def _time_parts_in_steps(engine: EngineCore, repeats: int) -> dict[str, float]:
     part, timed where the forward makes them, and the step's median less the parts' (``other``). CPU only: the
     calls return when their work is done. The timers are instance attributes over the parts' methods, removed at
     the end."""
+    from tokenmill.layers.fused_experts import UsesFusedExperts
     from tokenmill.layers.kernels import UsesLayerKernels
     from tokenmill.layers.linear import Linear
 
     model = engine.executor.runner.loaded.model
-    spent = dict.fromkeys(("linear", "attention", "layer_kernels"), 0.0)
+    spent = dict.fromkeys(("linear", "experts", "attention", "layer_kernels"), 0.0)
     inside = [False]  # a part calling another (a norm calling a norm) is timed once, as the outer one
 
     def timed(kind: str, function: Callable[..., Any]) -> Callable[..., Any]:
@@ -307,6 +347,8 @@ def _time_parts_in_steps(engine: EngineCore, repeats: int) -> dict[str, float]:
     if getattr(model, "lm_head", None) is None:  # a tied output projection reads the embedding: not a Linear
         targets.append((model, "compute_logits", "linear"))
     targets.append((engine.executor.runner.loaded.attention, "forward", "attention"))
+    fused = {id(m.fused_experts): m.fused_experts for m in model.modules() if isinstance(m, UsesFusedExperts)}
+    targets += [(kernels, name, "experts") for kernels in fused.values() for name in ("apply", "apply_routed")]
     kernels = {id(m.layer_kernels): m.layer_kernels for m in model.modules() if isinstance(m, UsesLayerKernels)}
     for layer_kernels in kernels.values():
         targets += [(layer_kernels, name, "layer_kernels") for name in ("rms_norm", "add_rms_norm", "rotary",
