@@ -404,8 +404,8 @@ def run_isa(config: EngineConfig, options: IsaBenchOptions) -> dict[str, Any]:
 
 def format_isa(report: dict[str, Any]) -> str:
     """A markdown section for docs/benchmarks.md: the CPU as its heading, what ran, and one table with a row per
-    level (and llama-server): each ``bench step`` batch's step ms with its linears / attention / other and its
-    host time (``other_in_step_ms``), each
+    level (and llama-server): each ``bench step`` batch's step ms with its linears / attention / other (and, for
+    a mixture of experts, its fused experts after the linears) and its host time (``other_in_step_ms``), each
     concurrency's output tok/s and ITL p50, and the speedups against llama-server (first level's ITL, last
     level's throughput)."""
     parameters, results = report["parameters"], report["results"]
@@ -415,8 +415,13 @@ def format_isa(report: dict[str, Any]) -> str:
     commit = f"commit {git['commit'][:7]}{' (uncommitted changes)' if git['dirty'] else ''}" if git else "no commit"
     batch_sizes, levels = parameters["batch_sizes"], [str(c) for c in parameters["concurrency"]]
     llama = results["llama_server"]
+    # A mixture of experts' fused experts are a part of their own (``experts_ms``), beside the linears.
+    experts = any(
+        variant["median"]["step"][str(b)].get("experts_ms") for variant in results["variants"] for b in batch_sizes
+    )
+    parts = "linears / experts / attention / other" if experts else "linears / attention / other"
     header = [
-        "variant", "kernels", *(f"step b={b} ms (linears / attention / other; host)" for b in batch_sizes),
+        "variant", "kernels", *(f"step b={b} ms ({parts}; host)" for b in batch_sizes),
         *(cell for c in levels for cell in (f"c={c} tok/s", f"c={c} ITL p50 ms")),
     ]  # fmt: skip
     if llama:
@@ -425,7 +430,7 @@ def format_isa(report: dict[str, Any]) -> str:
     for variant in results["variants"]:
         median = variant["median"]
         kernels = ", ".join(f"{_SHORT_NAMES.get(name, name)} {isa}" for name, isa in variant["kernels"].items())
-        cells = [f"`{variant['isa']}`", kernels, *(_step_cell(median["step"][str(b)]) for b in batch_sizes)]
+        cells = [f"`{variant['isa']}`", kernels, *(_step_cell(median["step"][str(b)], experts) for b in batch_sizes)]
         cells += _decode_cells(median["decode"], levels)
         if llama:
             speedup = variant["speedup_vs_llama_server"]
@@ -453,8 +458,13 @@ def format_isa(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _step_cell(figures: dict[str, Any]) -> str:
-    parts = " / ".join(format_value(figures[name]) for name in ("linear_ms", "attention_ms", "other_ms"))
+def _step_cell(figures: dict[str, Any], experts: bool = False) -> str:
+    names = (
+        ("linear_ms", "experts_ms", "attention_ms", "other_ms")
+        if experts
+        else ("linear_ms", "attention_ms", "other_ms")
+    )
+    parts = " / ".join(format_value(figures.get(name, 0.0)) for name in names)
     host = figures.get("other_in_step_ms")  # None on a GPU, absent from reports of older trees
     return f"{format_value(figures['step_ms'])} ({parts}{'' if host is None else f'; host {format_value(host)}'})"
 
