@@ -1012,6 +1012,9 @@ at::Tensor matmul_int4(const at::Tensor& x, const at::Tensor& qweight, const at:
 // the order of TorchFusedExperts (experts in ascending order, tokens in order within each). So a step reads each
 // chosen expert's weights once, and costs the host one call per layer instead of several per expert.
 class Experts {
+  // Rows of the activation per task: one thread up to this (a decode step's), both for a prompt's.
+  static constexpr int64_t kActRowsPerTask = 16;
+
  public:
   Experts(std::vector<at::Tensor> gate_up, std::vector<at::Tensor> down, bool gelu)
       : gate_up_(std::move(gate_up)), down_(std::move(down)), gelu_(gelu) {
@@ -1148,14 +1151,16 @@ class Experts {
         input = rows.data();
       }
       matmul_into(input, count, gate_up_w_[e], gate_up.data());
-      for (int64_t r = 0; r < count; ++r) {
-        const float* g = gate_up.data() + r * two_inner_;
-        if (gelu_) {
-          tokenmill::gelu_tanh_and_mul_row(g, g + inner_, act.data() + r * inner_, inner_);
-        } else {
-          tokenmill::silu_and_mul_row(g, g + inner_, act.data() + r * inner_, inner_);
+      at::parallel_for(0, count, kActRowsPerTask, [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) {
+          const float* g = gate_up.data() + r * two_inner_;
+          if (gelu_) {
+            tokenmill::gelu_tanh_and_mul_row(g, g + inner_, act.data() + r * inner_, inner_);
+          } else {
+            tokenmill::silu_and_mul_row(g, g + inner_, act.data() + r * inner_, inner_);
+          }
         }
-      }
+      });
       matmul_into(act.data(), count, down_w_[e], down.data());
       for (int64_t r = 0; r < count; ++r) {
         const int64_t token = mine[r] / top_k;
