@@ -29,7 +29,7 @@ def test_the_kernels_build_with_the_shared_headers(kernel: str) -> None:
     exponential ``simd_math.h``."""
     source = (cpp_build.INCLUDE_ROOT / kernel / "cpu" / f"{kernel}.cpp").read_bytes()
     names = ["cpu_common/extension.h"] + (["cpu_common/isa.h"] if kernel != "layer_kernels" else [])
-    names += ["cpu_common/simd_math.h"] if kernel in ("paged_attention", "layer_kernels") else []
+    names += ["cpu_common/simd_math.h"] if kernel in ("paged_attention", "layer_kernels", "quant_matmul") else []
     headers = {name: (cpp_build.INCLUDE_ROOT / name).read_bytes() for name in names}
     assert cpp_build.local_headers(source) == headers
     assert b"#include <torch/extension.h>" not in source + b"".join(headers.values())
