@@ -64,7 +64,7 @@ class StepBreakdown:
     experts_in_step_ms: float | None  # the fused experts' calls in it
     attention_in_step_ms: float | None  # the attention backend's calls in it
     layer_kernels_in_step_ms: float | None  # the layer kernels' calls in it
-    other_in_step_ms: float | None  # step_in_step - the three above: the step's host time
+    other_in_step_ms: float | None  # step_in_step - the four above: the step's host time
     output_throughput: float  # batch_size / step time
 
 
