@@ -68,11 +68,12 @@ def test_dense_experts_and_other_dtypes_go_to_the_reference() -> None:
     from tokenmill.layers.dense import DenseQuantizer
 
     kernels = CpuFusedExperts()
-    dense = _experts(DenseQuantizer())
-    assert kernels._experts(dense) is None
-    quantized = _experts(Int4Quantizer())
-    assert kernels._experts(quantized) is not None
     x, ids, weights = torch.randn(2, 64), torch.tensor([[0, 1], [2, 3]]), torch.rand(2, 2)
+    dense = _experts(DenseQuantizer())
+    assert kernels._runs(dense, x) is None
+    quantized = _experts(Int4Quantizer())
+    assert kernels._runs(quantized, x) is not None
+    assert kernels._runs(quantized, x.double()) is None
     torch.testing.assert_close(
         kernels.apply(dense, x, weights, ids), TorchFusedExperts().apply(dense, x, weights, ids), atol=0, rtol=0
     )

@@ -49,8 +49,8 @@ class CpuFusedExperts(TorchFusedExperts):
     def apply(
         self, experts: Experts, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
-        native = self._experts(experts)
-        if native is None or experts.lora is not None or x.dtype is not torch.float32 or x.requires_grad:
+        native = self._runs(experts, x)
+        if native is None:
             return super().apply(experts, x, topk_weights, topk_ids)
         if topk_weights.dtype is not torch.float32:
             topk_weights = topk_weights.float()
@@ -59,14 +59,15 @@ class CpuFusedExperts(TorchFusedExperts):
     def apply_routed(
         self, experts: Experts, x: torch.Tensor, router_weight: torch.Tensor, top_k: int, renormalize: bool
     ) -> torch.Tensor | None:
-        native = self._experts(experts)
-        if native is None or experts.lora is not None or x.dtype is not torch.float32 or x.requires_grad:
-            return None
-        if router_weight.dtype is not torch.float32:
+        native = self._runs(experts, x)
+        if native is None or router_weight.dtype is not torch.float32:
             return None
         return native.apply_routed(x if x.is_contiguous() else x.contiguous(), router_weight, top_k, renormalize)
 
-    def _experts(self, experts: Experts) -> Any:
+    def _runs(self, experts: Experts, x: torch.Tensor) -> Any:
+        """The C++ experts when they run ``x`` (float32, no gradients, no adapters on the experts), else None."""
+        if experts.lora is not None or x.dtype is not torch.float32 or x.requires_grad:
+            return None
         cached = self._native.get(experts)
         expert = experts[0] if len(experts) else None
         first = expert.gate_up_proj._buffers.get("qweight") if isinstance(expert, ExpertMLP) else None
@@ -87,7 +88,8 @@ def _native_experts(experts: Experts) -> Any:
         type(linear.quantizer) is not kind or linear.bias is not None for linear in linears
     ):
         return None
-    if any(linear._buffers["qweight"] is None or linear._buffers["qweight"].device.type != "cpu" for linear in linears):
+    codes = [linear._buffers["qweight"] for linear in linears]
+    if any(code is None or code.device.type != "cpu" for code in codes):
         return None
     names = kind.storage_names
     gate_up = [linear._buffers[name] for linear in linears[::2] for name in names]
