@@ -157,7 +157,8 @@ def tokenmill_register_fused_experts(register: Register) -> None:
 @hookspec
 def tokenmill_register_layer_kernels(register: Register) -> None:
     """Register layer kernels (slot ``layer_kernel``): RMSNorm with the residual add, rope, SiLU times up, and
-    optionally a dense matmul for the ``none`` quantizer's weights (``pack_dense_weight``, ``dense_linear``).
+    optionally a dense matmul for the ``none`` quantizer's weights (``pack_dense_weight``, ``dense_linear``) and a
+    runner of a model's whole decoder stack in one call (``fused_decoder``).
 
     :param register: ``register(name, import_path)``; the import path names a
         ``tokenmill.interfaces.LayerKernels`` subclass, built with no arguments.

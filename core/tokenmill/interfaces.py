@@ -56,6 +56,7 @@ _EXPORTS: dict[str, str] = {
     "EngineState": "tokenmill.routing",
     "ExtractedToolCalls": "tokenmill.parsers.tool_parser",
     "FrontendConnection": "tokenmill.transport.base",
+    "FusedDecoder": "tokenmill.layers.kernels",
     "FusedExperts": "tokenmill.layers.fused_experts",
     "KVCacheManager": "tokenmill.kv_cache.manager",
     "KVTier": "tokenmill.kv_cache.tier",

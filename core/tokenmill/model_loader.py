@@ -386,6 +386,7 @@ def load_model(
         model = model_class(arch, attention, quantizer, dtype, max_position, **({"tp": tp} if tp.size > 1 else {}))
     materialize_empty(model, device)
     install_layer_kernels(model, layer_kernels)
+    model.fused_decoder = layer_kernels.fused_decoder(model, attention)
     if any(isinstance(module, UsesFusedExperts) for module in model.modules()):
         fused_experts = select_fused_experts(config.model.fused_experts, device, plugins, config.lora.enable_lora)
         logger.info("mixture-of-experts layers run on fused experts %s", fused_experts.name)

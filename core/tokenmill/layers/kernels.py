@@ -17,13 +17,16 @@ module that calls them (``install_layer_kernels``); an architecture plugin whose
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.layers.fast_module import FastModule
+
+if TYPE_CHECKING:
+    from tokenmill.attention.backend import AttentionBackend, AttentionMetadata
 
 
 class SelectableKernels(ABC):
@@ -99,6 +102,32 @@ class LayerKernels(SelectableKernels):
         """``x @ W.T + bias`` -> [num_rows, out_features] for ``x`` [num_rows, in] contiguous and ``packed`` from
         :meth:`pack_dense_weight` (no gradient). Results within float32 rounding of ``F.linear``."""
         raise NotImplementedError(f"layer kernels {self.name!r} pack no dense weights")
+
+    def fused_decoder(self, model: nn.Module, attention: AttentionBackend) -> FusedDecoder | None:
+        """A runner of ``model``'s whole decoder stack in one call, or None (the default): the model's layers
+        then run one module at a time, as they always may. Called once by the model loader, before the weights
+        load; a kernels plugin returns one only for the models, quantizers and ``attention`` backends its runner
+        reproduces exactly."""
+        return None
+
+
+class FusedDecoder(ABC):
+    """A model's decoder layers and final norm in one call, for the steps it takes (``LayerKernels.fused_decoder``).
+
+    The model calls it first each forward, after embedding the tokens and setting the step's rope positions;
+    where it returns None the layers run as modules. Its result must equal theirs (tests compare them bit for
+    bit): it is a way to run the same kernels without the interpreter between them, not other numerics. It must
+    notice what changes the modules' results after it was built (weights loaded again, a quantizer replaced,
+    LoRA adapters attached, a forward hook registered) and follow the modules.
+    """
+
+    @abstractmethod
+    def __call__(
+        self, hidden_states: torch.Tensor, kv_caches: list[torch.Tensor], metadata: AttentionMetadata
+    ) -> torch.Tensor | None:
+        """The final norm of the last layer's output [num_tokens, hidden] for the embeddings ``hidden_states``
+        [num_tokens, hidden], or None for a step it does not take (a draft tree, a long prompt chunk, a forward
+        hook on one of the modules)."""
 
 
 class TorchLayerKernels(LayerKernels):

@@ -92,6 +92,11 @@ class RotaryEmbedding(UsesLayerKernels):
         cos_sin = self._table(positions.device)[positions].unsqueeze(1)  # [num_tokens, 1, rotary_dim]
         self._step_cos, self._step_sin = cos_sin.chunk(2, dim=-1)
 
+    def step_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cos and sin of the last ``set_positions``, each [num_tokens, 1, rotary_dim // 2], as ``rotate``
+        passes them to the layer kernels."""
+        return self._step_cos, self._step_sin
+
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         """Rope at the positions of the last ``set_positions``, applied to ``x`` [num_tokens, any heads,
         head_dim]: queries and keys may come as one tensor. The layer kernels may rotate ``x`` in place."""

@@ -17,6 +17,7 @@ from tokenmill.parallel.sharding import SplitInput
 from tokenmill.weights.format import LoadedTensor, WeightsError
 
 if TYPE_CHECKING:
+    from tokenmill.layers.kernels import FusedDecoder
     from tokenmill.models.architecture import ArchitectureConfig
 
 logger = logging.getLogger(__name__)
@@ -42,6 +43,9 @@ class CausalLM(FastModule):
     supports_tensor_parallel: ClassVar[bool] = False
     #: Whether its linears run over the selected ``Quantizer`` (the loader's quantizer other than ``none``).
     supports_quantization: ClassVar[bool] = True
+    #: The layer kernels' runner of the whole decoder stack in one call (``LayerKernels.fused_decoder``), set
+    #: by the loader; an architecture whose ``forward`` does not call it leaves it unused.
+    fused_decoder: FusedDecoder | None = None
 
     @classmethod
     def tensor_parallel_inputs(cls, config: ArchitectureConfig, expert_parallel: bool) -> list[SplitInput]:

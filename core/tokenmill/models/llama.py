@@ -258,6 +258,10 @@ class LlamaForCausalLM(CausalLM):
         model.rotary.set_positions(positions)
         if model.sliding_rotary is not None:
             model.sliding_rotary.set_positions(positions)
+        if self.fused_decoder is not None:
+            fused = self.fused_decoder(hidden_states, kv_caches, metadata)
+            if fused is not None:
+                return fused
         residual = None
         for layer, kv_cache in zip(model.layers, kv_caches, strict=True):
             hidden_states, residual = layer(positions, hidden_states, residual, kv_cache, metadata)

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from tokenmill_kernels.cpp_build import CppExtension
 
-__all__ = ["is_available", "load", "prepare", "rms_norm", "rotary", "silu_and_mul"]
+__all__ = ["c_api", "is_available", "load", "prepare", "rms_norm", "rotary", "silu_and_mul"]
 
 _EXTENSION = CppExtension(
     "tokenmill_layer_kernels",
@@ -37,6 +37,11 @@ def prepare() -> None:
 def load() -> None:
     """Build (first use on a machine) or load the extension; raises ``RuntimeError`` naming what is missing."""
     _EXTENSION.load()
+
+
+def c_api() -> object:
+    """The extension's C++ entry points for another extension's C++, in a capsule (``cpu_common/kernel_api.h``)."""
+    return _EXTENSION.load().c_api()
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None) -> tuple[Tensor, Tensor | None]:

@@ -19,7 +19,17 @@ from torch import Tensor
 
 from tokenmill_kernels.cpp_build import CppExtension
 
-__all__ = ["is_available", "isa", "load", "paged_attention", "prepare", "set_isa", "supported_isas", "write_kv_cache"]
+__all__ = [
+    "c_api",
+    "is_available",
+    "isa",
+    "load",
+    "paged_attention",
+    "prepare",
+    "set_isa",
+    "supported_isas",
+    "write_kv_cache",
+]
 
 _EXTENSION = CppExtension(
     "tokenmill_paged_attention",
@@ -44,6 +54,11 @@ def load() -> None:
     """Build (first use on a machine) or load the extension; raises ``RuntimeError`` naming
     what is missing. The launchers call it too; call it early to keep the build out of a step."""
     _EXTENSION.load()
+
+
+def c_api() -> object:
+    """The extension's C++ entry points for another extension's C++, in a capsule (``cpu_common/kernel_api.h``)."""
+    return _EXTENSION.load().c_api()
 
 
 def write_kv_cache(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor, slot_mapping: Tensor) -> None:

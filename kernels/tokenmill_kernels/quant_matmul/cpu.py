@@ -30,6 +30,7 @@ from torch import Tensor
 from tokenmill_kernels.cpp_build import CppExtension
 
 __all__ = [
+    "c_api",
     "experts",
     "is_available",
     "isa",
@@ -70,6 +71,11 @@ def load() -> ModuleType:
     if _module is None:
         _module = _EXTENSION.load()
     return _module
+
+
+def c_api() -> object:
+    """The extension's C++ entry points for another extension's C++, in a capsule (``cpu_common/kernel_api.h``)."""
+    return (_module or load()).c_api()
 
 
 def matmul_int8(x: Tensor, qweight: Tensor, scales: Tensor, bias: Tensor | None = None) -> Tensor:

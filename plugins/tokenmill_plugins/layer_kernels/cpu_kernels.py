@@ -19,8 +19,10 @@ from typing import ClassVar
 import torch
 from tokenmill_kernels.dense_matmul import cpu as dense_matmul
 from tokenmill_kernels.layer_kernels import cpu as kernels
+from torch import nn
 
-from tokenmill.layers.kernels import TorchLayerKernels
+from tokenmill.attention.backend import AttentionBackend
+from tokenmill.layers.kernels import FusedDecoder, TorchLayerKernels
 
 
 class CpuLayerKernels(TorchLayerKernels):
@@ -61,6 +63,11 @@ class CpuLayerKernels(TorchLayerKernels):
         if not _runs(x):
             return super().rotary(x, cos, sin)
         return kernels.rotary(x, cos, sin)
+
+    def fused_decoder(self, model: nn.Module, attention: AttentionBackend) -> FusedDecoder | None:
+        from tokenmill_plugins.layer_kernels.cpu_decoder import fused_decoder
+
+        return fused_decoder(model, attention, self)
 
     def pack_dense_weight(self, weight: torch.Tensor) -> torch.Tensor | None:
         if not (weight.is_cpu and weight.dtype == torch.float32):

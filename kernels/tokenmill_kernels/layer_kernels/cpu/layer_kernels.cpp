@@ -13,6 +13,7 @@
 #include <cmath>
 
 #include "cpu_common/extension.h"
+#include "cpu_common/kernel_api.h"
 #include "cpu_common/simd_math.h"
 
 namespace {
@@ -144,4 +145,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("eps"), pybind11::arg("residual") = pybind11::none());
   m.def("rotary", &rotary, "Rope (rotate half) in place on float32 [tokens, heads, head_dim]");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up for float32 [tokens, 2 * inner] holding gate then up");
+  static const tokenmill::LayerKernelsApi api{&rms_norm, &rotary, &silu_and_mul};
+  tokenmill::def_api(m, &api);
 }

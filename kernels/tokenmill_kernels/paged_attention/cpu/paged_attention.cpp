@@ -28,6 +28,7 @@
 
 #include "cpu_common/extension.h"
 #include "cpu_common/isa.h"
+#include "cpu_common/kernel_api.h"
 #include "cpu_common/simd_math.h"
 
 namespace {
@@ -743,4 +744,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("positions"), py::arg("scale"), py::arg("sliding_window"), py::arg("tree_start") = py::none(),
         py::arg("tree_bits") = py::none(), py::arg("logits_soft_cap") = 0.0);
   g_isa.def(m, "the variant paged_attention uses now");
+  static const tokenmill::PagedAttentionApi api{&write_kv_cache, &paged_attention};
+  tokenmill::def_api(m, &api);
 }

@@ -33,6 +33,7 @@
 
 #include "cpu_common/extension.h"
 #include "cpu_common/isa.h"
+#include "cpu_common/kernel_api.h"
 #include "cpu_common/simd_math.h"
 
 namespace {
@@ -1226,4 +1227,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("apply_routed", &Experts::apply_routed, "the same, routed here: router logits, softmax and top-k",
            py::arg("x"), py::arg("router_weight"), py::arg("top_k"), py::arg("renormalize"));
   g_isa.def(m, "the variant matmul_* use now");
+  static const tokenmill::QuantMatmulApi api{&matmul_int8, &matmul_int4};
+  tokenmill::def_api(m, &api);
 }

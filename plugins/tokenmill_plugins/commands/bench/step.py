@@ -19,7 +19,10 @@ alone run with warm caches; inside a step each waits for memory the others evict
 the parts are also timed where the forward calls them, over as many real decode steps (``*_in_step``:
 each linear's, the fused experts', the attention backend's and the layer kernels' calls wrapped in a timer,
 about half a microsecond a call): ``other_in_step_ms``, the step less those, is the host time of a step (Python,
-glue operators, scheduler, batch layout, sampling), without the parts' cache misses. Only
+glue operators, scheduler, batch layout, sampling), without the parts' cache misses. Those steps run module by
+module: a model whose layer kernels run its whole decoder stack in one call (``LayerKernels.fused_decoder``, the
+``fused_decoder`` parameter of the report) takes the step timed end to end that way, and the parts inside it
+have no calls of their own to time. Only
 public API is used: the engine's ``add_request``/``abort_requests``, its step loop's three
 calls (what ``EngineCore.step`` runs), its executor's sampler and logits processors, and its
 model runner's ``prepare_batch``, model and KV cache tensors.
@@ -59,7 +62,7 @@ class StepBreakdown:
     layer_kernels_ms: float  # norms with their residual adds, rope, SiLU-and-multiply: every layer's
     rest_ms: float  # other - the five above: the forward's Python and glue operators
     # Inside real steps (CPU only; None on a GPU, whose kernels run after their calls return):
-    step_in_step_ms: float | None  # a step with the parts' calls timed, median
+    step_in_step_ms: float | None  # a step run module by module with the parts' calls timed, median
     linear_in_step_ms: float | None  # the linears' calls in it (the output projection included)
     experts_in_step_ms: float | None  # the fused experts' calls in it
     attention_in_step_ms: float | None  # the attention backend's calls in it
@@ -211,6 +214,7 @@ def run_step(engine: EngineCore, *, batch_size: int, context_len: int, num_steps
         "seed": seed,
         "quantization": next(iter(linears)).quantizer.name if linears else None,
         "attention_backend": backend.name,
+        "fused_decoder": model.fused_decoder is not None,
         "num_threads": torch.get_num_threads(),
     }
     return build_report("step", parameters, summary)
@@ -302,11 +306,12 @@ def _recorded_calls(engine: EngineCore) -> tuple[list[tuple[Linear, int]], list[
         kernels.apply = recorded_experts(kernels.apply)  # type: ignore[method-assign]
         kernels.apply_routed = recorded_experts(kernels.apply_routed)  # type: ignore[method-assign]
     runner = engine.executor.runner
-    graphs, runner.cuda_graphs = runner.cuda_graphs, None  # a replayed graph calls no module: one eager step
+    graphs, runner.cuda_graphs = runner.cuda_graphs, None  # a replayed graph calls no module: one eager step,
+    fused_decoder, model.fused_decoder = model.fused_decoder, None  # module by module
     try:
         engine.step()
     finally:
-        runner.cuda_graphs = graphs
+        runner.cuda_graphs, model.fused_decoder = graphs, fused_decoder
         for layer in linears:
             del layer.forward  # the instance attributes: the classes' methods again
         for kernels in fused:
@@ -324,6 +329,7 @@ def _time_parts_in_steps(engine: EngineCore, repeats: int) -> dict[str, float]:
     from tokenmill.layers.linear import Linear
 
     model = engine.executor.runner.loaded.model
+    fused_decoder, model.fused_decoder = model.fused_decoder, None  # the parts' calls are timed in the modules
     spent = dict.fromkeys(("linear", "experts", "attention", "layer_kernels"), 0.0)
     inside = [False]  # a part calling another (a norm calling a norm) is timed once, as the outer one
 
@@ -367,6 +373,7 @@ def _time_parts_in_steps(engine: EngineCore, repeats: int) -> dict[str, float]:
     finally:
         for target, name, _ in targets:
             delattr(target, name)  # the instance attribute: the class's method again
+        model.fused_decoder = fused_decoder
     medians = {kind: _median(values) * 1000 for kind, values in samples.items()}
     medians["other"] = medians["step"] - sum(medians[kind] for kind in spent)  # so that the parts add up
     return medians

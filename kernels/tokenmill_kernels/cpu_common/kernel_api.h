@@ -1,0 +1,62 @@
+// The C++ entry points one CPU kernel extension lends another: a table of function pointers per extension,
+// passed between the modules as a PyCapsule (as numpy lends its C API).
+//
+// The extensions build and load separately (each only when a model needs it), so one cannot link against
+// another. An extension that calls another's kernels from C++ (the decoder stack, which runs a whole decode
+// step's layers in one call) asks that module's c_api() for its table; the capsule's name carries the table's
+// version, checked on import. The functions are the ones the modules bind for Python, with the same checks.
+#pragma once
+
+#include <vector>
+
+#include "cpu_common/extension.h"
+
+namespace tokenmill {
+
+// layer_kernels: rms_norm returns {norm} or, with a residual, {norm, x + residual}; rotary works in place.
+struct LayerKernelsApi {
+  static constexpr const char* kName = "tokenmill.layer_kernels.api.v1";
+  std::vector<at::Tensor> (*rms_norm)(const at::Tensor& x, const at::Tensor& weight, double eps,
+                                      const c10::optional<at::Tensor>& residual);
+  void (*rotary)(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+  at::Tensor (*silu_and_mul)(const at::Tensor& gate_up);
+};
+
+// paged_attention: sliding_window <= 0 and logits_soft_cap <= 0 mean none.
+struct PagedAttentionApi {
+  static constexpr const char* kName = "tokenmill.paged_attention.api.v1";
+  void (*write_kv_cache)(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
+                         at::Tensor& value_cache, const at::Tensor& slot_mapping);
+  at::Tensor (*paged_attention)(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                const at::Tensor& block_tables, const at::Tensor& token_req,
+                                const at::Tensor& positions, double scale, int64_t sliding_window,
+                                const c10::optional<at::Tensor>& tree_start,
+                                const c10::optional<at::Tensor>& tree_bits, double logits_soft_cap);
+};
+
+// quant_matmul: x [M, K] float32 @ W.T + bias.
+struct QuantMatmulApi {
+  static constexpr const char* kName = "tokenmill.quant_matmul.api.v1";
+  at::Tensor (*matmul_int8)(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                            const c10::optional<at::Tensor>& bias);
+  at::Tensor (*matmul_int4)(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                            const at::Tensor& mins, const c10::optional<at::Tensor>& bias);
+};
+
+// Binds `c_api()` on module `m`: a capsule holding `api`, which must live as long as the module (a static).
+template <typename Api>
+void def_api(pybind11::module_& m, const Api* api) {
+  m.def("c_api", [api] { return pybind11::capsule(static_cast<const void*>(api), Api::kName); },
+        "this module's kernels for other extensions' C++ (tokenmill_kernels/cpu_common/kernel_api.h)");
+}
+
+// The table in a capsule from another module's c_api(); ValueError when it holds another table or version.
+template <typename Api>
+const Api* import_api(const pybind11::capsule& capsule) {
+  const char* name = capsule.name();
+  TORCH_CHECK_VALUE(name != nullptr && std::string(name) == Api::kName, "expected a capsule of ", Api::kName,
+                    ", got ", name == nullptr ? "an unnamed one" : name);
+  return capsule.get_pointer<const Api>();
+}
+
+}  // namespace tokenmill

@@ -1,0 +1,158 @@
+"""The ``cpu`` layer kernels' fused decoder (``tokenmill_plugins.layer_kernels.cpu_decoder``): a Llama-shaped
+stack of int4/int8 linears in one C++ call a step, bit for bit what its layers compute module by module."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from tokenmill_kernels.decoder import cpu as decoder_kernels
+from tokenmill_kernels.layer_kernels import cpu as layer_kernels
+from tokenmill_plugins.layer_kernels.cpu_decoder import CpuFusedDecoder
+
+from tests.factories import make_engine, run_to_completion, save_hf_model
+from tokenmill.engine import EngineCore, now
+from tokenmill.messages import EngineCoreRequest
+from tokenmill.model_runner import SequenceChunk
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.weights.safetensors_format import SafetensorsFormat
+
+pytestmark = pytest.mark.skipif(not decoder_kernels.is_available(), reason="the CPU kernels cannot build")
+
+_PROMPTS = [[5, 6, 7, 8, 9], [40, 41], [7] * 11, list(range(60, 90))]
+
+
+def _model_dir(tmp_path_factory: pytest.TempPathFactory, name: str, **overrides: Any) -> Path:
+    directory = tmp_path_factory.mktemp(name)
+    save_hf_model(name, directory, **overrides)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _model_dir(tmp_path_factory, "llama-tiny")
+
+
+def _engine(model_dir: Path, quantization: str = "int4", **sections: dict[str, Any]) -> EngineCore:
+    model = {"quantization": quantization, "dtype": "float32", **sections.pop("model", {})}
+    return make_engine(model_dir, model=model, **sections)
+
+
+def _logits_both_ways(engine: EngineCore, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every position's logits for ``prompt`` in one step, with the fused decoder and module by module."""
+    runner = engine.executor.runner
+    model = runner.loaded.model
+    fused = model.fused_decoder
+    chunk = SequenceChunk(prompt, 0, list(range(-(-len(prompt) // runner.block_size))))
+    with_fused = runner.execute([chunk], all_logits=True)
+    model.fused_decoder = None
+    try:
+        by_modules = runner.execute([chunk], all_logits=True)
+    finally:
+        model.fused_decoder = fused
+    return with_fused, by_modules
+
+
+@pytest.mark.parametrize(
+    ("name", "quantization"),
+    [("llama-tiny", "int4"), ("llama-tiny", "int8"), ("llama-bias", "int4"), ("llama-tied", "int8"),
+     ("qwen2-tiny", "int4"), ("mistral-tiny", "int4")],
+)  # fmt: skip
+def test_it_computes_what_the_layers_compute(tmp_path_factory: pytest.TempPathFactory, name: str,
+                                             quantization: str) -> None:  # fmt: skip
+    """Biases (Llama's attention and MLP, Qwen2's q/k/v), tied embeddings and Mistral's sliding window: the same
+    logits, bit for bit, for a prompt chunk, and the same greedy tokens over decode steps of several requests."""
+    engine = _engine(_model_dir(tmp_path_factory, name), quantization)
+    model = engine.executor.runner.loaded.model
+    assert isinstance(model.fused_decoder, CpuFusedDecoder)
+    with_fused, by_modules = _logits_both_ways(engine, list(range(3, 40)))
+    assert torch.equal(with_fused, by_modules)
+
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    results = []
+    for fused in (model.fused_decoder, None):
+        model.fused_decoder = fused
+        requests = [EngineCoreRequest(f"{i}", p, params, [], now()) for i, p in enumerate(_PROMPTS)]
+        results.append(run_to_completion(engine, requests))
+    assert results[0] == results[1]
+
+
+class _Recorder:
+    """Wraps a fused decoder: what each call returned (a tensor, or None for a step left to the layers)."""
+
+    def __init__(self, fused: CpuFusedDecoder) -> None:
+        self.fused = fused
+        self.took: list[bool] = []
+
+    def __call__(self, *args: Any) -> torch.Tensor | None:
+        result = self.fused(*args)
+        self.took.append(result is not None)
+        return result
+
+
+def test_long_prompt_chunks_and_hooked_steps_run_the_layers(llama_dir: Path) -> None:
+    engine = _engine(llama_dir)
+    model = engine.executor.runner.loaded.model
+    recorder = _Recorder(model.fused_decoder)
+    model.fused_decoder = recorder  # type: ignore[assignment]
+    long_prompt = list(range(3, 103))  # longer than the cpu backend's kernel takes: SDPA attends it
+    run_to_completion(engine, [EngineCoreRequest("long", long_prompt, SamplingParams(max_tokens=3), [], now())])
+    assert recorder.took == [False, True, True]
+
+    calls = []
+    handle = model.model.layers[1].mlp.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        recorder.took.clear()
+        run_to_completion(engine, [EngineCoreRequest("hooked", [5, 6, 7], SamplingParams(max_tokens=2), [], now())])
+    finally:
+        handle.remove()
+    assert recorder.took == [False, False] and calls == [1, 1]
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [{"model": {"quantization": "none"}}, {"attention": {"backend": "torch"}}, {"model": {"layer_kernels": "torch"}}],
+    ids=["dense", "torch-attention", "torch-layer-kernels"],
+)
+def test_it_is_not_built_for_what_it_does_not_reproduce(llama_dir: Path, setting: dict[str, Any]) -> None:
+    assert _engine(llama_dir, **setting).executor.runner.loaded.model.fused_decoder is None
+
+
+def test_q_k_norms_keep_the_layers(tmp_path_factory: pytest.TempPathFactory) -> None:
+    engine = _engine(_model_dir(tmp_path_factory, "qwen3-tiny"))
+    assert engine.executor.runner.loaded.model.fused_decoder is None
+
+
+def test_lora_adapters_keep_the_layers(llama_dir: Path) -> None:
+    """The adapters' slots are attached after the model loaded (and warmed up, through the fused decoder)."""
+    engine = _engine(llama_dir, lora={"enable_lora": True})
+    model = engine.executor.runner.loaded.model
+    recorder = _Recorder(model.fused_decoder)
+    model.fused_decoder = recorder  # type: ignore[assignment]
+    run_to_completion(engine, [EngineCoreRequest("base", [5, 6, 7], SamplingParams(max_tokens=2), [], now())])
+    assert recorder.took == [False, False]
+
+
+def test_weights_loaded_again_are_read_again(tmp_path_factory: pytest.TempPathFactory, llama_dir: Path) -> None:
+    engine = _engine(llama_dir)
+    prompt = list(range(3, 20))
+    before, _ = _logits_both_ways(engine, prompt)
+    other = _model_dir(tmp_path_factory, "llama-tiny", seed=1)
+    model = engine.executor.runner.loaded.model
+    model.load_weights(SafetensorsFormat().iter_tensors(other))
+    with_fused, by_modules = _logits_both_ways(engine, prompt)
+    assert not torch.equal(before, by_modules)  # the weights did change
+    assert torch.equal(with_fused, by_modules)
+
+
+def test_the_stack_checks_what_it_is_given() -> None:
+    norm = torch.ones(64)
+    with pytest.raises(ValueError, match="a stack of 1 layers takes 4 linears and 3 norms, got 0 and 3"):
+        decoder_kernels.DecoderStack([], [norm] * 3, [(4, 2, 16, 0.25, 0, 0.0)], 1e-6)
+    module = decoder_kernels._EXTENSION.load()
+    capsule = layer_kernels.c_api()
+    with pytest.raises(ValueError, match="expected a capsule of tokenmill.paged_attention.api.v1, got "
+                                         "tokenmill.layer_kernels.api.v1"):  # fmt: skip
+        module.DecoderStack([], [norm], [], 1e-6, capsule, capsule, capsule)
