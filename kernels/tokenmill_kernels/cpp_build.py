@@ -85,7 +85,8 @@ class CppExtension:
         self.description = description
         self.include_root = include_root
         self._module: ModuleType | None = None
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # held by whoever builds or loads the module
+        self._start_lock = threading.Lock()  # held while prepare() starts the background build
         self._background: threading.Thread | None = None
 
     def missing(self) -> list[str]:
@@ -116,7 +117,9 @@ class CppExtension:
         for it. Does nothing when it is loaded or started already, or cannot build here (:meth:`load` then says
         why). The thread is not a daemon: a process that exits meanwhile finishes the build, rather than leaving
         torch's lock file behind for the next start to wait on."""
-        with self._lock:
+        # Not self._lock, which the build holds throughout: a second prepare() (the int4 quantizer's int8 output
+        # projection's) would wait for the build it meant to leave running.
+        with self._start_lock:
             if self._module is not None or self._background is not None or self.missing():
                 return
             # Imported here, on the caller's thread: importing it imports setuptools, which inserts a finder into

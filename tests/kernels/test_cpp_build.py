@@ -190,6 +190,31 @@ def test_prepared_extensions_build_side_by_side_and_load_waits_for_them(
     assert any(r.getMessage().startswith("still building tokenmill's tokenmill_a kernels") for r in caplog.records)
 
 
+def test_prepare_during_the_build_returns_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The build holds the extension's lock until it ends: a second prepare() (the int4 quantizer's int8 output
+    projection prepares the same extension) must not wait for it."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "cache"))
+    building, release = threading.Event(), threading.Event()
+
+    def fake_load(name: str, **_: object) -> ModuleType:
+        building.set()
+        release.wait(10)
+        return ModuleType(name)
+
+    monkeypatch.setattr(cpp_build._cpp_extension(), "load", fake_load)
+    monkeypatch.setattr(CppExtension, "missing", lambda self: [])
+    (tmp_path / "kernel.cpp").write_text("// a kernel\n")
+    extension = CppExtension("tokenmill_test", tmp_path / "kernel.cpp", ["-O3"], "test kernels")
+    extension.prepare()
+    assert building.wait(10)
+    started = time.monotonic()
+    extension.prepare()
+    waited = time.monotonic() - started
+    release.set()
+    assert waited < 1.0
+    assert extension.load().__name__ == "tokenmill_test"
+
+
 def test_a_build_that_fails_in_the_background_is_raised_by_load(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

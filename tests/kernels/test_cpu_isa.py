@@ -22,13 +22,14 @@ VARIANTS = {
 }
 
 
-@pytest.mark.parametrize("kernel", ["paged_attention", "quant_matmul", "dense_matmul", "layer_kernels", "decoder"])
+@pytest.mark.parametrize("kernel", ["paged_attention", "quant_matmul", "dense_matmul", "layer_kernels"])
 def test_the_kernels_build_with_the_shared_headers(kernel: str) -> None:
     """Their sources include them, so they are copied into their builds and are part of their keys; every one
     includes torch through the lean ``extension.h``, the ones with variants ``isa.h`` too, those with an
-    exponential ``simd_math.h``, and those that lend their C++ to the decoder stack, or call it, ``kernel_api.h``."""
+    exponential ``simd_math.h``, and those that lend their C++ to the layer kernels' decoder stack, or run it,
+    ``kernel_api.h``."""
     source = (cpp_build.INCLUDE_ROOT / kernel / "cpu" / f"{kernel}.cpp").read_bytes()
-    names = ["cpu_common/extension.h"] + (["cpu_common/isa.h"] if kernel not in ("layer_kernels", "decoder") else [])
+    names = ["cpu_common/extension.h"] + (["cpu_common/isa.h"] if kernel != "layer_kernels" else [])
     names += ["cpu_common/simd_math.h"] if kernel in ("paged_attention", "layer_kernels", "quant_matmul") else []
     names += ["cpu_common/kernel_api.h"] if kernel != "dense_matmul" else []
     headers = {name: (cpp_build.INCLUDE_ROOT / name).read_bytes() for name in names}

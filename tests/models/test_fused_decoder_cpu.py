@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 import torch
-from tokenmill_kernels.decoder import cpu as decoder_kernels
 from tokenmill_kernels.layer_kernels import cpu as layer_kernels
+from tokenmill_kernels.paged_attention import cpu as paged_attention
 from tokenmill_plugins.layer_kernels.cpu_decoder import CpuFusedDecoder
 
 from tests.factories import make_engine, run_to_completion, save_hf_model
@@ -19,7 +19,7 @@ from tokenmill.model_runner import SequenceChunk
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.weights.safetensors_format import SafetensorsFormat
 
-pytestmark = pytest.mark.skipif(not decoder_kernels.is_available(), reason="the CPU kernels cannot build")
+pytestmark = pytest.mark.skipif(not layer_kernels.is_available(), reason="the CPU kernels cannot build")
 
 _PROMPTS = [[5, 6, 7, 8, 9], [40, 41], [7] * 11, list(range(60, 90))]
 
@@ -150,9 +150,9 @@ def test_weights_loaded_again_are_read_again(tmp_path_factory: pytest.TempPathFa
 def test_the_stack_checks_what_it_is_given() -> None:
     norm = torch.ones(64)
     with pytest.raises(ValueError, match="a stack of 1 layers takes 4 linears and 3 norms, got 0 and 3"):
-        decoder_kernels.DecoderStack([], [norm] * 3, [(4, 2, 16, 0.25, 0, 0.0)], 1e-6)
-    module = decoder_kernels._EXTENSION.load()
-    capsule = layer_kernels.c_api()
-    with pytest.raises(ValueError, match="expected a capsule of tokenmill.paged_attention.api.v1, got "
-                                         "tokenmill.layer_kernels.api.v1"):  # fmt: skip
-        module.DecoderStack([], [norm], [], 1e-6, capsule, capsule, capsule)
+        layer_kernels.decoder_stack([], [norm] * 3, [(4, 2, 16, 0.25, 0, 0.0)], 1e-6)
+    capsule = paged_attention.c_api()
+    with pytest.raises(ValueError, match="expected a capsule of tokenmill.quant_matmul.api.v1, got "
+                                         "tokenmill.paged_attention.api.v1"):  # fmt: skip
+        layer_kernels.load()
+        layer_kernels._EXTENSION.load().DecoderStack([], [norm], [], 1e-6, capsule, capsule)

@@ -2,9 +2,10 @@
 // passed between the modules as a PyCapsule (as numpy lends its C API).
 //
 // The extensions build and load separately (each only when a model needs it), so one cannot link against
-// another. An extension that calls another's kernels from C++ (the decoder stack, which runs a whole decode
-// step's layers in one call) asks that module's c_api() for its table; the capsule's name carries the table's
-// version, checked on import. The functions are the ones the modules bind for Python, with the same checks.
+// another. An extension that calls another's kernels from C++ (the layer kernels' DecoderStack, which runs a
+// whole decode step's layers in one call) asks that module's c_api() for its table; the capsule's name carries
+// the table's version, checked on import. The functions are the ones the modules bind for Python, with the
+// same checks.
 #pragma once
 
 #include <vector>
@@ -12,15 +13,6 @@
 #include "cpu_common/extension.h"
 
 namespace tokenmill {
-
-// layer_kernels: rms_norm returns {norm} or, with a residual, {norm, x + residual}; rotary works in place.
-struct LayerKernelsApi {
-  static constexpr const char* kName = "tokenmill.layer_kernels.api.v1";
-  std::vector<at::Tensor> (*rms_norm)(const at::Tensor& x, const at::Tensor& weight, double eps,
-                                      const c10::optional<at::Tensor>& residual);
-  void (*rotary)(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
-  at::Tensor (*silu_and_mul)(const at::Tensor& gate_up);
-};
 
 // paged_attention: sliding_window <= 0 and logits_soft_cap <= 0 mean none.
 struct PagedAttentionApi {

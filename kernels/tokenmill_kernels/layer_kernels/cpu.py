@@ -3,17 +3,24 @@
 ``rms_norm`` normalises rows, after adding the residual when given (returning the sum too); ``rotary`` applies
 rope in place on a strided [tokens, heads, head_dim] view; ``silu_and_mul`` is SiLU of a row's first half times
 its second. One pass each, where torch runs several operators.
+
+``decoder_stack`` runs a Llama-shaped model's whole decoder stack in one call: these kernels with the
+``quant_matmul`` and ``paged_attention`` extensions' own C++ (lent through their ``c_api()`` tables,
+``cpu_common/kernel_api.h``), in the order the Python forward calls them, so the result is the forward's bit for bit
+without a Python call between the kernels.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from torch import Tensor
 
 from tokenmill_kernels.cpp_build import CppExtension
 
-__all__ = ["c_api", "is_available", "load", "prepare", "rms_norm", "rotary", "silu_and_mul"]
+__all__ = ["decoder_stack", "is_available", "load", "prepare", "rms_norm", "rotary", "silu_and_mul"]
 
 _EXTENSION = CppExtension(
     "tokenmill_layer_kernels",
@@ -37,11 +44,6 @@ def prepare() -> None:
 def load() -> None:
     """Build (first use on a machine) or load the extension; raises ``RuntimeError`` naming what is missing."""
     _EXTENSION.load()
-
-
-def c_api() -> object:
-    """The extension's C++ entry points for another extension's C++, in a capsule (``cpu_common/kernel_api.h``)."""
-    return _EXTENSION.load().c_api()
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
@@ -72,3 +74,32 @@ def silu_and_mul(gate_up: Tensor) -> Tensor:
     """``silu(gate) * up`` for ``gate_up`` [tokens, 2 * inner] (rows contiguous) holding gate then up ->
     [tokens, inner]. The exponential is a vectorised polynomial within 2 ulp of exact."""
     return _EXTENSION.load().silu_and_mul(gate_up)
+
+
+def decoder_stack(
+    linears: Sequence[Sequence[Tensor | None]],
+    norms: Sequence[Tensor],
+    attention: Sequence[tuple[int, int, int, float, int, float]],
+    eps: float,
+) -> Any:
+    """A decoder stack of ``len(attention)`` Llama layers in C++, checked once (``ValueError``).
+
+    ``linears`` holds each layer's qkv (q, k and v merged: [heads + 2 * kv_heads] x head_dim outputs), o, gate_up
+    (gate then up) and down projections in that order, each as the quantized matmuls take it: ``[qweight, scales,
+    mins, bias]``, ``mins`` None for int8 and ``bias`` None without one; ``norms`` each layer's input and
+    post-attention RMSNorm weights [hidden] float32, then the final norm's; ``attention`` each layer's
+    ``(num_heads, num_kv_heads, head_dim, scale, sliding_window or 0, logits_soft_cap or 0.0)``; ``eps`` the norms'
+    epsilon. The tensors must keep their storage.
+
+    Its ``forward(hidden, cos, sin, kv_caches, slot_mapping, block_tables, token_req, positions)`` takes the
+    embeddings [tokens, hidden] float32, the step's rope ``cos``/``sin`` [tokens, 1, head_dim // 2], each layer's KV
+    cache [2, num_blocks, block_size, kv_heads, row] and the step's paged-attention inputs as
+    ``paged_attention.cpu.paged_attention`` and ``write_kv_cache`` take them, and returns the final norm of the last
+    layer's output [tokens, hidden]."""
+    from tokenmill_kernels.paged_attention import cpu as paged_attention
+    from tokenmill_kernels.quant_matmul import cpu as quant_matmul
+
+    return _EXTENSION.load().DecoderStack(
+        [list(parts) for parts in linears], list(norms), list(attention), eps, paged_attention.c_api(),
+        quant_matmul.c_api(),
+    )  # fmt: skip

@@ -1,16 +1,16 @@
 """The ``cpu`` layer kernels' fused decoder: a Llama-shaped model's layers in one C++ call a step.
 
-At one token, the default model's 30 layers call about 300 kernels that take a few microseconds each, and the
-Python between them (module calls, views, the plugins' wrappers) cost about 1.3 ms of a 6.6 ms step on a 2-vCPU
-Xeon (docs/benchmarks.md, "The CPU decoder stack"). ``tokenmill_kernels.decoder`` runs the same kernels in the
-same order from C++, so a step's hidden states are the layers' own, bit for bit.
+At one token, the default model's 30 layers call about 300 kernels of a few microseconds each, and the Python
+between them (module calls, views, the plugins' wrappers) cost about 1.3 ms of a 6.6 ms step on a 2-vCPU Xeon
+(docs/benchmarks.md, "The CPU decoder stack"). The layer kernels extension's ``decoder_stack`` runs the same kernels
+in the same order from C++, so a step's hidden states are the layers' own, bit for bit.
 
 It takes the models it reproduces exactly and leaves the rest to the layers (``CpuLayerKernels.fused_decoder``
 returns None): ``LlamaForCausalLM`` built of Llama's own layer, attention, MLP (SiLU) and RMSNorm classes (Llama,
 Mistral, Qwen2, SmolLM; not Qwen3's q/k norms, nor Gemma, Phi-3's partial rope or the mixtures of experts), one
-shard, float32, every linear ``int4`` or ``int8`` without LoRA, and the ``cpu`` attention backend. A step goes
-through the layers when it holds a draft tree or a prompt chunk long enough for SDPA, or when a forward hook is
-registered on any of the model's modules (the quantize pipeline's calibration, a user's probe).
+shard, float32, every linear ``int4`` or ``int8``, and the ``cpu`` attention backend. A step runs the layers when it
+holds a draft tree or a prompt chunk long enough for SDPA, when LoRA adapters are attached to the linears, or when a
+forward hook is registered on any of the model's modules (the quantize pipeline's calibration, a user's probe).
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ from operator import attrgetter, is_not, methodcaller
 from typing import Any
 
 import torch
-from tokenmill_kernels.decoder import cpu as decoder_kernels
+from tokenmill_kernels.layer_kernels import cpu as layer_kernels
+from tokenmill_kernels.paged_attention import cpu as paged_attention
+from tokenmill_kernels.quant_matmul import cpu as quant_matmul
 from torch import nn
 from torch.nn.modules import module as torch_module
 
@@ -37,7 +39,7 @@ def fused_decoder(model: nn.Module, attention: AttentionBackend, kernels: LayerK
     """A ``CpuFusedDecoder`` for ``model`` when it runs every one of its layers as the layers would, else None."""
     if not (type(model) is LlamaForCausalLM and type(attention) is CpuAttentionBackend):
         return None
-    if model.tp.size != 1 or model.model.sliding_rotary is not None or not decoder_kernels.is_available():
+    if model.tp.size != 1 or model.model.sliding_rotary is not None or not _kernels_available():
         return None
     rotary = model.model.rotary
     if rotary.rotary_dim != rotary.head_dim:
@@ -76,6 +78,10 @@ def _weight_only(linear: Linear) -> Int4Quantizer | Int8Quantizer:
     return linear.quantizer
 
 
+def _kernels_available() -> bool:
+    return all(k.is_available() for k in (layer_kernels, paged_attention, quant_matmul))
+
+
 def _linears(model: Any) -> list[Linear]:
     """Each layer's qkv, o, gate_up and down projections, in the order the C++ stack takes them."""
     return [
@@ -92,10 +98,10 @@ def _norms(model: Any) -> list[RMSNorm]:
 
 
 class CpuFusedDecoder(FusedDecoder):
-    """Runs ``model``'s layers and final norm through ``tokenmill_kernels.decoder``. Its C++ stack holds the linears'
-    tensors as they were on the first step; it is built again on a step that finds any of them replaced (weights
-    loaded again) or a linear's quantizer changed, and a quantizer other than ``int4``/``int8`` leaves the steps to
-    the layers."""
+    """Runs ``model``'s layers and final norm through the layer kernels' ``decoder_stack``. Its C++ stack holds the
+    linears' tensors as they were on the first step; it is built again on a step that finds any of them replaced
+    (weights loaded again) or a linear's quantizer changed, and a quantizer other than ``int4``/``int8`` leaves the
+    steps to the layers."""
 
     def __init__(self, model: Any) -> None:
         self.model = model
@@ -105,7 +111,6 @@ class CpuFusedDecoder(FusedDecoder):
         # Each module's hook dicts (torch adds to them, never replaces them): any() over them runs in C.
         modules = [m for m in model.modules() if m is not model]
         self._hooks = [m._forward_hooks for m in modules] + [m._forward_pre_hooks for m in modules]
-        decoder_kernels.prepare()
 
     def __call__(
         self, hidden_states: torch.Tensor, kv_caches: list[torch.Tensor], metadata: AttentionMetadata
@@ -157,4 +162,4 @@ class CpuFusedDecoder(FusedDecoder):
             (s.num_heads, s.num_kv_heads, s.head_dim, s.scale, s.sliding_window or 0, s.logits_soft_cap or 0.0)
             for s in specs
         ]
-        return decoder_kernels.DecoderStack(tensors, [norm.weight for norm in norms], attention, norms[0].eps)
+        return layer_kernels.decoder_stack(tensors, [norm.weight for norm in norms], attention, norms[0].eps)

@@ -7,10 +7,19 @@
 //
 // Rows run on one thread up to kRowsPerTask rows; longer batches (prompt chunks) split rows across
 // torch's threads.
+//
+// DecoderStack runs a Llama-shaped model's whole decoder stack in one call: these kernels with the quantized
+// matmuls and paged attention, whose C++ the other extensions lend through their c_api() tables
+// (cpu_common/kernel_api.h), in the order the Python forward calls them. At one token a small model's kernels
+// take a few microseconds each and the Python between them about as long again; here the result is the
+// forward's, bit for bit, without the interpreter between the kernels.
 
 #include <immintrin.h>
 
 #include <cmath>
+#include <tuple>
+#include <utility>
+#include <vector>
 
 #include "cpu_common/extension.h"
 #include "cpu_common/kernel_api.h"
@@ -138,6 +147,105 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   return out;
 }
 
+// One quantized linear: int4 when `mins` is given, else int8.
+struct QuantLinear {
+  at::Tensor qweight, scales;
+  c10::optional<at::Tensor> mins, bias;
+};
+
+struct Layer {
+  at::Tensor input_norm, post_attention_norm;  // [hidden] float32
+  QuantLinear qkv, o, gate_up, down;
+  int64_t num_heads, num_kv_heads, head_dim, sliding_window;  // sliding_window <= 0: none
+  double scale, logits_soft_cap;                              // logits_soft_cap <= 0: none
+};
+
+QuantLinear quant_linear(const std::vector<c10::optional<at::Tensor>>& parts, const char* name) {
+  TORCH_CHECK_VALUE(parts.size() == 4 && parts[0] && parts[1],
+                    name, " must be [qweight, scales, mins or None, bias or None]");
+  return QuantLinear{*parts[0], *parts[1], parts[2], parts[3]};
+}
+
+class DecoderStack {
+ public:
+  // linears: each layer's qkv, o, gate_up and down, in that order; norms: each layer's input and
+  // post-attention norm weights, then the final norm's; attention: each layer's (num_heads, num_kv_heads,
+  // head_dim, scale, sliding_window, logits_soft_cap).
+  DecoderStack(const std::vector<std::vector<c10::optional<at::Tensor>>>& linears, const std::vector<at::Tensor>& norms,
+               const std::vector<std::tuple<int64_t, int64_t, int64_t, double, int64_t, double>>& attention,
+               double eps, const pybind11::capsule& paged_attention, const pybind11::capsule& quant_matmul)
+      : eps_(eps),
+        pa_(tokenmill::import_api<tokenmill::PagedAttentionApi>(paged_attention)),
+        qm_(tokenmill::import_api<tokenmill::QuantMatmulApi>(quant_matmul)) {
+    const size_t num_layers = attention.size();
+    TORCH_CHECK_VALUE(num_layers > 0 && linears.size() == 4 * num_layers && norms.size() == 2 * num_layers + 1,
+                      "a stack of ", num_layers, " layers takes ", 4 * num_layers, " linears and ",
+                      2 * num_layers + 1, " norms, got ", linears.size(), " and ", norms.size());
+    for (size_t i = 0; i < num_layers; ++i) {
+      const auto& [heads, kv_heads, head_dim, scale, window, cap] = attention[i];
+      layers_.push_back(Layer{norms[2 * i], norms[2 * i + 1], quant_linear(linears[4 * i], "qkv"),
+                              quant_linear(linears[4 * i + 1], "o"), quant_linear(linears[4 * i + 2], "gate_up"),
+                              quant_linear(linears[4 * i + 3], "down"), heads, kv_heads, head_dim, window, scale,
+                              cap});
+    }
+    final_norm_ = norms.back();
+  }
+
+  // hidden: the embeddings [tokens, hidden] float32; cos, sin: the step's rope [tokens, 1, head_dim / 2];
+  // kv_caches: each layer's [2, num_blocks, block_size, kv_heads, row]; the rest as paged_attention takes
+  // them. Returns the final norm of the last layer's output [tokens, hidden].
+  at::Tensor forward(at::Tensor hidden, const at::Tensor& cos, const at::Tensor& sin,
+                     const std::vector<at::Tensor>& kv_caches, const at::Tensor& slot_mapping,
+                     const at::Tensor& block_tables, const at::Tensor& token_req, const at::Tensor& positions) const {
+    TORCH_CHECK_VALUE(kv_caches.size() == layers_.size(), "expected a KV cache per layer (", layers_.size(),
+                      "), got ", kv_caches.size());
+    const int64_t tokens = hidden.size(0);
+    at::Tensor residual;
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const Layer& layer = layers_[i];
+      at::Tensor x;
+      if (!residual.defined()) {  // the first layer: its input is the residual stream
+        residual = hidden;
+        x = rms_norm(hidden, layer.input_norm, eps_, c10::nullopt)[0];
+      } else {
+        auto normed = rms_norm(hidden, layer.input_norm, eps_, residual);
+        x = std::move(normed[0]);
+        residual = std::move(normed[1]);
+      }
+      // [tokens, heads + 2 * kv_heads, head_dim]: queries and keys adjacent, so rope rotates both at once.
+      const at::Tensor qkv = linear(layer.qkv, x).view({tokens, -1, layer.head_dim});
+      at::Tensor query_and_key = qkv.narrow(1, 0, layer.num_heads + layer.num_kv_heads);
+      rotary(query_and_key, cos, sin);
+      at::Tensor key_cache = kv_caches[i].select(0, 0), value_cache = kv_caches[i].select(0, 1);
+      pa_->write_kv_cache(query_and_key.narrow(1, layer.num_heads, layer.num_kv_heads).contiguous(),
+                          qkv.narrow(1, layer.num_heads + layer.num_kv_heads, layer.num_kv_heads).contiguous(),
+                          key_cache, value_cache, slot_mapping);
+      const at::Tensor attended = pa_->paged_attention(
+          query_and_key.narrow(1, 0, layer.num_heads).contiguous(), key_cache, value_cache, block_tables, token_req,
+          positions, layer.scale, layer.sliding_window, c10::nullopt, c10::nullopt, layer.logits_soft_cap);
+      const at::Tensor out = linear(layer.o, attended.view({tokens, layer.num_heads * layer.head_dim}));
+      auto normed = rms_norm(out, layer.post_attention_norm, eps_, residual);
+      residual = std::move(normed[1]);
+      hidden = linear(layer.down, silu_and_mul(linear(layer.gate_up, normed[0])));
+    }
+    return rms_norm(hidden, final_norm_, eps_, residual)[0];
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+ private:
+  at::Tensor linear(const QuantLinear& w, const at::Tensor& x) const {
+    if (w.mins) return qm_->matmul_int4(x, w.qweight, w.scales, *w.mins, w.bias);
+    return qm_->matmul_int8(x, w.qweight, w.scales, w.bias);
+  }
+
+  std::vector<Layer> layers_;
+  at::Tensor final_norm_;
+  double eps_;
+  const tokenmill::PagedAttentionApi* pa_;
+  const tokenmill::QuantMatmulApi* qm_;
+};
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -145,6 +253,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("eps"), pybind11::arg("residual") = pybind11::none());
   m.def("rotary", &rotary, "Rope (rotate half) in place on float32 [tokens, heads, head_dim]");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up for float32 [tokens, 2 * inner] holding gate then up");
-  static const tokenmill::LayerKernelsApi api{&rms_norm, &rotary, &silu_and_mul};
-  tokenmill::def_api(m, &api);
+  using pybind11::arg;
+  pybind11::class_<DecoderStack>(m, "DecoderStack", "A Llama-shaped stack of int4/int8 linears, run in one call")
+      .def(pybind11::init<const std::vector<std::vector<c10::optional<at::Tensor>>>&, const std::vector<at::Tensor>&,
+                          const std::vector<std::tuple<int64_t, int64_t, int64_t, double, int64_t, double>>&, double,
+                          const pybind11::capsule&, const pybind11::capsule&>(),
+           arg("linears"), arg("norms"), arg("attention"), arg("eps"), arg("paged_attention"), arg("quant_matmul"))
+      .def("forward", &DecoderStack::forward, "the layers and the final norm over the embeddings",
+           pybind11::call_guard<pybind11::gil_scoped_release>(), arg("hidden"), arg("cos"), arg("sin"),
+           arg("kv_caches"), arg("slot_mapping"), arg("block_tables"), arg("token_req"), arg("positions"))
+      .def_property_readonly("num_layers", &DecoderStack::num_layers);
 }

@@ -405,7 +405,8 @@ def run_isa(config: EngineConfig, options: IsaBenchOptions) -> dict[str, Any]:
 def format_isa(report: dict[str, Any]) -> str:
     """A markdown section for docs/benchmarks.md: the CPU as its heading, what ran, and one table with a row per
     level (and llama-server): each ``bench step`` batch's step ms with its linears / attention / other (and, for
-    a mixture of experts, its fused experts after the linears) and its host time (``other_in_step_ms``), each
+    a mixture of experts, its fused experts after the linears) and the host time of a step run module by module
+    (``other_in_step_ms``: without a fused decoder, the step's own), each
     concurrency's output tok/s and ITL p50, and the speedups against llama-server (first level's ITL, last
     level's throughput)."""
     parameters, results = report["parameters"], report["results"]
@@ -421,7 +422,7 @@ def format_isa(report: dict[str, Any]) -> str:
     )
     parts = "linears / experts / attention / other" if experts else "linears / attention / other"
     header = [
-        "variant", "kernels", *(f"step b={b} ms ({parts}; host)" for b in batch_sizes),
+        "variant", "kernels", *(f"step b={b} ms ({parts}; host by modules)" for b in batch_sizes),
         *(cell for c in levels for cell in (f"c={c} tok/s", f"c={c} ITL p50 ms")),
     ]  # fmt: skip
     if llama:
