@@ -13,6 +13,8 @@ from tokenmill_kernels.paged_attention import cpu as paged_attention
 from tokenmill_plugins.layer_kernels.cpu_decoder import CpuFusedDecoder
 
 from tests.factories import make_engine, run_to_completion, save_hf_model
+from tests.lora.conftest import save_peft_adapter
+from tokenmill import LoRARequest
 from tokenmill.engine import EngineCore, now
 from tokenmill.messages import EngineCoreRequest
 from tokenmill.model_runner import SequenceChunk
@@ -125,14 +127,28 @@ def test_q_k_norms_keep_the_layers(tmp_path_factory: pytest.TempPathFactory) -> 
     assert engine.executor.runner.loaded.model.fused_decoder is None
 
 
-def test_lora_adapters_keep_the_layers(llama_dir: Path) -> None:
-    """The adapters' slots are attached after the model loaded (and warmed up, through the fused decoder)."""
+def test_steps_with_an_adapter_run_the_layers(tmp_path_factory: pytest.TempPathFactory, llama_dir: Path) -> None:
+    """The adapters' slots are attached after the model loaded (and warmed up through the fused decoder): a step
+    where a token uses one runs the layers; a step of base-model requests only still runs the stack, and gives
+    what the layers give."""
+    adapter = tmp_path_factory.mktemp("adapter")
+    save_peft_adapter(adapter)  # over llama-tiny, seed 0: llama_dir's model
     engine = _engine(llama_dir, lora={"enable_lora": True})
     model = engine.executor.runner.loaded.model
-    recorder = _Recorder(model.fused_decoder)
+    fused = model.fused_decoder
+    assert isinstance(fused, CpuFusedDecoder)
+    recorder = _Recorder(fused)
     model.fused_decoder = recorder  # type: ignore[assignment]
-    run_to_completion(engine, [EngineCoreRequest("base", [5, 6, 7], SamplingParams(max_tokens=2), [], now())])
-    assert recorder.took == [False, False]
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    lora = LoRARequest("a", 1, str(adapter))
+    on_adapter = run_to_completion(engine, [EngineCoreRequest("a", [5, 6, 7], params, [], now(), lora_request=lora)])
+    assert recorder.took == [False, False, False]
+    recorder.took.clear()
+    base = run_to_completion(engine, [EngineCoreRequest("b", [5, 6, 7], params, [], now())])
+    assert recorder.took == [True, True, True]
+    model.fused_decoder = None
+    assert run_to_completion(engine, [EngineCoreRequest("c", [5, 6, 7], params, [], now())])["c"] == base["b"]
+    assert on_adapter["a"] != base["b"]  # the adapter did change the tokens
 
 
 def test_weights_loaded_again_are_read_again(tmp_path_factory: pytest.TempPathFactory, llama_dir: Path) -> None:

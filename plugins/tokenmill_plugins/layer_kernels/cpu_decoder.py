@@ -9,7 +9,7 @@ It takes the models it reproduces exactly and leaves the rest to the layers (``C
 returns None): ``LlamaForCausalLM`` built of Llama's own layer, attention, MLP (SiLU) and RMSNorm classes (Llama,
 Mistral, Qwen2, SmolLM; not Qwen3's q/k norms, nor Gemma, Phi-3's partial rope or the mixtures of experts), one
 shard, float32, every linear ``int4`` or ``int8``, and the ``cpu`` attention backend. A step runs the layers when it
-holds a draft tree or a prompt chunk long enough for SDPA, when LoRA adapters are attached to the linears, or when a
+holds a draft tree or a prompt chunk long enough for SDPA, when one of its tokens uses a LoRA adapter, or when a
 forward hook is registered on any of the model's modules (the quantize pipeline's calibration, a user's probe).
 """
 
@@ -128,9 +128,9 @@ class CpuFusedDecoder(FusedDecoder):
                                    state.token_req, metadata.positions)  # fmt: skip
 
     def _needs_modules(self, hidden_states: torch.Tensor) -> bool:
-        """Whether this step must run module by module: a forward hook anywhere (so that it runs), LoRA adapters on
-        the linears (attached after the model loaded), tracing, gradients, or another dtype. Attribute reads only:
-        this runs every step."""
+        """Whether this step must run module by module: a forward hook anywhere (so that it runs), a token using a
+        LoRA adapter (the slots are attached after the model loaded), tracing, gradients, or another dtype.
+        Attribute reads only: this runs every step."""
         if (
             hidden_states.dtype != torch.float32
             or hidden_states.requires_grad
@@ -139,7 +139,11 @@ class CpuFusedDecoder(FusedDecoder):
             or torch._C._get_tracing_state()
         ):
             return True
-        return any(self._hooks) or any(map(_lora, self._linears))
+        if any(self._hooks):
+            return True
+        # Adapters' slots change the result only in a step where a token uses one (LinearLoRA adds nothing else).
+        adapted = [lora for lora in map(_lora, self._linears) if lora is not None]
+        return any(lora.context.batch is not None for lora in adapted)
 
     def _linears_now(self) -> list[object]:
         """Each linear's quantizer, then the tensor first in its storage (``qweight``, for int4 and int8; None for
