@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -190,10 +191,20 @@ def test_prepared_extensions_build_side_by_side_and_load_waits_for_them(
     assert any(r.getMessage().startswith("still building tokenmill's tokenmill_a kernels") for r in caplog.records)
 
 
+def _extension_built_by(
+    fake_load: Callable[..., ModuleType], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> CppExtension:
+    """An extension of one source whose builds call ``fake_load`` in place of torch's, on a machine lacking nothing."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(cpp_build._cpp_extension(), "load", fake_load)
+    monkeypatch.setattr(CppExtension, "missing", lambda self: [])
+    (tmp_path / "kernel.cpp").write_text("// a kernel\n")
+    return CppExtension("tokenmill_test", tmp_path / "kernel.cpp", ["-O3"], "test kernels")
+
+
 def test_prepare_during_the_build_returns_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The build holds the extension's lock until it ends: a second prepare() (the int4 quantizer's int8 output
     projection prepares the same extension) must not wait for it."""
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "cache"))
     building, release = threading.Event(), threading.Event()
 
     def fake_load(name: str, **_: object) -> ModuleType:
@@ -201,10 +212,7 @@ def test_prepare_during_the_build_returns_at_once(tmp_path: Path, monkeypatch: p
         release.wait(10)
         return ModuleType(name)
 
-    monkeypatch.setattr(cpp_build._cpp_extension(), "load", fake_load)
-    monkeypatch.setattr(CppExtension, "missing", lambda self: [])
-    (tmp_path / "kernel.cpp").write_text("// a kernel\n")
-    extension = CppExtension("tokenmill_test", tmp_path / "kernel.cpp", ["-O3"], "test kernels")
+    extension = _extension_built_by(fake_load, tmp_path, monkeypatch)
     extension.prepare()
     assert building.wait(10)
     started = time.monotonic()
@@ -218,7 +226,6 @@ def test_prepare_during_the_build_returns_at_once(tmp_path: Path, monkeypatch: p
 def test_a_build_that_fails_in_the_background_is_raised_by_load(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "cache"))
     attempts = []
     tried_in_background = threading.Event()
 
@@ -227,10 +234,7 @@ def test_a_build_that_fails_in_the_background_is_raised_by_load(
         tried_in_background.set()
         raise RuntimeError("Error building extension 'tokenmill_test'")
 
-    monkeypatch.setattr(cpp_build._cpp_extension(), "load", fake_load)
-    monkeypatch.setattr(CppExtension, "missing", lambda self: [])
-    (tmp_path / "kernel.cpp").write_text("// a kernel\n")
-    extension = CppExtension("tokenmill_test", tmp_path / "kernel.cpp", ["-O3"], "test kernels")
+    extension = _extension_built_by(fake_load, tmp_path, monkeypatch)
     extension.prepare()
     assert tried_in_background.wait(10)
     with pytest.raises(RuntimeError, match="Error building extension"):

@@ -8,7 +8,7 @@
 // same checks.
 #pragma once
 
-#include <vector>
+#include <string>
 
 #include "cpu_common/extension.h"
 

@@ -66,7 +66,7 @@ def fused_decoder(model: nn.Module, attention: AttentionBackend, kernels: LayerK
         return None
     if len({norm.eps for norm in _norms(model)}) != 1:
         return None
-    return CpuFusedDecoder(model)
+    return CpuFusedDecoder(model, linears)
 
 
 _lora, _quantizer, _buffers = attrgetter("lora"), attrgetter("quantizer"), attrgetter("_buffers")
@@ -103,9 +103,10 @@ class CpuFusedDecoder(FusedDecoder):
     (weights loaded again) or a linear's quantizer changed, and a quantizer other than ``int4``/``int8`` leaves the
     steps to the layers."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, linears: list[Linear]) -> None:
+        """``linears``: ``_linears(model)``."""
         self.model = model
-        self._linears = _linears(model)
+        self._linears = linears
         self._stack: Any = None
         self._built_from: list[object] = []  # each linear's quantizer, then its first storage tensor, at the build
         # Each module's hook dicts (torch adds to them, never replaces them): any() over them runs in C.
@@ -141,9 +142,10 @@ class CpuFusedDecoder(FusedDecoder):
             return True
         if any(self._hooks):
             return True
+        if not any(map(_lora, self._linears)):  # no adapters attached, the common case: read in C
+            return False
         # Adapters' slots change the result only in a step where a token uses one (LinearLoRA adds nothing else).
-        adapted = [lora for lora in map(_lora, self._linears) if lora is not None]
-        return any(lora.context.batch is not None for lora in adapted)
+        return any(lora.context.batch is not None for lora in map(_lora, self._linears) if lora is not None)
 
     def _linears_now(self) -> list[object]:
         """Each linear's quantizer, then the tensor first in its storage (``qweight``, for int4 and int8; None for
