@@ -127,28 +127,68 @@ def test_q_k_norms_keep_the_layers(tmp_path_factory: pytest.TempPathFactory) -> 
     assert engine.executor.runner.loaded.model.fused_decoder is None
 
 
-def test_steps_with_an_adapter_run_the_layers(tmp_path_factory: pytest.TempPathFactory, llama_dir: Path) -> None:
-    """The adapters' slots are attached after the model loaded (and warmed up through the fused decoder): a step
-    where a token uses one runs the layers; a step of base-model requests only still runs the stack, and gives
-    what the layers give."""
-    adapter = tmp_path_factory.mktemp("adapter")
-    save_peft_adapter(adapter)  # over llama-tiny, seed 0: llama_dir's model
-    engine = _engine(llama_dir, lora={"enable_lora": True})
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    """Two PEFT adapters over llama_dir's model (llama-tiny, seed 0)."""
+    return [save_peft_adapter(tmp_path_factory.mktemp(f"adapter{i}"), seed=i + 1) for i in range(2)]
+
+
+def _on(engine: EngineCore, lora: LoRARequest | None, name: str, params: SamplingParams) -> list[int]:
+    return run_to_completion(engine, [EngineCoreRequest(name, [5, 6, 7], params, [], now(), lora_request=lora)])[name]
+
+
+@pytest.mark.parametrize("lora_dtype", ["float32", "bfloat16"])
+def test_it_adds_the_adapters_as_the_layers_do(llama_dir: Path, adapters: list[Path], lora_dtype: str) -> None:
+    """The adapters' slots are attached after the model loaded (and warmed up through the stack): the stack is
+    built again with them, and a step mixing two adapters and the base model gives the layers' logits bit for bit
+    (the ``cpu`` LoRA kernels, called from C++); decode steps on an adapter run the stack and give the layers'
+    tokens."""
+    engine = _engine(llama_dir, lora={"enable_lora": True, "max_loras": 2, "lora_dtype": lora_dtype})
+    assert engine.lora is not None
     model = engine.executor.runner.loaded.model
-    fused = model.fused_decoder
-    assert isinstance(fused, CpuFusedDecoder)
-    recorder = _Recorder(fused)
+    recorder = _Recorder(model.fused_decoder)
+    model.fused_decoder = recorder  # type: ignore[assignment]
+    loras = [LoRARequest("a", 1, str(adapters[0])), None, LoRARequest("b", 2, str(adapters[1]))]
+    prompts = [[5, 6, 7, 8, 9], [40, 41, 42], [7] * 11]
+    chunks = [SequenceChunk(p, 0, [4 * i, 4 * i + 1, 4 * i + 2, 4 * i + 3]) for i, p in enumerate(prompts)]
+    runner = engine.executor.runner
+    engine.lora.set_batch(loras, [len(p) for p in prompts])
+    with_fused = runner.execute(chunks, all_logits=True)
+    assert recorder.took == [True]
+    model.fused_decoder = None
+    by_modules = runner.execute(chunks, all_logits=True)
+    engine.lora.set_batch([None], [1])
+    base = runner.execute(chunks, all_logits=True)
+    assert torch.equal(with_fused, by_modules)
+    for rows in (slice(0, 5), slice(8, 19)):  # each adapter changed its request's logits, the base row none
+        assert not torch.equal(with_fused[rows], base[rows])
+    assert torch.equal(with_fused[5:8], base[5:8])
+
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    by_layers = _on(engine, loras[0], "layers", params)
+    model.fused_decoder = recorder  # type: ignore[assignment]
+    recorder.took.clear()
+    assert _on(engine, loras[0], "fused", params) == by_layers
+    assert recorder.took == [True] * 4
+    assert by_layers != _on(engine, None, "base", params)  # the adapter did change the tokens
+
+
+def test_other_lora_kernels_leave_adapter_steps_to_the_layers(llama_dir: Path, adapters: list[Path]) -> None:
+    """Under the ``torch`` LoRA kernels a step where a token uses an adapter runs the layers; a step of
+    base-model requests only still runs the stack, and gives what the layers give."""
+    engine = _engine(llama_dir, lora={"enable_lora": True, "lora_kernels": "torch"})
+    model = engine.executor.runner.loaded.model
+    recorder = _Recorder(model.fused_decoder)
     model.fused_decoder = recorder  # type: ignore[assignment]
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
-    lora = LoRARequest("a", 1, str(adapter))
-    on_adapter = run_to_completion(engine, [EngineCoreRequest("a", [5, 6, 7], params, [], now(), lora_request=lora)])
+    on_adapter = _on(engine, LoRARequest("a", 1, str(adapters[0])), "a", params)
     assert recorder.took == [False, False, False]
     recorder.took.clear()
-    base = run_to_completion(engine, [EngineCoreRequest("b", [5, 6, 7], params, [], now())])
+    base = _on(engine, None, "b", params)
     assert recorder.took == [True, True, True]
     model.fused_decoder = None
-    assert run_to_completion(engine, [EngineCoreRequest("c", [5, 6, 7], params, [], now())])["c"] == base["b"]
-    assert on_adapter["a"] != base["b"]  # the adapter did change the tokens
+    assert _on(engine, None, "c", params) == base
+    assert on_adapter != base
 
 
 def test_weights_loaded_again_are_read_again(tmp_path_factory: pytest.TempPathFactory, llama_dir: Path) -> None:
@@ -172,3 +212,24 @@ def test_the_stack_checks_what_it_is_given() -> None:
                                          "tokenmill.paged_attention.api.v1"):  # fmt: skip
         layer_kernels.load()
         layer_kernels._EXTENSION.load().DecoderStack([], [norm], [], 1e-6, capsule, capsule)
+
+
+def test_the_stack_checks_its_adapters(llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = _engine(llama_dir, lora={"enable_lora": True})
+    fused = engine.executor.runner.loaded.model.fused_decoder
+    assert isinstance(fused, CpuFusedDecoder)
+    given: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(layer_kernels, "decoder_stack", lambda *args: given.append(args))
+    fused._build()
+    monkeypatch.undo()
+    linears, norms, attention, eps, lora_weights = given[0]
+    assert len(lora_weights) == len(linears) and all(w is not None for w in lora_weights)
+    with pytest.raises(ValueError, match=r"lora_weights\[1\] is not the LoRA extension's Weights"):
+        layer_kernels.decoder_stack(linears, norms, attention, eps, [lora_weights[0], object(), *lora_weights[2:]])
+    with pytest.raises(ValueError, match=f"lora_weights takes one entry per linear \\({len(linears)}\\)"):
+        layer_kernels.decoder_stack(linears, norms, attention, eps, lora_weights[:-1])
+    step = [torch.zeros(1)] * 3 + [[]] + [torch.zeros(1)] * 4  # checked after the plan
+    with pytest.raises(ValueError, match="lora_plan is not the LoRA extension's Plan"):
+        layer_kernels.decoder_stack(linears, norms, attention, eps, lora_weights).forward(*step, object())
+    with pytest.raises(ValueError, match="a LoRA plan given to a stack built without LoRA weights"):
+        layer_kernels.decoder_stack(linears, norms, attention, eps).forward(*step, object())

@@ -127,7 +127,7 @@ class FusedDecoder(ABC):
     ) -> torch.Tensor | None:
         """The final norm of the last layer's output [num_tokens, hidden] for the embeddings ``hidden_states``
         [num_tokens, hidden], or None for a step it does not take (a draft tree, a long prompt chunk, a forward
-        hook on one of the modules)."""
+        hook on one of the modules, adapters it cannot add)."""
 
 
 class TorchLayerKernels(LayerKernels):

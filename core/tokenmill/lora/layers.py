@@ -81,7 +81,8 @@ class LinearLoRA:
         self.lora_b = [
             torch.zeros((max_loras, rank, size), dtype=dtype, device=device) for size in part_sizes
         ]  # each [max_loras, max_lora_rank, part_size]
-        self._add = context.kernels.bind(self.lora_a, self.lora_b, self.offsets)
+        #: The kernels' ``add(batch, x, y)`` over these slots (``LoRAKernels.bind``).
+        self.bound = context.kernels.bind(self.lora_a, self.lora_b, self.offsets)
         # Each slot's rows of each part, viewed once: loading an adapter is a few hundred small copies.
         self._slot_rows = [
             [(self.lora_a[slot, p * rank : (p + 1) * rank], b[slot]) for p, b in enumerate(self.lora_b)]
@@ -112,5 +113,5 @@ class LinearLoRA:
         if batch is None:
             return y
         assert batch.num_tokens == x.shape[0], f"the step has {batch.num_tokens} tokens, the input {x.shape[0]}"
-        self._add(batch, x, y)
+        self.bound(batch, x, y)
         return y

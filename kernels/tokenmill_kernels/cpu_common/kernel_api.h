@@ -35,6 +35,16 @@ struct QuantMatmulApi {
                             const at::Tensor& mins, const c10::optional<at::Tensor>& bias);
 };
 
+// lora: one adapted linear's adapter products for a step's tokens, added in place (Weights::add in lora.cpp).
+// `weights` and `plan` unwrap that module's Python Weights and Plan objects (nullptr for any other object; call
+// them with the GIL held); `add` needs no GIL.
+struct LoraApi {
+  static constexpr const char* kName = "tokenmill.lora.api.v1";
+  const void* (*weights)(pybind11::handle object);
+  const void* (*plan)(pybind11::handle object);
+  void (*add)(const void* weights, const void* plan, const at::Tensor& x, at::Tensor& y);
+};
+
 // Binds `c_api()` on module `m`: a capsule holding `api`, which must live as long as the module (a static).
 template <typename Api>
 void def_api(pybind11::module_& m, const Api* api) {

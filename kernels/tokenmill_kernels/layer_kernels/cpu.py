@@ -5,9 +5,9 @@ rope in place on a strided [tokens, heads, head_dim] view; ``silu_and_mul`` is S
 its second. One pass each, where torch runs several operators.
 
 ``decoder_stack`` runs a Llama-shaped model's whole decoder stack in one call: these kernels with the
-``quant_matmul`` and ``paged_attention`` extensions' own C++ (lent through their ``c_api()`` tables,
-``cpu_common/kernel_api.h``), in the order the Python forward calls them, so the result is the forward's bit for bit
-without a Python call between the kernels.
+``quant_matmul`` and ``paged_attention`` extensions' own C++ (and the ``lora`` extension's, with adapters), lent
+through their ``c_api()`` tables (``cpu_common/kernel_api.h``), in the order the Python forward calls them, so the
+result is the forward's bit for bit without a Python call between the kernels.
 """
 
 from __future__ import annotations
@@ -81,6 +81,7 @@ def decoder_stack(
     norms: Sequence[Tensor],
     attention: Sequence[tuple[int, int, int, float, int, float]],
     eps: float,
+    lora_weights: Sequence[Any] | None = None,
 ) -> Any:
     """A decoder stack of ``len(attention)`` Llama layers in C++, checked once (``ValueError``).
 
@@ -89,17 +90,24 @@ def decoder_stack(
     mins, bias]``, ``mins`` None for int8 and ``bias`` None without one; ``norms`` each layer's input and
     post-attention RMSNorm weights [hidden] float32, then the final norm's; ``attention`` each layer's
     ``(num_heads, num_kv_heads, head_dim, scale, sliding_window or 0, logits_soft_cap or 0.0)``; ``eps`` the norms'
-    epsilon. The tensors must keep their storage.
+    epsilon. The tensors must keep their storage. ``lora_weights``, with LoRA: each linear's adapter slots in the
+    same order, as ``lora.cpu.weights`` made them (None for a linear without adapters).
 
-    Its ``forward(hidden, cos, sin, kv_caches, slot_mapping, block_tables, token_req, positions)`` takes the
-    embeddings [tokens, hidden] float32, the step's rope ``cos``/``sin`` [tokens, 1, head_dim // 2], each layer's KV
-    cache [2, num_blocks, block_size, kv_heads, row] and the step's paged-attention inputs as
+    Its ``forward(hidden, cos, sin, kv_caches, slot_mapping, block_tables, token_req, positions, lora_plan=None)``
+    takes the embeddings [tokens, hidden] float32, the step's rope ``cos``/``sin`` [tokens, 1, head_dim // 2], each
+    layer's KV cache [2, num_blocks, block_size, kv_heads, row] and the step's paged-attention inputs as
     ``paged_attention.cpu.paged_attention`` and ``write_kv_cache`` take them, and returns the final norm of the last
-    layer's output [tokens, hidden]."""
+    layer's output [tokens, hidden]. With ``lora_plan`` (``lora.cpu.plan`` of the step's token slots), each linear
+    adds its tokens' adapter products to its output, as ``Weights.add`` does after the matmul in the layers."""
     from tokenmill_kernels.paged_attention import cpu as paged_attention
     from tokenmill_kernels.quant_matmul import cpu as quant_matmul
 
+    lora_api = None
+    if lora_weights is not None:
+        from tokenmill_kernels.lora import cpu as lora
+
+        lora_api = lora.c_api()
     return _EXTENSION.load().DecoderStack(
         [list(parts) for parts in linears], list(norms), list(attention), eps, paged_attention.c_api(),
-        quant_matmul.c_api(),
+        quant_matmul.c_api(), list(lora_weights or ()), lora_api,
     )  # fmt: skip

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from tokenmill_kernels.cpp_build import CppExtension
 
-__all__ = ["add_lora", "is_available", "load", "plan", "prepare", "weights"]
+__all__ = ["add_lora", "c_api", "is_available", "load", "plan", "prepare", "weights"]
 
 _EXTENSION = CppExtension(
     "tokenmill_lora_kernels",
@@ -44,6 +44,12 @@ def prepare() -> None:
 def load() -> None:
     """Build (first use on a machine) or load the extension; raises ``RuntimeError`` naming what is missing."""
     _EXTENSION.load()
+
+
+def c_api() -> object:
+    """The extension's C++ entry points for another extension's C++, in a capsule (``cpu_common/kernel_api.h``):
+    the layer kernels' decoder stack adds a step's adapter products with them."""
+    return _EXTENSION.load().c_api()
 
 
 def add_lora(

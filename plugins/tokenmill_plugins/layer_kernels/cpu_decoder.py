@@ -8,15 +8,17 @@ in the same order from C++, so a step's hidden states are the layers' own, bit f
 It takes the models it reproduces exactly and leaves the rest to the layers (``CpuLayerKernels.fused_decoder``
 returns None): ``LlamaForCausalLM`` built of Llama's own layer, attention, MLP (SiLU) and RMSNorm classes (Llama,
 Mistral, Qwen2, SmolLM; not Qwen3's q/k norms, nor Gemma, Phi-3's partial rope or the mixtures of experts), one
-shard, float32, every linear ``int4`` or ``int8``, and the ``cpu`` attention backend. A step runs the layers when it
-holds a draft tree or a prompt chunk long enough for SDPA, when one of its tokens uses a LoRA adapter, or when a
-forward hook is registered on any of the model's modules (the quantize pipeline's calibration, a user's probe).
+shard, float32, every linear ``int4`` or ``int8``, and the ``cpu`` attention backend. With LoRA adapters under the
+``cpu`` LoRA kernels, each linear adds the step's adapter products in C++ as ``LinearLoRA`` does after the matmul
+(other LoRA kernels leave the steps that use an adapter to the layers). A step runs the layers when it holds a draft
+tree or a prompt chunk long enough for SDPA, or when a forward hook is registered on any of the model's modules (the
+quantize pipeline's calibration, a user's probe).
 """
 
 from __future__ import annotations
 
 from operator import attrgetter, is_not, methodcaller
-from typing import Any
+from typing import Any, cast
 
 import torch
 from tokenmill_kernels.layer_kernels import cpu as layer_kernels
@@ -30,8 +32,10 @@ from tokenmill.layers.kernels import FusedDecoder, LayerKernels
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.quantizer import layer_bias
+from tokenmill.lora.layers import LoRAContext
 from tokenmill.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from tokenmill_plugins.attention.cpu_backend import CpuAttentionBackend
+from tokenmill_plugins.lora_kernels.cpu_kernels import BoundCpuLoRA
 from tokenmill_plugins.quant.weight_only import Int4Quantizer, Int8Quantizer
 
 
@@ -100,15 +104,18 @@ def _norms(model: Any) -> list[RMSNorm]:
 class CpuFusedDecoder(FusedDecoder):
     """Runs ``model``'s layers and final norm through the layer kernels' ``decoder_stack``. Its C++ stack holds the
     linears' tensors as they were on the first step; it is built again on a step that finds any of them replaced
-    (weights loaded again) or a linear's quantizer changed, and a quantizer other than ``int4``/``int8`` leaves the
-    steps to the layers."""
+    (weights loaded again), a linear's quantizer changed or adapter slots attached, and a quantizer other than
+    ``int4``/``int8`` leaves the steps to the layers."""
 
     def __init__(self, model: Any, linears: list[Linear]) -> None:
         """``linears``: ``_linears(model)``."""
         self.model = model
         self._linears = linears
         self._stack: Any = None
-        self._built_from: list[object] = []  # each linear's quantizer, then its first storage tensor, at the build
+        self._built_from: list[object] = []  # _linears_now() at the build
+        #: The adapted linears' step layout (one, for a Llama), and whether the stack adds their products.
+        self._lora_contexts: list[LoRAContext] = []
+        self._lora_in_stack = False
         # Each module's hook dicts (torch adds to them, never replaces them): any() over them runs in C.
         modules = [m for m in model.modules() if m is not model]
         self._hooks = [m._forward_hooks for m in modules] + [m._forward_pre_hooks for m in modules]
@@ -124,14 +131,20 @@ class CpuFusedDecoder(FusedDecoder):
             self._stack, self._built_from = self._build(), linears_now  # the first step, or something replaced
         if self._stack is None:
             return None
+        lora_plan = None
+        if self._lora_contexts and any(context.batch is not None for context in self._lora_contexts):
+            if not self._lora_in_stack:  # a token uses an adapter the stack cannot add
+                return None
+            lora_plan = getattr(self._lora_contexts[0].batch, "plan", None)
+            if lora_plan is None:
+                return None
         cos, sin = self.model.model.rotary.step_tables()
         return self._stack.forward(hidden_states, cos, sin, kv_caches, metadata.slot_mapping, state.block_tables,
-                                   state.token_req, metadata.positions)  # fmt: skip
+                                   state.token_req, metadata.positions, lora_plan)  # fmt: skip
 
     def _needs_modules(self, hidden_states: torch.Tensor) -> bool:
-        """Whether this step must run module by module: a forward hook anywhere (so that it runs), a token using a
-        LoRA adapter (the slots are attached after the model loaded), tracing, gradients, or another dtype.
-        Attribute reads only: this runs every step."""
+        """Whether this step must run module by module: a forward hook anywhere (so that it runs), tracing,
+        gradients, or another dtype. Attribute reads only: this runs every step."""
         if (
             hidden_states.dtype != torch.float32
             or hidden_states.requires_grad
@@ -140,17 +153,14 @@ class CpuFusedDecoder(FusedDecoder):
             or torch._C._get_tracing_state()
         ):
             return True
-        if any(self._hooks):
-            return True
-        if not any(map(_lora, self._linears)):  # no adapters attached, the common case: read in C
-            return False
-        # Adapters' slots change the result only in a step where a token uses one (LinearLoRA adds nothing else).
-        return any(lora.context.batch is not None for lora in map(_lora, self._linears) if lora is not None)
+        return any(self._hooks)
 
     def _linears_now(self) -> list[object]:
-        """Each linear's quantizer, then the tensor first in its storage (``qweight``, for int4 and int8; None for
-        others): the weights loaded again replace it. Read in C."""
-        return [*map(_quantizer, self._linears), *map(_qweight, map(_buffers, self._linears))]
+        """Each linear's quantizer, the tensor first in its storage (``qweight``, for int4 and int8; None for
+        others: the weights loaded again replace it), then its adapter slots (attached after the model loaded).
+        Read in C."""
+        linears = self._linears
+        return [*map(_quantizer, linears), *map(_qweight, map(_buffers, linears)), *map(_lora, linears)]
 
     def _build(self) -> Any:
         """The C++ stack over the linears' tensors as they are now; None where one is not ``int4``/``int8``."""
@@ -168,4 +178,15 @@ class CpuFusedDecoder(FusedDecoder):
             (s.num_heads, s.num_kv_heads, s.head_dim, s.scale, s.sliding_window or 0, s.logits_soft_cap or 0.0)
             for s in specs
         ]
-        return layer_kernels.decoder_stack(tensors, [norm.weight for norm in norms], attention, norms[0].eps)
+        loras = [linear.lora for linear in self._linears]
+        self._lora_contexts = list({id(lora.context): lora.context for lora in loras if lora is not None}.values())
+        # The ``cpu`` LoRA kernels' slots, added from C++ when one step layout serves every adapted linear.
+        self._lora_in_stack = len(self._lora_contexts) == 1 and all(
+            lora is None or isinstance(lora.bound, BoundCpuLoRA) for lora in loras
+        )
+        lora_weights = None
+        if self._lora_in_stack:
+            lora_weights = [None if lora is None else cast(BoundCpuLoRA, lora.bound).weights for lora in loras]
+        return layer_kernels.decoder_stack(
+            tensors, [norm.weight for norm in norms], attention, norms[0].eps, lora_weights
+        )

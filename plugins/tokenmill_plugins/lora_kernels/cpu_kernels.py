@@ -22,6 +22,7 @@ from tokenmill_kernels.lora import cpu as kernels
 from tokenmill.lora.kernels import BoundLoRA, LoRABatch, TorchLoRAKernels
 
 _WEIGHTS = (torch.float32, torch.float16, torch.bfloat16)
+_FLOAT32 = torch.float32
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,25 @@ class CpuLoRABatch(LoRABatch):
     """A ``LoRABatch`` with the step's tokens grouped by slot for the C++ kernel."""
 
     plan: Any = None
+
+
+class BoundCpuLoRA:
+    """One adapted linear's ``add(batch, x, y)`` through the C++ kernel, over the slots ``weights`` checked (the
+    extension's ``Weights``, which the ``cpu`` layer kernels' decoder stack also calls from C++); inputs the kernel
+    does not take go to the torch reference."""
+
+    __slots__ = ("_add", "_reference", "weights")
+
+    def __init__(self, weights: Any, reference: BoundLoRA) -> None:
+        self.weights = weights
+        self._add = weights.add
+        self._reference = reference
+
+    def __call__(self, batch: LoRABatch, x: torch.Tensor, y: torch.Tensor) -> None:
+        plan = getattr(batch, "plan", None)
+        if plan is None or x.dtype is not _FLOAT32 or y.dtype is not _FLOAT32 or x.requires_grad:
+            return self._reference(batch, x, y)
+        self._add(plan, x if x.stride(-1) == 1 else x.contiguous(), y)
 
 
 class CpuLoRAKernels(TorchLoRAKernels):
@@ -54,16 +74,7 @@ class CpuLoRAKernels(TorchLoRAKernels):
         reference = super().bind(lora_a, lora_b, offsets)
         if lora_a.dtype not in _WEIGHTS or lora_a.device.type != "cpu":
             return reference
-        native = kernels.weights(lora_a, lora_b, offsets).add
-        float32 = torch.float32
-
-        def add(batch: LoRABatch, x: torch.Tensor, y: torch.Tensor) -> None:
-            plan = getattr(batch, "plan", None)
-            if plan is None or x.dtype is not float32 or y.dtype is not float32 or x.requires_grad:
-                return reference(batch, x, y)
-            native(plan, x if x.stride(-1) == 1 else x.contiguous(), y)
-
-        return add
+        return BoundCpuLoRA(kernels.weights(lora_a, lora_b, offsets), reference)
 
     def add_lora(
         self,

@@ -147,10 +147,12 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   return out;
 }
 
-// One quantized linear: int4 when `mins` is given, else int8.
+// One quantized linear: int4 when `mins` is given, else int8; `lora`: its adapters' slots (the LoRA
+// extension's Weights), or nullptr.
 struct QuantLinear {
   at::Tensor qweight, scales;
   c10::optional<at::Tensor> mins, bias;
+  const void* lora = nullptr;
 };
 
 struct Layer {
@@ -163,20 +165,24 @@ struct Layer {
 QuantLinear quant_linear(const std::vector<c10::optional<at::Tensor>>& parts, const char* name) {
   TORCH_CHECK_VALUE(parts.size() == 4 && parts[0] && parts[1],
                     name, " must be [qweight, scales, mins or None, bias or None]");
-  return QuantLinear{*parts[0], *parts[1], parts[2], parts[3]};
+  return QuantLinear{*parts[0], *parts[1], parts[2], parts[3], nullptr};
 }
 
 class DecoderStack {
  public:
   // linears: each layer's qkv, o, gate_up and down, in that order; norms: each layer's input and
   // post-attention norm weights, then the final norm's; attention: each layer's (num_heads, num_kv_heads,
-  // head_dim, scale, sliding_window, logits_soft_cap).
+  // head_dim, scale, sliding_window, logits_soft_cap); lora_weights: empty, or each linear's adapter slots (the
+  // LoRA extension's Weights, None for a linear without), in the order of linears, with that extension's table.
   DecoderStack(const std::vector<std::vector<c10::optional<at::Tensor>>>& linears, const std::vector<at::Tensor>& norms,
                const std::vector<std::tuple<int64_t, int64_t, int64_t, double, int64_t, double>>& attention,
-               double eps, const pybind11::capsule& paged_attention, const pybind11::capsule& quant_matmul)
+               double eps, const pybind11::capsule& paged_attention, const pybind11::capsule& quant_matmul,
+               std::vector<pybind11::object> lora_weights, const c10::optional<pybind11::capsule>& lora)
       : eps_(eps),
         pa_(tokenmill::import_api<tokenmill::PagedAttentionApi>(paged_attention)),
-        qm_(tokenmill::import_api<tokenmill::QuantMatmulApi>(quant_matmul)) {
+        qm_(tokenmill::import_api<tokenmill::QuantMatmulApi>(quant_matmul)),
+        lora_(lora ? tokenmill::import_api<tokenmill::LoraApi>(*lora) : nullptr),
+        lora_weights_(std::move(lora_weights)) {
     const size_t num_layers = attention.size();
     TORCH_CHECK_VALUE(num_layers > 0 && linears.size() == 4 * num_layers && norms.size() == 2 * num_layers + 1,
                       "a stack of ", num_layers, " layers takes ", 4 * num_layers, " linears and ",
@@ -189,14 +195,35 @@ class DecoderStack {
                               cap});
     }
     final_norm_ = norms.back();
+    if (lora_weights_.empty()) return;
+    TORCH_CHECK_VALUE(lora_ != nullptr && lora_weights_.size() == linears.size(), "lora_weights takes one entry per "
+                      "linear (", linears.size(), ") and the LoRA extension's c_api(), got ", lora_weights_.size());
+    for (size_t j = 0; j < lora_weights_.size(); ++j) {
+      if (lora_weights_[j].is_none()) continue;
+      const void* weights = lora_->weights(lora_weights_[j]);
+      TORCH_CHECK_VALUE(weights != nullptr, "lora_weights[", j, "] is not the LoRA extension's Weights");
+      QuantLinear* linear[] = {&layers_[j / 4].qkv, &layers_[j / 4].o, &layers_[j / 4].gate_up, &layers_[j / 4].down};
+      linear[j % 4]->lora = weights;
+    }
+  }
+
+  // The C++ Plan inside `lora_plan` (the LoRA extension's step layout, None: no token uses an adapter); with the
+  // GIL held.
+  const void* plan_of(const pybind11::object& lora_plan) const {
+    if (lora_plan.is_none()) return nullptr;
+    TORCH_CHECK_VALUE(lora_ != nullptr, "a LoRA plan given to a stack built without LoRA weights");
+    const void* plan = lora_->plan(lora_plan);
+    TORCH_CHECK_VALUE(plan != nullptr, "lora_plan is not the LoRA extension's Plan");
+    return plan;
   }
 
   // hidden: the embeddings [tokens, hidden] float32; cos, sin: the step's rope [tokens, 1, head_dim / 2];
   // kv_caches: each layer's [2, num_blocks, block_size, kv_heads, row]; the rest as paged_attention takes
-  // them. Returns the final norm of the last layer's output [tokens, hidden].
+  // them; lora_plan: plan_of()'s, or nullptr. Returns the final norm of the last layer's output [tokens, hidden].
   at::Tensor forward(at::Tensor hidden, const at::Tensor& cos, const at::Tensor& sin,
                      const std::vector<at::Tensor>& kv_caches, const at::Tensor& slot_mapping,
-                     const at::Tensor& block_tables, const at::Tensor& token_req, const at::Tensor& positions) const {
+                     const at::Tensor& block_tables, const at::Tensor& token_req, const at::Tensor& positions,
+                     const void* lora_plan) const {
     TORCH_CHECK_VALUE(kv_caches.size() == layers_.size(), "expected a KV cache per layer (", layers_.size(),
                       "), got ", kv_caches.size());
     const int64_t tokens = hidden.size(0);
@@ -213,7 +240,7 @@ class DecoderStack {
         residual = std::move(normed[1]);
       }
       // [tokens, heads + 2 * kv_heads, head_dim]: queries and keys adjacent, so rope rotates both at once.
-      const at::Tensor qkv = linear(layer.qkv, x).view({tokens, -1, layer.head_dim});
+      const at::Tensor qkv = linear(layer.qkv, x, lora_plan).view({tokens, -1, layer.head_dim});
       at::Tensor query_and_key = qkv.narrow(1, 0, layer.num_heads + layer.num_kv_heads);
       rotary(query_and_key, cos, sin);
       at::Tensor key_cache = kv_caches[i].select(0, 0), value_cache = kv_caches[i].select(0, 1);
@@ -223,10 +250,10 @@ class DecoderStack {
       const at::Tensor attended = pa_->paged_attention(
           query_and_key.narrow(1, 0, layer.num_heads).contiguous(), key_cache, value_cache, block_tables, token_req,
           positions, layer.scale, layer.sliding_window, c10::nullopt, c10::nullopt, layer.logits_soft_cap);
-      const at::Tensor out = linear(layer.o, attended.view({tokens, layer.num_heads * layer.head_dim}));
+      const at::Tensor out = linear(layer.o, attended.view({tokens, layer.num_heads * layer.head_dim}), lora_plan);
       auto normed = rms_norm(out, layer.post_attention_norm, eps_, residual);
       residual = std::move(normed[1]);
-      hidden = linear(layer.down, silu_and_mul(linear(layer.gate_up, normed[0])));
+      hidden = linear(layer.down, silu_and_mul(linear(layer.gate_up, normed[0], lora_plan)), lora_plan);
     }
     return rms_norm(hidden, final_norm_, eps_, residual)[0];
   }
@@ -234,9 +261,12 @@ class DecoderStack {
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
  private:
-  at::Tensor linear(const QuantLinear& w, const at::Tensor& x) const {
-    if (w.mins) return qm_->matmul_int4(x, w.qweight, w.scales, *w.mins, w.bias);
-    return qm_->matmul_int8(x, w.qweight, w.scales, w.bias);
+  // As Linear.forward: the quantized matmul, then the step's adapter products added to its output.
+  at::Tensor linear(const QuantLinear& w, const at::Tensor& x, const void* lora_plan) const {
+    at::Tensor y = w.mins ? qm_->matmul_int4(x, w.qweight, w.scales, *w.mins, w.bias)
+                          : qm_->matmul_int8(x, w.qweight, w.scales, w.bias);
+    if (lora_plan != nullptr && w.lora != nullptr) lora_->add(w.lora, lora_plan, x, y);
+    return y;
   }
 
   std::vector<Layer> layers_;
@@ -244,6 +274,8 @@ class DecoderStack {
   double eps_;
   const tokenmill::PagedAttentionApi* pa_;
   const tokenmill::QuantMatmulApi* qm_;
+  const tokenmill::LoraApi* lora_;
+  std::vector<pybind11::object> lora_weights_;  // held: the Weights the linears point into
 };
 
 }  // namespace
@@ -257,10 +289,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<DecoderStack>(m, "DecoderStack", "A Llama-shaped stack of int4/int8 linears, run in one call")
       .def(pybind11::init<const std::vector<std::vector<c10::optional<at::Tensor>>>&, const std::vector<at::Tensor>&,
                           const std::vector<std::tuple<int64_t, int64_t, int64_t, double, int64_t, double>>&, double,
-                          const pybind11::capsule&, const pybind11::capsule&>(),
-           arg("linears"), arg("norms"), arg("attention"), arg("eps"), arg("paged_attention"), arg("quant_matmul"))
-      .def("forward", &DecoderStack::forward, "the layers and the final norm over the embeddings",
-           pybind11::call_guard<pybind11::gil_scoped_release>(), arg("hidden"), arg("cos"), arg("sin"),
-           arg("kv_caches"), arg("slot_mapping"), arg("block_tables"), arg("token_req"), arg("positions"))
+                          const pybind11::capsule&, const pybind11::capsule&, std::vector<pybind11::object>,
+                          const c10::optional<pybind11::capsule>&>(),
+           arg("linears"), arg("norms"), arg("attention"), arg("eps"), arg("paged_attention"), arg("quant_matmul"),
+           arg("lora_weights") = std::vector<pybind11::object>(), arg("lora") = pybind11::none())
+      .def(
+          "forward",
+          [](const DecoderStack& self, at::Tensor hidden, const at::Tensor& cos, const at::Tensor& sin,
+             const std::vector<at::Tensor>& kv_caches, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+             const at::Tensor& token_req, const at::Tensor& positions, const pybind11::object& lora_plan) {
+            const void* plan = self.plan_of(lora_plan);
+            pybind11::gil_scoped_release release;
+            return self.forward(std::move(hidden), cos, sin, kv_caches, slot_mapping, block_tables, token_req,
+                                positions, plan);
+          },
+          "the layers and the final norm over the embeddings", arg("hidden"), arg("cos"), arg("sin"),
+          arg("kv_caches"), arg("slot_mapping"), arg("block_tables"), arg("token_req"), arg("positions"),
+          arg("lora_plan") = pybind11::none())
       .def_property_readonly("num_layers", &DecoderStack::num_layers);
 }

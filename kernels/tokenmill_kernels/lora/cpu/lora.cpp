@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "cpu_common/extension.h"
+#include "cpu_common/kernel_api.h"
 
 namespace {
 
@@ -363,6 +364,15 @@ class Weights {
   int64_t slots_ = 0, part_rows_ = 0, in_ = 0, rank_ = 0, columns_ = 0;
 };
 
+template <typename T>
+const void* unwrap(pybind11::handle object) {
+  return pybind11::isinstance<T>(object) ? static_cast<const void*>(object.cast<const T*>()) : nullptr;
+}
+
+void add(const void* weights, const void* plan, const at::Tensor& x, at::Tensor& y) {
+  static_cast<const Weights*>(weights)->add(*static_cast<const Plan*>(plan), x, y);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -373,4 +383,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("lora_b"), pybind11::arg("offsets"))
       .def("add", &Weights::add, "Each token's adapter product added in place to a float32 linear's output",
            pybind11::arg("plan"), pybind11::arg("x"), pybind11::arg("y"));
+  static const tokenmill::LoraApi api{&unwrap<Weights>, &unwrap<Plan>, &add};
+  tokenmill::def_api(m, &api);
 }
