@@ -47,6 +47,11 @@ struct Widen<at::BFloat16> {
   static float one(const at::BFloat16* p) { return static_cast<float>(*p); }
 };
 
+// Asks for `bytes` from `from` into L2, a line at a time.
+void prefetch_l2(const void* from, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(static_cast<const char*>(from) + b, _MM_HINT_T1);
+}
+
 float horizontal_sum(__m256 v) {
   __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   half = _mm_add_ps(half, _mm_movehl_ps(half, half));
@@ -340,6 +345,11 @@ class Weights {
       std::vector<float> h(rank_);
       for (int64_t j = begin; j < end; ++j) {
         const int64_t first = rank_ * j / threads, count = rank_ * (j + 1) / threads - first;
+        // The thread's rows of A and B, a few short runs the hardware prefetcher would find one miss at a time.
+        for (size_t p = 0; p < parts; ++p) {
+          prefetch_l2(slot_a<W>(block.slot) + (p * rank_ + first) * in_, count * in_ * sizeof(W));
+          prefetch_l2(slot_b<W>(p, block.slot) + first * widths_[p], count * widths_[p] * sizeof(W));
+        }
         for (size_t p = 0; p < parts; ++p) {
           shrink_one<W>(slot_a<W>(block.slot) + (p * rank_ + first) * in_, count, in_, block.x[0], h.data());
           float* y[1] = {j == 0 ? block.y[0] + offsets_[p] : partial.data() + (j - 1) * packed[parts] + packed[p]};
