@@ -60,11 +60,12 @@ def _logits_both_ways(engine: EngineCore, prompt: list[int]) -> tuple[torch.Tens
 @pytest.mark.parametrize(
     ("name", "quantization"),
     [("llama-tiny", "int4"), ("llama-tiny", "int8"), ("llama-bias", "int4"), ("llama-tied", "int8"),
-     ("qwen2-tiny", "int4"), ("mistral-tiny", "int4")],
+     ("qwen2-tiny", "int4"), ("qwen3-tiny", "int8"), ("mistral-tiny", "int4")],
 )  # fmt: skip
 def test_it_computes_what_the_layers_compute(tmp_path_factory: pytest.TempPathFactory, name: str,
                                              quantization: str) -> None:  # fmt: skip
-    """Biases (Llama's attention and MLP, Qwen2's q/k/v), tied embeddings and Mistral's sliding window: the same
+    """Biases (Llama's attention and MLP, Qwen2's q/k/v), tied embeddings, Qwen3's q/k norms and Mistral's
+    sliding window: the same
     logits, bit for bit, for a prompt chunk, and the same greedy tokens over decode steps of several requests."""
     engine = _engine(_model_dir(tmp_path_factory, name), quantization)
     model = engine.executor.runner.loaded.model
@@ -120,11 +121,6 @@ def test_long_prompt_chunks_and_hooked_steps_run_the_layers(llama_dir: Path) -> 
 )
 def test_it_is_not_built_for_what_it_does_not_reproduce(llama_dir: Path, setting: dict[str, Any]) -> None:
     assert _engine(llama_dir, **setting).executor.runner.loaded.model.fused_decoder is None
-
-
-def test_q_k_norms_keep_the_layers(tmp_path_factory: pytest.TempPathFactory) -> None:
-    engine = _engine(_model_dir(tmp_path_factory, "qwen3-tiny"))
-    assert engine.executor.runner.loaded.model.fused_decoder is None
 
 
 @pytest.fixture(scope="module")
@@ -214,7 +210,7 @@ def test_the_stack_checks_what_it_is_given() -> None:
         layer_kernels._EXTENSION.load().DecoderStack([], [norm], [], 1e-6, capsule, capsule)
 
 
-def test_the_stack_checks_its_adapters(llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_stack_checks_its_adapters_and_head_norms(llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     engine = _engine(llama_dir, lora={"enable_lora": True})
     fused = engine.executor.runner.loaded.model.fused_decoder
     assert isinstance(fused, CpuFusedDecoder)
@@ -222,7 +218,7 @@ def test_the_stack_checks_its_adapters(llama_dir: Path, monkeypatch: pytest.Monk
     monkeypatch.setattr(layer_kernels, "decoder_stack", lambda *args: given.append(args))
     fused._build()
     monkeypatch.undo()
-    linears, norms, attention, eps, lora_weights = given[0]
+    linears, norms, attention, eps, lora_weights, _ = given[0]
     assert len(lora_weights) == len(linears) and all(w is not None for w in lora_weights)
     with pytest.raises(ValueError, match=r"lora_weights\[1\] is not the LoRA extension's Weights"):
         layer_kernels.decoder_stack(linears, norms, attention, eps, [lora_weights[0], object(), *lora_weights[2:]])
@@ -233,3 +229,5 @@ def test_the_stack_checks_its_adapters(llama_dir: Path, monkeypatch: pytest.Monk
         layer_kernels.decoder_stack(linears, norms, attention, eps, lora_weights).forward(*step, object())
     with pytest.raises(ValueError, match="a LoRA plan given to a stack built without LoRA weights"):
         layer_kernels.decoder_stack(linears, norms, attention, eps).forward(*step, object())
+    with pytest.raises(ValueError, match=r"qk_norms takes each layer's q and k norm \(4\), got 1"):
+        layer_kernels.decoder_stack(linears, norms, attention, eps, None, norms[:1])

@@ -82,6 +82,7 @@ def decoder_stack(
     attention: Sequence[tuple[int, int, int, float, int, float]],
     eps: float,
     lora_weights: Sequence[Any] | None = None,
+    qk_norms: Sequence[Tensor] = (),
 ) -> Any:
     """A decoder stack of ``len(attention)`` Llama layers in C++, checked once (``ValueError``).
 
@@ -91,7 +92,8 @@ def decoder_stack(
     post-attention RMSNorm weights [hidden] float32, then the final norm's; ``attention`` each layer's
     ``(num_heads, num_kv_heads, head_dim, scale, sliding_window or 0, logits_soft_cap or 0.0)``; ``eps`` the norms'
     epsilon. The tensors must keep their storage. ``lora_weights``, with LoRA: each linear's adapter slots in the
-    same order, as ``lora.cpu.weights`` made them (None for a linear without adapters).
+    same order, as ``lora.cpu.weights`` made them (None for a linear without adapters). ``qk_norms``, for Qwen3's
+    per-head norms of queries and keys before rope: each layer's q and k norm weights [head_dim] float32.
 
     Its ``forward(hidden, cos, sin, kv_caches, slot_mapping, block_tables, token_req, positions, lora_plan=None)``
     takes the embeddings [tokens, hidden] float32, the step's rope ``cos``/``sin`` [tokens, 1, head_dim // 2], each
@@ -109,5 +111,5 @@ def decoder_stack(
         lora_api = lora.c_api()
     return _EXTENSION.load().DecoderStack(
         [list(parts) for parts in linears], list(norms), list(attention), eps, paged_attention.c_api(),
-        quant_matmul.c_api(), list(lora_weights or ()), lora_api,
+        quant_matmul.c_api(), list(lora_weights or ()), lora_api, list(qk_norms),
     )  # fmt: skip

@@ -7,7 +7,7 @@ in the same order from C++, so a step's hidden states are the layers' own, bit f
 
 It takes the models it reproduces exactly and leaves the rest to the layers (``CpuLayerKernels.fused_decoder``
 returns None): ``LlamaForCausalLM`` built of Llama's own layer, attention, MLP (SiLU) and RMSNorm classes (Llama,
-Mistral, Qwen2, SmolLM; not Qwen3's q/k norms, nor Gemma, Phi-3's partial rope or the mixtures of experts), one
+Mistral, Qwen2, Qwen3, SmolLM; not Gemma, Phi-3's partial rope or the mixtures of experts), one
 shard, float32, every linear ``int4`` or ``int8``, and the ``cpu`` attention backend. With LoRA adapters under the
 ``cpu`` LoRA kernels, each linear adds the step's adapter products in C++ as ``LinearLoRA`` does after the matmul
 (other LoRA kernels leave the steps that use an adapter to the layers). A step runs the layers when it holds a draft
@@ -55,7 +55,7 @@ def fused_decoder(model: nn.Module, attention: AttentionBackend, kernels: LayerK
             and type(attn) is LlamaAttention
             and type(mlp) is LlamaMLP
             and not mlp.is_gelu
-            and attn.q_norm is None
+            and (attn.q_norm is None) == (attn.k_norm is None)
             and all(type(norm) is RMSNorm for norm in (layer.input_layernorm, layer.post_attention_layernorm))
         ):
             return None
@@ -66,9 +66,12 @@ def fused_decoder(model: nn.Module, attention: AttentionBackend, kernels: LayerK
         return None
     if any(_weight_only(linear).max_kernel_rows is not None for linear in linears):  # F.linear above some rows
         return None
-    if type(model.model.norm) is not RMSNorm:
+    qk_norms = _qk_norms(model)
+    if qk_norms and len(qk_norms) != 2 * len(model.model.layers):
         return None
-    if len({norm.eps for norm in _norms(model)}) != 1:
+    if not all(type(norm) is RMSNorm for norm in (model.model.norm, *qk_norms)):
+        return None
+    if len({norm.eps for norm in (*_norms(model), *qk_norms)}) != 1:
         return None
     return CpuFusedDecoder(model, linears)
 
@@ -99,6 +102,12 @@ def _norms(model: Any) -> list[RMSNorm]:
     """Each layer's input and post-attention norms, then the final norm."""
     layers = model.model.layers
     return [n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)] + [model.model.norm]
+
+
+def _qk_norms(model: Any) -> list[RMSNorm]:
+    """Each layer's q and k norms (Qwen3), or none."""
+    attention = [layer.self_attn for layer in model.model.layers]
+    return [n for attn in attention if attn.q_norm is not None for n in (attn.q_norm, attn.k_norm)]
 
 
 class CpuFusedDecoder(FusedDecoder):
@@ -187,6 +196,7 @@ class CpuFusedDecoder(FusedDecoder):
         lora_weights = None
         if self._lora_in_stack:
             lora_weights = [None if lora is None else cast(BoundCpuLoRA, lora.bound).weights for lora in loras]
+        qk_norms = [norm.weight for norm in _qk_norms(self.model)]
         return layer_kernels.decoder_stack(
-            tensors, [norm.weight for norm in norms], attention, norms[0].eps, lora_weights
+            tensors, [norm.weight for norm in norms], attention, norms[0].eps, lora_weights, qk_norms
         )

@@ -21,6 +21,8 @@
 #include <utility>
 #include <vector>
 
+#include <ATen/ops/cat.h>
+
 #include "cpu_common/extension.h"
 #include "cpu_common/kernel_api.h"
 #include "cpu_common/simd_math.h"
@@ -157,6 +159,7 @@ struct QuantLinear {
 
 struct Layer {
   at::Tensor input_norm, post_attention_norm;  // [hidden] float32
+  c10::optional<at::Tensor> q_norm, k_norm;    // [head_dim] float32: Qwen3's per-head norms before rope
   QuantLinear qkv, o, gate_up, down;
   int64_t num_heads, num_kv_heads, head_dim, sliding_window;  // sliding_window <= 0: none
   double scale, logits_soft_cap;                              // logits_soft_cap <= 0: none
@@ -173,11 +176,13 @@ class DecoderStack {
   // linears: each layer's qkv, o, gate_up and down, in that order; norms: each layer's input and
   // post-attention norm weights, then the final norm's; attention: each layer's (num_heads, num_kv_heads,
   // head_dim, scale, sliding_window, logits_soft_cap); lora_weights: empty, or each linear's adapter slots (the
-  // LoRA extension's Weights, None for a linear without), in the order of linears, with that extension's table.
+  // LoRA extension's Weights, None for a linear without), in the order of linears, with that extension's table;
+  // qk_norms: empty, or each layer's q and k norm weights.
   DecoderStack(const std::vector<std::vector<c10::optional<at::Tensor>>>& linears, const std::vector<at::Tensor>& norms,
                const std::vector<std::tuple<int64_t, int64_t, int64_t, double, int64_t, double>>& attention,
                double eps, const pybind11::capsule& paged_attention, const pybind11::capsule& quant_matmul,
-               std::vector<pybind11::object> lora_weights, const c10::optional<pybind11::capsule>& lora)
+               std::vector<pybind11::object> lora_weights, const c10::optional<pybind11::capsule>& lora,
+               const std::vector<at::Tensor>& qk_norms)
       : eps_(eps),
         pa_(tokenmill::import_api<tokenmill::PagedAttentionApi>(paged_attention)),
         qm_(tokenmill::import_api<tokenmill::QuantMatmulApi>(quant_matmul)),
@@ -189,12 +194,20 @@ class DecoderStack {
                       2 * num_layers + 1, " norms, got ", linears.size(), " and ", norms.size());
     for (size_t i = 0; i < num_layers; ++i) {
       const auto& [heads, kv_heads, head_dim, scale, window, cap] = attention[i];
-      layers_.push_back(Layer{norms[2 * i], norms[2 * i + 1], quant_linear(linears[4 * i], "qkv"),
-                              quant_linear(linears[4 * i + 1], "o"), quant_linear(linears[4 * i + 2], "gate_up"),
-                              quant_linear(linears[4 * i + 3], "down"), heads, kv_heads, head_dim, window, scale,
-                              cap});
+      layers_.push_back(Layer{norms[2 * i], norms[2 * i + 1], c10::nullopt, c10::nullopt,
+                              quant_linear(linears[4 * i], "qkv"), quant_linear(linears[4 * i + 1], "o"),
+                              quant_linear(linears[4 * i + 2], "gate_up"), quant_linear(linears[4 * i + 3], "down"),
+                              heads, kv_heads, head_dim, window, scale, cap});
     }
     final_norm_ = norms.back();
+    if (!qk_norms.empty()) {
+      TORCH_CHECK_VALUE(qk_norms.size() == 2 * num_layers, "qk_norms takes each layer's q and k norm (",
+                        2 * num_layers, "), got ", qk_norms.size());
+      for (size_t i = 0; i < num_layers; ++i) {
+        layers_[i].q_norm = qk_norms[2 * i];
+        layers_[i].k_norm = qk_norms[2 * i + 1];
+      }
+    }
     if (lora_weights_.empty()) return;
     TORCH_CHECK_VALUE(lora_ != nullptr && lora_weights_.size() == linears.size(), "lora_weights takes one entry per "
                       "linear (", linears.size(), ") and the LoRA extension's c_api(), got ", lora_weights_.size());
@@ -242,6 +255,11 @@ class DecoderStack {
       // [tokens, heads + 2 * kv_heads, head_dim]: queries and keys adjacent, so rope rotates both at once.
       const at::Tensor qkv = linear(layer.qkv, x, lora_plan).view({tokens, -1, layer.head_dim});
       at::Tensor query_and_key = qkv.narrow(1, 0, layer.num_heads + layer.num_kv_heads);
+      if (layer.q_norm) {  // each head's norm, as LlamaAttention: normed copies, side by side again
+        const at::Tensor query = head_norm(qkv.narrow(1, 0, layer.num_heads), *layer.q_norm);
+        const at::Tensor key = head_norm(qkv.narrow(1, layer.num_heads, layer.num_kv_heads), *layer.k_norm);
+        query_and_key = at::cat({query, key}, 1);
+      }
       rotary(query_and_key, cos, sin);
       at::Tensor key_cache = kv_caches[i].select(0, 0), value_cache = kv_caches[i].select(0, 1);
       pa_->write_kv_cache(query_and_key.narrow(1, layer.num_heads, layer.num_kv_heads).contiguous(),
@@ -261,6 +279,11 @@ class DecoderStack {
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
  private:
+  // RMSNorm of each head of x [tokens, heads, head_dim], as the layer kernels' Python launcher runs it.
+  at::Tensor head_norm(const at::Tensor& x, const at::Tensor& weight) const {
+    return rms_norm(x.reshape({-1, x.size(2)}), weight, eps_, c10::nullopt)[0].view(x.sizes());
+  }
+
   // As Linear.forward: the quantized matmul, then the step's adapter products added to its output.
   at::Tensor linear(const QuantLinear& w, const at::Tensor& x, const void* lora_plan) const {
     at::Tensor y = w.mins ? qm_->matmul_int4(x, w.qweight, w.scales, *w.mins, w.bias)
@@ -290,9 +313,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<const std::vector<std::vector<c10::optional<at::Tensor>>>&, const std::vector<at::Tensor>&,
                           const std::vector<std::tuple<int64_t, int64_t, int64_t, double, int64_t, double>>&, double,
                           const pybind11::capsule&, const pybind11::capsule&, std::vector<pybind11::object>,
-                          const c10::optional<pybind11::capsule>&>(),
+                          const c10::optional<pybind11::capsule>&, const std::vector<at::Tensor>&>(),
            arg("linears"), arg("norms"), arg("attention"), arg("eps"), arg("paged_attention"), arg("quant_matmul"),
-           arg("lora_weights") = std::vector<pybind11::object>(), arg("lora") = pybind11::none())
+           arg("lora_weights") = std::vector<pybind11::object>(), arg("lora") = pybind11::none(),
+           arg("qk_norms") = std::vector<at::Tensor>())
       .def(
           "forward",
           [](const DecoderStack& self, at::Tensor hidden, const at::Tensor& cos, const at::Tensor& sin,
