@@ -101,8 +101,8 @@ TOKENMILL_CPU_ISA: EnvVar[str] = EnvVar(
     str.lower,
     "auto",
     "Caps the instruction set of the CPU kernels that come in variants (the int4/int8 and dense float32 matmuls, "
-    "paged attention), for the process and the engines it starts: `avx2`, `avx_vnni`, `avx512` or `avx512_vnni16` "
-    "runs each kernel's best variant at or below that level, as on a CPU that has nothing above it (`avx_vnni` "
+    "paged attention), for the process and the engines it starts: `avx2`, `avx_vnni`, `avx512`, `avx512_vnni16` or "
+    "`amx` runs each kernel's best variant at or below that level, as on a CPU that has nothing above it (`avx_vnni` "
     "is below `avx512`); `auto` the best the CPU has. Read by the kernels as they load "
     "(`tokenmill_kernels.cpu_isa`); `tokenmill bench isa` compares the levels.",
 )

@@ -1,7 +1,8 @@
 """The instruction-set levels of the CPU kernels' variants, and ``TOKENMILL_CPU_ISA``, which caps them per process.
 
 The extensions with variants (``quant_matmul``, ``paged_attention``, ``dense_matmul``; see ``cpu_common/isa.h``)
-name them after what they need: ``avx2``, ``avx_vnni``, ``avx512``, ``avx512_vnni16``. A *level* is one of those
+name them after what they need: ``avx2``, ``avx_vnni``, ``avx512``, ``avx512_vnni16``, ``amx`` (AVX-512 with VNNI and
+AMX's int8 tiles, the int4 matmul's at many rows). A *level* is one of those
 names, and stands for a CPU that has it and nothing above it: at level L each extension runs the best variant it
 has at or below L (:func:`variant_for_level`). ``avx_vnni`` (VNNI on 256-bit vectors) is below ``avx512``, as on
 CPUs that have AVX-VNNI and no AVX-512 (Alder Lake, Arrow Lake); ``avx512_vnni16`` is AVX-512 with VNNI. So at
@@ -23,7 +24,7 @@ from types import ModuleType
 __all__ = ["ISA_LEVELS", "ISA_LEVEL_ENV", "apply_level_from_env", "variant_for_level"]
 
 #: The levels, lowest first. A variant whose name is not here runs at no level, only as the best (``auto``).
-ISA_LEVELS = ("avx2", "avx_vnni", "avx512", "avx512_vnni16")
+ISA_LEVELS = ("avx2", "avx_vnni", "avx512", "avx512_vnni16", "amx")
 ISA_LEVEL_ENV = "TOKENMILL_CPU_ISA"
 
 

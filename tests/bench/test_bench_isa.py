@@ -39,11 +39,12 @@ WIDE = ["avx2", "avx512"]  # paged attention's and the dense matmul's
 @pytest.mark.parametrize(
     ("supported", "expected"),
     [
-        (ALL, ALL),
-        (WIDE, ["avx2", "avx2", "avx512", "avx512"]),  # AVX-VNNI without AVX-512 runs their AVX2 variant
-        (["avx2", "avx512", "avx512_vnni16"], ["avx2", "avx2", "avx512", "avx512_vnni16"]),  # Cascade Lake's matmul
-        (["avx2", "avx_vnni"], ["avx2", "avx_vnni", "avx_vnni", "avx_vnni"]),  # Alder Lake's
-        (["avx2", "amx"], ["avx2"] * 4),  # a variant of no level runs only as the best (auto)
+        (ALL, [*ALL, "avx512_vnni16"]),
+        (WIDE, ["avx2", "avx2", "avx512", "avx512", "avx512"]),  # AVX-VNNI without AVX-512 runs their AVX2 variant
+        (["avx2", "avx512", "avx512_vnni16"], ["avx2", "avx2", "avx512", *["avx512_vnni16"] * 2]),  # Cascade Lake
+        (["avx2", "avx_vnni"], ["avx2", "avx_vnni", "avx_vnni", "avx_vnni", "avx_vnni"]),  # Alder Lake's
+        ([*ALL, "amx"], [*ALL, "amx"]),  # Sapphire Rapids' matmul
+        (["avx2", "sme"], ["avx2"] * 5),  # a variant of no level runs only as the best (auto)
     ],
 )
 def test_each_level_runs_the_best_variant_at_or_below_it(supported: list[str], expected: list[str]) -> None:
@@ -53,7 +54,7 @@ def test_each_level_runs_the_best_variant_at_or_below_it(supported: list[str], e
 def test_an_unknown_level_names_the_known_ones() -> None:
     with pytest.raises(ValueError) as raised:
         variant_for_level(ALL, "sse4")
-    expected = "TOKENMILL_CPU_ISA='sse4' is invalid: expected auto or one of avx2, avx_vnni, avx512, avx512_vnni16"
+    expected = "TOKENMILL_CPU_ISA='sse4' is invalid: expected auto or one of avx2, avx_vnni, avx512, avx512_vnni16, amx"
     assert str(raised.value) == expected
 
 
@@ -129,7 +130,7 @@ def test_the_levels_are_the_union_of_the_kernels_variants() -> None:
     ("flag", "message"),
     [
         ("sse4", "Invalid value for '--isa': 'sse4': give one or more of avx2, avx_vnni, avx512, avx512_vnni16, "
-                 "comma-separated"),
+                 "amx, comma-separated"),
         ("avx2,avx512", "Invalid value for '--isa': 'avx512' is not a level this CPU's kernels support (avx2)"),
     ],
 )  # fmt: skip

@@ -18,7 +18,7 @@ from tests.cpu_machine import cpu_kernels_missing
 VARIANTS = {
     dense_matmul: ("avx2", "avx512"),
     paged_attention: ("avx2", "avx512"),
-    quant_matmul: ("avx2", "avx_vnni", "avx512", "avx512_vnni16"),
+    quant_matmul: ("avx2", "avx_vnni", "avx512", "avx512_vnni16", "amx"),
 }
 
 

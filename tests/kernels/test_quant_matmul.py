@@ -107,7 +107,7 @@ def test_kernel_matches_reference(kind: str, m: int, k: int) -> None:
             assert ((out - plain).abs() <= allowed).all(), f"{where}: too far from x @ dequantize(W).T"
 
 
-ISAS = ("avx2", "avx_vnni", "avx512", "avx512_vnni16")
+ISAS = ("avx2", "avx_vnni", "avx512", "avx512_vnni16", "amx")
 
 
 def _skip_unless_supported(isa: str) -> None:

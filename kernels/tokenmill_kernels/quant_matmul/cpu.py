@@ -1,4 +1,4 @@
-"""Launcher for the quantized matmul kernels in ``cpu/quant_matmul.cpp`` (AVX2, and VNNI where present).
+"""Launcher for the quantized matmul kernels in ``cpu/quant_matmul.cpp`` (AVX2, and VNNI and AMX where present).
 
 The C++ is compiled on first use (see ``tokenmill_kernels.cpp_build``): the wheel ships the source rather
 than a binary tied to one torch build. The kernels need AVX2 and FMA, and :func:`load` says what is missing
@@ -10,12 +10,15 @@ widened to int16: ``"avx2"`` (``vpmaddwd`` on 256-bit vectors, a group of 32 in 
 groups in four registers whose int32 lanes alternate between them, one conversion and scaled add for both, the
 weights widened once per row group for every activation tile), ``"avx_vnni"`` (the same with ``vpdpwssd``
 adding the products) and ``"avx512"`` (one 512-bit ``vpmaddwd`` per group, 32 vector registers, 4 x 4 tiles),
-and ``"avx512_vnni16"`` (AVX512-VNNI ``vpdpwssd`` over four groups at once, for int4 weights and inputs of 5 rows
-or more, in tiles of up to 6 rows, faster than ``"avx512"`` there; ``"avx512"``'s tiles otherwise).
-The best one the CPU supports is used; :func:`supported_isas` lists them and :func:`set_isa` forces one, e.g.
-to compare speeds. ``"avx2"`` and ``"avx_vnni"`` give bit-identical outputs; the 512-bit variants sum 16
-float32 lanes instead of 8 (``"avx512_vnni16"`` four groups before converting them), so their outputs differ
-from the others' in float32 rounding only.
+``"avx512_vnni16"`` (AVX512-VNNI ``vpdpwssd`` over four groups at once, for int4 weights and inputs of 5 rows
+or more, in tiles of up to 6 rows, faster than ``"avx512"`` there; ``"avx512"``'s tiles otherwise), and ``"amx"``
+(``"avx512_vnni16"``, and for int4 weights and inputs of 16 rows or more AMX int8 tile products: each int16 code
+split exactly into a signed high and an unsigned low byte, two tile products a group, the same integer dot
+products; Sapphire Rapids on, where Linux grants the tile state). The best one the CPU supports is used;
+:func:`supported_isas` lists them and :func:`set_isa` forces one, e.g. to compare speeds. ``"avx2"`` and
+``"avx_vnni"`` give bit-identical outputs; the 512-bit variants sum 16 float32 lanes instead of 8
+(``"avx512_vnni16"`` four groups before converting them; ``"amx"`` each group's scaled product and its min term
+apart), so their outputs differ from the others' in float32 rounding only.
 """
 
 from __future__ import annotations

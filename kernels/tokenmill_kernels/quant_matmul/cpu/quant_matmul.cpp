@@ -16,14 +16,18 @@
 // as two 256-bit halves (under kPairMinRows activation rows), or two groups in four registers (the pair tiles,
 // from kPairMinRows rows on), and run the same float32 operations in the same order, so they give bit-identical
 // outputs; avx512 holds a group in one 512-bit register and sums 16 float lanes instead of 8 (outputs within
-// float32 rounding of the others). set_isa forces one (for tests and benchmarks).
+// float32 rounding of the others); amx runs AMX tile products for int4 weights at many rows (run_amx, below).
+// set_isa forces one (for tests and benchmarks).
 
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <tuple>
@@ -732,17 +736,22 @@ inline void finish_tile(const Problem& p, int64_t n0, int64_t m0, typename V::Ac
   }
 }
 
-enum class Isa { kAvx2, kAvxVnni, kAvx512, kAvx512Vnni };
+enum class Isa { kAvx2, kAvxVnni, kAvx512, kAvx512Vnni, kAmx };
+
+bool amx_usable();
 
 // What matmul_* run; set_isa changes it. The variants this CPU (and OS, for the AVX-512 state) supports, best last;
 // AVX2 + FMA is checked before the build, F16C (which every AVX2 CPU has) by matmul.
-tokenmill::IsaChoice<Isa> g_isa({"avx2", "avx_vnni", "avx512", "avx512_vnni16"}, [] {
+tokenmill::IsaChoice<Isa> g_isa({"avx2", "avx_vnni", "avx512", "avx512_vnni16", "amx"}, [] {
   std::vector<Isa> isas{Isa::kAvx2};
   if (__builtin_cpu_supports("avxvnni")) isas.push_back(Isa::kAvxVnni);
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl")) {
     isas.push_back(Isa::kAvx512);
-    if (__builtin_cpu_supports("avx512vnni")) isas.push_back(Isa::kAvx512Vnni);
+    if (__builtin_cpu_supports("avx512vnni")) {
+      isas.push_back(Isa::kAvx512Vnni);
+      if (amx_usable()) isas.push_back(Isa::kAmx);
+    }
   }
   return isas;
 });
@@ -863,6 +872,162 @@ void run_pairs(const Problem& p) {
   });
 }
 
+// amx: avx512_vnni16, and for int4 weights at kAmxMinRows activation rows or more (prompt chunks, batched
+// decode) the group dot products as AMX tile products. Each int16 activation code q splits exactly into a signed
+// high and an unsigned low byte, q = 256 hi + lo; the tiles multiply each by the weight codes (unsigned 0..15) over
+// one group (16 activation rows x 32 bytes against 16 weight rows), and 256 C_hi + C_lo is the group's dot product,
+// the same exact int32 as the other variants'. The scaled sums then run as AVX-512's, 16 weight rows per vector,
+// so the outputs are within float32 rounding of the others'.
+constexpr int64_t kAmxMinRows = 16;
+constexpr int64_t kAmxTile = 16;           // activation rows, and weight rows, per tile
+constexpr int64_t kAmxGroupBytes = 512;    // one group of 16 weight rows as the B tile: 8 rows of 4 codes x 16
+
+// Whether this CPU and kernel run AMX int8 tile products: the CPU flags, then Linux's permission for the tile
+// data state (arch_prctl ARCH_REQ_XCOMP_PERM, once per process).
+bool amx_usable() {
+  static const bool usable = [] {
+    if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-int8")) return false;
+    constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return usable;
+}
+
+struct __attribute__((packed)) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// One task's weight rows n0 .. n0+16 in the B tiles' layout (row kk of group g holds codes 4kk .. 4kk+3 of each
+// weight row, 4 bytes per row: a 16 x 8 transpose of 32-bit words), their scales and mins per group as 16 floats
+// (rows past N: zero).
+__attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) void amx_weights(const Problem& p, int64_t n0, uint8_t* b,
+                                                                            float* dw, float* mw) {
+  const int64_t groups = p.groups, rows = std::min(kAmxTile, p.N - n0);
+  alignas(64) uint8_t codes[kAmxTile * kGroup] = {};  // one group of each row, in element order
+  const __m512i words = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                           _mm512_set1_epi32(kGroup / 4));
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t r = 0; r < rows; ++r) {
+      _mm256_store_si256(reinterpret_cast<__m256i*>(codes + r * kGroup),
+                         unpack_nibbles(p.w + (n0 + r) * p.row_bytes + g * kGroup / 2));
+    }
+    for (int64_t kk = 0; kk < kGroup / 4; ++kk) {
+      const __m512i column = _mm512_i32gather_epi32(_mm512_add_epi32(words, _mm512_set1_epi32(kk)), codes, 4);
+      _mm512_store_si512(b + g * kAmxGroupBytes + kk * 64, column);
+    }
+  }
+  std::fill_n(dw, groups * kAmxTile, 0.0f);
+  std::fill_n(mw, groups * kAmxTile, 0.0f);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t g = 0; g < groups; ++g) {
+      dw[g * kAmxTile + r] = _cvtsh_ss(p.scales[(n0 + r) * groups + g]);
+      mw[g * kAmxTile + r] = _cvtsh_ss(p.mins[(n0 + r) * groups + g]);
+    }
+  }
+}
+
+// One group's tile products into C tiles 3 and 4 (amx_group_0) or 5 and 6 (amx_group_1), stored to c_hi and c_lo
+// [16, 16]: hi and lo at the group's first code of the tile's first activation row (rows `stride` apart), b at its
+// B tile. A macro: GCC's tile intrinsics paste the tile numbers into their assembly, so they must be literals.
+#define TOKENMILL_AMX_GROUP(NAME, C_HI, C_LO)                                                                  \
+  __attribute__((target("amx-tile,amx-int8"), always_inline)) inline void NAME(                               \
+      const int8_t* hi, const uint8_t* lo, int64_t stride, const uint8_t* b, int32_t* c_hi, int32_t* c_lo) { \
+    _tile_loadd(0, hi, stride);                                                                                \
+    _tile_loadd(1, lo, stride);                                                                                \
+    _tile_loadd(2, b, 64);                                                                                     \
+    _tile_zero(C_HI);                                                                                          \
+    _tile_zero(C_LO);                                                                                          \
+    _tile_dpbsud(C_HI, 0, 2);                                                                                  \
+    _tile_dpbuud(C_LO, 1, 2);                                                                                  \
+    _tile_stored(C_HI, c_hi, 64);                                                                              \
+    _tile_stored(C_LO, c_lo, 64);                                                                              \
+  }
+TOKENMILL_AMX_GROUP(amx_group_0, 3, 4)
+TOKENMILL_AMX_GROUP(amx_group_1, 5, 6)
+#undef TOKENMILL_AMX_GROUP
+
+// Weight tiles begin .. end (16 weight rows each) against every activation row; `hi` and `lo` [M rounded up to
+// 16, K] hold the codes' bytes.
+__attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,f16c"))) void amx_task(
+    const Problem& p, const int8_t* hi, const uint8_t* lo, int64_t begin, int64_t end) {
+  const int64_t K = p.K, groups = p.groups;
+  const float* xd = p.act->d.get();
+  const float* sx = p.act->s.get();
+  TileConfig config;
+  for (int t : {0, 1}) config.rows[t] = kAmxTile, config.colsb[t] = kGroup;  // A: hi, lo
+  config.rows[2] = kGroup / 4, config.colsb[2] = 64;                          // B: the weights' group
+  for (int t : {3, 4, 5, 6}) config.rows[t] = kAmxTile, config.colsb[t] = 64;  // C: int32 [16, 16], twice
+  _tile_loadconfig(&config);
+  std::unique_ptr<uint8_t[], void (*)(uint8_t*)> b(
+      static_cast<uint8_t*>(std::aligned_alloc(64, groups * kAmxGroupBytes)), [](uint8_t* ptr) { std::free(ptr); });
+  TORCH_CHECK(b != nullptr, "out of memory for ", K, " weight codes");
+  std::vector<float> dw(groups * kAmxTile), mw(groups * kAmxTile);
+  alignas(64) int32_t c_hi[2][kAmxTile * kAmxTile], c_lo[2][kAmxTile * kAmxTile];
+  for (int64_t t = begin; t < end; ++t) {
+    const int64_t n0 = t * kAmxTile, columns = std::min(kAmxTile, p.N - n0);
+    amx_weights(p, n0, b.get(), dw.data(), mw.data());
+    const __mmask16 mask = static_cast<__mmask16>((1u << columns) - 1);
+    const __m512 bias = p.bias != nullptr ? _mm512_maskz_loadu_ps(mask, p.bias + n0) : _mm512_setzero_ps();
+    for (int64_t m0 = 0; m0 < p.M; m0 += kAmxTile) {
+      const int64_t valid = std::min(kAmxTile, p.M - m0);
+      __m512 acc[kAmxTile], mins[kAmxTile];
+      for (int i = 0; i < kAmxTile; ++i) acc[i] = mins[i] = _mm512_setzero_ps();
+      amx_group_0(hi + m0 * K, lo + m0 * K, K, b.get(), c_hi[0], c_lo[0]);
+      for (int64_t g = 0; g < groups; ++g) {
+        // The next group's products run in the other pair of C tiles while this one's are scaled.
+        if (g + 1 < groups) {
+          const int64_t next = m0 * K + (g + 1) * kGroup;
+          const uint8_t* next_b = b.get() + (g + 1) * kAmxGroupBytes;
+          if (g % 2 == 0) {
+            amx_group_1(hi + next, lo + next, K, next_b, c_hi[1], c_lo[1]);
+          } else {
+            amx_group_0(hi + next, lo + next, K, next_b, c_hi[0], c_lo[0]);
+          }
+        }
+        const int32_t* group_hi = c_hi[g % 2];
+        const int32_t* group_lo = c_lo[g % 2];
+        const __m512 scale_w = _mm512_loadu_ps(dw.data() + g * kAmxTile);
+        const __m512 min_w = _mm512_loadu_ps(mw.data() + g * kAmxTile);
+        for (int64_t i = 0; i < valid; ++i) {
+          const __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(group_hi + i * kAmxTile), 8),
+                                               _mm512_load_si512(group_lo + i * kAmxTile));
+          const __m512 scale = _mm512_mul_ps(scale_w, _mm512_set1_ps(xd[(m0 + i) * groups + g]));
+          acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[i]);
+          mins[i] = _mm512_fmadd_ps(min_w, _mm512_set1_ps(sx[(m0 + i) * groups + g]), mins[i]);
+        }
+      }
+      for (int64_t i = 0; i < valid; ++i) {
+        const __m512 out = _mm512_add_ps(_mm512_add_ps(acc[i], mins[i]), bias);
+        _mm512_mask_storeu_ps(p.out + (m0 + i) * p.N + n0, mask, out);
+      }
+    }
+  }
+  _tile_release();
+}
+
+// hi, lo [count] = the high (signed) and low (unsigned) bytes of the codes q [count], count a multiple of 32.
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void split_codes(const int16_t* q, int64_t count, int8_t* hi,
+                                                                      uint8_t* lo) {
+  for (int64_t i = 0; i < count; i += 32) {
+    const __m512i codes = _mm512_loadu_si512(q + i);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + i), _mm512_cvtepi16_epi8(_mm512_srai_epi16(codes, 8)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + i), _mm512_cvtepi16_epi8(codes));  // truncates: q & 0xFF
+  }
+}
+
+void run_amx(const Problem& p) {
+  const int64_t K = p.K;
+  const int64_t rows = (p.M + kAmxTile - 1) / kAmxTile * kAmxTile;
+  // The codes' high (signed) and low (unsigned) bytes, [rows, K], rows past M zero.
+  std::vector<int8_t> hi(rows * K, 0);
+  std::vector<uint8_t> lo(rows * K, 0);
+  split_codes(p.act->q.get(), p.M * K, hi.data(), lo.data());
+  at::parallel_for(0, (p.N + kAmxTile - 1) / kAmxTile, 1,
+                   [&](int64_t begin, int64_t end) { amx_task(p, hi.data(), lo.data(), begin, end); });
+}
+
 template <bool kInt4>
 void run_on(const Problem& p, Isa isa) {
   switch (isa) {
@@ -969,13 +1134,17 @@ void matmul_into(const float* x, int64_t M, const QuantWeight& w, float* out) {
   for (int64_t pass = 0; pass < passes; ++pass) {
     const int64_t first = M * pass / passes, rows = M * (pass + 1) / passes - first;
     Isa isa = g_isa.get();
+    const bool amx = isa == Isa::kAmx && w.int4() && rows >= kAmxMinRows;
+    if (isa == Isa::kAmx) isa = Isa::kAvx512Vnni;  // amx is avx512_vnni16 but for amx's tiles
     if (isa == Isa::kAvx512Vnni && !(w.int4() && rows >= kVnniMinRows)) isa = Isa::kAvx512;
     Layout layout = Layout::kPlain;
-    if (isa == Isa::kAvx512Vnni) layout = Layout::kQuads;
+    if (isa == Isa::kAvx512Vnni && !amx) layout = Layout::kQuads;
     if ((isa == Isa::kAvx2 || isa == Isa::kAvxVnni) && rows >= kPairMinRows) layout = Layout::kPairs;
     const QuantizedActivations act = quantize_activations(x + first * K, rows, K, layout);
     const Problem p{w.w, w.row_bytes, w.scales, w.mins, w.bias, &act, rows, N, K, K / kGroup, out + first * N};
-    if (w.int4()) {
+    if (amx) {
+      run_amx(p);
+    } else if (w.int4()) {
       run_on<true>(p, isa);
     } else {
       run_on<false>(p, isa);

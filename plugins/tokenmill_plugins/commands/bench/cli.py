@@ -423,7 +423,7 @@ def _isa_levels(ctx: click.Context, param: click.Parameter, value: str | None) -
     "levels",
     default=None,
     callback=_isa_levels,
-    help="Comma-separated ISA levels to run (avx2, avx_vnni, avx512, avx512_vnni16), each one this CPU's kernels "
+    help="Comma-separated ISA levels to run (avx2, avx_vnni, avx512, avx512_vnni16, amx), each one this CPU's kernels "
     "support; at a level each kernel runs its best variant at or below it.  [default: every supported level]",
 )
 @click.option(

@@ -1,7 +1,7 @@
 """``bench isa``: the same workloads at every instruction-set level the CPU kernels support, and llama-server.
 
-A *level* (``avx2``, ``avx_vnni``, ``avx512``, ``avx512_vnni16``; ``tokenmill_kernels.cpu_isa``) stands for a CPU
-that has that and nothing above it: each kernel with variants (the int4/int8 matmul, paged attention, the dense
+A *level* (``avx2``, ``avx_vnni``, ``avx512``, ``avx512_vnni16``, ``amx``; ``tokenmill_kernels.cpu_isa``) stands for
+a CPU that has that and nothing above it: each kernel with variants (the int4/int8 matmul, paged attention, the dense
 float32 matmul) runs the best variant it has at or below the level, so ``avx_vnni`` runs the matmul's
 ``avx_vnni`` with ``avx2`` attention and dense matmul, as a CPU with AVX-VNNI and no AVX-512 would. The layer
 kernels (norms, rope) have one variant and torch's own operators are not capped (``ATEN_CPU_CAPABILITY`` and
