@@ -12,7 +12,7 @@ weights widened once per row group for every activation tile), ``"avx_vnni"`` (t
 adding the products) and ``"avx512"`` (one 512-bit ``vpmaddwd`` per group, 32 vector registers, 4 x 4 tiles),
 ``"avx512_vnni16"`` (AVX512-VNNI ``vpdpwssd`` over four groups at once, for int4 weights and inputs of 5 rows
 or more, in tiles of up to 6 rows, faster than ``"avx512"`` there; ``"avx512"``'s tiles otherwise), and ``"amx"``
-(``"avx512_vnni16"``, and for int4 weights and inputs of 16 rows or more AMX int8 tile products: each int16 code
+(``"avx512_vnni16"``, and for inputs of 16 rows or more AMX int8 tile products: each int16 code
 split exactly into a signed high and an unsigned low byte, two tile products a group, the same integer dot
 products; Sapphire Rapids on, where Linux grants the tile state). The best one the CPU supports is used;
 :func:`supported_isas` lists them and :func:`set_isa` forces one, e.g. to compare speeds. ``"avx2"`` and

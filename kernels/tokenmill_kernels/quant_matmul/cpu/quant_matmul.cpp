@@ -16,7 +16,7 @@
 // as two 256-bit halves (under kPairMinRows activation rows), or two groups in four registers (the pair tiles,
 // from kPairMinRows rows on), and run the same float32 operations in the same order, so they give bit-identical
 // outputs; avx512 holds a group in one 512-bit register and sums 16 float lanes instead of 8 (outputs within
-// float32 rounding of the others); amx runs AMX tile products for int4 weights at many rows (run_amx, below).
+// float32 rounding of the others); amx runs AMX tile products at many rows (run_amx, below).
 // set_isa forces one (for tests and benchmarks).
 
 #include <immintrin.h>
@@ -872,10 +872,10 @@ void run_pairs(const Problem& p) {
   });
 }
 
-// amx: avx512_vnni16, and for int4 weights at kAmxMinRows activation rows or more (prompt chunks, batched
-// decode) the group dot products as AMX tile products. Each int16 activation code q splits exactly into a signed
-// high and an unsigned low byte, q = 256 hi + lo; the tiles multiply each by the weight codes (unsigned 0..15) over
-// one group (16 activation rows x 32 bytes against 16 weight rows), and 256 C_hi + C_lo is the group's dot product,
+// amx: avx512_vnni16, and at kAmxMinRows activation rows or more (prompt chunks, batched decode) the group dot
+// products as AMX tile products. Each int16 activation code q splits exactly into a signed high and an unsigned low
+// byte, q = 256 hi + lo; the tiles multiply each by the weight codes (int4: unsigned 0..15, int8: signed) over one
+// group (16 activation rows x 32 bytes against 16 weight rows), and 256 C_hi + C_lo is the group's dot product,
 // the same exact int32 as the other variants'. The scaled sums then run as AVX-512's, 16 weight rows per vector,
 // so the outputs are within float32 rounding of the others'.
 constexpr int64_t kAmxMinRows = 16;
@@ -900,8 +900,9 @@ struct __attribute__((packed)) TileConfig {
 };
 
 // One task's weight rows n0 .. n0+16 in the B tiles' layout (row kk of group g holds codes 4kk .. 4kk+3 of each
-// weight row, 4 bytes per row: a 16 x 8 transpose of 32-bit words), their scales and mins per group as 16 floats
-// (rows past N: zero).
+// weight row, 4 bytes per row: a 16 x 8 transpose of 32-bit words), their scales and (int4) mins per group as 16
+// floats (rows past N: zero).
+template <bool kInt4>
 __attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) void amx_weights(const Problem& p, int64_t n0, uint8_t* b,
                                                                             float* dw, float* mw) {
   const int64_t groups = p.groups, rows = std::min(kAmxTile, p.N - n0);
@@ -910,8 +911,9 @@ __attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) void amx_weights(const
                                            _mm512_set1_epi32(kGroup / 4));
   for (int64_t g = 0; g < groups; ++g) {
     for (int64_t r = 0; r < rows; ++r) {
-      _mm256_store_si256(reinterpret_cast<__m256i*>(codes + r * kGroup),
-                         unpack_nibbles(p.w + (n0 + r) * p.row_bytes + g * kGroup / 2));
+      const uint8_t* group = p.w + (n0 + r) * p.row_bytes + g * (kInt4 ? kGroup / 2 : kGroup);
+      const __m256i row = kInt4 ? unpack_nibbles(group) : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(codes + r * kGroup), row);
     }
     for (int64_t kk = 0; kk < kGroup / 4; ++kk) {
       const __m512i column = _mm512_i32gather_epi32(_mm512_add_epi32(words, _mm512_set1_epi32(kk)), codes, 4);
@@ -923,15 +925,16 @@ __attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) void amx_weights(const
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t g = 0; g < groups; ++g) {
       dw[g * kAmxTile + r] = _cvtsh_ss(p.scales[(n0 + r) * groups + g]);
-      mw[g * kAmxTile + r] = _cvtsh_ss(p.mins[(n0 + r) * groups + g]);
+      if constexpr (kInt4) mw[g * kAmxTile + r] = _cvtsh_ss(p.mins[(n0 + r) * groups + g]);
     }
   }
 }
 
-// One group's tile products into C tiles 3 and 4 (amx_group_0) or 5 and 6 (amx_group_1), stored to c_hi and c_lo
-// [16, 16]: hi and lo at the group's first code of the tile's first activation row (rows `stride` apart), b at its
-// B tile. A macro: GCC's tile intrinsics paste the tile numbers into their assembly, so they must be literals.
-#define TOKENMILL_AMX_GROUP(NAME, C_HI, C_LO)                                                                  \
+// One group's tile products into C tiles 3 and 4 (..._0) or 5 and 6 (..._1), stored to c_hi and c_lo [16, 16]: hi
+// and lo at the group's first code of the tile's first activation row (rows `stride` apart), b at its B tile; int4
+// codes are unsigned (dpbsud: signed x unsigned, dpbuud), int8 codes signed (dpbssd, dpbusd). A macro: GCC's tile
+// intrinsics paste the tile numbers into their assembly, so they must be literals.
+#define TOKENMILL_AMX_GROUP(NAME, C_HI, C_LO, DP_HI, DP_LO)                                                    \
   __attribute__((target("amx-tile,amx-int8"), always_inline)) inline void NAME(                               \
       const int8_t* hi, const uint8_t* lo, int64_t stride, const uint8_t* b, int32_t* c_hi, int32_t* c_lo) { \
     _tile_loadd(0, hi, stride);                                                                                \
@@ -939,17 +942,30 @@ __attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) void amx_weights(const
     _tile_loadd(2, b, 64);                                                                                     \
     _tile_zero(C_HI);                                                                                          \
     _tile_zero(C_LO);                                                                                          \
-    _tile_dpbsud(C_HI, 0, 2);                                                                                  \
-    _tile_dpbuud(C_LO, 1, 2);                                                                                  \
+    DP_HI(C_HI, 0, 2);                                                                                         \
+    DP_LO(C_LO, 1, 2);                                                                                         \
     _tile_stored(C_HI, c_hi, 64);                                                                              \
     _tile_stored(C_LO, c_lo, 64);                                                                              \
   }
-TOKENMILL_AMX_GROUP(amx_group_0, 3, 4)
-TOKENMILL_AMX_GROUP(amx_group_1, 5, 6)
+TOKENMILL_AMX_GROUP(amx_int4_group_0, 3, 4, _tile_dpbsud, _tile_dpbuud)
+TOKENMILL_AMX_GROUP(amx_int4_group_1, 5, 6, _tile_dpbsud, _tile_dpbuud)
+TOKENMILL_AMX_GROUP(amx_int8_group_0, 3, 4, _tile_dpbssd, _tile_dpbusd)
+TOKENMILL_AMX_GROUP(amx_int8_group_1, 5, 6, _tile_dpbssd, _tile_dpbusd)
 #undef TOKENMILL_AMX_GROUP
+
+template <bool kInt4, int kPair>
+__attribute__((target("amx-tile,amx-int8"), always_inline)) inline void amx_group(const int8_t* hi, const uint8_t* lo,
+                                                                                int64_t stride, const uint8_t* b,
+                                                                                int32_t* c_hi, int32_t* c_lo) {
+  if constexpr (kInt4 && kPair == 0) amx_int4_group_0(hi, lo, stride, b, c_hi, c_lo);
+  if constexpr (kInt4 && kPair == 1) amx_int4_group_1(hi, lo, stride, b, c_hi, c_lo);
+  if constexpr (!kInt4 && kPair == 0) amx_int8_group_0(hi, lo, stride, b, c_hi, c_lo);
+  if constexpr (!kInt4 && kPair == 1) amx_int8_group_1(hi, lo, stride, b, c_hi, c_lo);
+}
 
 // Weight tiles begin .. end (16 weight rows each) against every activation row; `hi` and `lo` [M rounded up to
 // 16, K] hold the codes' bytes.
+template <bool kInt4>
 __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,f16c"))) void amx_task(
     const Problem& p, const int8_t* hi, const uint8_t* lo, int64_t begin, int64_t end) {
   const int64_t K = p.K, groups = p.groups;
@@ -967,23 +983,23 @@ __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,f16c"))) void
   alignas(64) int32_t c_hi[2][kAmxTile * kAmxTile], c_lo[2][kAmxTile * kAmxTile];
   for (int64_t t = begin; t < end; ++t) {
     const int64_t n0 = t * kAmxTile, columns = std::min(kAmxTile, p.N - n0);
-    amx_weights(p, n0, b.get(), dw.data(), mw.data());
+    amx_weights<kInt4>(p, n0, b.get(), dw.data(), mw.data());
     const __mmask16 mask = static_cast<__mmask16>((1u << columns) - 1);
     const __m512 bias = p.bias != nullptr ? _mm512_maskz_loadu_ps(mask, p.bias + n0) : _mm512_setzero_ps();
     for (int64_t m0 = 0; m0 < p.M; m0 += kAmxTile) {
       const int64_t valid = std::min(kAmxTile, p.M - m0);
       __m512 acc[kAmxTile], mins[kAmxTile];
       for (int i = 0; i < kAmxTile; ++i) acc[i] = mins[i] = _mm512_setzero_ps();
-      amx_group_0(hi + m0 * K, lo + m0 * K, K, b.get(), c_hi[0], c_lo[0]);
+      amx_group<kInt4, 0>(hi + m0 * K, lo + m0 * K, K, b.get(), c_hi[0], c_lo[0]);
       for (int64_t g = 0; g < groups; ++g) {
         // The next group's products run in the other pair of C tiles while this one's are scaled.
         if (g + 1 < groups) {
           const int64_t next = m0 * K + (g + 1) * kGroup;
           const uint8_t* next_b = b.get() + (g + 1) * kAmxGroupBytes;
           if (g % 2 == 0) {
-            amx_group_1(hi + next, lo + next, K, next_b, c_hi[1], c_lo[1]);
+            amx_group<kInt4, 1>(hi + next, lo + next, K, next_b, c_hi[1], c_lo[1]);
           } else {
-            amx_group_0(hi + next, lo + next, K, next_b, c_hi[0], c_lo[0]);
+            amx_group<kInt4, 0>(hi + next, lo + next, K, next_b, c_hi[0], c_lo[0]);
           }
         }
         const int32_t* group_hi = c_hi[g % 2];
@@ -995,7 +1011,7 @@ __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,f16c"))) void
                                                _mm512_load_si512(group_lo + i * kAmxTile));
           const __m512 scale = _mm512_mul_ps(scale_w, _mm512_set1_ps(xd[(m0 + i) * groups + g]));
           acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[i]);
-          mins[i] = _mm512_fmadd_ps(min_w, _mm512_set1_ps(sx[(m0 + i) * groups + g]), mins[i]);
+          if constexpr (kInt4) mins[i] = _mm512_fmadd_ps(min_w, _mm512_set1_ps(sx[(m0 + i) * groups + g]), mins[i]);
         }
       }
       for (int64_t i = 0; i < valid; ++i) {
@@ -1017,6 +1033,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void split_codes(const int1
   }
 }
 
+template <bool kInt4>
 void run_amx(const Problem& p) {
   const int64_t K = p.K;
   const int64_t rows = (p.M + kAmxTile - 1) / kAmxTile * kAmxTile;
@@ -1025,7 +1042,7 @@ void run_amx(const Problem& p) {
   std::vector<uint8_t> lo(rows * K, 0);
   split_codes(p.act->q.get(), p.M * K, hi.data(), lo.data());
   at::parallel_for(0, (p.N + kAmxTile - 1) / kAmxTile, 1,
-                   [&](int64_t begin, int64_t end) { amx_task(p, hi.data(), lo.data(), begin, end); });
+                   [&](int64_t begin, int64_t end) { amx_task<kInt4>(p, hi.data(), lo.data(), begin, end); });
 }
 
 template <bool kInt4>
@@ -1134,7 +1151,7 @@ void matmul_into(const float* x, int64_t M, const QuantWeight& w, float* out) {
   for (int64_t pass = 0; pass < passes; ++pass) {
     const int64_t first = M * pass / passes, rows = M * (pass + 1) / passes - first;
     Isa isa = g_isa.get();
-    const bool amx = isa == Isa::kAmx && w.int4() && rows >= kAmxMinRows;
+    const bool amx = isa == Isa::kAmx && rows >= kAmxMinRows;
     if (isa == Isa::kAmx) isa = Isa::kAvx512Vnni;  // amx is avx512_vnni16 but for amx's tiles
     if (isa == Isa::kAvx512Vnni && !(w.int4() && rows >= kVnniMinRows)) isa = Isa::kAvx512;
     Layout layout = Layout::kPlain;
@@ -1142,8 +1159,10 @@ void matmul_into(const float* x, int64_t M, const QuantWeight& w, float* out) {
     if ((isa == Isa::kAvx2 || isa == Isa::kAvxVnni) && rows >= kPairMinRows) layout = Layout::kPairs;
     const QuantizedActivations act = quantize_activations(x + first * K, rows, K, layout);
     const Problem p{w.w, w.row_bytes, w.scales, w.mins, w.bias, &act, rows, N, K, K / kGroup, out + first * N};
-    if (amx) {
-      run_amx(p);
+    if (amx && w.int4()) {
+      run_amx<true>(p);
+    } else if (amx) {
+      run_amx<false>(p);
     } else if (w.int4()) {
       run_on<true>(p, isa);
     } else {
