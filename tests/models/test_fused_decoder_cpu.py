@@ -64,9 +64,9 @@ def _logits_both_ways(engine: EngineCore, prompt: list[int]) -> tuple[torch.Tens
 )  # fmt: skip
 def test_it_computes_what_the_layers_compute(tmp_path_factory: pytest.TempPathFactory, name: str,
                                              quantization: str) -> None:  # fmt: skip
-    """Biases (Llama's attention and MLP, Qwen2's q/k/v), tied embeddings, Qwen3's q/k norms and Mistral's
-    sliding window: the same
-    logits, bit for bit, for a prompt chunk, and the same greedy tokens over decode steps of several requests."""
+    """Biases (Llama's attention and MLP, Qwen2's q/k/v), tied embeddings, Qwen3's q/k norms and Mistral's sliding
+    window: the same logits, bit for bit, for a prompt chunk, and the same greedy tokens over decode steps of
+    several requests."""
     engine = _engine(_model_dir(tmp_path_factory, name), quantization)
     model = engine.executor.runner.loaded.model
     assert isinstance(model.fused_decoder, CpuFusedDecoder)

@@ -7,11 +7,11 @@ in the same order from C++, so a step's hidden states are the layers' own, bit f
 
 It takes the models it reproduces exactly and leaves the rest to the layers (``CpuLayerKernels.fused_decoder``
 returns None): ``LlamaForCausalLM`` built of Llama's own layer, attention, MLP (SiLU) and RMSNorm classes (Llama,
-Mistral, Qwen2, Qwen3, SmolLM; not Gemma, Phi-3's partial rope or the mixtures of experts), one
-shard, float32, every linear ``int4`` or ``int8``, and the ``cpu`` attention backend. With LoRA adapters under the
-``cpu`` LoRA kernels, each linear adds the step's adapter products in C++ as ``LinearLoRA`` does after the matmul
-(other LoRA kernels leave the steps that use an adapter to the layers). A step runs the layers when it holds a draft
-tree or a prompt chunk long enough for SDPA, or when a forward hook is registered on any of the model's modules (the
+Mistral, Qwen2, Qwen3's q/k norms, SmolLM; not Gemma, Phi-3's partial rope or the mixtures of experts), one shard,
+float32, every linear ``int4`` or ``int8``, and the ``cpu`` attention backend. With LoRA adapters under the ``cpu``
+LoRA kernels, each linear adds the step's adapter products in C++ as ``LinearLoRA`` does after the matmul (other
+LoRA kernels leave the steps that use an adapter to the layers). A step runs the layers when it holds a draft tree
+or a prompt chunk long enough for SDPA, or when a forward hook is registered on any of the model's modules (the
 quantize pipeline's calibration, a user's probe).
 """
 
