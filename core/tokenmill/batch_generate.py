@@ -81,11 +81,17 @@ def _drop_partial_last_line(output_path: Path) -> None:
             f.truncate(data.rfind(b"\n") + 1)
 
 
+def _lines(path: Path) -> list[str]:
+    """A JSONL file's lines, split at newlines only (JSON Lines): ``str.splitlines`` also splits at U+0085, U+2028
+    and U+2029, which a JSON string may hold unescaped."""
+    return path.read_text(encoding="utf-8").split("\n")
+
+
 def _done_ids(output_path: Path) -> set[str]:
     if not output_path.exists():
         return set()
     done = set()
-    for text in output_path.read_text().splitlines():
+    for text in _lines(output_path):
         try:
             done.add(str(json.loads(text)["id"]))
         except (json.JSONDecodeError, KeyError, TypeError):
@@ -93,8 +99,13 @@ def _done_ids(output_path: Path) -> set[str]:
     return done
 
 
+#: Characters JSON leaves unescaped that ``str.splitlines`` (and JavaScript before ES2019) take for line breaks.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def _write(out: TextIO, record: dict[str, Any]) -> None:
-    out.write(json.dumps(record, ensure_ascii=False) + "\n")
+    # Escaped (only ever inside strings here), so that any reader finds one record a line.
+    out.write(json.dumps(record, ensure_ascii=False).translate(_LINE_BREAKS) + "\n")
     out.flush()
 
 
@@ -118,11 +129,11 @@ def run_batch(llm: Any, input_path: Path, output_path: Path, use_tqdm: bool = Tr
     """Run every new line of ``input_path`` through ``llm`` (a ``tokenmill.LLM``), appending to ``output_path``."""
     _drop_partial_last_line(output_path)
     done = _done_ids(output_path)
-    lines = input_path.read_text().splitlines()
+    lines = _lines(input_path)
     items: list[BatchItem] = []
     prompts: list[dict[str, Any]] = []
     num_skipped = num_errors = 0
-    with output_path.open("a") as out:
+    with output_path.open("a", encoding="utf-8") as out:
         for number, text in enumerate(lines, start=1):
             if not text.strip():
                 continue

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tokenmill.batch_generate import parse_line
+from tokenmill.batch_generate import _done_ids, _write, parse_line
 
 pytestmark = pytest.mark.slow
 
@@ -85,3 +85,18 @@ def test_resume_runs_only_missing_ids(tmp_path: Path, smollm2_gguf: Path) -> Non
 def test_parse_line_errors(line: str, message: str) -> None:
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("|", r"\|")):
         parse_line(line, 1)
+
+
+def test_records_with_unicode_line_breaks_stay_one_line_each(tmp_path: Path) -> None:
+    """JSON leaves U+0085, U+2028 and U+2029 unescaped and ``str.splitlines`` breaks lines at them (a generated text
+    held one): the output escapes them, and resuming splits at newlines only, so it finds such a record's id even in
+    a file another tool wrote."""
+    output_path = tmp_path / "out.jsonl"
+    text = "x\u2028y\x85z\u2029"
+    with output_path.open("a", encoding="utf-8") as out:
+        _write(out, {"id": "a", "text": text})
+        _write(out, {"id": "b", "text": "plain"})
+    lines = output_path.read_text(encoding="utf-8").splitlines()
+    assert [json.loads(line)["text"] for line in lines] == [text, "plain"]
+    output_path.write_text(json.dumps({"id": "c", "text": text}, ensure_ascii=False) + "\n", encoding="utf-8")
+    assert _done_ids(output_path) == {"c"}
