@@ -21,7 +21,8 @@ and their bytes are part of the key: an edited header rebuilds every extension t
 A first start builds only the extensions the selected kernels use, and builds them side by side: each plugin's
 constructor calls :meth:`CppExtension.prepare`, which starts a missing build on a thread of its own (the compiler
 runs in a subprocess, so the builds share the cores while the weights load), and the first call that needs the
-module waits for it in :meth:`CppExtension.load`, logging every 15 s how long it has waited. The extensions
+module waits for it in :meth:`CppExtension.load`, logging every 15 s how long it has waited. An extension built
+by an earlier start is imported directly (its key says the build is current): no setuptools, no ninja. The extensions
 include a lean set of torch headers (``cpu_common/extension.h``), not ``<torch/extension.h>``, which alone took
 22 s of each build.
 
@@ -34,13 +35,13 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.machinery
+import importlib.util
 import logging
 import os
 import re
 import shutil
 import subprocess
-import sys
-import sysconfig
 import threading
 import time
 from collections.abc import Mapping
@@ -122,6 +123,9 @@ class CppExtension:
         with self._start_lock:
             if self._module is not None or self._background is not None or self.missing():
                 return
+            if self._built_library() is not None:
+                self.load()  # a dlopen: nothing to overlap, and no setuptools to import
+                return
             # Imported here, on the caller's thread: importing it imports setuptools, which inserts a finder into
             # sys.meta_path and removes it again, and an import running meanwhile on another thread (the caller
             # loading the model) can then step past the path finder: ModuleNotFoundError for a module that exists.
@@ -176,7 +180,7 @@ class CppExtension:
         includes, :func:`local_headers`) with this torch and Python lives."""
         if headers is None:
             headers = local_headers(source, self.include_root)
-        root = os.environ.get("TORCH_EXTENSIONS_DIR") or _cpp_extension().get_default_build_root()
+        root = os.environ.get("TORCH_EXTENSIONS_DIR") or _default_build_root()
         toolchain = f"{_compiler()} ninja {_ninja_version()}"
         key = build_key(
             source,
@@ -189,7 +193,19 @@ class CppExtension:
         )
         return Path(root) / f"{self.name}-{key}"
 
+    def _built_library(self) -> Path | None:
+        """The library an earlier start built from this source, or None when it must be built (or a build of it
+        is under way: torch's lock file is there)."""
+        directory = self.build_directory(self.source.read_bytes())
+        library = directory / f"{self.name}.so"
+        return library if library.exists() and not (directory / "lock").exists() else None
+
     def _build_or_load(self) -> ModuleType:
+        library = self._built_library()
+        if library is not None:
+            # The key covers everything the build read, so there is nothing for ninja to check: import it directly,
+            # without torch's loader (setuptools, a compiler version check and a ninja run per extension).
+            return _import_library(self.name, library)
         source = self.source.read_bytes()
         headers = local_headers(source, self.include_root)
         directory = self.build_directory(source, headers)
@@ -282,7 +298,10 @@ def _write_if_changed(path: Path, data: bytes) -> None:
 
 
 def _python_abi() -> str:
-    return sysconfig.get_config_var("SOABI") or sys.implementation.cache_tag
+    # The interpreter's own extension suffix (".cpython-311-x86_64-linux-gnu.so"), not sysconfig's SOABI: on
+    # Python 3.11 sysconfig fills its variables on first use without a lock, so the background builds, racing
+    # there, read None now and then, and a warm start built everything again under another key.
+    return importlib.machinery.EXTENSION_SUFFIXES[0].removeprefix(".").removesuffix(".so")
 
 
 def _compiler() -> str:
@@ -298,6 +317,22 @@ def _ninja_version() -> str | None:
     except (OSError, subprocess.CalledProcessError):
         return None
     return result.stdout.strip()
+
+
+def _default_build_root() -> str:
+    # torch's own default (cpp_extension.get_default_build_root), without importing cpp_extension.
+    import torch._appdirs
+
+    return os.path.realpath(torch._appdirs.user_cache_dir(appname="torch_extensions"))
+
+
+def _import_library(name: str, library: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, library)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {name} from {library}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _cpp_extension() -> ModuleType:

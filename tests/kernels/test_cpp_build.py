@@ -4,8 +4,10 @@ builds, and what it logs."""
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
+import sysconfig
 import threading
 import time
 from collections.abc import Callable
@@ -122,6 +124,32 @@ def test_two_clones_share_one_build_directory_and_an_edit_gets_its_own(
     assert flagged.build_directory(sources[0].read_bytes()) != directory
 
 
+def test_the_build_directory_does_not_depend_on_sysconfig(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Python 3.11's ``sysconfig`` fills its variables on first use without a lock: the background builds of a
+    start, reading it at once, got ``None`` for SOABI now and then and built again under another key. The key
+    reads the interpreter's extension suffix instead, so a half-filled ``sysconfig`` changes nothing."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "cache"))
+    source = tmp_path / "kernel.cpp"
+    source.write_text("// a kernel\n")
+    extension = CppExtension("tokenmill_test", source, ["-O3"], "test kernels")
+    directory = extension.build_directory(source.read_bytes())
+    assert cpp_build._python_abi() == sysconfig.get_config_var("SOABI")  # the same key as before: builds kept
+    monkeypatch.setattr(sysconfig, "get_config_var", lambda name: None)  # what a racing thread saw
+    assert extension.build_directory(source.read_bytes()) == directory
+
+
+def test_the_default_build_root_is_torchs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without ``TORCH_EXTENSIONS_DIR`` the builds go where torch's own would, found without importing
+    ``torch.utils.cpp_extension`` (and setuptools), in a process that has not imported them."""
+    code = (
+        "import sys; from tokenmill_kernels import cpp_build; root = cpp_build._default_build_root(); "
+        "assert 'torch.utils.cpp_extension' not in sys.modules; print(root)"
+    )
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == cpp_build._cpp_extension().get_default_build_root()
+
+
 def test_a_build_logs_its_start_and_end_and_a_cached_load_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -153,9 +181,18 @@ def test_a_build_logs_its_start_and_end_and_a_cached_load_nothing(
     assert infos[1].startswith("built tokenmill's test kernels in ")  # the time it took, not an estimate
 
     caplog.clear()
+    imported = []
+    monkeypatch.setattr(
+        cpp_build, "_import_library", lambda name, library: imported.append(library) or ModuleType(name)
+    )
     CppExtension("tokenmill_test", source, ["-O3"], "test kernels").load()  # a new process: built already
-    assert len(calls) == 2 and not [r for r in caplog.records if r.levelno >= logging.INFO]
-    assert calls[1][2] == build_directory  # the first load changed nothing the key depends on
+    assert not [r for r in caplog.records if r.levelno >= logging.INFO]
+    # The library imported as it is, without torch's loader (and its ninja run); the first load changed nothing the
+    # key depends on.
+    assert len(calls) == 1 and imported == [Path(build_directory) / "tokenmill_test.so"]
+    (Path(build_directory) / "lock").write_text("")  # another process building it: torch's loader waits on the lock
+    CppExtension("tokenmill_test", source, ["-O3"], "test kernels").load()
+    assert len(calls) == 2 and len(imported) == 1
 
 
 def test_prepared_extensions_build_side_by_side_and_load_waits_for_them(
@@ -294,9 +331,10 @@ def test_the_isa_calls_go_to_the_extension(monkeypatch: pytest.MonkeyPatch) -> N
     assert extension.isa() == "avx2"
 
 
-def test_prepare_imports_setuptools_before_its_thread_starts() -> None:
+def test_prepare_imports_setuptools_before_its_thread_starts(tmp_path: Path) -> None:
     # In a fresh interpreter: the background thread must not be the one importing setuptools (it inserts and
     # removes a sys.meta_path finder, and a concurrent import on the main thread can miss the path finder).
+    (tmp_path / "unused.cpp").write_text("// never built\n")
     code = """
 import sys, threading
 from pathlib import Path
@@ -312,5 +350,7 @@ cpp_build.CppExtension._load_in_background = lambda self: None
 cpp_build.CppExtension("tokenmill_never_built", Path("unused.cpp"), [], "test kernels").prepare()
 print(seen)
 """
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "cache")}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path,
+                            env=env)  # fmt: skip
     assert result.stdout.strip() == "[True]", result.stdout + result.stderr

@@ -38,6 +38,7 @@ import signal
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 import uvicorn
@@ -56,12 +57,13 @@ from tokenmill.engine_client import (
 from tokenmill.model_files import DEFAULT_MODEL, resolve_tokenizer
 from tokenmill.plugin_manager import PluginSystem, Slot, resolve_plugins
 from tokenmill.routing import Router
-from tokenmill.server.app import ServerState, build_app
-from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.tenants import Tenants
-from tokenmill.tokenizer import Tokenizer
 from tokenmill.transport.base import Transport
 from tokenmill.transport.security import check_supported, frontend_security
+
+if TYPE_CHECKING:
+    from tokenmill.server.app import ServerState
+    from tokenmill.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -206,6 +208,11 @@ def _engine_group(config: EngineConfig, transport: Transport, plugins: PluginSys
 async def _start(config: EngineConfig, group: EngineGroup, shutdown: _Shutdown, tenants: Tenants | None = None,
                  plugins: PluginSystem | None = None) -> ServerState | None:  # fmt: skip
     """Wait for every engine's handshake and load the tokenizer meanwhile; None if a signal came first."""
+    # The HTTP side (the app, the tokenizer and gguf, numpy: about half a second) is imported once the engines are
+    # started, so that it runs beside their own imports rather than before them.
+    from tokenmill.server.app import ServerState
+    from tokenmill.server.metrics import ServerMetrics
+    from tokenmill.tokenizer import Tokenizer
 
     async def start() -> Tokenizer:
         path = resolve_tokenizer(config.model.model, config.model.tokenizer)
@@ -229,6 +236,8 @@ async def _start(config: EngineConfig, group: EngineGroup, shutdown: _Shutdown, 
 
 async def _run(config: EngineConfig, state: ServerState, shutdown: _Shutdown) -> int:
     """Serve HTTP until a signal or an engine that cannot be brought back; drain; returns the exit status."""
+    from tokenmill.server.app import build_app  # imported already by _start
+
     group = state.group
     server = _Server(
         uvicorn.Config(
