@@ -34,18 +34,18 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     """A zeroed tensor. Zeros matter: attention multiplies unused slots by a weight of 0, and uninitialised
     memory could hold NaN.
 
-    On CPU the cache is a private anonymous mapping of its own (huge pages advised where the OS has them), whose
-    pages the OS maps, zeroed, as blocks are first written: a start costs no time for the pool's size (zeroing
-    4 GiB took 4-14 s on 2 cores), whatever memory the process freed before, which calloc would reuse and
-    clear. The block pool hands out the blocks already used before untouched ones, so the resident part grows
-    only with the load the cache has held; ``num_touched_blocks`` (the ``kv_cache_touched_bytes`` gauge) says
-    how much, and ``bench soak`` counts RSS growth net of it."""
+    On CPU the cache is a private anonymous mapping of its own, whose pages the OS maps, zeroed, as blocks are
+    first written: a start costs no time for the pool's size (zeroing 4 GiB took 4-14 s on 2 cores), whatever
+    memory the process freed before, which calloc would reuse and clear. The block pool hands out the blocks already
+    used before untouched ones, so the resident part grows only with the load the cache has held;
+    ``num_touched_blocks`` (the ``kv_cache_touched_bytes`` gauge) says how much, and ``bench soak`` counts RSS
+    growth net of it. Huge pages are not asked for: where Linux compacts memory to fault one in (THP ``defrag``
+    ``madvise``, a common default), each first write of a 2 MiB region cost about 7 ms, 0.4 s for the warm-up's
+    one block in every layer, and decode measured no faster with them."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     memory = mmap.mmap(-1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        memory.madvise(mmap.MADV_HUGEPAGE)
     # The tensor holds the mapping (a buffer export keeps it open) for as long as it lives.
     return torch.frombuffer(memory, dtype=torch.uint8).view(dtype).view(shape)
 
