@@ -20,8 +20,10 @@
 // set_isa forces one (for tests and benchmarks).
 
 #include <immintrin.h>
+#if defined(__linux__)
 #include <sys/syscall.h>
 #include <unistd.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -883,14 +885,18 @@ constexpr int64_t kAmxTile = 16;           // activation rows, and weight rows, 
 constexpr int64_t kAmxGroupBytes = 512;    // one group of 16 weight rows as the B tile: 8 rows of 4 codes x 16
 
 // Whether this CPU and kernel run AMX int8 tile products: the CPU flags, then Linux's permission for the tile
-// data state (arch_prctl ARCH_REQ_XCOMP_PERM, once per process).
+// data state (arch_prctl ARCH_REQ_XCOMP_PERM, once per process). Other kernels: no permission asked, no AMX.
 bool amx_usable() {
+#if defined(__linux__)
   static const bool usable = [] {
     if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-int8")) return false;
     constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
     return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
   }();
   return usable;
+#else
+  return false;
+#endif
 }
 
 struct __attribute__((packed)) TileConfig {
