@@ -33,6 +33,7 @@ one torch has loaded, so ``torch.set_num_threads`` governs the kernels' threads 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib.machinery
@@ -124,7 +125,10 @@ class CppExtension:
             if self._module is not None or self._background is not None or self.missing():
                 return
             if self._built_library() is not None:
-                self.load()  # a dlopen: nothing to overlap, and no setuptools to import
+                # A dlopen: nothing to overlap, and no setuptools to import. A failure is load()'s to raise, where
+                # its caller reports it, as for a background build.
+                with contextlib.suppress(Exception):
+                    self.load()
                 return
             # Imported here, on the caller's thread: importing it imports setuptools, which inserts a finder into
             # sys.meta_path and removes it again, and an import running meanwhile on another thread (the caller
