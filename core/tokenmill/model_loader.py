@@ -8,6 +8,7 @@ so peak memory stays near the model's own size.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -18,6 +19,8 @@ from torch import nn
 
 from tokenmill.attention.backend import AttentionBackend
 from tokenmill.config import EngineConfig
+from tokenmill.host_memory import move_to_huge_pages
+from tokenmill.layers.embedding import VocabParallelEmbedding
 from tokenmill.layers.fused_experts import FusedExperts, UsesFusedExperts, install_fused_experts
 from tokenmill.layers.kernels import LayerKernels, install_layer_kernels
 from tokenmill.layers.quantizer import Quantizer
@@ -321,6 +324,18 @@ def materialize_empty(model: nn.Module, device: torch.device) -> None:
                 module._buffers[name] = empty(buffer)
 
 
+def _streamed_weights(model: nn.Module) -> list[torch.Tensor]:
+    """The tensors each decode step reads whole: all the model's but the embedding's (a token reads one row of
+    it), unless the output projection is the tied embedding itself (no ``lm_head`` of its own)."""
+    embedding_is_head = getattr(model, "lm_head", None) is None
+    return [
+        tensor
+        for module in model.modules()
+        if embedding_is_head or not isinstance(module, VocabParallelEmbedding)
+        for tensor in (*module.parameters(recurse=False), *module.buffers(recurse=False))
+    ]
+
+
 def load_model(
     config: EngineConfig,
     plugins: PluginSystem | None = None,
@@ -393,5 +408,10 @@ def load_model(
         install_fused_experts(model, fused_experts)
     # A warm start reads the repacked weights.
     load_model_weights(model, path, weight_format, dtype, device, (tp.rank, tp.size), tp.expert_parallel)
+    if device.type == "cpu":  # before anything views the weights (host_memory)
+        started = time.monotonic()
+        moved = move_to_huge_pages(_streamed_weights(model))
+        if moved:
+            logger.info("weights moved into huge pages (%.0f MB) in %.2f s", moved / 1e6, time.monotonic() - started)
     model.eval()
     return LoadedModel(model, arch, attention, device, dtype, path, max_model_len, kv_cache_dtype, tp)

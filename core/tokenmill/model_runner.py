@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import math
-import mmap
 import time
 from collections.abc import Sequence
 
@@ -22,6 +21,7 @@ import torch
 from tokenmill.attention.backend import AttentionMetadata
 from tokenmill.cuda_graphs import CudaGraphRunner
 from tokenmill.device_copy import to_device
+from tokenmill.host_memory import anonymous_bytes
 from tokenmill.model_loader import LoadedModel
 from tokenmill.step_batch import SequenceChunk, build_batch
 
@@ -39,15 +39,13 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     memory the process freed before, which calloc would reuse and clear. The block pool hands out the blocks already
     used before untouched ones, so the resident part grows only with the load the cache has held;
     ``num_touched_blocks`` (the ``kv_cache_touched_bytes`` gauge) says how much, and ``bench soak`` counts RSS
-    growth net of it. Huge pages are not asked for: where Linux compacts memory to fault one in (THP ``defrag``
-    ``madvise``, a common default), each first write of a 2 MiB region cost about 7 ms, 0.4 s for the warm-up's
-    one block in every layer, and decode measured no faster with them."""
+    growth net of it. Huge pages are not asked for (unlike the weights, ``tokenmill.host_memory``): on the VMs we
+    measure on, each first write of a 2 MiB region cost about 7 ms, 0.4 s for the warm-up's one block in every
+    layer, and decode measured no faster with them."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    memory = mmap.mmap(-1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    # The tensor holds the mapping (a buffer export keeps it open) for as long as it lives.
-    return torch.frombuffer(memory, dtype=torch.uint8).view(dtype).view(shape)
+    return anonymous_bytes(num_bytes).view(dtype).view(shape)
 
 
 class ModelRunner:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.smaps import mapping_fields
 from tokenmill.testing.factories import make_engine
 
 
@@ -38,24 +39,9 @@ def test_kv_cache_reads_as_zeros_and_is_resident_only_where_used(tiny_model_dir:
     assert all(not cache[:, 1:].any() and cache.device == torch.device("cpu") for cache in caches)
 
 
-def _vm_flags(tensor: torch.Tensor) -> list[str]:
-    """The kernel's flags for the mapping that holds ``tensor`` (``VmFlags`` in /proc/self/smaps)."""
-    address, flags, inside = tensor.data_ptr(), None, False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        first = line.split(maxsplit=1)[0]
-        if "-" in first and not first.endswith(":"):
-            start, end = (int(part, 16) for part in first.split("-"))
-            inside = start <= address < end
-        elif first == "VmFlags:" and inside:
-            flags = line.split()[1:]
-    assert flags is not None, "no mapping holds the tensor"
-    return flags
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/smaps as Linux has it")
 def test_kv_cache_asks_for_no_huge_pages(tiny_model_dir: Path) -> None:
-    """``MADV_HUGEPAGE`` made each first write of a 2 MiB region wait for the kernel to compact memory (about 7 ms
-    each where THP ``defrag`` is ``madvise``: 0.4 s of the warm-up on the default model); the cache's mappings
-    carry no ``hg`` flag."""
+    """Under ``MADV_HUGEPAGE`` each first write of a 2 MiB region took about 7 ms on the VMs we measure on (0.4 s
+    of the warm-up on the default model); the cache's mappings carry no ``hg`` flag."""
     engine = make_engine(tiny_model_dir, cache={"block_size": 4, "num_kv_blocks": 65536})
-    assert all("hg" not in _vm_flags(cache) for cache in engine.executor.runner.kv_caches)
+    assert all("hg" not in mapping_fields(cache)["VmFlags"] for cache in engine.executor.runner.kv_caches)

@@ -10,6 +10,7 @@ quantizer's, whatever it stores (float, int4, int8, GPTQ).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from itertools import accumulate
 
@@ -59,7 +60,8 @@ class RoutedLoRA:
 
 class LinearLoRA:
     """Slots of adapter weights for one (possibly merged) linear of ``in_features`` inputs and ``part_sizes``
-    outputs per part."""
+    outputs per part: zeros of their own, or views of ``memory``, ``slot_bytes`` zeroed bytes on the host (the
+    manager makes all of a model's slots in one mapping of huge pages, as the weights: ``tokenmill.host_memory``)."""
 
     def __init__(
         self,
@@ -70,17 +72,23 @@ class LinearLoRA:
         max_lora_rank: int,
         dtype: torch.dtype,
         device: torch.device,
+        memory: torch.Tensor | None = None,
     ) -> None:
         self.context = context
         self.max_lora_rank = max_lora_rank
         self.offsets = (0, *accumulate(part_sizes))[:-1]
         rank = max_lora_rank
-        self.lora_a = torch.zeros(
-            (max_loras, len(part_sizes) * rank, in_features), dtype=dtype, device=device
-        )  # [max_loras, num_parts * max_lora_rank, in_features]
-        self.lora_b = [
-            torch.zeros((max_loras, rank, size), dtype=dtype, device=device) for size in part_sizes
-        ]  # each [max_loras, max_lora_rank, part_size]
+        shapes = [(max_loras, len(part_sizes) * rank, in_features), *((max_loras, rank, size) for size in part_sizes)]
+        if memory is None:
+            tensors = [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
+        else:
+            sizes = [math.prod(shape) * dtype.itemsize for shape in shapes]
+            tensors = [
+                part.view(dtype).view(shape)
+                for part, shape in zip(memory[: sum(sizes)].split(sizes), shapes, strict=True)
+            ]
+        self.lora_a = tensors[0]  # [max_loras, num_parts * max_lora_rank, in_features]
+        self.lora_b = tensors[1:]  # each [max_loras, max_lora_rank, part_size]
         #: The kernels' ``add(batch, x, y)`` over these slots (``LoRAKernels.bind``).
         self.bound = context.kernels.bind(self.lora_a, self.lora_b, self.offsets)
         # Each slot's rows of each part, viewed once: loading an adapter is a few hundred small copies.
@@ -88,6 +96,13 @@ class LinearLoRA:
             [(self.lora_a[slot, p * rank : (p + 1) * rank], b[slot]) for p, b in enumerate(self.lora_b)]
             for slot in range(max_loras)
         ]
+
+    @staticmethod
+    def slot_bytes(
+        in_features: int, part_sizes: tuple[int, ...], max_loras: int, max_lora_rank: int, dtype: torch.dtype
+    ) -> int:
+        """The bytes of one linear's slots (``memory``)."""
+        return max_loras * max_lora_rank * (len(part_sizes) * in_features + sum(part_sizes)) * dtype.itemsize
 
     def load_slot(self, slot: int, parts: dict[int, tuple[torch.Tensor, torch.Tensor, float]]) -> None:
         """Put one adapter in ``slot``: for each part it adapts, its ``lora_a`` ``[r, in]``, ``lora_b`` ``[out, r]``

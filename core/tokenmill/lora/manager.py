@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from tokenmill.config import ConfigError
+from tokenmill.host_memory import anonymous_bytes
 from tokenmill.layers.fused_experts import UsesFusedExperts
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.moe import Experts
@@ -201,16 +202,24 @@ class LoRAManager:
                 else:
                     bare_experts.append(f"{name}.experts.")
         routed, bare = tuple(adapted_experts), tuple(bare_experts)
+        adapted: list[tuple[str, Linear, tuple[str, ...], int]] = []  # name, linear, parts, its slots' bytes
         for name, module in model.named_modules():
             if not isinstance(module, Linear) or "." not in name or name.startswith(bare):
                 continue
-            parent, leaf = name.rsplit(".", 1)
+            leaf = name.rsplit(".", 1)[1]
             parts = packed.get(leaf, (leaf,))
-            if len(parts) != len(module.part_sizes) or not set(parts) <= set(SUPPORTED_TARGET_MODULES):
-                continue
+            if len(parts) == len(module.part_sizes) and set(parts) <= set(SUPPORTED_TARGET_MODULES):
+                size = LinearLoRA.slot_bytes(module.in_features, module.part_sizes, max_loras, max_lora_rank, dtype)
+                adapted.append((name, module, parts, -(-size // 64) * 64))
+        # On the host, all slots in one mapping of huge pages, in the order the layers read them.
+        memory = anonymous_bytes(sum(a[3] for a in adapted), huge_pages=True) if device.type == "cpu" else None
+        start = 0
+        for name, module, parts, size in adapted:
+            parent = name.rsplit(".", 1)[0]
             context = self.routed.context if name.startswith(routed) else self.context
-            layer = LinearLoRA(context, module.in_features, module.part_sizes, max_loras, max_lora_rank,
-                               dtype, device)  # fmt: skip
+            layer = LinearLoRA(context, module.in_features, module.part_sizes, max_loras, max_lora_rank, dtype,
+                               device, None if memory is None else memory[start : start + size])  # fmt: skip
+            start += size
             module.lora = layer
             self.layers.append(layer)
             for index, part in enumerate(parts):

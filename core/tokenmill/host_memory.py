@@ -1,0 +1,90 @@
+"""Host memory for what decode streams: a CPU model's weights and adapter slots in transparent huge pages, and
+mappings of their own for the KV pool.
+
+A decode step reads every weight once. Through 4 KiB pages the default model's 94 MB cross about 23,000 pages a
+token, far more than the TLB holds, and each miss costs a page walk (two-dimensional under a hypervisor, where
+most CPU inference runs); the hardware prefetchers also stop at each page's end. In 2 MiB pages the same weights
+are about 50 pages. So once a CPU model is loaded, its weights move into one private anonymous mapping advised
+``MADV_HUGEPAGE`` (``move_to_huge_pages``), and adapter slots are made there (``anonymous_bytes``). Linux honours
+the advice when THP is ``madvise`` or ``always`` (the usual defaults); under ``never`` nothing moves. Figures:
+docs/benchmarks.md, "Weights in huge pages".
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+HUGE_PAGE_BYTES = 2 << 20
+_THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def huge_pages_available() -> bool:
+    """Whether Linux gives transparent huge pages to a mapping advised ``MADV_HUGEPAGE``."""
+    try:
+        setting = _THP_SETTING.read_text()
+    except OSError:  # not Linux, or no THP
+        return False
+    return hasattr(mmap, "MADV_HUGEPAGE") and "[never]" not in setting
+
+
+def anonymous_bytes(num_bytes: int, huge_pages: bool = False) -> torch.Tensor:
+    """``num_bytes`` zeroed bytes, a uint8 CPU tensor over a private anonymous mapping of its own: the OS maps its
+    pages, zeroed, as they are first written, so an untouched part costs no time and no memory. With
+    ``huge_pages`` (where ``huge_pages_available``), the mapping is advised ``MADV_HUGEPAGE`` and the tensor starts
+    on a 2 MiB boundary."""
+    huge_pages = huge_pages and huge_pages_available()
+    padding = HUGE_PAGE_BYTES if huge_pages else 0
+    memory = mmap.mmap(-1, max(num_bytes + padding, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if huge_pages:
+        memory.madvise(mmap.MADV_HUGEPAGE)
+    # The tensor holds the mapping (a buffer export keeps it open) for as long as it lives.
+    whole = torch.frombuffer(memory, dtype=torch.uint8)
+    start = -whole.data_ptr() % HUGE_PAGE_BYTES if huge_pages else 0
+    return whole[start : start + num_bytes]
+
+
+def move_to_huge_pages(tensors: Iterable[torch.Tensor]) -> int:
+    """Move the data of CPU ``tensors`` into one mapping of huge pages, in place: each tensor keeps its identity,
+    shape, strides and dtype (``Tensor.set_``), so modules and anything else holding it see the moved data, and
+    tensors that shared memory still share it. A storage moves as the span its given tensors cover; what they
+    left is freed once nothing else holds it. Views made of a tensor before the move stay on the old memory: move
+    before anything is viewed. Returns the bytes moved: 0, moving nothing, where huge pages are unavailable.
+    """
+    if not huge_pages_available():
+        return 0
+    unique = {id(t): t for t in tensors if t.device.type == "cpu" and t.layout == torch.strided and t.numel()}
+    # Per storage: the byte span its tensors cover, and those tensors.
+    spans: dict[int, tuple[torch.UntypedStorage, int, int, list[torch.Tensor]]] = {}
+    for tensor in unique.values():
+        storage = tensor.untyped_storage()
+        first = int(tensor.storage_offset()) * tensor.element_size()
+        extent = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True))
+        end = first + extent * tensor.element_size()
+        _, start, stop, members = spans.get(storage.data_ptr(), (storage, first, end, []))
+        members.append(tensor)
+        spans[storage.data_ptr()] = (storage, min(start, first), max(stop, end), members)
+    # Each span keeps its start's address modulo 64, so every tensor keeps the alignment it had.
+    placed, total = [], 0
+    for storage, start, stop, members in spans.values():
+        offset = total + (-total + storage.data_ptr() + start) % 64
+        placed.append((offset, storage, start, stop, members))
+        total = offset + stop - start
+    arena = anonymous_bytes(total, huge_pages=True)
+    target = arena.untyped_storage()
+    with torch.no_grad():
+        for offset, storage, start, stop, members in placed:
+            source = torch.empty(0, dtype=torch.uint8).set_(storage, start, (stop - start,), (1,))
+            arena[offset : offset + stop - start].copy_(source)
+            for tensor in members:
+                moved = (
+                    int(arena.storage_offset()) + offset + int(tensor.storage_offset()) * tensor.element_size() - start
+                )
+                tensor.set_(target, moved // tensor.element_size(), tensor.shape, tensor.stride())
+    return total

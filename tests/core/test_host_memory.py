@@ -1,0 +1,83 @@
+"""Weights and adapter slots in huge pages on the host (``tokenmill.host_memory``)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from tests.smaps import mapping_fields
+from tokenmill import host_memory
+from tokenmill.host_memory import anonymous_bytes, huge_pages_available, move_to_huge_pages
+from tokenmill.testing.factories import make_engine
+
+needs_thp = pytest.mark.skipif(
+    not sys.platform.startswith("linux") or not huge_pages_available(), reason="Linux with THP not 'never'"
+)
+
+
+def _advised(tensor: torch.Tensor) -> bool:
+    return "hg" in mapping_fields(tensor)["VmFlags"]
+
+
+@needs_thp
+def test_moved_tensors_keep_identity_values_and_shared_memory() -> None:
+    base = torch.arange(4096, dtype=torch.float32).view(64, 64)
+    left, right = base[:, :40], base[:, 24:]  # overlapping views of one storage
+    transposed = torch.randn(48, 80).t()
+    odd = torch.arange(101, dtype=torch.float16)[3:]  # starts 6 bytes into its storage
+    parameter = nn.Parameter(torch.randn(33, 7), requires_grad=False)
+    tensors = [left, right, transposed, odd, parameter, parameter]
+    expected = [t.clone() for t in tensors]
+    ids, strides = [id(t) for t in tensors], [t.stride() for t in tensors]
+    alignments = [t.data_ptr() % 64 for t in tensors]
+
+    moved = move_to_huge_pages(tensors)
+
+    spans = base.nbytes + transposed.nbytes + odd.nbytes + parameter.nbytes  # each storage's span, once
+    assert spans <= moved < spans + 4 * 64  # and at most an alignment's padding before each
+    assert [id(t) for t in tensors] == ids and isinstance(tensors[4], nn.Parameter)
+    assert all(torch.equal(t, e) for t, e in zip(tensors, expected, strict=True))
+    assert [t.stride() for t in tensors] == strides
+    assert all(_advised(t) for t in tensors)
+    assert [t.data_ptr() % 64 for t in tensors] == alignments  # vector loads keep their alignment
+    assert left.untyped_storage().data_ptr() == right.untyped_storage().data_ptr() != base.data_ptr()
+    left[0, 30] = -1.0  # the views still overlap
+    assert right[0, 6] == -1.0 and base[0, 30] == 30.0  # and left the old storage behind
+
+
+def test_nothing_moves_where_huge_pages_are_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    setting = tmp_path / "enabled"
+    setting.write_text("always madvise [never]\n")
+    monkeypatch.setattr(host_memory, "_THP_SETTING", setting)
+    tensor = torch.randn(1000)
+    where = tensor.data_ptr()
+    assert not huge_pages_available()
+    assert move_to_huge_pages([tensor]) == 0 and tensor.data_ptr() == where
+    assert not anonymous_bytes(1 << 20, huge_pages=True).any()
+
+
+@needs_thp
+def test_a_cpu_model_streams_its_weights_from_huge_pages(tiny_model_dir: Path) -> None:
+    """Every weight a decode step reads whole is advised ``MADV_HUGEPAGE``; the embedding, of which a token reads
+    one row, stays where it loaded when the model has an output projection of its own."""
+    engine = make_engine(tiny_model_dir)
+    model = engine.executor.runner.loaded.model
+    linears = [module.weight for name, module in model.named_modules() if name.endswith(("qkv_proj", "down_proj"))]
+    assert linears and all(_advised(weight) for weight in linears)
+    assert model.lm_head is not None and _advised(model.lm_head.weight)
+    assert not _advised(model.model.embed_tokens.weight)
+
+
+@needs_thp
+def test_adapter_slots_share_one_huge_page_mapping(tiny_model_dir: Path) -> None:
+    engine = make_engine(tiny_model_dir, lora={"enable_lora": True, "max_loras": 2, "max_lora_rank": 8})
+    layers = engine.lora.layers
+    slots = [t for layer in layers for t in (layer.lora_a, *layer.lora_b)]
+    assert all(_advised(t) and not t.any() for t in slots)
+    assert len({t.untyped_storage().data_ptr() for t in slots}) == 1
+    ends = [(t.data_ptr(), t.data_ptr() + t.nbytes) for t in slots]
+    assert all(end <= start for (_, end), (start, _) in zip(ends, ends[1:], strict=False))  # in order, apart
