@@ -1,25 +1,22 @@
 """Host memory for what decode streams: a CPU model's weights and adapter slots in transparent huge pages, and
 mappings of their own for the KV pool.
 
-A decode step reads every weight once. Through 4 KiB pages the default model's 94 MB cross about 23,000 pages a
-token, far more than the TLB holds, and each miss costs a page walk (two-dimensional under a hypervisor, where
-most CPU inference runs); the hardware prefetchers also stop at each page's end. In 2 MiB pages the same weights
-are about 50 pages. So once a CPU model is loaded, its weights move into one private anonymous mapping advised
-``MADV_HUGEPAGE`` (``move_to_huge_pages``), and adapter slots are made there (``anonymous_bytes``). Linux honours
-the advice when THP is ``madvise`` or ``always`` (the usual defaults); under ``never`` nothing moves. Figures:
-docs/benchmarks.md, "Weights in huge pages".
+A decode step reads every weight once. Through 4 KiB pages the default model's 97 MB of streamed weights span about
+24,000 pages a token, far more than the TLB holds, and each miss costs a page walk (two-dimensional under a
+hypervisor, where most CPU inference runs). In 2 MiB pages they are about 50. So once a CPU model is loaded, its
+streamed weights move into one private anonymous mapping advised ``MADV_HUGEPAGE`` (``move_to_huge_pages``), and
+the LoRA slots are made in one such mapping (``anonymous_bytes``). Linux honours the advice when THP is
+``madvise`` or ``always`` (the usual defaults); under ``never`` nothing moves. Figures: docs/benchmarks.md,
+"Weights and adapter slots in huge pages".
 """
 
 from __future__ import annotations
 
-import logging
 import mmap
 from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-
-logger = logging.getLogger(__name__)
 
 HUGE_PAGE_BYTES = 2 << 20
 _THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
