@@ -12,6 +12,7 @@ the LoRA slots are made in one such mapping (``anonymous_bytes``). Linux honours
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 from collections.abc import Iterable
 from pathlib import Path
@@ -20,6 +21,7 @@ import torch
 
 HUGE_PAGE_BYTES = 2 << 20
 _THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+_MADV_DONTNEED = 4
 
 
 def huge_pages_available() -> bool:
@@ -56,7 +58,9 @@ def move_to_huge_pages(tensors: Iterable[torch.Tensor]) -> int:
     """
     if not huge_pages_available():
         return 0
-    unique = {id(t): t for t in tensors if t.device.type == "cpu" and t.layout == torch.strided and t.numel()}
+    # A view holds its base (autograd's view tracking), which would keep the old memory: bases move too.
+    given = [t for t in tensors if t.device.type == "cpu" and t.layout == torch.strided and t.numel()]
+    unique = {id(t): t for t in (*given, *(t._base for t in given if t._base is not None))}
     # Per storage: the byte span its tensors cover, and those tensors.
     spans: dict[int, tuple[torch.UntypedStorage, int, int, list[torch.Tensor]]] = {}
     for tensor in unique.values():
@@ -84,4 +88,25 @@ def move_to_huge_pages(tensors: Iterable[torch.Tensor]) -> int:
                     int(arena.storage_offset()) + offset + int(tensor.storage_offset()) * tensor.element_size() - start
                 )
                 tensor.set_(target, moved // tensor.element_size(), tensor.shape, tensor.stride())
+    _unmap_file_pages(
+        [(storage.data_ptr() + start, storage.data_ptr() + stop) for _, storage, start, stop, _ in placed]
+    )
     return total
+
+
+def _unmap_file_pages(spans: list[tuple[int, int]]) -> None:
+    """Unmap the whole pages of the moved ``spans`` (start and end addresses) that lie in a file's mapping: a
+    safetensors file stays mapped while any of its tensors is read from it (the embedding), and its pages would
+    stay resident beside their copies. The file keeps their bytes, so a view of them read later maps them again.
+    Anonymous memory is freed with its storage instead."""
+    files = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5].startswith("/"):
+            files.append(tuple(int(address, 16) for address in fields[0].split("-")))
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    for start, end in spans:
+        first, last = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE, end // mmap.PAGESIZE * mmap.PAGESIZE
+        if last > first and any(low <= first and last <= high for low, high in files):
+            madvise(first, last - first, _MADV_DONTNEED)

@@ -81,3 +81,30 @@ def test_adapter_slots_share_one_huge_page_mapping(tiny_model_dir: Path) -> None
     assert len({t.untyped_storage().data_ptr() for t in slots}) == 1
     ends = [(t.data_ptr(), t.data_ptr() + t.nbytes) for t in slots]
     assert all(end <= start for (_, end), (start, _) in zip(ends, ends[1:], strict=False))  # in order, apart
+
+
+@needs_thp
+def test_a_views_base_moves_with_it() -> None:
+    """A view holds its base, which would keep the memory it left: the base moves too."""
+    base = torch.arange(4096, dtype=torch.int32) % 251
+    view = base.view(64, 64)
+    move_to_huge_pages([view])
+    assert view._base is base and base.data_ptr() == view.data_ptr() and _advised(base)
+    assert torch.equal(base, torch.arange(4096, dtype=torch.int32) % 251)
+
+
+@needs_thp
+def test_pages_left_in_a_weights_file_are_unmapped(tmp_path: Path) -> None:
+    """Tensors loaded from a safetensors file view its mapping, which stays while any of them is read from it (an
+    embedding that does not move); the pages a moved tensor left there no longer count in the process's memory."""
+    from safetensors.torch import load_file, save_file
+
+    save_file({"moved": torch.randn(1 << 20), "stays": torch.randn(1 << 20)}, tmp_path / "w.safetensors")
+    tensors = load_file(tmp_path / "w.safetensors")
+    moved, stays = tensors["moved"], tensors["stays"]
+    expected = moved.clone()
+    assert moved.sum().isfinite() and stays.sum().isfinite()  # both resident
+    before = int(mapping_fields(stays)["Rss"][0])
+    move_to_huge_pages([moved])
+    assert torch.equal(moved, expected) and _advised(moved)
+    assert int(mapping_fields(stays)["Rss"][0]) <= before - moved.nbytes // 1024 + 8  # kB
