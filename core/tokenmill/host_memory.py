@@ -63,11 +63,13 @@ def move_to_huge_pages(tensors: Iterable[torch.Tensor]) -> int:
     unique = {id(t): t for t in (*given, *(t._base for t in given if t._base is not None))}
     # Per storage: the byte span its tensors cover, and those tensors.
     spans: dict[int, tuple[torch.UntypedStorage, int, int, list[torch.Tensor]]] = {}
+    left: list[tuple[int, int]] = []  # each tensor's old addresses
     for tensor in unique.values():
         storage = tensor.untyped_storage()
         first = int(tensor.storage_offset()) * tensor.element_size()
         extent = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True))
         end = first + extent * tensor.element_size()
+        left.append((storage.data_ptr() + first, storage.data_ptr() + end))
         _, start, stop, members = spans.get(storage.data_ptr(), (storage, first, end, []))
         members.append(tensor)
         spans[storage.data_ptr()] = (storage, min(start, first), max(stop, end), members)
@@ -88,17 +90,15 @@ def move_to_huge_pages(tensors: Iterable[torch.Tensor]) -> int:
                     int(arena.storage_offset()) + offset + int(tensor.storage_offset()) * tensor.element_size() - start
                 )
                 tensor.set_(target, moved // tensor.element_size(), tensor.shape, tensor.stride())
-    _unmap_file_pages(
-        [(storage.data_ptr() + start, storage.data_ptr() + stop) for _, storage, start, stop, _ in placed]
-    )
+    _unmap_file_pages(left)
     return total
 
 
 def _unmap_file_pages(spans: list[tuple[int, int]]) -> None:
-    """Unmap the whole pages of the moved ``spans`` (start and end addresses) that lie in a file's mapping: a
-    safetensors file stays mapped while any of its tensors is read from it (the embedding), and its pages would
-    stay resident beside their copies. The file keeps their bytes, so a view of them read later maps them again.
-    Anonymous memory is freed with its storage instead."""
+    """Unmap the whole pages of the moved tensors' old ``spans`` (start and end addresses) that lie in a file's
+    mapping: a safetensors file stays mapped while any of its tensors is read from it (the embedding), and the
+    pages the others left would stay resident beside their copies. The file keeps their bytes, so a view of them
+    read later maps them again. Anonymous memory is freed with its storage instead."""
     files = []
     for line in Path("/proc/self/maps").read_text().splitlines():
         fields = line.split(maxsplit=5)
