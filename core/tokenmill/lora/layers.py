@@ -78,7 +78,7 @@ class LinearLoRA:
         self.max_lora_rank = max_lora_rank
         self.offsets = (0, *accumulate(part_sizes))[:-1]
         rank = max_lora_rank
-        shapes = [(max_loras, len(part_sizes) * rank, in_features), *((max_loras, rank, size) for size in part_sizes)]
+        shapes = self._shapes(in_features, part_sizes, max_loras, rank)
         if memory is None:
             tensors = [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
         else:
@@ -98,11 +98,20 @@ class LinearLoRA:
         ]
 
     @staticmethod
+    def _shapes(
+        in_features: int, part_sizes: tuple[int, ...], max_loras: int, max_lora_rank: int
+    ) -> list[tuple[int, ...]]:
+        """``lora_a``'s shape, then each ``lora_b``'s."""
+        rank = max_lora_rank
+        return [(max_loras, len(part_sizes) * rank, in_features), *((max_loras, rank, size) for size in part_sizes)]
+
+    @classmethod
     def slot_bytes(
-        in_features: int, part_sizes: tuple[int, ...], max_loras: int, max_lora_rank: int, dtype: torch.dtype
+        cls, in_features: int, part_sizes: tuple[int, ...], max_loras: int, max_lora_rank: int, dtype: torch.dtype
     ) -> int:
         """The bytes of one linear's slots (``memory``)."""
-        return max_loras * max_lora_rank * (len(part_sizes) * in_features + sum(part_sizes)) * dtype.itemsize
+        shapes = cls._shapes(in_features, part_sizes, max_loras, max_lora_rank)
+        return sum(math.prod(shape) for shape in shapes) * dtype.itemsize
 
     def load_slot(self, slot: int, parts: dict[int, tuple[torch.Tensor, torch.Tensor, float]]) -> None:
         """Put one adapter in ``slot``: for each part it adapts, its ``lora_a`` ``[r, in]``, ``lora_b`` ``[out, r]``
