@@ -92,7 +92,8 @@ def test_bound_linear_at_one_token_on_any_number_of_threads(
     threads: int, part_sizes: tuple[int, ...], rank: int
 ) -> None:
     """What an engine step runs: the batch prepared once, each linear's ``bind`` called once, then ``add(batch, x,
-    y)``. One token splits its adapter's rank across the threads (each adds its share; the first into y)."""
+    y)``. One token splits across the threads: each shrinks a share of the rank, and adds the whole rank's product
+    to a share of the columns."""
     x, lora_a, lora_b, offsets, _, _ = _case(1, 96, part_sizes, 3, rank, seed=12)
     y = _randn(1, sum(part_sizes) + 3, seed=13)  # columns past the parts stay as they are
     token_slots = numpy.array([2])
@@ -109,6 +110,30 @@ def test_bound_linear_at_one_token_on_any_number_of_threads(
         torch.set_num_threads(before)
     torch.testing.assert_close(y, expected, atol=1e-5, rtol=1e-5)
     assert torch.equal(y[:, sum(part_sizes) :], expected[:, sum(part_sizes) :])
+
+
+@pytest.mark.parametrize(("shares", "rank"), [(2, 16), (3, 5)])
+def test_shares_that_run_before_the_others_compute_their_rows(shares: int, rank: int) -> None:
+    """A share that finds another's rows of the rank not yet published computes them itself, by the same code: run
+    one after another on one thread, the shares give what they give on as many threads, bit for bit."""
+    x, lora_a, lora_b, offsets, _, _ = _case(1, 96, (576, 192, 192), 3, rank, seed=15)
+    y = _randn(1, 960, seed=16)
+    weights = kernels.weights(lora_a, lora_b, offsets)
+    plan = kernels.plan(torch.tensor([1]))
+    in_parallel, in_turn = y.clone(), y.clone()
+    before = torch.get_num_threads()
+    torch.set_num_threads(shares)
+    try:
+        weights.add(plan, x, in_parallel)
+    finally:
+        torch.set_num_threads(before)
+    weights.add_in_shares(plan, x, in_turn, shares)
+    expected = y.clone()
+    REFERENCE.add_lora(REFERENCE.prepare(numpy.array([1]), x.device), x, lora_a, lora_b, offsets, expected)
+    torch.testing.assert_close(in_turn, expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(in_turn, in_parallel)
+    with pytest.raises(ValueError, match="one token with an adapter, and shares > 1"):
+        weights.add_in_shares(plan, x, in_turn, 1)
 
 
 def test_bound_linear_refuses_what_does_not_fit() -> None:

@@ -160,6 +160,16 @@ def test_it_adds_the_adapters_as_the_layers_do(llama_dir: Path, adapters: list[P
         assert not torch.equal(with_fused[rows], base[rows])
     assert torch.equal(with_fused[5:8], base[5:8])
 
+    # One token on an adapter: its products run inside each matmul's parallel region, in shares of the rank.
+    decode = [SequenceChunk([10], 5, [0, 1, 2, 3])]
+    logits = {}
+    for name, decoder, lora in (("fused", recorder, loras[0]), ("modules", None, loras[0]), ("base", None, None)):
+        model.fused_decoder = decoder
+        engine.lora.set_batch([lora], [1])
+        logits[name] = runner.execute(decode, all_logits=True)
+    assert torch.get_num_threads() > 1 and recorder.took[-1]
+    assert torch.equal(logits["fused"], logits["modules"]) and not torch.equal(logits["fused"], logits["base"])
+
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     by_layers = _on(engine, loras[0], "layers", params)
     model.fused_decoder = recorder  # type: ignore[assignment]
@@ -204,7 +214,7 @@ def test_the_stack_checks_what_it_is_given() -> None:
     with pytest.raises(ValueError, match="a stack of 1 layers takes 4 linears and 3 norms, got 0 and 3"):
         layer_kernels.decoder_stack([], [norm] * 3, [(4, 2, 16, 0.25, 0, 0.0)], 1e-6)
     capsule = paged_attention.c_api()
-    with pytest.raises(ValueError, match="expected a capsule of tokenmill.quant_matmul.api.v1, got "
+    with pytest.raises(ValueError, match="expected a capsule of tokenmill.quant_matmul.api.v2, got "
                                          "tokenmill.paged_attention.api.v1"):  # fmt: skip
         layer_kernels.load()
         layer_kernels._EXTENSION.load().DecoderStack([], [norm], [], 1e-6, capsule, capsule)

@@ -26,23 +26,52 @@ struct PagedAttentionApi {
                                 const c10::optional<at::Tensor>& tree_bits, double logits_soft_cap);
 };
 
-// quant_matmul: x [M, K] float32 @ W.T + bias.
+// Work another kernel runs inside a matmul's parallel region, so that the two share one fork and join: the
+// matmul splits its output columns into exactly `shares` parts, and the thread that computes part s then calls
+// run(context, s, shares, out, begin, end), where columns begin..end of every row of `out` [M, N] are that part's,
+// written. The side work may change those columns and no others.
+struct SideWork {
+  // `count` runs of `bytes` bytes, `stride` bytes apart.
+  struct Range {
+    const char* begin;
+    int64_t bytes, stride, count;
+  };
+  static constexpr int kMaxReads = 8;
+  void (*run)(void* context, int64_t share, int64_t shares, float* out, int64_t begin, int64_t end);
+  void* context;
+  int64_t shares;
+  // The memory run will read for a share (up to kMaxReads ranges; returns how many), which the matmul asks for a
+  // few lines at a time as it streams its own weights, so that run finds it in cache. nullptr: none.
+  int (*reads)(void* context, int64_t share, int64_t shares, int64_t begin, int64_t end, Range* ranges);
+};
+
+// quant_matmul: x [M, K] float32 @ W.T + bias; `side`: nullptr, or work to run in the same parallel region.
 struct QuantMatmulApi {
-  static constexpr const char* kName = "tokenmill.quant_matmul.api.v1";
+  static constexpr const char* kName = "tokenmill.quant_matmul.api.v2";
   at::Tensor (*matmul_int8)(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                            const c10::optional<at::Tensor>& bias);
+                            const c10::optional<at::Tensor>& bias, const SideWork* side);
   at::Tensor (*matmul_int4)(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                            const at::Tensor& mins, const c10::optional<at::Tensor>& bias);
+                            const at::Tensor& mins, const c10::optional<at::Tensor>& bias, const SideWork* side);
 };
 
 // lora: one adapted linear's adapter products for a step's tokens, added in place (Weights::add in lora.cpp).
 // `weights` and `plan` unwrap that module's Python Weights and Plan objects (nullptr for any other object; call
-// them with the GIL held); `add` needs no GIL.
+// them with the GIL held); the others need no GIL.
+//
+// A step of one token with an adapter can instead run as the base matmul's side work (SideWork), which saves a
+// parallel region per linear and keeps each output column on the thread that computed it: `side_bytes` gives the
+// zeroed scratch the shares share (0: the plan is not one such token; call `add`), `add_share` adds the token's
+// adapter product to columns begin..end of its output row y, and `share_reads` names what add_share will read.
 struct LoraApi {
-  static constexpr const char* kName = "tokenmill.lora.api.v1";
+  static constexpr const char* kName = "tokenmill.lora.api.v2";
   const void* (*weights)(pybind11::handle object);
   const void* (*plan)(pybind11::handle object);
   void (*add)(const void* weights, const void* plan, const at::Tensor& x, at::Tensor& y);
+  int64_t (*side_bytes)(const void* weights, const void* plan, int64_t shares);
+  void (*add_share)(const void* weights, const void* plan, const float* x, void* scratch, int64_t share,
+                    int64_t shares, float* y, int64_t begin, int64_t end);
+  int (*share_reads)(const void* weights, const void* plan, const float* x, int64_t share, int64_t shares,
+                     int64_t begin, int64_t end, SideWork::Range* ranges);
 };
 
 // Binds `c_api()` on module `m`: a capsule holding `api`, which must live as long as the module (a static).

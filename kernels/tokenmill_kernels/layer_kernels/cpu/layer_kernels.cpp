@@ -284,12 +284,41 @@ class DecoderStack {
     return rms_norm(x.reshape({-1, x.size(2)}), weight, eps_, c10::nullopt)[0].view(x.sizes());
   }
 
-  // As Linear.forward: the quantized matmul, then the step's adapter products added to its output.
+  // As Linear.forward: the quantized matmul, then the step's adapter products added to its output. One token's
+  // product runs inside the matmul's parallel region (SideWork), each thread adding to the columns it computed.
   at::Tensor linear(const QuantLinear& w, const at::Tensor& x, const void* lora_plan) const {
-    at::Tensor y = w.mins ? qm_->matmul_int4(x, w.qweight, w.scales, *w.mins, w.bias)
-                          : qm_->matmul_int8(x, w.qweight, w.scales, w.bias);
-    if (lora_plan != nullptr && w.lora != nullptr) lora_->add(w.lora, lora_plan, x, y);
-    return y;
+    const bool adapted = lora_plan != nullptr && w.lora != nullptr;
+    const int64_t shares = at::get_num_threads();
+    const int64_t bytes = adapted && x.size(0) == 1 ? lora_->side_bytes(w.lora, lora_plan, shares) : 0;
+    if (bytes == 0) {
+      at::Tensor y = matmul(w, x, nullptr);
+      if (adapted) lora_->add(w.lora, lora_plan, x, y);
+      return y;
+    }
+    struct Adapter {
+      const tokenmill::LoraApi* api;
+      const void *weights, *plan;
+      const float* x;
+      void* scratch;
+    };
+    std::vector<char> scratch(bytes, 0);
+    Adapter adapter{lora_, w.lora, lora_plan, x.data_ptr<float>(), scratch.data()};
+    const tokenmill::SideWork side{
+        [](void* context, int64_t s, int64_t n, float* out, int64_t begin, int64_t end) {
+          const Adapter& a = *static_cast<const Adapter*>(context);
+          a.api->add_share(a.weights, a.plan, a.x, a.scratch, s, n, out, begin, end);
+        },
+        &adapter, shares,
+        [](void* context, int64_t s, int64_t n, int64_t begin, int64_t end, tokenmill::SideWork::Range* ranges) {
+          const Adapter& a = *static_cast<const Adapter*>(context);
+          return a.api->share_reads(a.weights, a.plan, a.x, s, n, begin, end, ranges);
+        }};
+    return matmul(w, x, &side);
+  }
+
+  at::Tensor matmul(const QuantLinear& w, const at::Tensor& x, const tokenmill::SideWork* side) const {
+    return w.mins ? qm_->matmul_int4(x, w.qweight, w.scales, *w.mins, w.bias, side)
+                  : qm_->matmul_int8(x, w.qweight, w.scales, w.bias, side);
   }
 
   std::vector<Layer> layers_;

@@ -11,6 +11,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <utility>
 #include <vector>
 
@@ -159,7 +160,8 @@ void expand(const float* h, int64_t h_stride, int64_t rank, const W* b, int64_t 
   for (; o < n; ++o) {
     for (int t = 0; t < N; ++t) {
       float acc = 0.0f;
-      for (int64_t k = 0; k < rank; ++k) acc += h[t * h_stride + k] * Widen<W>::one(b + k * ldb + o);
+      // fma, as the vector lanes: a column's sum does not depend on where a call's columns start.
+      for (int64_t k = 0; k < rank; ++k) acc = std::fma(h[t * h_stride + k], Widen<W>::one(b + k * ldb + o), acc);
       y[t][o] += acc;
     }
   }
@@ -252,13 +254,13 @@ class Weights {
   // For each token t of the plan whose slot s is not -1: h = lora_a[s] @ x[t] ([parts * rank]), and for each
   // part p, y[t, offsets[p] : offsets[p] + out_p] += h[p * rank : (p + 1) * rank] @ lora_b[p][s].
   void add(const Plan& plan, const at::Tensor& x, at::Tensor& y) const {
+    check_plan(plan);
     TORCH_CHECK_VALUE(x.dim() == 2 && is_float_cpu(x) && x.stride(1) == 1 && x.size(1) == in_,
                       "x must be a float32 CPU [tokens, ", in_, "] matrix with contiguous rows, got ", x.sizes(),
                       " ", x.scalar_type(), " strides ", x.strides());
     const int64_t tokens = x.size(0);
     TORCH_CHECK_VALUE(tokens == plan.num_tokens(), "x has ", tokens, " rows, the plan ", plan.num_tokens(),
                       " tokens");
-    TORCH_CHECK_VALUE(plan.max_slot() < slots_, "a token uses slot ", plan.max_slot(), " of ", slots_);
     TORCH_CHECK_VALUE(y.dim() == 2 && is_float_cpu(y) && y.stride(1) == 1 && y.size(0) == tokens,
                       "y must be a float32 CPU [", tokens, ", out] matrix with contiguous rows, got ", y.sizes());
     TORCH_CHECK_VALUE(columns_ <= y.size(1), "the parts reach column ", columns_, ", past y's ", y.size(1),
@@ -282,7 +284,99 @@ class Weights {
     }
   }
 
+  // add() for a plan of one token with an adapter, run as `shares` shares one after another on this thread, as a
+  // matmul's side work runs when its region gets fewer threads than shares: each share finds the later ones not
+  // yet published. For tests: the result must be add()'s on `shares` threads, bit for bit.
+  void add_in_shares(const Plan& plan, const at::Tensor& x, at::Tensor& y, int64_t shares) const {
+    const int64_t bytes = side_bytes(plan, shares);
+    TORCH_CHECK_VALUE(bytes > 0, "add_in_shares takes a plan of one token with an adapter, and shares > 1");
+    TORCH_CHECK_VALUE(x.dim() == 2 && is_float_cpu(x) && x.is_contiguous() && x.size(0) == 1 && x.size(1) == in_ &&
+                          y.dim() == 2 && is_float_cpu(y) && y.is_contiguous() && y.size(0) == 1 &&
+                          y.size(1) >= columns_,
+                      "add_in_shares takes a contiguous float32 [1, ", in_, "] x and [1, >= ", columns_, "] y");
+    std::vector<char> scratch(bytes, 0);
+    for (int64_t s = 0; s < shares; ++s)
+      add_share(plan, x.data_ptr<float>(), scratch.data(), s, shares, y.data_ptr<float>(), columns_ * s / shares,
+                columns_ * (s + 1) / shares);
+  }
+
+  // The one-token product in shares (kernel_api.h, LoraApi): the bytes of the shares' scratch, 0 for a plan that
+  // is not one token with an adapter.
+  int64_t side_bytes(const Plan& plan, int64_t shares) const {
+    check_plan(plan);
+    const bool one = plan.num_tokens() == 1 && plan.blocks().size() == 1;
+    return one && shares > 1 && rank_ > 1 ? OneToken::bytes(part_rows_, shares) : 0;
+  }
+
+  // Share `share` of `shares` of the token's product, added to columns begin..end of its output row y.
+  void add_share(const Plan& plan, const float* x, void* scratch, int64_t share, int64_t shares, float* y,
+                 int64_t begin, int64_t end) const {
+    const OneToken one{plan.blocks()[0].slot, x, y, scratch, shares};
+    switch (dtype_) {
+      case at::kFloat: add_share<float>(one, share, begin, end); break;
+      case at::kHalf: add_share<at::Half>(one, share, begin, end); break;
+      default: add_share<at::BFloat16>(one, share, begin, end); break;
+    }
+  }
+
+  // What add_share reads for a share: the token's input x (written on another thread), its rows of A of each part,
+  // and each part's columns begin..end of B.
+  int share_reads(const Plan& plan, const float* x, int64_t share, int64_t shares, int64_t begin, int64_t end,
+                  tokenmill::SideWork::Range* ranges) const {
+    const int64_t slot = plan.blocks()[0].slot, size = lora_a_.element_size();
+    const auto [first, count] = rows_of(share, shares);
+    ranges[0] = {reinterpret_cast<const char*>(x), in_ * static_cast<int64_t>(sizeof(float)), 0, 1};
+    int n = 1;
+    for (size_t p = 0; p < widths_.size() && n + 2 <= tokenmill::SideWork::kMaxReads; ++p) {
+      const char* a = static_cast<const char*>(lora_a_.const_data_ptr());
+      ranges[n++] = {a + ((slot * part_rows_ + p * rank_ + first) * in_) * size, count * in_ * size, 0, 1};
+      const auto [lo, hi] = columns_of(p, begin, end);
+      const char* b = static_cast<const char*>(lora_b_[p].const_data_ptr());
+      if (lo < hi) {  // rank_ runs of the part's columns, a row of B apart
+        ranges[n++] = {b + (slot * rank_ * widths_[p] + lo) * size, (hi - lo) * size, widths_[p] * size, rank_};
+      }
+    }
+    return n;
+  }
+
  private:
+  void check_plan(const Plan& plan) const {
+    TORCH_CHECK_VALUE(plan.max_slot() < slots_, "a token uses slot ", plan.max_slot(), " of ", slots_);
+  }
+
+  // One token's product split in shares: share s shrinks rows_of(s) of every part and publishes them in the
+  // scratch (a flag per share, a cache line each, then h [parts * rank]); then it expands the whole rank into its
+  // columns. A share whose rows are not published yet is not waited for: its rows are computed again, by the
+  // same code, so the result does not depend on which thread ran first.
+  struct OneToken {
+    static constexpr int64_t kFlagBytes = 64;
+    int64_t slot;
+    const float* x;
+    float* y;
+    void* scratch;
+    int64_t shares;
+
+    static int64_t bytes(int64_t part_rows, int64_t shares) {
+      return shares * kFlagBytes + part_rows * static_cast<int64_t>(sizeof(float));
+    }
+    int32_t* flag(int64_t share) const {
+      return reinterpret_cast<int32_t*>(static_cast<char*>(scratch) + share * kFlagBytes);
+    }
+    float* h() const { return reinterpret_cast<float*>(static_cast<char*>(scratch) + shares * kFlagBytes); }
+  };
+
+  // A share's rows of the rank: (first, count).
+  std::pair<int64_t, int64_t> rows_of(int64_t share, int64_t shares) const {
+    const int64_t first = rank_ * share / shares;
+    return {first, rank_ * (share + 1) / shares - first};
+  }
+
+  // Part p's columns within the merged output's begin..end, in that part's own columns: (lo, hi).
+  std::pair<int64_t, int64_t> columns_of(size_t p, int64_t begin, int64_t end) const {
+    return {std::clamp(begin - offsets_[p], int64_t{0}, widths_[p]),
+            std::clamp(end - offsets_[p], int64_t{0}, widths_[p])};
+  }
+
   static bool is_weight_cpu(const at::Tensor& t, at::ScalarType dtype) {
     return t.scalar_type() == dtype && t.device().is_cpu() && t.is_contiguous() &&
            (dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16);
@@ -331,39 +425,66 @@ class Weights {
     }
   }
 
-  // One token (a decode step of one stream) is one block: each thread takes a share of the rank, shrinks its rows
-  // of A for every part and expands them with the same rows of B, so that the threads stream disjoint halves of
-  // the adapter in one parallel region. The first thread adds into y, the others into buffers summed after.
+  // One token (a decode step of one stream) is one block: the threads split it as the side work of a matmul does
+  // (add_share), each adding to an equal share of the output's columns.
   template <typename W>
   void split_one_token(const Rows& block) const {
-    const int64_t threads = std::min<int64_t>(at::get_num_threads(), rank_);
-    const size_t parts = widths_.size();
-    std::vector<int64_t> packed(parts + 1, 0);  // each part's first column in a thread's buffer
-    for (size_t p = 0; p < parts; ++p) packed[p + 1] = packed[p] + widths_[p];
-    std::vector<float> partial((threads - 1) * packed[parts], 0.0f);
-    at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> h(rank_);
-      for (int64_t j = begin; j < end; ++j) {
-        const int64_t first = rank_ * j / threads, count = rank_ * (j + 1) / threads - first;
-        // The thread's rows of A and B, a few short runs the hardware prefetcher would find one miss at a time.
-        for (size_t p = 0; p < parts; ++p) {
-          prefetch_l2(slot_a<W>(block.slot) + (p * rank_ + first) * in_, count * in_ * sizeof(W));
-          prefetch_l2(slot_b<W>(p, block.slot) + first * widths_[p], count * widths_[p] * sizeof(W));
+    const int64_t shares = at::get_num_threads();
+    std::vector<char> scratch(OneToken::bytes(part_rows_, shares), 0);
+    const OneToken one{block.slot, block.x[0], block.y[0], scratch.data(), shares};
+    at::parallel_for(0, shares, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t s = begin; s < end; ++s) {
+        const int64_t first = columns_ * s / shares, last = columns_ * (s + 1) / shares;
+        // The share's rows of A and columns of B: short runs the hardware prefetcher would find a miss at a time.
+        const auto [row, rows] = rows_of(s, shares);
+        for (size_t p = 0; p < widths_.size(); ++p) {
+          prefetch_l2(slot_a<W>(block.slot) + (p * rank_ + row) * in_, rows * in_ * sizeof(W));
+          const auto [lo, hi] = columns_of(p, first, last);
+          for (int64_t k = 0; k < rank_ && lo < hi; ++k)
+            prefetch_l2(slot_b<W>(p, block.slot) + k * widths_[p] + lo, (hi - lo) * sizeof(W));
         }
-        for (size_t p = 0; p < parts; ++p) {
-          shrink_one<W>(slot_a<W>(block.slot) + (p * rank_ + first) * in_, count, in_, block.x[0], h.data());
-          float* y[1] = {j == 0 ? block.y[0] + offsets_[p] : partial.data() + (j - 1) * packed[parts] + packed[p]};
-          expand<W, 1>(h.data(), 0, count, slot_b<W>(p, block.slot) + first * widths_[p], widths_[p], y,
-                       widths_[p]);
-        }
+        add_share<W>(one, s, first, last);
       }
     });
-    for (int64_t j = 1; j < threads; ++j)
-      for (size_t p = 0; p < parts; ++p) {
-        const float* from = partial.data() + (j - 1) * packed[parts] + packed[p];
-        float* to = block.y[0] + offsets_[p];
-        for (int64_t o = 0; o < widths_[p]; ++o) to[o] += from[o];
+  }
+
+  template <typename W>
+  void shrink_rows(const OneToken& one, int64_t share, float* h) const {
+    const auto [first, count] = rows_of(share, one.shares);
+    for (size_t p = 0; p < widths_.size() && count > 0; ++p)
+      shrink_one<W>(slot_a<W>(one.slot) + (p * rank_ + first) * in_, count, in_, one.x, h + p * rank_ + first);
+  }
+
+  template <typename W>
+  void add_share(const OneToken& one, int64_t share, int64_t begin, int64_t end) const {
+    float* h = one.h();
+    shrink_rows<W>(one, share, h);
+    __atomic_store_n(one.flag(share), 1, __ATOMIC_RELEASE);
+    std::vector<char> published(one.shares);
+    bool all = true;
+    for (int64_t s = 0; s < one.shares; ++s) {
+      published[s] = s == share || __atomic_load_n(one.flag(s), __ATOMIC_ACQUIRE);
+      all = all && published[s];
+    }
+    std::vector<float> own;  // the whole h, when some share's rows are not published yet
+    if (!all) {
+      own.resize(part_rows_);
+      for (int64_t s = 0; s < one.shares; ++s) {
+        if (!published[s]) {
+          shrink_rows<W>(one, s, own.data());
+          continue;
+        }
+        const auto [first, count] = rows_of(s, one.shares);
+        for (size_t p = 0; p < widths_.size(); ++p)
+          std::copy_n(h + p * rank_ + first, count, own.data() + p * rank_ + first);
       }
+    }
+    const float* full = all ? h : own.data();
+    for (size_t p = 0; p < widths_.size(); ++p) {
+      const auto [lo, hi] = columns_of(p, begin, end);
+      float* y[1] = {one.y + offsets_[p] + lo};
+      if (lo < hi) expand<W, 1>(full + p * rank_, 0, rank_, slot_b<W>(p, one.slot) + lo, widths_[p], y, hi - lo);
+    }
   }
 
   at::Tensor lora_a_;
@@ -383,6 +504,22 @@ void add(const void* weights, const void* plan, const at::Tensor& x, at::Tensor&
   static_cast<const Weights*>(weights)->add(*static_cast<const Plan*>(plan), x, y);
 }
 
+int64_t side_bytes(const void* weights, const void* plan, int64_t shares) {
+  return static_cast<const Weights*>(weights)->side_bytes(*static_cast<const Plan*>(plan), shares);
+}
+
+void add_share(const void* weights, const void* plan, const float* x, void* scratch, int64_t share, int64_t shares,
+               float* y, int64_t begin, int64_t end) {
+  static_cast<const Weights*>(weights)->add_share(*static_cast<const Plan*>(plan), x, scratch, share, shares, y,
+                                                   begin, end);
+}
+
+int share_reads(const void* weights, const void* plan, const float* x, int64_t share, int64_t shares, int64_t begin,
+                int64_t end, tokenmill::SideWork::Range* ranges) {
+  return static_cast<const Weights*>(weights)->share_reads(*static_cast<const Plan*>(plan), x, share, shares, begin,
+                                                            end, ranges);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -392,7 +529,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<at::Tensor, std::vector<at::Tensor>, std::vector<int64_t>>(), pybind11::arg("lora_a"),
            pybind11::arg("lora_b"), pybind11::arg("offsets"))
       .def("add", &Weights::add, "Each token's adapter product added in place to a float32 linear's output",
-           pybind11::arg("plan"), pybind11::arg("x"), pybind11::arg("y"));
-  static const tokenmill::LoraApi api{&unwrap<Weights>, &unwrap<Plan>, &add};
+           pybind11::arg("plan"), pybind11::arg("x"), pybind11::arg("y"))
+      .def("add_in_shares", &Weights::add_in_shares,
+           "add() for one token, as `shares` shares run one after another on this thread (for tests)",
+           pybind11::arg("plan"), pybind11::arg("x"), pybind11::arg("y"), pybind11::arg("shares"));
+  static const tokenmill::LoraApi api{&unwrap<Weights>, &unwrap<Plan>, &add, &side_bytes, &add_share, &share_reads};
   tokenmill::def_api(m, &api);
 }

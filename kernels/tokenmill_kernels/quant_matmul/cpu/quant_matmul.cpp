@@ -212,7 +212,54 @@ struct Problem {
   const QuantizedActivations* act;
   int64_t M, N, K, groups;
   float* out;  // [M, N]
+  const tokenmill::SideWork* side;  // nullptr, or work the runner runs in or after its parallel region
 };
+
+// The lines of a side work's reads (SideWork::reads), asked for into L2 a few at a time: next() once per row
+// group of the share, so that the last are asked for as its last group streams.
+class Trickle {
+ public:
+  Trickle(const tokenmill::SideWork& side, int64_t share, int64_t begin, int64_t end, int64_t steps) {
+    if (side.reads != nullptr) count_ = side.reads(side.context, share, side.shares, begin, end, ranges_);
+    int64_t lines = 0;
+    for (int i = 0; i < count_; ++i) {
+      tokenmill::SideWork::Range& r = ranges_[i];
+      const int64_t skew = reinterpret_cast<uintptr_t>(r.begin) % 64;  // from the line the run starts in
+      r.begin -= skew;
+      r.bytes += skew;
+      lines += r.count * ((r.bytes + 63) / 64);
+    }
+    per_step_ = steps > 0 ? (lines + steps - 1) / steps : 0;
+  }
+
+  void next() {
+    for (int64_t k = 0; k < per_step_ && range_ < count_; ++k) {
+      const tokenmill::SideWork::Range& r = ranges_[range_];
+      _mm_prefetch(r.begin + run_ * r.stride + offset_, _MM_HINT_T1);
+      offset_ += 64;
+      if (offset_ < r.bytes) continue;
+      offset_ = 0;
+      if (++run_ < r.count) continue;
+      run_ = 0;
+      ++range_;
+    }
+  }
+
+ private:
+  tokenmill::SideWork::Range ranges_[tokenmill::SideWork::kMaxReads];
+  int count_ = 0, range_ = 0;
+  int64_t per_step_ = 0, run_ = 0, offset_ = 0;
+};
+
+// The side work on its own, after a runner that does not split its columns into the side work's shares, over
+// out [M, N].
+void run_side(const tokenmill::SideWork* side, float* out, int64_t N) {
+  if (side == nullptr) return;
+  at::parallel_for(0, side->shares, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t s = begin; s < end; ++s)
+      side->run(side->context, s, side->shares, out, N * s / side->shares, N * (s + 1) / side->shares);
+  });
+}
 
 // How a variant holds one group: `Weights` (the 32 weight codes widened to int16), `Codes` (32 activation
 // codes), `Acc` (float32 partial sums of one output); `dot` gives the block's integer dot product as int32
@@ -809,7 +856,7 @@ void run(const Problem& p) {
   const int64_t scale_bytes = p.groups * static_cast<int64_t>(sizeof(uint16_t)) * (kInt4 ? 2 : 1);
   const int64_t group_bytes = kWeightTile * (p.row_bytes + scale_bytes);
   const int64_t grain = std::max<int64_t>(1, kMinBytesPerTask / group_bytes);
-  at::parallel_for(0, row_groups, grain, [&](int64_t begin, int64_t end) {
+  const auto row_groups_from = [&](int64_t begin, int64_t end, Trickle* trickle) {
     const int64_t n_end = std::min(end * kWeightTile, p.N);
     const int64_t prefetch_rows = (kPrefetchBytes + p.row_bytes - 1) / p.row_bytes;
     for (int64_t n0 = begin * kWeightTile; n0 < n_end; n0 += kWeightTile) {
@@ -819,6 +866,21 @@ void run(const Problem& p) {
       } else {
         for (int64_t n = n0; n < n_end; ++n) row_group<kInt4, 1, I>(p, n, false);
       }
+      if (trickle != nullptr) trickle->next();
+    }
+  };
+  if (p.side == nullptr) {
+    at::parallel_for(0, row_groups, grain, [&](int64_t begin, int64_t end) { row_groups_from(begin, end, nullptr); });
+    return;
+  }
+  const tokenmill::SideWork& side = *p.side;
+  at::parallel_for(0, side.shares, 1, [&](int64_t from, int64_t to) {
+    for (int64_t s = from; s < to; ++s) {
+      const int64_t first = row_groups * s / side.shares, last = row_groups * (s + 1) / side.shares;
+      const int64_t begin = std::min(first * kWeightTile, p.N), end = std::min(last * kWeightTile, p.N);
+      Trickle trickle(side, s, begin, end, last - first);
+      if (first < last) row_groups_from(first, last, &trickle);
+      side.run(side.context, s, side.shares, p.out, begin, end);
     }
   });
 }
@@ -872,6 +934,7 @@ void run_pairs(const Problem& p) {
       }
     }
   });
+  run_side(p.side, p.out, p.N);
 }
 
 // amx: avx512_vnni16, and at kAmxMinRows activation rows or more (prompt chunks, batched decode) the group dot
@@ -1049,6 +1112,7 @@ void run_amx(const Problem& p) {
   split_codes(p.act->q.get(), p.M * K, hi.data(), lo.data());
   at::parallel_for(0, (p.N + kAmxTile - 1) / kAmxTile, 1,
                    [&](int64_t begin, int64_t end) { amx_task<kInt4>(p, hi.data(), lo.data(), begin, end); });
+  run_side(p.side, p.out, p.N);
 }
 
 template <bool kInt4>
@@ -1150,8 +1214,9 @@ QuantWeight quant_weight(const at::Tensor& qweight, const at::Tensor& scales, co
                      scales.size(1) * kGroup};
 }
 
-// out [M, N] = x [M, K] @ W.T (+ bias), for M, N > 0.
-void matmul_into(const float* x, int64_t M, const QuantWeight& w, float* out) {
+// out [M, N] = x [M, K] @ W.T (+ bias), for M, N > 0; `side` (or nullptr) runs once: in the one pass, or after.
+void matmul_into(const float* x, int64_t M, const QuantWeight& w, float* out,
+                 const tokenmill::SideWork* side = nullptr) {
   const int64_t K = w.K, N = w.N;
   const int64_t passes = (M + kRowsPerPass - 1) / kRowsPerPass;
   for (int64_t pass = 0; pass < passes; ++pass) {
@@ -1164,7 +1229,8 @@ void matmul_into(const float* x, int64_t M, const QuantWeight& w, float* out) {
     if (isa == Isa::kAvx512Vnni && !amx) layout = Layout::kQuads;
     if ((isa == Isa::kAvx2 || isa == Isa::kAvxVnni) && rows >= kPairMinRows) layout = Layout::kPairs;
     const QuantizedActivations act = quantize_activations(x + first * K, rows, K, layout);
-    const Problem p{w.w, w.row_bytes, w.scales, w.mins, w.bias, &act, rows, N, K, K / kGroup, out + first * N};
+    const Problem p{w.w, w.row_bytes, w.scales, w.mins, w.bias, &act, rows, N,
+                    K, K / kGroup, out + first * N, passes == 1 ? side : nullptr};
     if (amx && w.int4()) {
       run_amx<true>(p);
     } else if (amx) {
@@ -1175,29 +1241,33 @@ void matmul_into(const float* x, int64_t M, const QuantWeight& w, float* out) {
       run_on<false>(p, isa);
     }
   }
+  if (passes > 1) run_side(side, out, N);
 }
 
 at::Tensor matmul(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor* mins,
-                  const c10::optional<at::Tensor>& bias) {
+                  const c10::optional<at::Tensor>& bias, const tokenmill::SideWork* side) {
   const int64_t M = x.size(0);
   at::Tensor out = at::empty({M, qweight.size(0)}, x.options());
-  if (M == 0 || qweight.size(0) == 0) return out;
+  if (M == 0 || qweight.size(0) == 0) {
+    run_side(side, out.data_ptr<float>(), qweight.size(0));
+    return out;
+  }
   check_f16c();
   matmul_into(x.data_ptr<float>(), M, quant_weight(qweight, scales, mins, bias ? bias->data_ptr<float>() : nullptr),
-              out.data_ptr<float>());
+              out.data_ptr<float>(), side);
   return out;
 }
 
 at::Tensor matmul_int8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                       const c10::optional<at::Tensor>& bias) {
+                       const c10::optional<at::Tensor>& bias, const tokenmill::SideWork* side) {
   check_inputs(x, qweight, scales, nullptr, bias, at::kChar, 1);
-  return matmul(x, qweight, scales, nullptr, bias);
+  return matmul(x, qweight, scales, nullptr, bias, side);
 }
 
 at::Tensor matmul_int4(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                       const at::Tensor& mins, const c10::optional<at::Tensor>& bias) {
+                       const at::Tensor& mins, const c10::optional<at::Tensor>& bias, const tokenmill::SideWork* side) {
   check_inputs(x, qweight, scales, &mins, bias, at::kByte, 2);
-  return matmul(x, qweight, scales, &mins, bias);
+  return matmul(x, qweight, scales, &mins, bias, side);
 }
 
 // A mixture-of-experts layer's routed experts in int8 or int4 (every expert's gate_up [2 * inner, hidden] and down
@@ -1407,10 +1477,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_activations_op(const at:
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Weight-only int8 / int4 quantized matmul (AVX2 + FMA + F16C, AVX-VNNI, AVX-512); see "
             "tokenmill_kernels.quant_matmul.";
-  m.def("matmul_int8", &matmul_int8, "x [M,K] f32 @ int8 [N,K] (+ f16 scales [N,K/32]) -> [M,N] f32", py::arg("x"),
-        py::arg("qweight"), py::arg("scales"), py::arg("bias") = py::none());
-  m.def("matmul_int4", &matmul_int4, "x [M,K] f32 @ packed 4-bit [N,K/2] (+ f16 scales, mins [N,K/32]) -> [M,N] f32",
-        py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("bias") = py::none());
+  m.def(
+      "matmul_int8",
+      [](const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+         const c10::optional<at::Tensor>& bias) { return matmul_int8(x, qweight, scales, bias, nullptr); },
+      "x [M,K] f32 @ int8 [N,K] (+ f16 scales [N,K/32]) -> [M,N] f32", py::arg("x"), py::arg("qweight"),
+      py::arg("scales"), py::arg("bias") = py::none());
+  m.def(
+      "matmul_int4",
+      [](const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales, const at::Tensor& mins,
+         const c10::optional<at::Tensor>& bias) { return matmul_int4(x, qweight, scales, mins, bias, nullptr); },
+      "x [M,K] f32 @ packed 4-bit [N,K/2] (+ f16 scales, mins [N,K/32]) -> [M,N] f32", py::arg("x"),
+      py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("bias") = py::none());
   m.def("quantize_activations", &quantize_activations_op,
         "x [M,K] f32 -> the kernels' int16 codes [M,K], scales d and block sums s [M,K/32]", py::arg("x"));
   py::class_<Experts>(m, "Experts", "A MoE layer's int8 or int4 routed experts, checked once")
