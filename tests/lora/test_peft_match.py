@@ -93,7 +93,7 @@ def test_quantized_base_adds_the_adapter_on_top(lora_model_dir: Path, adapters: 
     from safetensors.torch import load_file
 
     engine = make_engine(lora_model_dir, model={"dtype": "float32", "quantization": quantization},
-                         lora={"enable_lora": True})  # fmt: skip
+                         lora={"enable_lora": True, "lora_dtype": "float32"})  # fmt: skip
     assert engine.lora is not None
     lora = LoRARequest("a0", 1, str(adapters[0]))
     engine.lora.add_adapter(lora)
@@ -109,6 +109,19 @@ def test_quantized_base_adds_the_adapter_on_top(lora_model_dir: Path, adapters: 
     torch.testing.assert_close(layer(x), base + torch.cat(parts, dim=1), atol=1e-5, rtol=1e-5)
     engine.lora.set_batch([None], [5])
     torch.testing.assert_close(layer(x), base)
+
+
+@pytest.mark.parametrize(("quantization", "dtype"), [("none", torch.float32), ("int8", torch.float16),
+                                                     ("int4", torch.float16)])  # fmt: skip
+def test_auto_dtype_is_float16_over_quantized_linears_on_a_cpu(
+    lora_model_dir: Path, quantization: str, dtype: torch.dtype
+) -> None:
+    """``--lora-dtype auto`` on a CPU: float32 slots over float linears, float16 over quantized ones (a decode step
+    reads their weights at 4-8 bits; float32 adapters would add a fifth as much again)."""
+    engine = make_engine(lora_model_dir, model={"dtype": "float32", "quantization": quantization},
+                         lora={"enable_lora": True})  # fmt: skip
+    assert engine.lora is not None and engine.lora.dtype == dtype
+    assert all(layer.lora_a.dtype == dtype for layer in engine.lora.layers)
 
 
 @pytest.mark.parametrize(("lora_dtype", "share"), [("float16", 0.01), ("bfloat16", 0.1)])

@@ -54,9 +54,9 @@ class LoRAConfig(ConfigSection, frozen=True):
     lora_dtype: Annotated[
         Literal["auto", "float32", "float16", "bfloat16"],
         describe(
-            "The adapters' weights' dtype in their slots: 'auto' is float32 on a CPU (where they add in float32 "
-            "whatever they are stored in) and the model's dtype on a GPU. float16 halves what a decode step reads "
-            "per adapter, at about 3 significant decimal digits."
+            "The adapters' weights' dtype in their slots: 'auto' is the model's dtype on a GPU; on a CPU, where they "
+            "add in float32 whatever they are stored in, float16 over a quantized model (int4/int8, GPTQ, AWQ: half "
+            "what a decode step reads per adapter, at about 3 significant decimal digits) and float32 over a float one."
         ),
     ] = "auto"
     lora_kernels: Annotated[
