@@ -5,8 +5,10 @@
 // In torch a linear costs per adapter in the step an index, a matmul, and per part a matmul and an index_add;
 // at one token, or a few tokens per adapter, those dispatches are the whole cost. Here the tokens are grouped by
 // adapter into blocks of up to kBlock (a Plan, once per step), and each block reads its adapter's A rows (stored
-// [rank, in]) and B rows (stored [rank, out]) once for all its tokens. Blocks split across torch's threads. A
-// linear's slot tensors are checked once (Weights), so a call checks only its input and output.
+// [rank, in]) and B rows (stored [rank, out]) once for all its tokens. Blocks split across torch's threads; one
+// token splits itself (OneToken), and can run inside the base matmul's own parallel region (LoraApi, SideWork in
+// cpu_common/kernel_api.h). A linear's slot tensors are checked once (Weights), so a call checks only its input
+// and output.
 
 #include <immintrin.h>
 
