@@ -418,9 +418,9 @@ def build_lora_manager(config: EngineConfig, plugins: PluginSystem, loaded: Load
 
 def auto_lora_dtype(loaded: LoadedModel) -> torch.dtype:
     """``--lora-dtype auto``: on a GPU the model's dtype. On a CPU the adapters add in float32 whatever they are
-    stored in: float16 over quantized linears, whose weights a decode step streams at 4-8 bits, so that float32
-    adapters would add a fifth as much again (the default model's rank-16 adapter: 19.6 MB a token against 97 MB)
-    for digits the base does not keep; float32 over float linears."""
+    stored in: float16 over quantized linears, whose weights a decode step streams at 4-8 bits, where float32
+    adapters would make it read about a fifth more (docs/lora.md) for digits the base does not keep; float32 over
+    float linears."""
     if loaded.device.type != "cpu":
         return loaded.dtype
     quantized = any(  # the layers' linears ("." in the name: not the output projection)
