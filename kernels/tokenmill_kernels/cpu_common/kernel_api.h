@@ -29,7 +29,7 @@ struct PagedAttentionApi {
 // Work another kernel runs inside a matmul's parallel region, so that the two share one fork and join: the
 // matmul splits its output columns into exactly `shares` parts, and the thread that computes part s then calls
 // run(context, s, shares, out, begin, end), where columns begin..end of every row of `out` [M, N] are that part's,
-// written. The side work may change those columns and no others.
+// written. The side work may change those columns and no others. An empty output runs none.
 struct SideWork {
   // `count` runs of `bytes` bytes, `stride` bytes apart.
   struct Range {

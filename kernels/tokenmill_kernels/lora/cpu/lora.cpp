@@ -325,7 +325,13 @@ class Weights {
   // and each part's columns begin..end of B.
   int share_reads(const Plan& plan, const float* x, int64_t share, int64_t shares, int64_t begin, int64_t end,
                   tokenmill::SideWork::Range* ranges) const {
-    const int64_t slot = plan.blocks()[0].slot, size = lora_a_.element_size();
+    return reads(plan.blocks()[0].slot, x, share, shares, begin, end, ranges);
+  }
+
+ private:
+  int reads(int64_t slot, const float* x, int64_t share, int64_t shares, int64_t begin, int64_t end,
+            tokenmill::SideWork::Range* ranges) const {
+    const int64_t size = lora_a_.element_size();
     const auto [first, count] = rows_of(share, shares);
     ranges[0] = {reinterpret_cast<const char*>(x), in_ * static_cast<int64_t>(sizeof(float)), 0, 1};
     int n = 1;
@@ -341,7 +347,6 @@ class Weights {
     return n;
   }
 
- private:
   void check_plan(const Plan& plan) const {
     TORCH_CHECK_VALUE(plan.max_slot() < slots_, "a token uses slot ", plan.max_slot(), " of ", slots_);
   }
@@ -437,14 +442,12 @@ class Weights {
     at::parallel_for(0, shares, 1, [&](int64_t begin, int64_t end) {
       for (int64_t s = begin; s < end; ++s) {
         const int64_t first = columns_ * s / shares, last = columns_ * (s + 1) / shares;
-        // The share's rows of A and columns of B: short runs the hardware prefetcher would find a miss at a time.
-        const auto [row, rows] = rows_of(s, shares);
-        for (size_t p = 0; p < widths_.size(); ++p) {
-          prefetch_l2(slot_a<W>(block.slot) + (p * rank_ + row) * in_, rows * in_ * sizeof(W));
-          const auto [lo, hi] = columns_of(p, first, last);
-          for (int64_t k = 0; k < rank_ && lo < hi; ++k)
-            prefetch_l2(slot_b<W>(p, block.slot) + k * widths_[p] + lo, (hi - lo) * sizeof(W));
-        }
+        // What the share reads: short runs the hardware prefetcher would find a miss at a time.
+        tokenmill::SideWork::Range ranges[tokenmill::SideWork::kMaxReads];
+        const int count = reads(block.slot, block.x[0], s, shares, first, last, ranges);
+        for (int i = 0; i < count; ++i)
+          for (int64_t run = 0; run < ranges[i].count; ++run)
+            prefetch_l2(ranges[i].begin + run * ranges[i].stride, ranges[i].bytes);
         add_share<W>(one, s, first, last);
       }
     });
@@ -462,17 +465,15 @@ class Weights {
     float* h = one.h();
     shrink_rows<W>(one, share, h);
     __atomic_store_n(one.flag(share), 1, __ATOMIC_RELEASE);
-    std::vector<char> published(one.shares);
+    // A flag once read set stays set, so a share seen published below may be read from h.
+    const auto published = [&](int64_t s) { return s == share || __atomic_load_n(one.flag(s), __ATOMIC_ACQUIRE); };
     bool all = true;
-    for (int64_t s = 0; s < one.shares; ++s) {
-      published[s] = s == share || __atomic_load_n(one.flag(s), __ATOMIC_ACQUIRE);
-      all = all && published[s];
-    }
+    for (int64_t s = 0; s < one.shares && all; ++s) all = published(s);
     std::vector<float> own;  // the whole h, when some share's rows are not published yet
     if (!all) {
       own.resize(part_rows_);
       for (int64_t s = 0; s < one.shares; ++s) {
-        if (!published[s]) {
+        if (!published(s)) {
           shrink_rows<W>(one, s, own.data());
           continue;
         }
