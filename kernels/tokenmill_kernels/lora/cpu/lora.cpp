@@ -407,7 +407,9 @@ class Weights {
     }
     at::parallel_for(0, static_cast<int64_t>(rows.size()), 1, [&](int64_t begin, int64_t end) {
       std::vector<float> h(kBlock * part_rows_);
+      if (begin < end) prefetch_block<W>(rows[begin]);
       for (int64_t i = begin; i < end; ++i) {
+        if (i + 1 < end) prefetch_block<W>(rows[i + 1]);
         switch (rows[i].count) {
           case 1: run_block<W, 1>(rows[i], h.data()); break;
           case 2: run_block<W, 2>(rows[i], h.data()); break;
@@ -416,6 +418,16 @@ class Weights {
         }
       }
     });
+  }
+
+  // A block's A and B rows, asked for into L2 before the block before it runs: one adapter's rows are a few runs
+  // of tens of KB that the hardware prefetcher would find a miss at a time. Asking for all of a task's blocks at
+  // once measured slower: the requests queue ahead of the running block's own loads.
+  template <typename W>
+  void prefetch_block(const Rows& block) const {
+    prefetch_l2(slot_a<W>(block.slot), part_rows_ * in_ * static_cast<int64_t>(sizeof(W)));
+    for (size_t p = 0; p < widths_.size(); ++p)
+      prefetch_l2(slot_b<W>(p, block.slot), rank_ * widths_[p] * static_cast<int64_t>(sizeof(W)));
   }
 
   template <typename W, int N>
