@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from tests.factories import make_engine, make_requests, make_scheduler, run_to_completion
 from tokenmill import LoRARequest, SamplingParams
 from tokenmill.engine import now
@@ -84,3 +86,26 @@ def test_prefix_cache_is_never_shared_across_adapters(lora_model_dir: Path, adap
     assert cached("base", None) == 0  # and under the base model
     assert cached("a-again", a) == 28  # the same adapter shares its blocks (all but the last token's)
     assert cached("base-again", None) == 28
+
+
+def test_a_step_laid_out_as_the_last_reuses_its_layout_until_a_slot_changes(
+    lora_model_dir: Path, adapters: list[Path]
+) -> None:
+    engine = make_engine(lora_model_dir, model={"dtype": "float32"}, lora={"enable_lora": True, "max_loras": 2})
+    manager = engine.lora
+    assert manager is not None
+    first = _lora(1, adapters[0])
+    manager.set_batch([first, None], [1, 1])
+    batch = manager.context.batch
+    manager.set_batch([first, None], [1, 1])
+    assert manager.context.batch is batch  # decode steps of one layout lay it out once
+    manager.set_batch([first, None], [2, 1])
+    assert manager.context.batch is not batch and manager.context.batch.num_tokens == 3
+    slot = manager.slot_adapters[1]
+    layer = manager.layers[0]
+    before = layer.lora_a[slot].clone()
+    manager.remove_adapter(1)  # unloaded, then loaded again under the same id from other weights
+    manager.add_adapter(_lora(1, adapters[1]))
+    manager.set_batch([_lora(1, adapters[1]), None], [2, 1])
+    assert 1 in manager.slot_adapters
+    assert not torch.equal(layer.lora_a[manager.slot_adapters[1]], before)  # the new weights, not the old slot's

@@ -233,6 +233,8 @@ class LoRAManager:
         self._cpu: OrderedDict[int, _AdapterWeights] = OrderedDict()  # least recently used first
         self._slot_of: OrderedDict[int, int] = OrderedDict()  # lora_int_id -> slot, least recently used first
         self._free_slots = list(range(max_loras))
+        #: The layout ``set_batch`` last made (``_layout``), None when a slot changed since.
+        self._layout: tuple[tuple[int | None, ...], tuple[int, ...]] | None = None
         #: Adapters read into host memory since start (for metrics and tests).
         self.num_loads = 0
         self._loading: dict[int, _Read] = {}  # by lora_int_id
@@ -327,6 +329,7 @@ class LoRAManager:
         slot = self._slot_of.pop(lora_int_id, None)
         if slot is not None:
             self._free_slots.append(slot)
+            self._layout = None
 
     @property
     def num_cpu_adapters(self) -> int:
@@ -343,12 +346,16 @@ class LoRAManager:
         """Put the adapters of the step's requests in slots and lay its tokens out by slot (each request's
         ``num_new_tokens`` in order, as the model runner flattens them). Called once per step, before the
         forward."""
+        lora_requests = [s.request.lora_request for s in scheduled]
+        num_tokens = [s.num_new_tokens for s in scheduled]
+        if self._same_layout(lora_requests, num_tokens):
+            return
         held = {
             s.request.lora_request.lora_int_id: s.request.lora_load.weights
             for s in scheduled
             if s.request.lora_request is not None and s.request.lora_load is not None and s.request.lora_load.weights
         }
-        self.set_batch([s.request.lora_request for s in scheduled], [s.num_new_tokens for s in scheduled], held)
+        self.set_batch(lora_requests, num_tokens, held)
 
     def set_batch(
         self,
@@ -360,6 +367,9 @@ class LoRAManager:
         order the forward's input is laid out (tests and tools that run the model runner themselves); ``held``:
         weights the requests hold, by ``lora_int_id`` (an adapter in neither ``held`` nor host memory is read
         from disk now)."""
+        if self._same_layout(lora_requests, num_tokens):
+            return
+        self._layout = None
         if not any(lora_requests):
             self.context.batch = None
             self.routed.step_slots = None
@@ -371,6 +381,13 @@ class LoRAManager:
         token_slots = numpy.repeat(numpy.asarray(slots, dtype=numpy.int64), counts)  # [num_tokens]
         self.context.batch = self.context.kernels.prepare(token_slots, self.device)
         self.routed.step_slots = token_slots
+        self._layout = _layout(lora_requests, num_tokens)
+
+    def _same_layout(self, lora_requests: Sequence[LoRARequest | None], num_tokens: Sequence[int]) -> bool:
+        """Whether the last step's layout holds for this one: its adapters and token counts, request by request,
+        with no slot changed since. Decode steps repeat their layout until a request joins or ends, and laying a
+        step out again is most of the host work an adapter adds to a decode step."""
+        return self._layout is not None and self._layout == _layout(lora_requests, num_tokens)
 
     def _activate(self, request: LoRARequest, in_step: set[int], held: Mapping[int, _AdapterWeights]) -> int:
         """The slot of ``request``'s adapter, loading it there (from host memory, the request's own copy, or
@@ -399,6 +416,13 @@ class LoRAManager:
             layer.load_slot(slot, adapted)
         self._slot_of[lora_id] = slot
         return slot
+
+
+def _layout(
+    lora_requests: Sequence[LoRARequest | None], num_tokens: Sequence[int]
+) -> tuple[tuple[int | None, ...], tuple[int, ...]]:
+    """A step's layout by adapter: each sequence's adapter id (None: none) and number of tokens."""
+    return tuple(None if r is None else r.lora_int_id for r in lora_requests), tuple(num_tokens)
 
 
 def build_lora_manager(config: EngineConfig, plugins: PluginSystem, loaded: LoadedModel) -> LoRAManager | None:
