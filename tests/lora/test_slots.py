@@ -53,10 +53,11 @@ def test_many_requests_over_more_adapters_than_slots_leave_nothing_behind(
         request = EngineCoreRequest(f"alone{i}", [9, 8, 7, 6, 5], _params(), [], now(), lora_request=lora)
         alone[i] = run_to_completion(engine, [request])[f"alone{i}"]
     requests = [
-        EngineCoreRequest(f"r{n}", [9, 8, 7, 6, 5], _params(), [], now(), lora_request=loras[n % 6]) for n in range(60)
+        EngineCoreRequest(f"r{n}", [9, 8, 7, 6, 5], _params(), [], now(), lora_request=loras[n % 6])
+        for n in range(1000)
     ]
     tokens = run_to_completion(engine, requests)
-    assert all(tokens[f"r{n}"] == alone[n % 6] for n in range(60))
+    assert all(tokens[f"r{n}"] == alone[n % 6] for n in range(1000))
     assert engine.lora is not None and engine.lora.num_loads > 5  # adapters left host memory and came back
     assert len(engine.lora.slot_adapters) <= 2 and engine.lora.num_cpu_adapters <= 3
     assert not engine.scheduler.running_loras  # type: ignore[attr-defined]
