@@ -85,6 +85,15 @@ def test_adapter_slots_share_one_huge_page_mapping(tiny_model_dir: Path) -> None
 
 
 @needs_thp
+def test_adapter_slots_are_faulted_in_before_the_first_adapter_loads(tiny_model_dir: Path) -> None:
+    engine = make_engine(tiny_model_dir, lora={"enable_lora": True, "max_loras": 2, "max_lora_rank": 8})
+    layers = engine.lora.layers
+    first, last = layers[0].lora_a, layers[-1].lora_b[-1]
+    resident = int(mapping_fields(first)["Rss"][0]) * 1024  # read before anything reads the slots
+    assert resident >= last.data_ptr() + last.nbytes - first.data_ptr()
+
+
+@needs_thp
 def test_a_views_base_moves_with_it() -> None:
     """A view holds its base, which would keep the memory it left: the base moves too."""
     base = torch.arange(4096, dtype=torch.int32) % 251

@@ -212,8 +212,12 @@ class LoRAManager:
             if len(parts) == len(module.part_sizes) and set(parts) <= set(SUPPORTED_TARGET_MODULES):
                 size = LinearLoRA.slot_bytes(module.in_features, module.part_sizes, max_loras, max_lora_rank, dtype)
                 adapted.append((name, module, parts, -(-size // 64) * 64))
-        # On the host, all slots in one mapping of huge pages, in the order the layers read them.
+        # On the host, all slots in one mapping of huge pages, in the order the layers read them, faulted in now:
+        # slot 0 of every linear spans nearly every page, so the first adapter's copy would otherwise pay each
+        # page's first fault (and its compaction) on the engine loop, holding every stream up.
         memory = anonymous_bytes(sum(a[3] for a in adapted), huge_pages=True) if device.type == "cpu" else None
+        if memory is not None:
+            memory.zero_()
         start = 0
         for name, module, parts, size in adapted:
             parent = name.rsplit(".", 1)[0]
