@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -110,3 +113,32 @@ def test_a_step_laid_out_as_the_last_reuses_its_layout_until_a_slot_changes(
     manager.set_batch([_lora(1, adapters[1]), None], [2, 1])
     assert 1 in manager.slot_adapters
     assert not torch.equal(layer.lora_a[manager.slot_adapters[1]], before)  # the new weights, not the old slot's
+
+
+_FIRST_ADAPTER_STEP = """
+import json, sys
+from tokenmill import LoRARequest, SamplingParams
+from tokenmill.engine import now
+from tokenmill.messages import EngineCoreRequest
+from tokenmill.testing.factories import make_engine
+
+engine = make_engine(sys.argv[1], model={"dtype": "float32"}, lora={"enable_lora": True, "max_loras": 2})
+params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+engine.add_request(EngineCoreRequest("base", [9, 8, 7, 6, 5], params, [], now()))
+while engine.has_unfinished_requests():
+    engine.step()
+before = set(sys.modules)
+lora = LoRARequest("a1", 1, sys.argv[2])
+engine.add_request(EngineCoreRequest("adapted", [9, 8, 7, 6, 5], params, [], now(), lora_request=lora))
+while engine.has_unfinished_requests():
+    engine.step()
+print(json.dumps(sorted(set(sys.modules) - before)))
+"""
+
+
+def test_the_first_adapter_step_imports_nothing(lora_model_dir: Path, adapters: list[Path]) -> None:
+    # An import on the engine loop holds every stream up (numpy.unique's first call imported numpy.ma: 60 ms).
+    # In a fresh interpreter: this one has imported everything the other tests needed.
+    done = subprocess.run([sys.executable, "-c", _FIRST_ADAPTER_STEP, str(lora_model_dir), str(adapters[0])],
+                          capture_output=True, text=True, timeout=300, check=True)  # fmt: skip
+    assert json.loads(done.stdout.splitlines()[-1]) == []

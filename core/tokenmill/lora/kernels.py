@@ -61,9 +61,10 @@ class LoRAKernels(SelectableKernels, ABC):
     def prepare(self, token_slots: numpy.ndarray, device: torch.device) -> LoRABatch:
         """Lay out a step whose token ``t`` uses slot ``token_slots[t]`` (-1: no adapter); ``token_slots`` is
         ``[num_tokens]`` int64 on the host. The default groups the tokens by slot."""
-        slots = numpy.unique(token_slots)
+        # Not numpy.unique: its first call imports numpy.ma (tens of ms, on the engine loop).
+        in_use = numpy.flatnonzero(numpy.bincount(token_slots + 1)[1:])  # slots >= 0 that hold a token, ascending
         groups: list[tuple[int, torch.Tensor | None]] = []
-        for slot in slots[slots >= 0].tolist():
+        for slot in in_use.tolist():
             where = numpy.flatnonzero(token_slots == slot)
             index = None if where.size == token_slots.size else torch.from_numpy(where).to(device)
             groups.append((int(slot), index))
