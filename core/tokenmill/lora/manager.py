@@ -12,8 +12,9 @@ least-recently-used caches, as vLLM's worker LoRA manager does:
   waits for the disk again;
 - up to ``max_loras`` of them in the model's slots, on the device. Each step, ``set_step`` puts the step's
   adapters in slots (a slot whose adapter the step does not use is reused, the least recently used first) and
-  lays the step's tokens out by slot for the kernels. The scheduler admits no more distinct adapters than there
-  are slots, so a step's adapters always fit.
+  lays the step's tokens out by slot for the kernels, unless the step is laid out as the last one (decode steps
+  whose requests did not change). The scheduler admits no more distinct adapters than there are slots, so a
+  step's adapters always fit.
 """
 
 from __future__ import annotations
