@@ -27,7 +27,7 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeAlias
 
 import msgspec
 import numpy
@@ -238,8 +238,8 @@ class LoRAManager:
         self._cpu: OrderedDict[int, _AdapterWeights] = OrderedDict()  # least recently used first
         self._slot_of: OrderedDict[int, int] = OrderedDict()  # lora_int_id -> slot, least recently used first
         self._free_slots = list(range(max_loras))
-        #: The layout ``set_batch`` last made (``_layout``), None when a slot changed since.
-        self._layout: tuple[tuple[int | None, ...], tuple[int, ...]] | None = None
+        #: The layout the last step was given (``_layout``), None when a slot changed since.
+        self._layout: _Layout | None = None
         #: Adapters read into host memory since start (for metrics and tests).
         self.num_loads = 0
         self._loading: dict[int, _Read] = {}  # by lora_int_id
@@ -353,14 +353,15 @@ class LoRAManager:
         forward."""
         lora_requests = [s.request.lora_request for s in scheduled]
         num_tokens = [s.num_new_tokens for s in scheduled]
-        if self._same_layout(lora_requests, num_tokens):
+        layout = _layout(lora_requests, num_tokens)
+        if layout == self._layout:  # decode steps repeat their layout until a request joins or ends
             return
         held = {
             s.request.lora_request.lora_int_id: s.request.lora_load.weights
             for s in scheduled
             if s.request.lora_request is not None and s.request.lora_load is not None and s.request.lora_load.weights
         }
-        self.set_batch(lora_requests, num_tokens, held)
+        self._lay_out(lora_requests, num_tokens, held, layout)
 
     def set_batch(
         self,
@@ -372,27 +373,34 @@ class LoRAManager:
         order the forward's input is laid out (tests and tools that run the model runner themselves); ``held``:
         weights the requests hold, by ``lora_int_id`` (an adapter in neither ``held`` nor host memory is read
         from disk now)."""
-        if self._same_layout(lora_requests, num_tokens):
-            return
+        layout = _layout(lora_requests, num_tokens)
+        if layout != self._layout:
+            self._lay_out(lora_requests, num_tokens, held or {}, layout)
+
+    def _lay_out(
+        self,
+        lora_requests: Sequence[LoRARequest | None],
+        num_tokens: Sequence[int],
+        held: Mapping[int, _AdapterWeights],
+        layout: _Layout,
+    ) -> None:
+        """Put the batch's adapters in slots and give the kernels its tokens by slot; remember ``layout``, so that
+        a step laid out the same way (with no slot changed since) reuses it: laying a step out again is most of
+        the host work an adapter adds to a decode step."""
         self._layout = None
         if not any(lora_requests):
             self.context.batch = None
             self.routed.step_slots = None
+            self._layout = layout
             return
         in_step = {r.lora_int_id for r in lora_requests if r is not None}
         assert len(in_step) <= self.max_loras, f"{len(in_step)} adapters in one step, {self.max_loras} slots"
-        slots = [-1 if r is None else self._activate(r, in_step, held or {}) for r in lora_requests]
+        slots = [-1 if r is None else self._activate(r, in_step, held) for r in lora_requests]
         counts = numpy.asarray(num_tokens, dtype=numpy.int64)
         token_slots = numpy.repeat(numpy.asarray(slots, dtype=numpy.int64), counts)  # [num_tokens]
         self.context.batch = self.context.kernels.prepare(token_slots, self.device)
         self.routed.step_slots = token_slots
-        self._layout = _layout(lora_requests, num_tokens)
-
-    def _same_layout(self, lora_requests: Sequence[LoRARequest | None], num_tokens: Sequence[int]) -> bool:
-        """Whether the last step's layout holds for this one: its adapters and token counts, request by request,
-        with no slot changed since. Decode steps repeat their layout until a request joins or ends, and laying a
-        step out again is most of the host work an adapter adds to a decode step."""
-        return self._layout is not None and self._layout == _layout(lora_requests, num_tokens)
+        self._layout = layout
 
     def _activate(self, request: LoRARequest, in_step: set[int], held: Mapping[int, _AdapterWeights]) -> int:
         """The slot of ``request``'s adapter, loading it there (from host memory, the request's own copy, or
@@ -423,10 +431,11 @@ class LoRAManager:
         return slot
 
 
-def _layout(
-    lora_requests: Sequence[LoRARequest | None], num_tokens: Sequence[int]
-) -> tuple[tuple[int | None, ...], tuple[int, ...]]:
-    """A step's layout by adapter: each sequence's adapter id (None: none) and number of tokens."""
+#: A step's layout by adapter: each sequence's adapter id (None: none), then each one's number of tokens.
+_Layout: TypeAlias = tuple[tuple[int | None, ...], tuple[int, ...]]
+
+
+def _layout(lora_requests: Sequence[LoRARequest | None], num_tokens: Sequence[int]) -> _Layout:
     return tuple(None if r is None else r.lora_int_id for r in lora_requests), tuple(num_tokens)
 
 
