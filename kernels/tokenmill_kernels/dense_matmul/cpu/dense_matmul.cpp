@@ -14,7 +14,12 @@
 //
 // The file builds with -mavx2 -mfma. The avx512 tiles are compiled with __attribute__((target)) and only ever run on
 // CPUs that have AVX-512F; set_isa forces a variant (for tests and benchmarks). Both sum each output's products in
-// k order with fused multiply-adds, so the two variants give bit-identical outputs.
+// the same order (below), so the two variants give bit-identical outputs.
+//
+// Products are summed in k order with fused multiply-adds within blocks of kSumBlock k, and the blocks' sums are
+// added in k order: float32 rounding then grows with the block and the number of blocks rather than with K. One
+// running sum over all of K left the default model's float logits 2-3x further from float64 than MKL's sgemm
+// (docs/benchmarks.md, "Dense float32 sums in blocks of k").
 
 #include <immintrin.h>
 
@@ -40,6 +45,8 @@ constexpr int64_t kMaxChunk = 2048;
 constexpr int64_t kRowBlockBytes = 1 << 20;
 // Below this many weight bytes a task is not worth handing to another thread (fork/join costs a few us).
 constexpr int64_t kMinBytesPerTask = 32 * 1024;
+// k per block whose products a register sums before the block's sum joins the others (see the top).
+constexpr int64_t kSumBlock = 64;
 
 struct Problem {
   const float* x;     // [M, K]
@@ -64,16 +71,23 @@ struct Avx512 {
   __attribute__((noinline, target("avx512f"))) static void tile(const Problem& p, const Slice& s) {
     const float* w = p.w + (s.panel * p.K + s.k0) * kPanel;
     const float* x = p.x + s.m0 * p.K + s.k0;
-    __m512 acc[MR][2];
-    UNROLL for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < s.kn; ++k, w += kPanel) {
-      _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetchBytes, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetchBytes + 64, _MM_HINT_T0);
-      const __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 16);
+    alignas(64) float sums[MR][kPanel] = {};  // the blocks' sums so far, in memory: the registers hold a block's
+    for (int64_t kb = 0; kb < s.kn; kb += kSumBlock) {
+      __m512 acc[MR][2];
+      UNROLL for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+      for (int64_t k = kb, ke = std::min(s.kn, kb + kSumBlock); k < ke; ++k, w += kPanel) {
+        _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetchBytes, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetchBytes + 64, _MM_HINT_T0);
+        const __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 16);
+        UNROLL for (int m = 0; m < MR; ++m) {
+          const __m512 xb = _mm512_set1_ps(x[m * p.K + k]);
+          acc[m][0] = _mm512_fmadd_ps(w0, xb, acc[m][0]);
+          acc[m][1] = _mm512_fmadd_ps(w1, xb, acc[m][1]);
+        }
+      }
       UNROLL for (int m = 0; m < MR; ++m) {
-        const __m512 xb = _mm512_set1_ps(x[m * p.K + k]);
-        acc[m][0] = _mm512_fmadd_ps(w0, xb, acc[m][0]);
-        acc[m][1] = _mm512_fmadd_ps(w1, xb, acc[m][1]);
+        _mm512_store_ps(sums[m], _mm512_add_ps(_mm512_load_ps(sums[m]), acc[m][0]));
+        _mm512_store_ps(sums[m] + 16, _mm512_add_ps(_mm512_load_ps(sums[m] + 16), acc[m][1]));
       }
     }
     const int64_t n0 = s.panel * kPanel, valid = std::min(kPanel, p.N - n0);
@@ -86,7 +100,7 @@ struct Avx512 {
     }
     UNROLL for (int m = 0; m < MR; ++m) {
       float* y = p.y + (s.m0 + m) * p.N + n0;
-      __m512 y0 = _mm512_add_ps(acc[m][0], b0), y1 = _mm512_add_ps(acc[m][1], b1);
+      __m512 y0 = _mm512_add_ps(_mm512_load_ps(sums[m]), b0), y1 = _mm512_add_ps(_mm512_load_ps(sums[m] + 16), b1);
       if (s.accumulate) {
         y0 = _mm512_add_ps(_mm512_maskz_loadu_ps(mask0, y), y0);
         y1 = _mm512_add_ps(_mm512_maskz_loadu_ps(mask1, y + 16), y1);
@@ -106,19 +120,27 @@ struct Avx2 {
   __attribute__((noinline)) static void tile(const Problem& p, const Slice& s) {
     const float* w = p.w + (s.panel * p.K + s.k0) * kPanel;
     const float* x = p.x + s.m0 * p.K + s.k0;
-    __m256 acc[MR][4];
-    UNROLL for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = acc[m][2] = acc[m][3] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < s.kn; ++k, w += kPanel) {
-      _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetchBytes, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetchBytes + 64, _MM_HINT_T0);
-      const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8), w2 = _mm256_loadu_ps(w + 16),
-                   w3 = _mm256_loadu_ps(w + 24);
+    alignas(32) float sums[MR][kPanel] = {};  // as avx512's
+    for (int64_t kb = 0; kb < s.kn; kb += kSumBlock) {
+      __m256 acc[MR][4];
+      UNROLL for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = acc[m][2] = acc[m][3] = _mm256_setzero_ps();
+      for (int64_t k = kb, ke = std::min(s.kn, kb + kSumBlock); k < ke; ++k, w += kPanel) {
+        _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetchBytes, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetchBytes + 64, _MM_HINT_T0);
+        const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8), w2 = _mm256_loadu_ps(w + 16),
+                     w3 = _mm256_loadu_ps(w + 24);
+        UNROLL for (int m = 0; m < MR; ++m) {
+          const __m256 xb = _mm256_broadcast_ss(x + m * p.K + k);
+          acc[m][0] = _mm256_fmadd_ps(w0, xb, acc[m][0]);
+          acc[m][1] = _mm256_fmadd_ps(w1, xb, acc[m][1]);
+          acc[m][2] = _mm256_fmadd_ps(w2, xb, acc[m][2]);
+          acc[m][3] = _mm256_fmadd_ps(w3, xb, acc[m][3]);
+        }
+      }
       UNROLL for (int m = 0; m < MR; ++m) {
-        const __m256 xb = _mm256_broadcast_ss(x + m * p.K + k);
-        acc[m][0] = _mm256_fmadd_ps(w0, xb, acc[m][0]);
-        acc[m][1] = _mm256_fmadd_ps(w1, xb, acc[m][1]);
-        acc[m][2] = _mm256_fmadd_ps(w2, xb, acc[m][2]);
-        acc[m][3] = _mm256_fmadd_ps(w3, xb, acc[m][3]);
+        for (int j = 0; j < 4; ++j) {
+          _mm256_store_ps(sums[m] + 8 * j, _mm256_add_ps(_mm256_load_ps(sums[m] + 8 * j), acc[m][j]));
+        }
       }
     }
     const int64_t n0 = s.panel * kPanel, valid = std::min(kPanel, p.N - n0);
@@ -126,7 +148,9 @@ struct Avx2 {
     if (s.last && p.bias != nullptr) std::copy_n(p.bias + n0, valid, bias);
     UNROLL for (int m = 0; m < MR; ++m) {
       alignas(32) float out[kPanel];
-      for (int j = 0; j < 4; ++j) _mm256_store_ps(out + 8 * j, _mm256_add_ps(acc[m][j], _mm256_load_ps(bias + 8 * j)));
+      for (int j = 0; j < 4; ++j) {
+        _mm256_store_ps(out + 8 * j, _mm256_add_ps(_mm256_load_ps(sums[m] + 8 * j), _mm256_load_ps(bias + 8 * j)));
+      }
       float* y = p.y + (s.m0 + m) * p.N + n0;
       // Same order as the avx512 tile: (products + bias) + what earlier chunks left.
       if (s.accumulate) {
