@@ -72,9 +72,11 @@ def models(smollm2_gguf: Path):
     # path is checked against this one in tests/plugins/test_quantizers.py.
     overrides = {"model": {"model": str(smollm2_gguf), "quantization": "none"}, "device": {"device": "cpu"}}
     loaded = load_model(load_config(overrides=overrides))
-    reference = AutoModelForCausalLM.from_pretrained(
-        str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, dtype=torch.float32
-    ).eval().double()
+    reference = (
+        AutoModelForCausalLM.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, dtype=torch.float32)
+        .eval()
+        .double()
+    )
     with torch.no_grad():
         expected = reference(torch.tensor([PROMPT])).logits[0].float()  # [len(PROMPT), vocab]
     return loaded, expected
