@@ -39,10 +39,9 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     memory the process freed before, which calloc would reuse and clear. The block pool hands out the blocks already
     used before untouched ones, so the resident part grows only with the load the cache has held;
     ``num_touched_blocks`` (the ``kv_cache_touched_bytes`` gauge) says how much, and ``bench soak`` counts RSS
-    growth net of it. Huge pages are not asked for (unlike the weights, ``tokenmill.host_memory``), though they make
-    attention at 32 requests 13-19% faster: on the VMs we measure on, the first write of a 2 MiB region costs 0.3-6
-    ms, and each layer's keys and values cross a region's end at once (docs/benchmarks.md, "The KV pool in huge
-    pages, measured again")."""
+    growth net of it. Huge pages are not asked for (unlike the weights, ``tokenmill.host_memory``): they made attention
+    at 32 requests faster in ``bench step``, but not a server's throughput, even with their pages faulted in ahead
+    by a thread, and its ITL p99 doubled (docs/benchmarks.md, "The KV pool in huge pages, measured again")."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
