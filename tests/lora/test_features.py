@@ -8,11 +8,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from tests.factories import make_engine
 from tokenmill import LoRARequest, SamplingParams
 from tokenmill.engine import EngineCore, now
 from tokenmill.lora import manager as lora_manager
+from tokenmill.lora.layers import LinearLoRA
 from tokenmill.messages import EngineCoreRequest, completion_request_id
 
 _PROMPTS = [[9, 8, 7, 6, 5], [1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2], [40, 41, 42, 43, 40, 41, 42], [5, 6, 5, 6, 5, 6]]
@@ -137,6 +139,37 @@ def test_an_adapter_read_from_disk_does_not_stall_other_requests(
             tokens[output.request_id] += output.new_token_ids
     assert tokens == {"r0": alone["r0"], "r3": alone["r3"]}
     assert engine.lora.num_cpu_adapters == 1 and engine.lora.num_loads == 1
+
+
+def test_an_adapter_is_staged_a_module_a_step_while_it_is_read(
+    lora_model_dir: Path, adapters: list[Path], alone: dict[str, list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = make_engine(lora_model_dir, model={"dtype": "float32"}, lora={"enable_lora": True, "max_loras": 2})
+    assert engine.lora is not None
+    _read_in_slices(monkeypatch, adapters[0], slices=2)  # and, with no time per slice, one module staged a poll
+    staged_in_step = [0]
+    stage = LinearLoRA.stage
+
+    def counted(self: LinearLoRA, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        staged_in_step[-1] += 1
+        return stage(self, *args)
+
+    monkeypatch.setattr(LinearLoRA, "stage", counted)
+    requests = _requests(_loras(adapters), 4)
+    engine.add_request(requests[3])
+    engine.add_request(requests[0])  # on a0: read, then staged, a slice a step; copied into a slot when it joins
+    tokens: dict[str, list[int]] = {"r0": [], "r3": []}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            tokens[output.request_id] += output.new_token_ids
+        staged_in_step.append(0)
+    assert tokens == {"r0": alone["r0"], "r3": alone["r3"]}
+    # Every module once, none twice, and no step (the join's least of all) staged more than one.
+    assert sum(staged_in_step) == len(engine.lora.targets) and max(staged_in_step) == 1
+    (weights,) = engine.lora._cpu.values()
+    staged = [tensor for parts in weights.layers.values() for pair in parts.values() for tensor in pair]
+    assert len(staged) == 2 * len(engine.lora.targets)
+    assert all(t.dtype == torch.float32 and t.is_contiguous() for t in staged)
 
 
 def test_an_adapter_whose_weights_cannot_be_read_fails_its_requests_only(

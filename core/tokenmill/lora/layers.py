@@ -11,6 +11,7 @@ quantizer's, whatever it stores (float, int4, int8, GPTQ).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from itertools import accumulate
 
@@ -113,20 +114,28 @@ class LinearLoRA:
         shapes = cls._shapes(in_features, part_sizes, max_loras, max_lora_rank)
         return sum(math.prod(shape) for shape in shapes) * dtype.itemsize
 
-    def load_slot(self, slot: int, parts: dict[int, tuple[torch.Tensor, torch.Tensor, float]]) -> None:
-        """Put one adapter in ``slot``: for each part it adapts, its ``lora_a`` ``[r, in]``, ``lora_b`` ``[out, r]``
-        and scaling (``parts[part]``, any float dtype, on any device). Each is converted, and B scaled in float32
-        and transposed, in the one copy into the slot; what the adapter leaves (parts it does not adapt, ranks
-        below ``max_lora_rank``) is zeroed, and nothing is written twice."""
+    def stage(self, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """One part's adapter in this linear's slot layout, on the host: ``lora_a`` ``[r, in]`` and ``lora_b``
+        ``[out, r]`` (any float dtype) become ``[r, in]`` and ``[r, out]`` in the slots' dtype, B scaled in
+        float32 and transposed. Done while an adapter is read, so that ``load_slot`` is a plain copy."""
+        dtype = self.lora_a.dtype
+        staged_a = torch.empty(lora_a.shape, dtype=dtype)
+        staged_a.copy_(lora_a)
+        staged_b = torch.empty((lora_b.shape[1], lora_b.shape[0]), dtype=dtype)
+        torch.mul(lora_b.to(torch.float32).T, scaling, out=staged_b)
+        return staged_a, staged_b
+
+    def load_slot(self, slot: int, parts: Mapping[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Put one adapter in ``slot``: for each part it adapts, ``parts[part]``, what ``stage`` made of it. What
+        the adapter leaves (parts it does not adapt, ranks below ``max_lora_rank``) is zeroed, and nothing is
+        written twice."""
         max_rank = self.max_lora_rank
         for part, (a_rows, b_rows) in enumerate(self._slot_rows[slot]):
-            lora_a, lora_b, scaling = parts.get(part, (None, None, 1.0))
-            rank = 0 if lora_a is None else lora_a.shape[0]
-            if lora_a is not None and lora_b is not None:
-                if lora_b.dtype != torch.float32 or lora_b.device != b_rows.device:
-                    lora_b = lora_b.to(b_rows.device, torch.float32)
-                (a_rows if rank == max_rank else a_rows[:rank]).copy_(lora_a)
-                torch.mul(lora_b.T, scaling, out=b_rows if rank == max_rank else b_rows[:rank])
+            staged = parts.get(part)
+            rank = 0 if staged is None else staged[0].shape[0]
+            if staged is not None:
+                (a_rows if rank == max_rank else a_rows[:rank]).copy_(staged[0])
+                (b_rows if rank == max_rank else b_rows[:rank]).copy_(staged[1])
             if rank < max_rank:
                 a_rows[rank:].zero_()
                 b_rows[rank:].zero_()

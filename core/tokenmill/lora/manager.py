@@ -6,7 +6,7 @@ least-recently-used caches, as vLLM's worker LoRA manager does:
 
 - up to ``max_cpu_loras`` adapters read from disk and checked, in host memory. When a request naming an adapter
   arrives, the engine checks its config and tensor header at once (``check_adapter``: a few KB, so a wrong base
-  is the request's error), and ``load_adapter`` starts reading its weights, a slice of about a millisecond each
+  is the request's error), and ``load_adapter`` starts reading its weights, a slice of about two milliseconds each
   step: the request waits in the scheduler until its ``AdapterLoad`` is ready, and the others keep stepping.
   A request holds its adapter's weights until it ends, so one whose adapter left host memory meanwhile never
   waits for the disk again;
@@ -59,80 +59,115 @@ logger = logging.getLogger(__name__)
 
 _TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 #: How long one poll of an adapter's read may take on the engine loop, and the most one call to read asks for.
-_READ_SLICE_S = 0.001
+_READ_SLICE_S = 0.002
 _READ_CHUNK_BYTES = 1 << 20
+
+
+#: One adapter's staged parts per adapted linear: ``LinearLoRA.stage``'s ``(lora_a, lora_b)`` by part.
+_Staged: TypeAlias = dict[LinearLoRA, dict[int, tuple[torch.Tensor, torch.Tensor]]]
 
 
 @dataclass(frozen=True)
 class _AdapterWeights:
-    """One adapter in host memory, as its file holds it: the checked header and the file's bytes. ``modules``
-    views them per module; putting an adapter in a slot converts, scales and transposes in the one copy."""
+    """One adapter in host memory, in its slots' layout (``LinearLoRA.stage``): putting it in a slot is a plain
+    copy per part, however many steps later and however often."""
 
     request: LoRARequest
     adapter: LoRAAdapter
-    data: torch.Tensor  # uint8, the whole adapter_model.safetensors
+    layers: _Staged
 
-    def modules(self) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
-        """Per module: ``lora_a`` ``[r, in]``, ``lora_b`` ``[out, r]`` (in the file's dtype) and the scaling."""
-        typed: dict[str, torch.Tensor] = {}  # the whole buffer as each dtype, where the sizes allow
 
-        def tensor(spec: TensorSpec, view: tuple[tuple[int, int], tuple[int, int], int]) -> torch.Tensor:
-            dtype = _TORCH_DTYPES[spec.dtype]
-            shape, strides, offset = view
-            if spec.start % dtype.itemsize:  # a view needs aligned elements
-                whole = self.data[spec.start : spec.end].clone().view(dtype)
-                return whole.as_strided(shape, strides, offset)
-            if spec.dtype not in typed:
-                typed[spec.dtype] = self.data[: self.data.numel() // dtype.itemsize * dtype.itemsize].view(dtype)
-            return typed[spec.dtype].as_strided(shape, strides, spec.start // dtype.itemsize + offset)
+def _file_tensors(adapter: LoRAAdapter, data: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
+    """Per module of ``adapter``: ``lora_a`` ``[r, in]``, ``lora_b`` ``[out, r]`` (views, in the file's dtype, of
+    ``data``, the bytes of its ``adapter_model.safetensors``) and the scaling."""
+    typed: dict[str, torch.Tensor] = {}  # the whole buffer as each dtype, where the sizes allow
 
-        return {
-            name: (tensor(m.lora_a, m.a_view()), tensor(m.lora_b, m.b_view()), m.scaling)
-            for name, m in self.adapter.modules.items()
-        }
+    def tensor(spec: TensorSpec, view: tuple[tuple[int, int], tuple[int, int], int]) -> torch.Tensor:
+        dtype = _TORCH_DTYPES[spec.dtype]
+        shape, strides, offset = view
+        if spec.start % dtype.itemsize:  # a view needs aligned elements
+            whole = data[spec.start : spec.end].clone().view(dtype)
+            return whole.as_strided(shape, strides, offset)
+        if spec.dtype not in typed:
+            typed[spec.dtype] = data[: data.numel() // dtype.itemsize * dtype.itemsize].view(dtype)
+        return typed[spec.dtype].as_strided(shape, strides, spec.start // dtype.itemsize + offset)
+
+    return {
+        name: (tensor(m.lora_a, m.a_view()), tensor(m.lora_b, m.b_view()), m.scaling)
+        for name, m in adapter.modules.items()
+    }
 
 
 class _Read:
-    """An adapter's weights file coming into host memory on the engine loop, about a millisecond of it each time
-    ``advance`` is called: the scheduler polls every waiting request's adapter once a step, so no step waits for a
-    whole file. Not in a thread: one beside the step takes time slices from the step's threads, and the others
-    wait for it at their next barrier. The kernel is told to read the file ahead from the disk at the start."""
+    """An adapter coming into host memory on the engine loop, about two milliseconds of work each time ``advance`` is
+    called: its weights file, then each module staged in its slots' layout (converted, scaled and transposed), so
+    that the step where a request first uses it only copies. The scheduler polls every waiting request's adapter
+    once a step, so no step waits for a whole file or conversion. Not in a thread: one beside the step takes time
+    slices from the step's threads, and the others wait for it at their next barrier. The kernel is told to read
+    the file ahead from the disk at the start."""
 
-    def __init__(self, request: LoRARequest, adapter: LoRAAdapter) -> None:
+    def __init__(self, request: LoRARequest, adapter: LoRAAdapter, targets: Mapping[str, tuple[LinearLoRA, int]]):
         self.request = request
         self.adapter = adapter
         self.weights: _AdapterWeights | None = None
         self.error: str | None = None
+        self._targets = targets
         # torch's allocator, not numpy's: numpy asks for huge pages for large arrays, and in an engine process the
         # kernel may then compact memory at each fault (milliseconds per MiB read).
         self._data = torch.empty(adapter.weights_size, dtype=torch.uint8).numpy()
         self._done = 0
+        self._unstaged: list[tuple[str, tuple[torch.Tensor, torch.Tensor, float]]] | None = None
+        self._staged: _Staged = {}
         with contextlib.suppress(OSError, AttributeError), adapter.weights_path.open("rb") as f:
             os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_WILLNEED)
 
     def advance(self) -> bool:
-        """Read on for about ``_READ_SLICE_S``; whether the read has ended (``weights`` or ``error`` set)."""
+        """Read and stage on for about ``_READ_SLICE_S``; whether the read has ended (``weights`` or ``error``
+        set)."""
         if self.weights is not None or self.error is not None:
             return True
         deadline = time.perf_counter() + _READ_SLICE_S
-        size, view = self._data.size, self._data.data
         try:
-            with self.adapter.weights_path.open("rb", buffering=0) as f:
-                f.seek(self._done)
-                while self._done < size:
-                    n = f.readinto(view[self._done : self._done + _READ_CHUNK_BYTES])
-                    if not n:
-                        break
-                    self._done += n
-                    if self._done < size and time.perf_counter() >= deadline:
-                        return False
-                if self._done < size or f.read(1):
-                    where = f"LoRA adapter {str(self.adapter.path)!r}"
-                    raise LoRAAdapterError(f"{where}: {self.adapter.weights_path.name} changed while it was read")
+            if not self._read_file(deadline) or not self._stage(deadline):
+                return False
         except Exception as exc:  # a read that fails fails its requests, not the engine
             self.error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         else:
-            self.weights = _AdapterWeights(self.request, self.adapter, torch.from_numpy(self._data))
+            self.weights = _AdapterWeights(self.request, self.adapter, self._staged)
+        self._data = numpy.empty(0, dtype=numpy.uint8)  # the file's bytes, staged or not, are not needed again
+        self._unstaged = None
+        return True
+
+    def _read_file(self, deadline: float) -> bool:
+        """Read the file on until ``deadline``; whether all of it is in ``_data``."""
+        if self._unstaged is not None:
+            return True
+        size, view = self._data.size, self._data.data
+        with self.adapter.weights_path.open("rb", buffering=0) as f:
+            f.seek(self._done)
+            while self._done < size:
+                n = f.readinto(view[self._done : self._done + _READ_CHUNK_BYTES])
+                if not n:
+                    break
+                self._done += n
+                if self._done < size and time.perf_counter() >= deadline:
+                    return False
+            if self._done < size or f.read(1):
+                where = f"LoRA adapter {str(self.adapter.path)!r}"
+                raise LoRAAdapterError(f"{where}: {self.adapter.weights_path.name} changed while it was read")
+        self._unstaged = list(_file_tensors(self.adapter, torch.from_numpy(self._data)).items())
+        self._unstaged.reverse()  # staged from the end of the list: the file's order
+        return time.perf_counter() < deadline
+
+    def _stage(self, deadline: float) -> bool:
+        """Stage modules until ``deadline`` (at least one); whether all are staged."""
+        assert self._unstaged is not None
+        while self._unstaged:
+            name, (lora_a, lora_b, scaling) = self._unstaged.pop()
+            layer, part = self._targets[name]
+            self._staged.setdefault(layer, {})[part] = layer.stage(lora_a, lora_b, scaling)
+            if self._unstaged and time.perf_counter() >= deadline:
+                return False
         return True
 
 
@@ -278,7 +313,7 @@ class LoRAManager:
             checked = self._checked.pop(lora_id, None)
             if checked is None or checked.path != Path(request.lora_path):
                 checked = read_adapter(request.lora_path, self.linear_shapes, self.max_lora_rank)
-            read = self._loading[lora_id] = _Read(request, checked)
+            read = self._loading[lora_id] = _Read(request, checked, self.targets)
         load = AdapterLoad(self, read)
         load.is_ready()
         return load
@@ -292,7 +327,8 @@ class LoRAManager:
             self._cpu.move_to_end(request.lora_int_id)
             return
         checked = self._checked.pop(request.lora_int_id, None)  # None: its read was under way
-        read = _Read(request, checked or read_adapter(request.lora_path, self.linear_shapes, self.max_lora_rank))
+        checked = checked or read_adapter(request.lora_path, self.linear_shapes, self.max_lora_rank)
+        read = _Read(request, checked, self.targets)
         while not read.advance():
             pass
         if read.error is not None:
@@ -419,14 +455,8 @@ class LoRAManager:
         if weights is None:
             self.add_adapter(request)  # back from disk (only callers of set_batch that hold nothing)
             weights = self._cpu[lora_id]
-        parts: dict[LinearLoRA, dict[int, tuple[torch.Tensor, torch.Tensor, float]]] = {}
         for layer in self.layers:
-            parts[layer] = {}
-        for module, tensors in weights.modules().items():
-            layer, part = self.targets[module]
-            parts[layer][part] = tensors
-        for layer, adapted in parts.items():
-            layer.load_slot(slot, adapted)
+            layer.load_slot(slot, weights.layers.get(layer, {}))
         self._slot_of[lora_id] = slot
         return slot
 
