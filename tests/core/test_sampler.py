@@ -103,6 +103,19 @@ def test_greedy_rows_are_the_argmax_of_penalised_logits() -> None:
         assert torch.equal(token_ids[0::2], expected[0::2])
 
 
+def test_greedy_rows_take_the_first_of_tied_logits_as_argmax_does() -> None:
+    # Whole-number logits tie often; a NaN counts as the largest value, and a row of -inf takes index 0.
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randint(-2, 3, (64, 4096), generator=g).float()
+    logits[3, 100] = logits[3, 7] = float("nan")
+    logits[4] = float("-inf")
+    logits[5, [9, 4000]] = float("inf")
+    metadata = _metadata([SamplingParams(temperature=0.0)] * 64, vocab_size=4096)
+    token_ids = TorchSampler()(logits, metadata).token_ids
+    assert token_ids[3] == 7 and token_ids[4] == 0 and token_ids[5] == 9
+    assert torch.equal(token_ids, logits.argmax(dim=-1))
+
+
 def test_greedy_rows_consume_no_randomness() -> None:
     g = torch.Generator().manual_seed(1)
     random_params = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=10)]
