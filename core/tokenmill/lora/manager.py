@@ -99,12 +99,12 @@ def _file_tensors(adapter: LoRAAdapter, data: torch.Tensor) -> dict[str, tuple[t
 
 
 class _Read:
-    """An adapter coming into host memory on the engine loop, about two milliseconds of work each time ``advance`` is
-    called: its weights file, then each module staged in its slots' layout (converted, scaled and transposed), so
-    that the step where a request first uses it only copies. The scheduler polls every waiting request's adapter
-    once a step, so no step waits for a whole file or conversion. Not in a thread: one beside the step takes time
-    slices from the step's threads, and the others wait for it at their next barrier. The kernel is told to read
-    the file ahead from the disk at the start."""
+    """An adapter coming into host memory on the engine loop, about two milliseconds of work each time
+    ``advance`` is called: its weights file, then each module staged in its slots' layout (converted, scaled and
+    transposed), so that the step where a request first uses it only copies. The scheduler polls every waiting
+    request's adapter once a step, so no step waits for a whole file or conversion. Not in a thread: one beside
+    the step takes time slices from the step's threads, and the others wait for it at their next barrier. The
+    kernel is told to read the file ahead from the disk at the start."""
 
     def __init__(self, request: LoRARequest, adapter: LoRAAdapter, targets: Mapping[str, tuple[LinearLoRA, int]]):
         self.request = request

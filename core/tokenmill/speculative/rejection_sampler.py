@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenmill.sampling.sampler import row_argmax
 from tokenmill.speculative.draft_tree import is_chain
 
 
@@ -74,7 +75,7 @@ def rejection_sample(
     :return: per request, the accepted drafts followed by one token drawn by the target.
     """
     if all(is_greedy):
-        return verify_greedy(probs.argmax(dim=-1).tolist(), draft_token_ids, draft_parents)
+        return verify_greedy(row_argmax(probs).tolist(), draft_token_ids, draft_parents)
     trees = [i for i, parents in enumerate(draft_parents) if parents is not None and not is_chain(parents)]
     if not trees:
         return _sample_chains(probs, draft_token_ids, draft_probs, is_greedy, generators)
@@ -156,7 +157,7 @@ def _sample_tree(
         row = probs[current + 1]  # [vocab_size]
         kids = children.get(current, [])
         if is_greedy:
-            token = int(row.argmax())
+            token = int(row_argmax(row))
             chosen = next((kid for kid in kids if token_ids[kid] == token), None)
         else:
             residual = row.clone()
@@ -227,7 +228,7 @@ def _sample_chains(
     exponentials = _exponentials(counts, is_greedy, generators, vocab_size, device)  # [num_rows, vocab_size]
     greedy_rows = torch.tensor([g for g, n in zip(is_greedy, counts, strict=True) for _ in range(n)], device=device)
     # Exponential race: argmax(w / E) with E ~ Exp(1) picks i with probability w_i / sum(w), unnormalised w.
-    drawn = torch.where(greedy_rows, residual.argmax(dim=-1), (residual / exponentials).argmax(dim=-1)).tolist()
+    drawn = torch.where(greedy_rows, row_argmax(residual), row_argmax(residual / exponentials)).tolist()
     accepted = (uniforms < accept_ratio).tolist() if accept_ratio is not None else []
 
     results = []

@@ -61,6 +61,7 @@ from tokenmill.layers.linear import Linear
 from tokenmill.layers.quantizer import Quantizer
 from tokenmill.model_loader import LoadedModel, select_quantizer
 from tokenmill.plugin_manager import PluginError, Slot
+from tokenmill.sampling.sampler import row_argmax
 from tokenmill.speculative.draft_tree import TokenTree, parse_token_tree, tree_parents
 from tokenmill.speculative.speculator import Proposal, SpeculationInput, Speculator, SpeculatorContext
 from tokenmill.weights.format import WeightsError
@@ -274,7 +275,7 @@ class MedusaSpeculator(Speculator):
 
     def _draft(self, hidden: torch.Tensor, num_heads: int) -> torch.Tensor:
         """The first ``num_heads`` heads' top-1 tokens for ``hidden`` [num_rows, hidden]: [num_rows, num_heads]."""
-        best = torch.stack([head.argmax(dim=-1) for head in self._logits(hidden, num_heads)], dim=1)
+        best = torch.stack([row_argmax(head) for head in self._logits(hidden, num_heads)], dim=1)
         return self._tokens(best).cpu()
 
     def _tokens(self, indices: torch.Tensor) -> torch.Tensor:
