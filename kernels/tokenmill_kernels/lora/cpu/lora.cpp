@@ -476,8 +476,7 @@ class Weights {
   // A block's A and B rows, to ask for into L2 while the block before it runs: one adapter's rows are a few runs
   // of tens of KB that the hardware prefetcher would find a miss at a time. Spread over the running block's loop
   // iterations (one per row of A, one per chunk of each part's columns), so that its loads and the requests
-  // overlap: asked for all at once before the block, the requests held the core up for about half the kernel's
-  // time at 32 tokens on 8 adapters.
+  // overlap (asked for all at once, the requests held the core up: docs/benchmarks.md).
   template <typename W>
   Ahead block_rows(const Rows& block) const {
     Ahead ahead;
