@@ -1,5 +1,5 @@
 """Everything else keeps working with adapters: preemption, n > 1, n-gram speculative decoding, async scheduling;
-and an adapter read from disk never stalls the other requests (it is read a slice a step)."""
+and an adapter read from disk never stalls the other requests (it is read and staged a slice a step)."""
 
 from __future__ import annotations
 
