@@ -106,7 +106,9 @@ class _Read:
     the step takes time slices from the step's threads, and the others wait for it at their next barrier. The
     kernel is told to read the file ahead from the disk at the start."""
 
-    def __init__(self, request: LoRARequest, adapter: LoRAAdapter, targets: Mapping[str, tuple[LinearLoRA, int]]):
+    def __init__(
+        self, request: LoRARequest, adapter: LoRAAdapter, targets: Mapping[str, tuple[LinearLoRA, int]]
+    ) -> None:
         self.request = request
         self.adapter = adapter
         self.weights: _AdapterWeights | None = None
