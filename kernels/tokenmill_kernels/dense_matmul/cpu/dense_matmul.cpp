@@ -18,7 +18,7 @@
 //
 // Products are summed in k order with fused multiply-adds within blocks of kSumBlock k, and the blocks' sums are
 // added in k order: float32 rounding then grows with the block and the number of blocks rather than with K. One
-// running sum over all of K left the default model's float logits 2-3x further from float64 than MKL's sgemm
+// running sum over all of K left the default model's float logits further from float64 than MKL's sgemm
 // (docs/benchmarks.md, "Dense float32 sums in blocks of k").
 
 #include <immintrin.h>

@@ -19,6 +19,7 @@
 
 #include "cpu_common/extension.h"
 #include "cpu_common/kernel_api.h"
+#include "cpu_common/prefetch.h"
 
 namespace {
 
@@ -50,53 +51,8 @@ struct Widen<at::BFloat16> {
   static float one(const at::BFloat16* p) { return static_cast<float>(*p); }
 };
 
-// Asks for `bytes` from `from` into L2, a line at a time.
-void prefetch_l2(const void* from, int64_t bytes) {
-  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(static_cast<const char*>(from) + b, _MM_HINT_T1);
-}
-
-// Up to kRuns runs of memory asked for into L2 a few lines at a time, as a loop's iterations call step(): asked for
-// all at once, the requests fill the core's line-fill buffers and the core waits on them instead of computing.
-class Ahead {
- public:
-  static constexpr int kRuns = 8;
-
-  void add(const void* from, int64_t bytes) {
-    if (count_ < kRuns && bytes > 0) {
-      runs_[count_++] = {static_cast<const char*>(from), bytes};
-      lines_ += (bytes + 63) / 64;
-    }
-  }
-  // Spread what was added over `steps` calls of step().
-  void spread(int64_t steps) { per_step_ = steps > 0 ? (lines_ + steps - 1) / steps : lines_; }
-  void step() {
-    for (int64_t k = 0; k < per_step_ && run_ < count_; ++k) next();
-  }
-  void rest() {
-    while (run_ < count_) next();
-  }
-
- private:
-  void next() {
-    _mm_prefetch(runs_[run_].begin + offset_, _MM_HINT_T1);
-    offset_ += 64;
-    if (offset_ >= runs_[run_].bytes) {
-      offset_ = 0;
-      ++run_;
-    }
-  }
-
-  struct Run {
-    const char* begin;
-    int64_t bytes;
-  };
-  Run runs_[kRuns];
-  int count_ = 0, run_ = 0;
-  int64_t lines_ = 0, per_step_ = 0, offset_ = 0;
-};
-
-// A loop hook that does nothing: shrink and expand without an Ahead.
-struct NoAhead {
+// A loop hook that does nothing: shrink and expand without a Trickle.
+struct NoTrickle {
   void step() {}
 };
 
@@ -109,7 +65,7 @@ float horizontal_sum(__m256 v) {
 
 // h[t * h_stride + j] = a[j] . x[t] for j < rows and the block's N tokens: each row of A is read once for all of them. One token
 // keeps four partial sums, so its chain of multiply-adds does not wait on itself.
-template <typename W, int N, typename Hook = NoAhead>
+template <typename W, int N, typename Hook = NoTrickle>
 void shrink(const W* a, int64_t rows, int64_t in, const float* const* x, float* h, int64_t h_stride,
             Hook&& hook = {}) {
   constexpr int kSums = N == 1 ? 4 : 1;
@@ -176,7 +132,7 @@ void shrink_one(const W* a, int64_t rows, int64_t in, const float* x, float* h) 
 // y[t][0:n] += sum over k < rank of h[t * h_stride + k] * b[k * ldb : k * ldb + n] for the block's N tokens: b
 // holds rank rows of ldb, and each is read once for all of them. Each output is summed over the rank in
 // registers first and added to y once, as torch adds the product h @ b.
-template <typename W, int N, typename Hook = NoAhead>
+template <typename W, int N, typename Hook = NoTrickle>
 void expand(const float* h, int64_t h_stride, int64_t rank, const W* b, int64_t ldb, float* const* y, int64_t n,
             Hook&& hook = {}) {
   constexpr int kVectors = N == 1 ? 8 : N == 2 ? 4 : 2;  // at most 8 accumulators: 8 chains of multiply-adds
@@ -456,12 +412,9 @@ class Weights {
     }
     at::parallel_for(0, static_cast<int64_t>(rows.size()), 1, [&](int64_t begin, int64_t end) {
       std::vector<float> h(kBlock * part_rows_);
-      if (begin < end) {
-        Ahead first = block_rows<W>(rows[begin]);
-        first.rest();
-      }
+      if (begin < end) block_rows<W>(rows[begin]).rest();
       for (int64_t i = begin; i < end; ++i) {
-        Ahead next = i + 1 < end ? block_rows<W>(rows[i + 1]) : Ahead{};
+        tokenmill::Trickle next = i + 1 < end ? block_rows<W>(rows[i + 1]) : tokenmill::Trickle{};
         switch (rows[i].count) {
           case 1: run_block<W, 1>(rows[i], h.data(), next); break;
           case 2: run_block<W, 2>(rows[i], h.data(), next); break;
@@ -478,8 +431,8 @@ class Weights {
   // iterations (one per row of A, one per chunk of each part's columns), so that its loads and the requests
   // overlap (asked for all at once, the requests held the core up: docs/benchmarks.md).
   template <typename W>
-  Ahead block_rows(const Rows& block) const {
-    Ahead ahead;
+  tokenmill::Trickle block_rows(const Rows& block) const {
+    tokenmill::Trickle ahead;
     ahead.add(slot_a<W>(block.slot), part_rows_ * in_ * static_cast<int64_t>(sizeof(W)));
     for (size_t p = 0; p < widths_.size(); ++p)
       ahead.add(slot_b<W>(p, block.slot), rank_ * widths_[p] * static_cast<int64_t>(sizeof(W)));
@@ -488,7 +441,7 @@ class Weights {
   }
 
   template <typename W, int N>
-  void run_block(const Rows& block, float* h, Ahead& ahead) const {
+  void run_block(const Rows& block, float* h, tokenmill::Trickle& ahead) const {
     if constexpr (N == 1) {
       shrink_one<W>(slot_a<W>(block.slot), part_rows_, in_, block.x[0], h);
     } else {
@@ -514,9 +467,10 @@ class Weights {
         // What the share reads: short runs the hardware prefetcher would find a miss at a time.
         tokenmill::SideWork::Range ranges[tokenmill::SideWork::kMaxReads];
         const int count = reads(block.slot, block.x[0], s, shares, first, last, ranges);
+        tokenmill::Trickle reading;
         for (int i = 0; i < count; ++i)
-          for (int64_t run = 0; run < ranges[i].count; ++run)
-            prefetch_l2(ranges[i].begin + run * ranges[i].stride, ranges[i].bytes);
+          reading.add(ranges[i].begin, ranges[i].bytes, ranges[i].stride, ranges[i].count);
+        reading.rest();
         add_share<W>(one, s, first, last);
       }
     });

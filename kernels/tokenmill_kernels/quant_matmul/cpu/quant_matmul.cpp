@@ -40,6 +40,7 @@
 #include "cpu_common/extension.h"
 #include "cpu_common/isa.h"
 #include "cpu_common/kernel_api.h"
+#include "cpu_common/prefetch.h"
 #include "cpu_common/simd_math.h"
 
 namespace {
@@ -215,41 +216,17 @@ struct Problem {
   const tokenmill::SideWork* side;  // nullptr, or work the runner runs in or after its parallel region
 };
 
-// The lines of a side work's reads (SideWork::reads), asked for into L2 a few at a time: next() once per row
-// group of the share, so that the last are asked for as its last group streams.
-class Trickle {
- public:
-  Trickle(const tokenmill::SideWork& side, int64_t share, int64_t begin, int64_t end, int64_t steps) {
-    if (side.reads != nullptr) count_ = side.reads(side.context, share, side.shares, begin, end, ranges_);
-    int64_t lines = 0;
-    for (int i = 0; i < count_; ++i) {
-      tokenmill::SideWork::Range& r = ranges_[i];
-      const int64_t skew = reinterpret_cast<uintptr_t>(r.begin) % 64;  // from the line the run starts in
-      r.begin -= skew;
-      r.bytes += skew;
-      lines += r.count * ((r.bytes + 63) / 64);
-    }
-    per_step_ = steps > 0 ? (lines + steps - 1) / steps : 0;
-  }
-
-  void next() {
-    for (int64_t k = 0; k < per_step_ && range_ < count_; ++k) {
-      const tokenmill::SideWork::Range& r = ranges_[range_];
-      _mm_prefetch(r.begin + run_ * r.stride + offset_, _MM_HINT_T1);
-      offset_ += 64;
-      if (offset_ < r.bytes) continue;
-      offset_ = 0;
-      if (++run_ < r.count) continue;
-      run_ = 0;
-      ++range_;
-    }
-  }
-
- private:
-  tokenmill::SideWork::Range ranges_[tokenmill::SideWork::kMaxReads];
-  int count_ = 0, range_ = 0;
-  int64_t per_step_ = 0, run_ = 0, offset_ = 0;
-};
+// The lines of a side work's reads (SideWork::reads) for a share, to ask for into L2 a few at a time: step() once
+// per row group of the share's `steps`, so that the last are asked for as its last group streams.
+tokenmill::Trickle side_reads(const tokenmill::SideWork& side, int64_t share, int64_t begin, int64_t end,
+                              int64_t steps) {
+  tokenmill::Trickle trickle;
+  tokenmill::SideWork::Range ranges[tokenmill::SideWork::kMaxReads];
+  const int count = side.reads != nullptr ? side.reads(side.context, share, side.shares, begin, end, ranges) : 0;
+  for (int i = 0; i < count; ++i) trickle.add(ranges[i].begin, ranges[i].bytes, ranges[i].stride, ranges[i].count);
+  trickle.spread(steps);
+  return trickle;
+}
 
 // The side work on its own, after a runner that does not split its columns into the side work's shares, over
 // out [M, N].
@@ -856,7 +833,7 @@ void run(const Problem& p) {
   const int64_t scale_bytes = p.groups * static_cast<int64_t>(sizeof(uint16_t)) * (kInt4 ? 2 : 1);
   const int64_t group_bytes = kWeightTile * (p.row_bytes + scale_bytes);
   const int64_t grain = std::max<int64_t>(1, kMinBytesPerTask / group_bytes);
-  const auto row_groups_from = [&](int64_t begin, int64_t end, Trickle* trickle) {
+  const auto row_groups_from = [&](int64_t begin, int64_t end, tokenmill::Trickle* trickle) {
     const int64_t n_end = std::min(end * kWeightTile, p.N);
     const int64_t prefetch_rows = (kPrefetchBytes + p.row_bytes - 1) / p.row_bytes;
     for (int64_t n0 = begin * kWeightTile; n0 < n_end; n0 += kWeightTile) {
@@ -866,7 +843,7 @@ void run(const Problem& p) {
       } else {
         for (int64_t n = n0; n < n_end; ++n) row_group<kInt4, 1, I>(p, n, false);
       }
-      if (trickle != nullptr) trickle->next();
+      if (trickle != nullptr) trickle->step();
     }
   };
   if (p.side == nullptr) {
@@ -878,7 +855,7 @@ void run(const Problem& p) {
     for (int64_t s = from; s < to; ++s) {
       const int64_t first = row_groups * s / side.shares, last = row_groups * (s + 1) / side.shares;
       const int64_t begin = std::min(first * kWeightTile, p.N), end = std::min(last * kWeightTile, p.N);
-      Trickle trickle(side, s, begin, end, last - first);
+      tokenmill::Trickle trickle = side_reads(side, s, begin, end, last - first);
       if (first < last) row_groups_from(first, last, &trickle);
       side.run(side.context, s, side.shares, p.out, begin, end);
     }
