@@ -22,16 +22,17 @@ VARIANTS = {
 }
 
 
-@pytest.mark.parametrize("kernel", ["paged_attention", "quant_matmul", "dense_matmul", "layer_kernels"])
+@pytest.mark.parametrize("kernel", ["paged_attention", "quant_matmul", "dense_matmul", "layer_kernels", "lora"])
 def test_the_kernels_build_with_the_shared_headers(kernel: str) -> None:
     """Their sources include them, so they are copied into their builds and are part of their keys; every one
     includes torch through the lean ``extension.h``, the ones with variants ``isa.h`` too, those with an
-    exponential ``simd_math.h``, and those that lend their C++ to the layer kernels' decoder stack, or run it,
-    ``kernel_api.h``."""
+    exponential ``simd_math.h``, those that lend their C++ to the layer kernels' decoder stack, or run it,
+    ``kernel_api.h``, and those that trickle prefetches into a loop ``prefetch.h``."""
     source = (cpp_build.INCLUDE_ROOT / kernel / "cpu" / f"{kernel}.cpp").read_bytes()
-    names = ["cpu_common/extension.h"] + (["cpu_common/isa.h"] if kernel != "layer_kernels" else [])
+    names = ["cpu_common/extension.h"] + (["cpu_common/isa.h"] if kernel not in ("layer_kernels", "lora") else [])
     names += ["cpu_common/simd_math.h"] if kernel in ("paged_attention", "layer_kernels", "quant_matmul") else []
     names += ["cpu_common/kernel_api.h"] if kernel != "dense_matmul" else []
+    names += ["cpu_common/prefetch.h"] if kernel in ("quant_matmul", "lora") else []
     headers = {name: (cpp_build.INCLUDE_ROOT / name).read_bytes() for name in names}
     assert cpp_build.local_headers(source) == headers
     assert b"#include <torch/extension.h>" not in source + b"".join(headers.values())
