@@ -471,6 +471,12 @@ void attend_items(const Problem<T>& p, int64_t begin, int64_t end) {
   const int64_t span = std::max<int64_t>(block_size, kSpanKeys);
   const int block_shift = __builtin_ctz(unsigned(block_size));
   std::vector<float> widened_keys(std::is_same_v<T, float> ? 0 : span * head_dim);  // [span, head_dim]
+  // Where the key and value rows of position `pos` under `kv_head` start in the caches, for the request whose block
+  // table is `table`. Block sizes are powers of two: shift and mask, not divide.
+  const auto row_of = [&](const int32_t* table, int kv_head, int64_t pos) {
+    return int64_t(table[pos >> block_shift]) * token_row + int64_t(kv_head) * row_len +
+           (pos & (block_size - 1)) * slot_row;
+  };
   for (int64_t item = begin; item < end; ++item) {
     const int t = item / p.num_kv_heads, kv_head = item % p.num_kv_heads;
     const int64_t last = p.pos[t];
@@ -484,11 +490,6 @@ void attend_items(const Problem<T>& p, int64_t begin, int64_t end) {
       running_sum[g] = 0.f;
       std::fill(acc[g], acc[g] + head_dim, 0.f);
     }
-    // Where position `pos`'s key and value rows start in the caches.
-    const auto slot_of = [&](int64_t pos) {  // block sizes are powers of two: shift and mask, not divide
-      return int64_t(table[pos >> block_shift]) * token_row + int64_t(kv_head) * row_len +
-             (pos & (block_size - 1)) * slot_row;
-    };
     for (int64_t span_start = first - first % block_size; span_start <= last; span_start += span) {
       const int64_t lo = std::max(span_start, first), hi = std::min<int64_t>(span_start + span - 1, last);
       const int n = int(hi - lo + 1);
@@ -500,7 +501,7 @@ void attend_items(const Problem<T>& p, int64_t begin, int64_t end) {
       const T* value_rows[kMaxBlockSize + 8];
       for (int j = 0; j < n + 8; ++j) {
         const int i = std::min(j, n - 1);
-        const int64_t row = slot_of(lo + i);
+        const int64_t row = row_of(table, kv_head, lo + i);
         value_rows[j] = p.value_cache + row;
         if constexpr (kIsQuantized<T>) value_scales[j] = row_scale(p.value_cache + row, head_dim);
         if constexpr (std::is_same_v<T, float>) {
@@ -520,13 +521,21 @@ void attend_items(const Problem<T>& p, int64_t begin, int64_t end) {
           key_rows[j] = k;
         }
       }
-      // Ask for the next span's rows now. They are short strided runs in blocks the hardware
-      // prefetcher cannot guess (they come from the block table). One span ahead is enough.
-      if (span_start + span <= last) {
-        const int64_t next_start = span_start + span;
-        const int next_n = int(std::min<int64_t>(span, last - next_start + 1));
+      // Ask for the next span's rows now: this item's, or after its last span the next item's first. They are
+      // short strided runs in blocks the hardware prefetcher cannot guess (they come from the block table), and a
+      // step's caches are far larger than L3. One span ahead is enough.
+      const bool more = span_start + span <= last;
+      if (more || item + 1 < end) {
+        const int64_t next_item = more ? item : item + 1;
+        const int64_t next_t = next_item / p.num_kv_heads;
+        const int next_kv_head = int(next_item % p.num_kv_heads);
+        const int32_t* next_table = p.tables + int64_t(p.reqs[next_t]) * p.max_blocks;
+        const int64_t next_last = more ? last : p.pos[next_t];
+        const int64_t window_start = p.sliding_window > 0 ? next_last - p.sliding_window + 1 : 0;
+        const int64_t next_start = more ? span_start + span : std::max<int64_t>(0, window_start);
+        const int next_n = int(std::min<int64_t>(span, next_last - next_start + 1));
         for (int j = 0; j < next_n; ++j) {
-          const int64_t next = slot_of(next_start + j);
+          const int64_t next = row_of(next_table, next_kv_head, next_start + j);
           const char* k_row = reinterpret_cast<const char*>(p.key_cache + next);
           const char* v_row = reinterpret_cast<const char*>(p.value_cache + next);
           for (int64_t byte = 0; byte < int64_t(row_len * sizeof(T)); byte += 64) {
@@ -538,10 +547,10 @@ void attend_items(const Problem<T>& p, int64_t begin, int64_t end) {
           // run) into L2. Not over a float32 cache: twice the bytes, and the prefetch costs more
           // than it saves (a quantized cache, half float16's bytes, does it too).
           if constexpr (sizeof(T) <= 2) {
-            if (kv_head == 0 || item == begin) {
-              const char* k_slot = k_row - kv_head * row_len * sizeof(T);
-              const char* v_slot = v_row - kv_head * row_len * sizeof(T);
-              for (int64_t byte = (kv_head + 1) * row_len * sizeof(T); byte < slot_row * int64_t(sizeof(T));
+            if (next_kv_head == 0 || next_item == begin) {
+              const char* k_slot = k_row - next_kv_head * row_len * sizeof(T);
+              const char* v_slot = v_row - next_kv_head * row_len * sizeof(T);
+              for (int64_t byte = (next_kv_head + 1) * row_len * sizeof(T); byte < slot_row * int64_t(sizeof(T));
                    byte += 64) {
                 _mm_prefetch(k_slot + byte, _MM_HINT_T1);
                 _mm_prefetch(v_slot + byte, _MM_HINT_T1);
