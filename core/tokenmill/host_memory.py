@@ -8,12 +8,19 @@ streamed weights move into one private anonymous mapping advised ``MADV_HUGEPAGE
 the LoRA slots are made in one such mapping (``anonymous_bytes``). Linux honours the advice when THP is
 ``madvise`` or ``always`` (the usual defaults); under ``never`` nothing moves. Figures: docs/benchmarks.md,
 "Weights and adapter slots in huge pages".
+
+The activations a step allocates come from malloc. glibc returns large blocks to the OS when they are freed (a
+block over its mmap threshold is unmapped; free memory at the heap's top over its trim threshold is trimmed), so
+each prompt chunk's tens of megabytes of activations were faulted in and zeroed again by the kernel at every
+step. ``keep_freed_heap`` raises both thresholds once a CPU model is loaded: freed activations stay in the heap for
+the next step, and the process keeps the heap its largest step needed.
 """
 
 from __future__ import annotations
 
 import ctypes
 import mmap
+import os
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -22,6 +29,13 @@ import torch
 HUGE_PAGE_BYTES = 2 << 20
 _THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 _MADV_DONTNEED = 4
+# mallopt parameters (glibc's malloc.h).
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+#: Blocks up to this size come from the heap and go back to it, and this much free memory may stay at its top.
+HEAP_KEEP_BYTES = 1 << 30
+# Set by a user who tunes glibc's malloc: keep_freed_heap leaves it alone.
+_MALLOC_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "GLIBC_TUNABLES")
 
 
 def huge_pages_available() -> bool:
@@ -31,6 +45,20 @@ def huge_pages_available() -> bool:
     except OSError:  # not Linux, or no THP
         return False
     return hasattr(mmap, "MADV_HUGEPAGE") and "[never]" not in setting
+
+
+def keep_freed_heap() -> bool:
+    """Make glibc's malloc keep freed blocks of up to ``HEAP_KEEP_BYTES`` for reuse rather than unmapping or
+    trimming them; True when it did. A no-op (False) without glibc, or where the environment already tunes malloc
+    (``MALLOC_*_`` variables, ``GLIBC_TUNABLES``)."""
+    if any(name in os.environ for name in _MALLOC_SETTINGS):
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    return bool(mallopt(_M_MMAP_THRESHOLD, HEAP_KEEP_BYTES) and mallopt(_M_TRIM_THRESHOLD, HEAP_KEEP_BYTES))
 
 
 def anonymous_bytes(num_bytes: int, huge_pages: bool = False) -> torch.Tensor:

@@ -19,7 +19,7 @@ from torch import nn
 
 from tokenmill.attention.backend import AttentionBackend
 from tokenmill.config import EngineConfig
-from tokenmill.host_memory import move_to_huge_pages
+from tokenmill.host_memory import keep_freed_heap, move_to_huge_pages
 from tokenmill.layers.embedding import VocabParallelEmbedding
 from tokenmill.layers.fused_experts import FusedExperts, UsesFusedExperts, install_fused_experts
 from tokenmill.layers.kernels import LayerKernels, install_layer_kernels
@@ -413,5 +413,6 @@ def load_model(
         moved = move_to_huge_pages(_streamed_weights(model))
         if moved:
             logger.info("weights moved into huge pages (%.0f MB) in %.2f s", moved / 1e6, time.monotonic() - started)
+        keep_freed_heap()
     model.eval()
     return LoadedModel(model, arch, attention, device, dtype, path, max_model_len, kv_cache_dtype, tp)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -118,3 +120,50 @@ def test_pages_left_in_a_weights_file_are_unmapped(tmp_path: Path) -> None:
     move_to_huge_pages([moved])
     assert torch.equal(moved, expected) and _advised(moved)
     assert int(mapping_fields(stays)["Rss"][0]) <= before - moved.nbytes // 1024 + 8  # kB
+
+
+_FREE_A_BLOCK = """
+import ctypes, sys
+from tokenmill.host_memory import keep_freed_heap
+kept = keep_freed_heap() if sys.argv[1] == "keep" else None
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+
+def rss_kib():
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmRSS"))
+
+block = libc.malloc(256 << 20)
+ctypes.memset(block, 1, 256 << 20)
+before = rss_kib()
+libc.free(block)
+print(kept, before - rss_kib())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+@pytest.mark.parametrize("keep", [True, False])
+def test_a_freed_block_stays_in_the_heap_for_the_next_step(keep: bool) -> None:
+    env = {key: value for key, value in os.environ.items() if key not in ("MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES")}
+    env.pop("MALLOC_TRIM_THRESHOLD_", None)
+    result = subprocess.run(
+        [sys.executable, "-c", _FREE_A_BLOCK, "keep" if keep else "default"],
+        capture_output=True, text=True, check=True, env=env,
+    )  # fmt: skip
+    kept, returned_kib = result.stdout.split()
+    if keep:  # malloc kept the 256 MiB it was given back, for the next step's activations
+        assert kept == "True" and returned_kib.lstrip("-").isdigit() and int(returned_kib) < 16 << 10
+    else:  # glibc's default, which keep_freed_heap changes: the block goes back to the OS
+        assert int(returned_kib) > 200 << 10
+
+
+def test_loading_a_cpu_model_keeps_freed_heap(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    monkeypatch.setattr("tokenmill.model_loader.keep_freed_heap", lambda: calls.append(True) or True)
+    make_engine(tiny_model_dir)
+    assert calls == [True]
+
+
+def test_a_user_who_tunes_malloc_is_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "131072")
+    assert not host_memory.keep_freed_heap()
