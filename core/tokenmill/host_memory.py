@@ -34,6 +34,8 @@ _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 #: Blocks up to this size come from the heap and go back to it, and this much free memory may stay at its top.
 HEAP_KEEP_BYTES = 1 << 30
+# The highest mmap threshold some glibc releases accept on 64-bit machines (HEAP_MAX_SIZE / 2); 1 GiB is refused there.
+_OLD_GLIBC_MMAP_THRESHOLD_MAX = 32 << 20
 # Set by a user who tunes glibc's malloc: keep_freed_heap leaves it alone.
 _MALLOC_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "GLIBC_TUNABLES")
 
@@ -58,7 +60,11 @@ def keep_freed_heap() -> bool:
     except (OSError, AttributeError):
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    return bool(mallopt(_M_MMAP_THRESHOLD, HEAP_KEEP_BYTES) and mallopt(_M_TRIM_THRESHOLD, HEAP_KEEP_BYTES))
+    # The trim threshold alone would be worse than neither: setting either stops glibc from raising its mmap
+    # threshold as blocks are freed, so it goes only with a raised mmap threshold.
+    if not (mallopt(_M_MMAP_THRESHOLD, HEAP_KEEP_BYTES) or mallopt(_M_MMAP_THRESHOLD, _OLD_GLIBC_MMAP_THRESHOLD_MAX)):
+        return False
+    return bool(mallopt(_M_TRIM_THRESHOLD, HEAP_KEEP_BYTES))
 
 
 def anonymous_bytes(num_bytes: int, huge_pages: bool = False) -> torch.Tensor:
