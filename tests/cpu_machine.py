@@ -3,7 +3,7 @@
 The CPU kernel tests skip only where this says the machine lacks something. Where it has an AVX2 CPU (with FMA
 and F16C), a C++ compiler and ninja, they run: a kernel package that wrongly reports itself unavailable fails
 them instead of skipping them unseen. ``tests/conftest.py`` also fails the run when any test skipped for want of
-the kernels (its reason names AVX2, a compiler or a toolchain) on such a machine.
+the kernels (its reason says it needs AVX2, or names a compiler or a toolchain) on such a machine.
 """
 
 from __future__ import annotations

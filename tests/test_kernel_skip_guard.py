@@ -28,6 +28,15 @@ def test_a_kernel_skip_on_a_machine_that_can_build_them_fails_the_run(tmp_path: 
     assert "test_planted.py::test_planted: Skipped: needs AVX2+FMA and a C++ toolchain" in result.stdout
 
 
-def test_other_skips_pass(tmp_path: Path) -> None:
-    result = _run(tmp_path, "no CUDA device")
+@pytest.mark.parametrize(
+    "reason", ["no CUDA device", "this CPU lacks amx (it supports avx2, avx_vnni, avx512, avx512_vnni16)"]
+)
+def test_other_skips_pass(tmp_path: Path, reason: str) -> None:
+    result = _run(tmp_path, reason)
     assert result.returncode == 0, result.stdout
+
+
+@pytest.mark.skipif(cpu_kernels_missing() is not None, reason="this machine cannot build the CPU kernels")
+@pytest.mark.parametrize("reason", ["the int8 kernels need AVX2, FMA and a compiler", "needs a C++ toolchain"])
+def test_every_way_the_kernel_skips_say_it_is_caught(tmp_path: Path, reason: str) -> None:
+    assert _run(tmp_path, reason).returncode == 1
