@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -141,7 +142,7 @@ print(kept, before - rss_kib())
 """
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc")
 @pytest.mark.parametrize("keep", [True, False])
 def test_a_freed_block_stays_in_the_heap_for_the_next_step(keep: bool) -> None:
     env = {key: value for key, value in os.environ.items() if key not in host_memory._MALLOC_SETTINGS}
