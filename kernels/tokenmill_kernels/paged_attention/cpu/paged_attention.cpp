@@ -477,10 +477,14 @@ void attend_items(const Problem<T>& p, int64_t begin, int64_t end) {
     return int64_t(table[pos >> block_shift]) * token_row + int64_t(kv_head) * row_len +
            (pos & (block_size - 1)) * slot_row;
   };
+  // The first key a token at position `last` sees.
+  const auto first_key = [&](int64_t last) {
+    return p.sliding_window > 0 ? std::max<int64_t>(0, last - p.sliding_window + 1) : 0;
+  };
   for (int64_t item = begin; item < end; ++item) {
     const int t = item / p.num_kv_heads, kv_head = item % p.num_kv_heads;
     const int64_t last = p.pos[t];
-    const int64_t first = p.sliding_window > 0 ? std::max<int64_t>(0, last - p.sliding_window + 1) : 0;
+    const int64_t first = first_key(last);
     const int64_t tree_start = p.tree_start != nullptr ? p.tree_start[t] : -1;
     const uint64_t tree_bits = p.tree_bits != nullptr ? uint64_t(p.tree_bits[t]) : 0;
     const int32_t* table = p.tables + int64_t(p.reqs[t]) * p.max_blocks;
@@ -531,8 +535,7 @@ void attend_items(const Problem<T>& p, int64_t begin, int64_t end) {
         const int next_kv_head = int(next_item % p.num_kv_heads);
         const int32_t* next_table = p.tables + int64_t(p.reqs[next_t]) * p.max_blocks;
         const int64_t next_last = more ? last : p.pos[next_t];
-        const int64_t window_start = p.sliding_window > 0 ? next_last - p.sliding_window + 1 : 0;
-        const int64_t next_start = more ? span_start + span : std::max<int64_t>(0, window_start);
+        const int64_t next_start = more ? span_start + span : first_key(next_last);
         const int next_n = int(std::min<int64_t>(span, next_last - next_start + 1));
         for (int j = 0; j < next_n; ++j) {
           const int64_t next = row_of(next_table, next_kv_head, next_start + j);
