@@ -26,6 +26,10 @@ by an earlier start is imported directly (its key says the build is current): no
 include a lean set of torch headers (``cpu_common/extension.h``), not ``<torch/extension.h>``, which alone took
 22 s of each build.
 
+An extension with instruction-set variants (one that includes ``cpu_common/isa.h``) compiles only those the building
+machine's CPU has (:func:`variant_flags`): a CPU without AVX-512 does not compile, nor wait for, the AVX-512 and AMX
+tiles, which are most of the int4 matmul's build.
+
 Every extension is built with ``-fopenmp``: ``at::parallel_for`` is a header template that runs
 in parallel only when compiled with OpenMP, and the libgomp it links is matched by soname to the
 one torch has loaded, so ``torch.set_num_threads`` governs the kernels' threads too.
@@ -63,6 +67,17 @@ INCLUDE_ROOT = Path(__file__).resolve().parent
 
 _WAIT_LOG_SECONDS = 15.0
 
+#: The header whose TOKENMILL_BUILD_<SET> macros :func:`variant_flags` sets.
+_ISA_HEADER = "cpu_common/isa.h"
+
+#: Each TOKENMILL_BUILD_<SET> of ``cpu_common/isa.h`` and the /proc/cpuinfo flags its variants need.
+_VARIANT_SETS = {
+    "AVX_VNNI": ("avx_vnni",),
+    "AVX512": ("avx512f", "avx512bw", "avx512vl", "avx512dq"),
+    "AVX512_VNNI": ("avx512_vnni",),
+    "AMX": ("amx_tile", "amx_int8"),
+}
+
 _QUOTED_INCLUDE = re.compile(rb'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.MULTILINE)
 
 
@@ -90,6 +105,7 @@ class CppExtension:
         self._lock = threading.Lock()  # held by whoever builds or loads the module
         self._start_lock = threading.Lock()  # held while prepare() starts the background build
         self._background: threading.Thread | None = None
+        self._started: float | None = None  # time.monotonic() when prepare() started the background build
 
     def missing(self) -> list[str]:
         """What stops the extension from building or running here; empty when nothing does."""
@@ -135,13 +151,14 @@ class CppExtension:
             # loading the model) can then step past the path finder: ModuleNotFoundError for a module that exists.
             _cpp_extension()
             self._background = threading.Thread(target=self._load_in_background, name=f"build {self.name}")
+            self._started = time.monotonic()
             self._background.start()
 
     def load(self) -> ModuleType:
         """The compiled extension, built on first call; raises ``RuntimeError`` naming what is missing."""
         if self._module is not None:
             return self._module
-        started = time.monotonic()
+        started = self._started or time.monotonic()  # the build's start, not this wait's
         while not self._lock.acquire(timeout=_WAIT_LOG_SECONDS):
             logger.info(
                 "still building tokenmill's %s (%.0f s so far; first start only)",
@@ -188,7 +205,7 @@ class CppExtension:
         toolchain = f"{_compiler()} ninja {_ninja_version()}"
         key = build_key(
             source,
-            [*self.cflags, *_OPENMP_FLAGS],
+            self._compile_flags(headers),
             [*_OPENMP_FLAGS],
             toolchain,
             torch.__version__,
@@ -196,6 +213,10 @@ class CppExtension:
             headers=headers,
         )
         return Path(root) / f"{self.name}-{key}"
+
+    def _compile_flags(self, headers: Mapping[str, bytes]) -> list[str]:
+        variants = variant_flags(cpu_flags()) if _ISA_HEADER in headers else []
+        return [*self.cflags, *variants, *_OPENMP_FLAGS]
 
     def _built_library(self) -> Path | None:
         """The library an earlier start built from this source, or None when it must be built (or a build of it
@@ -226,7 +247,7 @@ class CppExtension:
             name=self.name,
             sources=[str(directory / self.source.name)],
             extra_include_paths=[str(include)] if headers else None,
-            extra_cflags=[*self.cflags, *_OPENMP_FLAGS],
+            extra_cflags=self._compile_flags(headers),
             extra_ldflags=[*_OPENMP_FLAGS],  # a list of its own: torch appends its libraries to it
             build_directory=str(directory),
             verbose=False,
@@ -276,6 +297,15 @@ def local_headers(source: bytes, root: Path = INCLUDE_ROOT) -> dict[str, bytes]:
             headers[name] = path.read_bytes()
             pending.append(headers[name])
     return headers
+
+
+def variant_flags(flags: frozenset[str] | None) -> list[str]:
+    """The ``-DTOKENMILL_BUILD_<SET>=0`` flags that leave out of a build the variants a CPU with these
+    :func:`cpu_flags` cannot run; none where the flags are unknown (every variant is compiled, and the run-time
+    checks choose)."""
+    if flags is None:
+        return []
+    return [f"-DTOKENMILL_BUILD_{name}=0" for name, needs in _VARIANT_SETS.items() if not flags.issuperset(needs)]
 
 
 def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str] | None:

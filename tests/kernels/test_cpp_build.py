@@ -228,6 +228,20 @@ def test_prepared_extensions_build_side_by_side_and_load_waits_for_them(
     assert any(r.getMessage().startswith("still building tokenmill's tokenmill_a kernels") for r in caplog.records)
 
 
+def test_the_wait_message_counts_from_the_builds_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A build prepared 0.3 s before ``load`` waits for it has run 0.3 s by the first message, not 0.05 s."""
+    monkeypatch.setattr(cpp_build, "_WAIT_LOG_SECONDS", 0.05)
+    extension = _extension_built_by(lambda name, **_: time.sleep(0.6) or ModuleType(name), tmp_path, monkeypatch)
+    caplog.set_level(logging.INFO, logger=cpp_build.__name__)
+    extension.prepare()
+    time.sleep(0.3)
+    extension.load()
+    waited = [r.args[1] for r in caplog.records if r.getMessage().startswith("still building")]
+    assert waited and waited[0] >= 0.3
+
+
 def _extension_built_by(
     fake_load: Callable[..., ModuleType], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> CppExtension:
@@ -305,6 +319,52 @@ def test_a_build_compiles_copies_of_its_headers_on_an_include_path_of_its_own(
     plain.write_text("// includes nothing of ours\n")
     CppExtension("tokenmill_plain", plain, [], "test kernels", include_root=tmp_path).load()
     assert calls[1][1] is None and not (Path(calls[1][0]) / "include").exists()
+
+
+ZEN3 = frozenset({"avx", "avx2", "fma", "f16c", "bmi2"})  # AVX2 only
+ZEN4 = ZEN3 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}  # no AVX-VNNI, no AMX
+SAPPHIRE_RAPIDS = ZEN4 | {"avx_vnni", "amx_tile", "amx_int8", "amx_bf16"}
+
+
+def test_variant_flags_leave_out_what_the_cpu_lacks() -> None:
+    off = "-DTOKENMILL_BUILD_{}=0".format
+    assert cpp_build.variant_flags(ZEN3) == [off("AVX_VNNI"), off("AVX512"), off("AVX512_VNNI"), off("AMX")]
+    assert cpp_build.variant_flags(ZEN4) == [off("AVX_VNNI"), off("AMX")]
+    assert cpp_build.variant_flags(ZEN4 - {"avx512dq"}) == [off("AVX_VNNI"), off("AVX512"), off("AMX")]
+    assert cpp_build.variant_flags(SAPPHIRE_RAPIDS) == []
+    assert cpp_build.variant_flags(None) == []  # unknown: every variant, and the run-time checks choose
+
+
+def test_an_extension_with_variants_builds_those_the_cpu_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A source that includes ``cpu_common/isa.h`` is compiled with the CPU's ``variant_flags``, in a directory of
+    their own; one that does not is compiled as it was."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "cache"))
+    (tmp_path / "cpu_common").mkdir()
+    (tmp_path / "cpu_common" / "isa.h").write_text("#pragma once\n")
+    (tmp_path / "variants.cpp").write_text('#include "cpu_common/isa.h"\n')
+    (tmp_path / "plain.cpp").write_text("// no variants\n")
+    calls = {}
+
+    def fake_load(name: str, build_directory: str, extra_cflags: list[str], **_: object) -> ModuleType:
+        calls[name] = (build_directory, extra_cflags)
+        return ModuleType(name)
+
+    monkeypatch.setattr(cpp_build._cpp_extension(), "load", fake_load)
+    monkeypatch.setattr(CppExtension, "missing", lambda self: [])
+    directories = {}
+    for cpu in (ZEN3, SAPPHIRE_RAPIDS):
+        monkeypatch.setattr(cpp_build, "cpu_flags", lambda cpu=cpu: cpu)
+        for name in ("variants", "plain"):
+            extension = CppExtension(name, tmp_path / f"{name}.cpp", ["-O3"], "test kernels", include_root=tmp_path)
+            extension.load()
+            directories[cpu, name] = calls[name][0]
+            flags = calls[name][1]
+            assert flags[0] == "-O3" and flags[-1] == "-fopenmp"
+            expected = cpp_build.variant_flags(cpu) if name == "variants" else []
+            assert flags[1:-1] == expected
+            assert extension.build_directory((tmp_path / f"{name}.cpp").read_bytes()) == Path(calls[name][0])
+    assert directories[ZEN3, "variants"] != directories[SAPPHIRE_RAPIDS, "variants"]
+    assert directories[ZEN3, "plain"] == directories[SAPPHIRE_RAPIDS, "plain"]
 
 
 def test_the_isa_calls_go_to_the_extension(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from types import ModuleType
 
 import pytest
@@ -74,3 +76,33 @@ def test_a_variant_the_cpu_lacks_is_refused_like_an_unknown_one(launcher: Module
         pytest.skip("this CPU supports every variant")
     with pytest.raises(ValueError, match=f'got "{lacking[0]}"'):
         launcher.set_isa(lacking[0])
+
+
+_AVX2_ONLY_BUILD = """
+import torch
+from tokenmill_kernels import cpp_build
+from tokenmill_kernels.dense_matmul import cpu as dense_matmul
+from tokenmill_kernels.paged_attention import cpu as paged_attention
+from tokenmill_kernels.quant_matmul import cpu as quant_matmul
+from tokenmill_kernels.quant_matmul import reference
+
+cpp_build.cpu_flags = lambda: frozenset({"avx", "avx2", "fma", "f16c"})  # a Zen 3: AVX2 alone
+print([launcher.supported_isas() for launcher in (dense_matmul, paged_attention, quant_matmul)])
+torch.manual_seed(0)
+x, weight = torch.randn(3, 256), torch.randn(96, 256)
+packed = reference.quantize_int4(weight)
+expected = reference.matmul_int4(x, *packed)
+print(bool(torch.allclose(quant_matmul.matmul_int4(x, *packed), expected, rtol=1e-5, atol=1e-4)))
+"""
+
+
+@pytest.mark.slow
+def test_a_build_for_a_cpu_without_the_wider_sets_compiles_and_runs_avx2_alone() -> None:
+    """What an AVX2-only CPU builds (``cpp_build.variant_flags``: every ``TOKENMILL_BUILD_<SET>=0``) compiles on any
+    machine, lists ``avx2`` alone and computes the int4 matmul as the reference does. A machine with the wider sets
+    builds them all, so without this test their leaving out would be compiled only on the CPUs that need it."""
+    if cpu_kernels_missing() is not None:
+        pytest.skip(f"the CPU kernels need what is missing: {cpu_kernels_missing()}")
+    result = subprocess.run([sys.executable, "-c", _AVX2_ONLY_BUILD], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split("\n")[:2] == ["[['avx2'], ['avx2'], ['avx2']]", "True"]

@@ -18,7 +18,29 @@
 #include <utility>
 #include <vector>
 
+// The wider variants this build compiles. cpp_build.CppExtension passes TOKENMILL_BUILD_<SET>=0 for each
+// instruction set the building machine's CPU lacks, so a CPU without AVX-512 compiles (and its first start waits
+// for) only the variants it can run; where the CPU's flags cannot be read, every variant is compiled. A variant
+// that is not compiled is never listed as supported.
+#ifndef TOKENMILL_BUILD_AVX_VNNI
+#define TOKENMILL_BUILD_AVX_VNNI 1
+#endif
+#ifndef TOKENMILL_BUILD_AVX512
+#define TOKENMILL_BUILD_AVX512 1
+#endif
+#ifndef TOKENMILL_BUILD_AVX512_VNNI
+#define TOKENMILL_BUILD_AVX512_VNNI 1
+#endif
+#ifndef TOKENMILL_BUILD_AMX
+#define TOKENMILL_BUILD_AMX 1
+#endif
+
 namespace tokenmill {
+
+inline constexpr bool kBuildAvxVnni = TOKENMILL_BUILD_AVX_VNNI;
+inline constexpr bool kBuildAvx512 = TOKENMILL_BUILD_AVX512;
+inline constexpr bool kBuildAvx512Vnni = kBuildAvx512 && TOKENMILL_BUILD_AVX512_VNNI;
+inline constexpr bool kBuildAmx = kBuildAvx512Vnni && TOKENMILL_BUILD_AMX;
 
 // The variants of one extension's kernels. Isa is an enum class whose values index `names`; `detect` returns
 // the ones this CPU (and OS, for the AVX-512 state) supports, best last, starting with the one that needs

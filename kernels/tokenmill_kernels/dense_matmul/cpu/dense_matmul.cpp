@@ -200,7 +200,7 @@ enum class Isa { kAvx2, kAvx512 };
 // AVX2 + FMA is checked before the build.
 tokenmill::IsaChoice<Isa> g_isa({"avx2", "avx512"}, [] {
   std::vector<Isa> isas{Isa::kAvx2};
-  if (__builtin_cpu_supports("avx512f")) isas.push_back(Isa::kAvx512);
+  if (tokenmill::kBuildAvx512 && __builtin_cpu_supports("avx512f")) isas.push_back(Isa::kAvx512);
   return isas;
 });
 
@@ -240,11 +240,13 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
   auto y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   const Problem p{x.data_ptr<float>(), packed.data_ptr<float>(), bias_ptr, y.data_ptr<float>(), M, N, K};
-  if (g_isa.get() == Isa::kAvx512) {
-    matmul<Avx512>(p);
-  } else {
-    matmul<Avx2>(p);
+  if constexpr (tokenmill::kBuildAvx512) {
+    if (g_isa.get() == Isa::kAvx512) {
+      matmul<Avx512>(p);
+      return y;
+    }
   }
+  matmul<Avx2>(p);
   return y;
 }
 

@@ -628,7 +628,7 @@ enum class Isa { kAvx2, kAvx512 };
 // checked before the build).
 tokenmill::IsaChoice<Isa> g_isa({"avx2", "avx512"}, [] {
   std::vector<Isa> isas{Isa::kAvx2};
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+  if (tokenmill::kBuildAvx512 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")) {
     isas.push_back(Isa::kAvx512);
   }
@@ -639,11 +639,10 @@ template <typename T>
 void attend(const Problem<T>& p) {
   const Isa isa = g_isa.get();
   at::parallel_for(0, int64_t(p.num_tokens) * p.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    if (isa == Isa::kAvx512) {
-      Avx512Ops::attend_range(p, begin, end);
-    } else {
-      Avx2Ops::attend_range(p, begin, end);
+    if constexpr (tokenmill::kBuildAvx512) {
+      if (isa == Isa::kAvx512) return Avx512Ops::attend_range(p, begin, end);
     }
+    Avx2Ops::attend_range(p, begin, end);
   });
 }
 

@@ -770,13 +770,13 @@ bool amx_usable();
 // AVX2 + FMA is checked before the build, F16C (which every AVX2 CPU has) by matmul.
 tokenmill::IsaChoice<Isa> g_isa({"avx2", "avx_vnni", "avx512", "avx512_vnni16", "amx"}, [] {
   std::vector<Isa> isas{Isa::kAvx2};
-  if (__builtin_cpu_supports("avxvnni")) isas.push_back(Isa::kAvxVnni);
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+  if (tokenmill::kBuildAvxVnni && __builtin_cpu_supports("avxvnni")) isas.push_back(Isa::kAvxVnni);
+  if (tokenmill::kBuildAvx512 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl")) {
     isas.push_back(Isa::kAvx512);
-    if (__builtin_cpu_supports("avx512vnni")) {
+    if (tokenmill::kBuildAvx512Vnni && __builtin_cpu_supports("avx512vnni")) {
       isas.push_back(Isa::kAvx512Vnni);
-      if (amx_usable()) isas.push_back(Isa::kAmx);
+      if (tokenmill::kBuildAmx && amx_usable()) isas.push_back(Isa::kAmx);
     }
   }
   return isas;
@@ -1092,24 +1092,33 @@ void run_amx(const Problem& p) {
   run_side(p.side, p.out, p.N);
 }
 
+// Runs p's matmul on `isa`'s tiles (amx: AMX's tiles, for passes of at least kAmxMinRows rows). Only the variants
+// this build compiles (cpu_common/isa.h) are instantiated; g_isa never picks another.
 template <bool kInt4>
-void run_on(const Problem& p, Isa isa) {
+void run_on(const Problem& p, Isa isa, bool amx) {
+  if constexpr (tokenmill::kBuildAmx) {
+    if (amx) return run_amx<kInt4>(p);
+  }
   switch (isa) {
     case Isa::kAvx512Vnni:
-      if constexpr (kInt4) {
+      if constexpr (!tokenmill::kBuildAvx512Vnni) {
+        break;
+      } else if constexpr (kInt4) {
         run<true, Avx512Vnni>(p);
       } else {
         run<false, Avx512>(p);  // matmul never asks: int8 weights take Avx512's tiles
       }
       break;
     case Isa::kAvx512:
-      run<kInt4, Avx512>(p);
+      if constexpr (tokenmill::kBuildAvx512) run<kInt4, Avx512>(p);
       break;
     case Isa::kAvxVnni:
-      if (p.M >= kPairMinRows) {
-        run_pairs<kInt4, AvxVnni>(p);
-      } else {
-        run<kInt4, AvxVnni>(p);
+      if constexpr (tokenmill::kBuildAvxVnni) {
+        if (p.M >= kPairMinRows) {
+          run_pairs<kInt4, AvxVnni>(p);
+        } else {
+          run<kInt4, AvxVnni>(p);
+        }
       }
       break;
     default:
@@ -1208,14 +1217,10 @@ void matmul_into(const float* x, int64_t M, const QuantWeight& w, float* out,
     const QuantizedActivations act = quantize_activations(x + first * K, rows, K, layout);
     const Problem p{w.w, w.row_bytes, w.scales, w.mins, w.bias, &act, rows, N,
                     K, K / kGroup, out + first * N, passes == 1 ? side : nullptr};
-    if (amx && w.int4()) {
-      run_amx<true>(p);
-    } else if (amx) {
-      run_amx<false>(p);
-    } else if (w.int4()) {
-      run_on<true>(p, isa);
+    if (w.int4()) {
+      run_on<true>(p, isa, amx);
     } else {
-      run_on<false>(p, isa);
+      run_on<false>(p, isa, amx);
     }
   }
   if (passes > 1) run_side(side, out, N);
