@@ -211,7 +211,9 @@ def test_greedy_alone_matches(pair: Pair) -> None:
     if pair.case in GREEDY_APART:
         pytest.skip(GREEDY_APART[pair.case])
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    request = EngineCoreRequest("alone", _prompt(7, 9), params, eos_token_ids=[], arrival_time=0.0)
+    # Prompt 8: on awq-moe-sliced each of its 12 tokens leads the runner-up by 0.12 or more under every kernel
+    # variant; prompt 7's first token there was a 3e-5 tie that the avx2 and avx512 float32 sums break apart.
+    request = EngineCoreRequest("alone", _prompt(8, 9), params, eos_token_ids=[], arrival_time=0.0)
     assert run_to_completion(pair.tp2, [request]) == run_to_completion(pair.tp1, [request])
 
 
