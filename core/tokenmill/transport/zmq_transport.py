@@ -197,7 +197,10 @@ class ZmqFrontendConnection(FrontendConnection):
                 event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))["event"]
             except zmq.Again:
                 return self._handshake_failure
-            self._handshake_failure = _REFUSED_BY_ENGINE.get(event)
+            # The engine may drop a refused connection before its reason arrives (more often on a loaded
+            # machine): an attempt without detail keeps what an earlier one said.
+            if event != zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL or self._handshake_failure is None:
+                self._handshake_failure = _REFUSED_BY_ENGINE.get(event)
 
     def close(self) -> None:
         if self._socket.closed:
