@@ -160,9 +160,20 @@ def test_pair_tiles_match_reference(kind: str, isa: str) -> None:
 
 
 @needs_cpu_kernels
+@pytest.mark.parametrize("isa", ["avx2", "avx_vnni"])
+def test_nibble_tiles_match_reference(isa: str) -> None:
+    """Under 5 rows, avx2 and avx_vnni unpack int4 weights two groups per 32-byte load (the nibble tiles): group
+    counts that leave the last pair's second group empty (K = 32, 96, 288, 544, 2080), a row of more groups than
+    one chunk of scale products (K = 2080: 65 groups), every activation tile (M = 1 to 4) and weight rows left
+    after whole tiles of 4 (N = 1, 3, 5, 7)."""
+    _assert_variant_matches_reference("int4", isa, (32, 96, 256, 288, 544, 2080), (1, 2, 3, 4), (1, 3, 4, 5, 7, 64))
+
+
+@needs_cpu_kernels
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_avx_vnni_is_bit_identical_to_avx2(kind: str) -> None:
-    """Both hold a group as two 256-bit halves (under 5 rows) or two groups in four registers (the pair tiles):
+    """Both hold a group as two 256-bit halves (int8 under 5 rows) or two groups in four registers (int4 under 5
+    rows: the nibble tiles; from 5 rows on: the pair tiles):
     exact integer dot products, then the same float32 operations in the same order. (avx512 sums 16 float lanes
     instead of 8, so it matches them only to float32 rounding.)"""
     _skip_unless_supported("avx_vnni")

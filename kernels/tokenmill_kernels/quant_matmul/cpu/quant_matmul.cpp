@@ -13,9 +13,9 @@
 // The file builds with -mavx2 -mfma -mf16c. The tiles come in one variant per instruction set (struct Avx2,
 // AvxVnni, Avx512 below), picked at run time from the CPU's features; the others are compiled with
 // __attribute__((target)) so they are only ever executed on CPUs that have them. avx2 and avx_vnni hold a group
-// as two 256-bit halves (under kPairMinRows activation rows), or two groups in four registers (the pair tiles,
-// from kPairMinRows rows on), and run the same float32 operations in the same order, so they give bit-identical
-// outputs; avx512 holds a group in one 512-bit register and sums 16 float lanes instead of 8 (outputs within
+// as two 256-bit halves (int8 under kPairMinRows activation rows), or two groups in four registers (int4 under
+// kPairMinRows rows: the nibble tiles; from kPairMinRows rows on: the pair tiles), and run the same float32
+// operations in the same order, so they give bit-identical outputs; avx512 holds a group in one 512-bit register and sums 16 float lanes instead of 8 (outputs within
 // float32 rounding of the others); amx runs AMX tile products at many rows (run_amx, below).
 // set_isa forces one (for tests and benchmarks).
 
@@ -89,8 +89,9 @@ inline int32_t hsum_i32(__m256i v) {
 // Activations quantized per 32-block: q int16 [M, K], d = absmax / 32767 and s = d * sum(q), both [M, K / 32].
 // For the avx512_vnni16 tiles also the same codes four groups at a time, in the order those tiles multiply them
 // (interleave_block): qi int16 [M, ceil(K / 128), 128], 64-byte aligned so that no load splits a cache line.
-// For the avx2 / avx_vnni tiles of several rows also the codes two groups at a time in the order those tiles
-// multiply them (interleave_pair): qp int16 [M, ceil(K / 64), 64], 32-byte aligned.
+// For the avx2 / avx_vnni tiles also the codes two groups at a time in the order those tiles multiply them:
+// qp int16 [M, ceil(K / 64), 64], 32-byte aligned, as the pair tiles (several rows, interleave_pair) or the nibble
+// tiles (int4 weights at fewer rows, interleave_nibble_pair) read them.
 struct QuantizedActivations {
   std::unique_ptr<int16_t[]> q;
   std::unique_ptr<float[]> d;
@@ -99,9 +100,9 @@ struct QuantizedActivations {
   std::unique_ptr<int16_t[], void (*)(int16_t*)> qp{nullptr, [](int16_t* ptr) { std::free(ptr); }};
 };
 
-// Which extra copy of the codes a variant's tiles read besides q: none, four groups at a time (avx512_vnni16) or
-// two (avx2 and avx_vnni at several rows).
-enum class Layout { kPlain, kQuads, kPairs };
+// Which extra copy of the codes a variant's tiles read besides q: none, four groups at a time (avx512_vnni16), or
+// two (avx2 and avx_vnni) for the pair tiles or for the nibble tiles.
+enum class Layout { kPlain, kQuads, kPairs, kNibblePairs };
 
 void quantize_block(const float* x, int16_t* q, float* d_out, float* s_out) {
   const __m256 sign_bit = _mm256_set1_ps(-0.0f);
@@ -159,10 +160,31 @@ inline void interleave_pair(const int16_t* a, const int16_t* b, int16_t* out) {
   _mm256_store_si256(dst + 3, _mm256_permute2x128_si256(hi0, hi1, 0x31));
 }
 
+// Two groups of codes as the nibble tiles read them (see nibble_tile_body): register j holds 8 codes of a in its
+// low 128-bit half and the same 8 of b in its high half, elements 2k (j = 0), 2k + 16 (j = 1), 2k + 1 (j = 2) and
+// 2k + 17 (j = 3) for k = 0..7. `b` is nullptr for a row's last group when K / 32 is odd (its lanes are zero).
+inline void interleave_nibble_pair(const int16_t* a, const int16_t* b, int16_t* out) {
+  // Within each 128-bit lane the even 16-bit words, then the odd ones; vpermq then joins the lanes' evens.
+  const __m256i split = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,  //
+                                         0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+  const auto evens_odds = [&](const int16_t* codes) {  // 16 codes -> their 8 even-indexed | their 8 odd-indexed
+    if (codes == nullptr) return _mm256_setzero_si256();
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes));
+    return _mm256_permute4x64_epi64(_mm256_shuffle_epi8(v, split), 0xD8);
+  };
+  const __m256i a_lo = evens_odds(a), a_hi = evens_odds(a + 16);
+  const __m256i b_lo = evens_odds(b), b_hi = evens_odds(b != nullptr ? b + 16 : nullptr);
+  __m256i* dst = reinterpret_cast<__m256i*>(out);
+  _mm256_store_si256(dst + 0, _mm256_permute2x128_si256(a_lo, b_lo, 0x20));
+  _mm256_store_si256(dst + 1, _mm256_permute2x128_si256(a_hi, b_hi, 0x20));
+  _mm256_store_si256(dst + 2, _mm256_permute2x128_si256(a_lo, b_lo, 0x31));
+  _mm256_store_si256(dst + 3, _mm256_permute2x128_si256(a_hi, b_hi, 0x31));
+}
+
 QuantizedActivations quantize_activations(const float* x, int64_t M, int64_t K, Layout layout = Layout::kPlain) {
   const int64_t groups = K / kGroup;
   const int64_t blocks = layout == Layout::kQuads ? (groups + 3) / 4 : 0;
-  const int64_t pairs = layout == Layout::kPairs ? (groups + 1) / 2 : 0;
+  const int64_t pairs = layout == Layout::kPairs || layout == Layout::kNibblePairs ? (groups + 1) / 2 : 0;
   // Plain new[]: every element is written below, so the zero-fill of make_unique would be a wasted pass.
   QuantizedActivations a{std::unique_ptr<int16_t[]>(new int16_t[M * K]),
                          std::unique_ptr<float[]>(new float[M * groups]),
@@ -187,8 +209,13 @@ QuantizedActivations quantize_activations(const float* x, int64_t M, int64_t K, 
       }
       for (int64_t t = 0; t < pairs; ++t) {
         const int16_t* first = a.q.get() + m * K + 2 * t * kGroup;
-        interleave_pair(first, 2 * t + 1 < groups ? first + kGroup : nullptr,
-                        a.qp.get() + (m * pairs + t) * 2 * kGroup);
+        const int16_t* second = 2 * t + 1 < groups ? first + kGroup : nullptr;
+        int16_t* out = a.qp.get() + (m * pairs + t) * 2 * kGroup;
+        if (layout == Layout::kPairs) {
+          interleave_pair(first, second, out);
+        } else {
+          interleave_nibble_pair(first, second, out);
+        }
       }
     }
   });
@@ -295,6 +322,8 @@ template <bool kInt4, int NR, int MR, class V>
 inline void finish_tile(const Problem& p, int64_t n0, int64_t m0, typename V::Acc (&acc)[NR][MR]);
 template <bool kInt4, int NR, int MR, class V>
 inline void pair_tile_body(const Problem& p, const int16_t* wbuf, int64_t n0, int64_t m0);
+template <int NR, int MR, class V>
+inline void nibble_tile_body(const Problem& p, int64_t n0, int64_t m0, bool prefetch);
 
 struct Avx2 : Ymm {
   static inline __m256i dot(const Weights& w, const Codes& x) {
@@ -317,6 +346,10 @@ struct Avx2 : Ymm {
   __attribute__((noinline, flatten)) static void pair_tile(const Problem& p, const int16_t* wbuf, int64_t n0,
                                                            int64_t m0) {
     pair_tile_body<kInt4, NR, MR, Avx2>(p, wbuf, n0, m0);
+  }
+  template <int NR, int MR>
+  __attribute__((noinline, flatten)) static void nibble_tile(const Problem& p, int64_t n0, int64_t m0, bool prefetch) {
+    nibble_tile_body<NR, MR, Avx2>(p, n0, m0, prefetch);
   }
 };
 
@@ -341,6 +374,11 @@ struct AvxVnni : Ymm {
   __attribute__((noinline, flatten, target("avxvnni"))) static void pair_tile(const Problem& p, const int16_t* wbuf,
                                                                              int64_t n0, int64_t m0) {
     pair_tile_body<kInt4, NR, MR, AvxVnni>(p, wbuf, n0, m0);
+  }
+  template <int NR, int MR>
+  __attribute__((noinline, flatten, target("avxvnni"))) static void nibble_tile(const Problem& p, int64_t n0,
+                                                                               int64_t m0, bool prefetch) {
+    nibble_tile_body<NR, MR, AvxVnni>(p, n0, m0, prefetch);
   }
 };
 
@@ -678,16 +716,14 @@ inline void finish_pair_tile(const Problem& p, int64_t n0, int64_t m0, __m256 (&
   }
 }
 
-// out[m0 .. m0+MR, n0 .. n0+NR] for one tile in the pair layout, the weight rows widened in `wbuf`.
-template <bool kInt4, int NR, int MR, class V>
-inline void pair_tile_body(const Problem& p, const int16_t* wbuf, int64_t n0, int64_t m0) {
+// The loop of the tiles that take two groups at a time (pair and nibble tiles): zeroed accumulators, then per
+// chunk of groups their scale products and `pair(t, scale)` for each pair t of the chunk, where scale(r, i) points
+// at dw dx of the pair's two groups for weight row r and activation row i.
+template <int NR, int MR, class Pair>
+inline void for_each_pair(const Problem& p, int64_t n0, int64_t m0, __m256 (&acc)[NR][MR], Pair&& pair) {
   const int64_t groups = p.groups;
-  const int64_t pairs = (groups + 1) / 2;
-  const int16_t* xq = p.act->qp.get() + m0 * pairs * kPairCodes;
   const float* xd = p.act->d.get() + m0 * groups;
   const uint16_t* wd = p.scales + n0 * groups;
-
-  __m256 acc[NR][MR];
   UNROLL
   for (int r = 0; r < NR; ++r) {
     UNROLL
@@ -706,26 +742,89 @@ inline void pair_tile_body(const Problem& p, const int16_t* wbuf, int64_t n0, in
       }
     }
     for (int64_t t = g0 / 2; t < (g_end + 1) / 2; ++t) {
-      // A weight row's four registers meet every activation row's, whose loads fold into vpmaddwd: 4 + 1 loads
-      // (the scale pair) per output and pair of groups, where holding both in registers would spill.
-      UNROLL
-      for (int r = 0; r < NR; ++r) {
-        const __m256i* wv = reinterpret_cast<const __m256i*>(wbuf + (r * pairs + t) * kPairCodes);
-        const __m256i w[4] = {_mm256_load_si256(wv), _mm256_load_si256(wv + 1), _mm256_load_si256(wv + 2),
-                              _mm256_load_si256(wv + 3)};
-        UNROLL
-        for (int i = 0; i < MR; ++i) {
-          const __m256i dot = V::dot_pair(w, reinterpret_cast<const __m256i*>(xq + (i * pairs + t) * kPairCodes));
-          // dw * dx of the two groups, alternating as the dot product's lanes do.
-          const __m256 s =
-              _mm256_castpd_ps(_mm256_broadcast_sd(reinterpret_cast<const double*>(&scale[r][i][2 * t - g0])));
-          acc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, acc[r][i]);
-        }
-      }
+      pair(t, [&](int r, int i) { return reinterpret_cast<const double*>(&scale[r][i][2 * t - g0]); });
     }
   }
+}
+
+// out[m0 .. m0+MR, n0 .. n0+NR] for one tile in the pair layout, the weight rows widened in `wbuf`.
+template <bool kInt4, int NR, int MR, class V>
+inline void pair_tile_body(const Problem& p, const int16_t* wbuf, int64_t n0, int64_t m0) {
+  const int64_t pairs = (p.groups + 1) / 2;
+  const int16_t* xq = p.act->qp.get() + m0 * pairs * kPairCodes;
+  __m256 acc[NR][MR];
+  for_each_pair<NR, MR>(p, n0, m0, acc, [&](int64_t t, auto scale) {
+    // A weight row's four registers meet every activation row's, whose loads fold into vpmaddwd: 4 + 1 loads
+    // (the scale pair) per output and pair of groups, where holding both in registers would spill.
+    UNROLL
+    for (int r = 0; r < NR; ++r) {
+      const __m256i* wv = reinterpret_cast<const __m256i*>(wbuf + (r * pairs + t) * kPairCodes);
+      const __m256i w[4] = {_mm256_load_si256(wv), _mm256_load_si256(wv + 1), _mm256_load_si256(wv + 2),
+                            _mm256_load_si256(wv + 3)};
+      UNROLL
+      for (int i = 0; i < MR; ++i) {
+        const __m256i dot = V::dot_pair(w, reinterpret_cast<const __m256i*>(xq + (i * pairs + t) * kPairCodes));
+        // dw * dx of the two groups, alternating as the dot product's lanes do.
+        const __m256 s = _mm256_castpd_ps(_mm256_broadcast_sd(scale(r, i)));
+        acc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, acc[r][i]);
+      }
+    }
+  });
   finish_pair_tile<kInt4, NR, MR>(p, n0, m0, acc);
 }
+
+// The nibble tiles: avx2 and avx_vnni for int4 weights at 1 to kNibbleMaxRows activation rows (decode), where Ymm's
+// tiles are bound by instructions, not memory: widening each group's nibbles to int16 takes 5 instructions, 2 of them the
+// cross-lane vpmovzxbw, and each group ends in its own conversion and scaled add. Here one 32-byte load takes two
+// groups a and b (a in the low 128-bit half, b in the high), and shifts and masks on its 16-bit words give four
+// registers of int16 weights without a shuffle: word k of a group's 16 bytes holds elements 2k, 2k + 16, 2k + 1 and
+// 2k + 17 in its four nibbles, lowest first (interleave_nibble_pair lays the activation codes out to match). Their
+// products (V::dot_pair) sum into int32 lanes 0..3 for a and 4..7 for b, so one conversion and one scaled add (the
+// two groups' scale products spread to match) take both groups: per two groups and weight row 6 + 7 (avx2) or
+// 6 + 4 (avx_vnni) + 3 instructions, against 2 x 10 or 2 x 9. Four weight rows per tile keep four independent
+// accumulator chains in flight.
+template <int NR, int MR, class V>
+inline void nibble_tile_body(const Problem& p, int64_t n0, int64_t m0, bool prefetch) {
+  const int64_t groups = p.groups;
+  const int64_t pairs = (groups + 1) / 2;
+  const int16_t* xq = p.act->qp.get() + m0 * pairs * kPairCodes;
+  const uint8_t* w = p.w + n0 * p.row_bytes;
+  const __m256i nibble = _mm256_set1_epi16(0x000F);
+  const __m256i spread = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);  // (dw dx of a, of b) -> a's lanes, b's lanes
+  __m256 acc[NR][MR];
+  for_each_pair<NR, MR>(p, n0, m0, acc, [&](int64_t t, auto scale) {
+    const bool full = 2 * t + 1 < groups;  // only a row's last pair may lack its second group
+    UNROLL
+    for (int r = 0; r < NR; ++r) {
+      const uint8_t* src = w + r * p.row_bytes + t * kGroup;  // 16 bytes per group
+      if (prefetch && t % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(src) + kPrefetchBytes, _MM_HINT_T0);
+      const __m256i v = full ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src))
+                             : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+      const __m256i q[4] = {_mm256_and_si256(v, nibble), _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble),
+                            _mm256_and_si256(_mm256_srli_epi16(v, 8), nibble), _mm256_srli_epi16(v, 12)};
+      UNROLL
+      for (int i = 0; i < MR; ++i) {
+        const __m256i dot = V::dot_pair(q, reinterpret_cast<const __m256i*>(xq + (i * pairs + t) * kPairCodes));
+        const __m256 s = _mm256_permutevar8x32_ps(_mm256_castpd_ps(_mm256_broadcast_sd(scale(r, i))), spread);
+        acc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, acc[r][i]);
+      }
+    }
+  });
+  finish_pair_tile<true, NR, MR>(p, n0, m0, acc);
+}
+
+// The nibble tiles as a variant `run` takes: kNibbleWeightTile weight rows, up to kActTile activation rows.
+constexpr int64_t kNibbleWeightTile = 4;
+template <class V>
+struct Nibbles {
+  static constexpr int64_t kWeightTile = kNibbleWeightTile;
+  static constexpr int64_t kMaxActTile = kActTile;
+  template <bool kInt4, int NR, int MR>
+  static void tile(const Problem& p, int64_t n0, int64_t m0, bool prefetch) {
+    static_assert(kInt4, "the nibble tiles read int4 weights");
+    V::template nibble_tile<NR, MR>(p, n0, m0, prefetch);
+  }
+};
 
 // The end of a tile: Q4_1's min term, the bias, and each accumulator's lanes summed into out.
 template <bool kInt4, int NR, int MR, class V>
@@ -866,6 +965,8 @@ void run(const Problem& p) {
 // into the pair layout once (widen_pairs) and runs every activation tile over that buffer. Below, one activation
 // tile covers every row and the buffer's round trip costs more than widening in registers (Ymm's tiles).
 constexpr int64_t kPairMinRows = 5;
+// int4 weights under kPairMinRows rows take the nibble tiles on avx2 and avx_vnni (1.20-1.25x Ymm's at 1 to 4).
+constexpr int64_t kNibbleMaxRows = kPairMinRows - 1;
 // 3 x 3 tiles: 9 accumulators, a weight row's 4 registers and the temporaries fit AVX2's 16 registers without
 // spilling (2 x 4 and 3 x 4 measured within a few per cent of it, 3 x 4 spilling accumulators).
 constexpr int64_t kPairWeightTile = 3;
@@ -1114,7 +1215,9 @@ void run_on(const Problem& p, Isa isa, bool amx) {
       break;
     case Isa::kAvxVnni:
       if constexpr (tokenmill::kBuildAvxVnni) {
-        if (p.M >= kPairMinRows) {
+        if (kInt4 && p.M <= kNibbleMaxRows) {
+          run<true, Nibbles<AvxVnni>>(p);
+        } else if (p.M >= kPairMinRows) {
           run_pairs<kInt4, AvxVnni>(p);
         } else {
           run<kInt4, AvxVnni>(p);
@@ -1122,7 +1225,9 @@ void run_on(const Problem& p, Isa isa, bool amx) {
       }
       break;
     default:
-      if (p.M >= kPairMinRows) {
+      if (kInt4 && p.M <= kNibbleMaxRows) {
+        run<true, Nibbles<Avx2>>(p);
+      } else if (p.M >= kPairMinRows) {
         run_pairs<kInt4, Avx2>(p);
       } else {
         run<kInt4, Avx2>(p);
@@ -1214,6 +1319,9 @@ void matmul_into(const float* x, int64_t M, const QuantWeight& w, float* out,
     Layout layout = Layout::kPlain;
     if (isa == Isa::kAvx512Vnni && !amx) layout = Layout::kQuads;
     if ((isa == Isa::kAvx2 || isa == Isa::kAvxVnni) && rows >= kPairMinRows) layout = Layout::kPairs;
+    if ((isa == Isa::kAvx2 || isa == Isa::kAvxVnni) && w.int4() && rows <= kNibbleMaxRows) {
+      layout = Layout::kNibblePairs;
+    }
     const QuantizedActivations act = quantize_activations(x + first * K, rows, K, layout);
     const Problem p{w.w, w.row_bytes, w.scales, w.mins, w.bias, &act, rows, N,
                     K, K / kGroup, out + first * N, passes == 1 ? side : nullptr};
