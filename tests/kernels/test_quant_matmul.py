@@ -160,12 +160,12 @@ def test_pair_tiles_match_reference(kind: str, isa: str) -> None:
 
 
 @needs_cpu_kernels
-@pytest.mark.parametrize("isa", ["avx2", "avx_vnni"])
+@pytest.mark.parametrize("isa", ["avx2", "avx_vnni", "avx512", "avx512_vnni16"])
 def test_nibble_tiles_match_reference(isa: str) -> None:
-    """Under 5 rows, avx2 and avx_vnni unpack int4 weights two groups per 32-byte load (the nibble tiles): group
-    counts that leave the last pair's second group empty (K = 32, 96, 288, 544, 2080), a row of more groups than
-    one chunk of scale products (K = 2080: 65 groups), every activation tile (M = 1 to 4) and weight rows left
-    after whole tiles of 4 (N = 1, 3, 5, 7)."""
+    """Under 5 rows, int4 weights are unpacked two groups per 32-byte load (avx2, avx_vnni) or four per 64-byte
+    load (avx512, avx512_vnni16): the nibble tiles. Group counts that leave the last pair or block short (K = 32,
+    96, 288, 544, 2080), a row of more groups than one chunk of scale products (K = 2080: 65 groups), every
+    activation tile (M = 1 to 4) and weight rows left after whole tiles of 4 (N = 1, 3, 5, 7)."""
     _assert_variant_matches_reference("int4", isa, (32, 96, 256, 288, 544, 2080), (1, 2, 3, 4), (1, 3, 4, 5, 7, 64))
 
 

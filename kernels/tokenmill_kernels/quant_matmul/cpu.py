@@ -11,10 +11,13 @@ groups in four registers whose int32 lanes alternate between them, one conversio
 weights widened once per row group for every activation tile), ``"avx_vnni"`` (the same with ``vpdpwssd``
 adding the products) and ``"avx512"`` (one 512-bit ``vpmaddwd`` per group, 32 vector registers, 4 x 4 tiles),
 ``"avx512_vnni16"`` (AVX512-VNNI ``vpdpwssd`` over four groups at once, for int4 weights and inputs of 5 rows
-or more, in tiles of up to 6 rows, faster than ``"avx512"`` there; ``"avx512"``'s tiles otherwise), and ``"amx"``
+or more, in tiles of up to 6 rows, faster than ``"avx512"`` there; ``"avx512"``'s tiles for int8), and ``"amx"``
 (``"avx512_vnni16"``, and for inputs of 16 rows or more AMX int8 tile products: each int16 code
 split exactly into a signed high and an unsigned low byte, two tile products a group, the same integer dot
-products; Sapphire Rapids on, where Linux grants the tile state). The best one the CPU supports is used;
+products; Sapphire Rapids on, where Linux grants the tile state). Under 5 rows every variant runs int4 weights
+through the nibble tiles: two groups (256-bit) or four (512-bit) unpacked from one load by shifts and masks into
+the order the activation codes are laid out in, one conversion and scaled add for all of them, 4 weight rows a
+tile. The best variant the CPU supports is used;
 :func:`supported_isas` lists them and :func:`set_isa` forces one, e.g. to compare speeds. ``"avx2"`` and
 ``"avx_vnni"`` give bit-identical outputs; the 512-bit variants sum 16 float32 lanes instead of 8
 (``"avx512_vnni16"`` four groups before converting them; ``"amx"`` each group's scaled product and its min term

@@ -13,9 +13,10 @@
 // The file builds with -mavx2 -mfma -mf16c. The tiles come in one variant per instruction set (struct Avx2,
 // AvxVnni, Avx512 below), picked at run time from the CPU's features; the others are compiled with
 // __attribute__((target)) so they are only ever executed on CPUs that have them. avx2 and avx_vnni hold a group
-// as two 256-bit halves (int8 under kPairMinRows activation rows), or two groups in four registers (int4 under
+// as two 256-bit halves (int8 under kPairMinRows activation rows) or take two groups in four registers (int4 under
 // kPairMinRows rows: the nibble tiles; from kPairMinRows rows on: the pair tiles), and run the same float32
-// operations in the same order, so they give bit-identical outputs; avx512 holds a group in one 512-bit register and sums 16 float lanes instead of 8 (outputs within
+// operations in the same order, so they give bit-identical outputs; avx512 holds a group in one 512-bit register,
+// or (int4 under kPairMinRows rows) takes four groups in four, and sums 16 float lanes instead of 8 (outputs within
 // float32 rounding of the others); amx runs AMX tile products at many rows (run_amx, below).
 // set_isa forces one (for tests and benchmarks).
 
@@ -60,8 +61,6 @@ constexpr int64_t kActTile = 4;
 constexpr int64_t kPrefetchBytes = 8192;
 // Below this many weight bytes a task is not worth handing to another thread (fork/join costs a few us).
 constexpr int64_t kMinBytesPerTask = 32 * 1024;
-// Fewest activation rows for which avx512_vnni16 runs its own tiles; below, its Avx512's (see Avx512Vnni).
-constexpr int64_t kVnniMinRows = 5;
 // Groups whose scale products a tile computes ahead of their dot products (4 KB of stack for a 4 x 4 tile).
 constexpr int64_t kScaleChunk = 64;
 
@@ -88,10 +87,11 @@ inline int32_t hsum_i32(__m256i v) {
 
 // Activations quantized per 32-block: q int16 [M, K], d = absmax / 32767 and s = d * sum(q), both [M, K / 32].
 // For the avx512_vnni16 tiles also the same codes four groups at a time, in the order those tiles multiply them
-// (interleave_block): qi int16 [M, ceil(K / 128), 128], 64-byte aligned so that no load splits a cache line.
+// (interleave_block, or interleave_nibbles for the 512-bit nibble tiles): qi int16 [M, ceil(K / 128), 128], 64-byte
+// aligned so that no load splits a cache line.
 // For the avx2 / avx_vnni tiles also the codes two groups at a time in the order those tiles multiply them:
 // qp int16 [M, ceil(K / 64), 64], 32-byte aligned, as the pair tiles (several rows, interleave_pair) or the nibble
-// tiles (int4 weights at fewer rows, interleave_nibble_pair) read them.
+// tiles (int4 weights at fewer rows, interleave_nibbles) read them.
 struct QuantizedActivations {
   std::unique_ptr<int16_t[]> q;
   std::unique_ptr<float[]> d;
@@ -100,9 +100,9 @@ struct QuantizedActivations {
   std::unique_ptr<int16_t[], void (*)(int16_t*)> qp{nullptr, [](int16_t* ptr) { std::free(ptr); }};
 };
 
-// Which extra copy of the codes a variant's tiles read besides q: none, four groups at a time (avx512_vnni16), or
-// two (avx2 and avx_vnni) for the pair tiles or for the nibble tiles.
-enum class Layout { kPlain, kQuads, kPairs, kNibblePairs };
+// Which extra copy of the codes a variant's tiles read besides q: none, four groups at a time for avx512_vnni16's
+// tiles (kQuads) or the 512-bit nibble tiles, or two for the pair tiles or the 256-bit nibble tiles.
+enum class Layout { kPlain, kQuads, kNibbleQuads, kPairs, kNibblePairs };
 
 void quantize_block(const float* x, int16_t* q, float* d_out, float* s_out) {
   const __m256 sign_bit = _mm256_set1_ps(-0.0f);
@@ -160,30 +160,37 @@ inline void interleave_pair(const int16_t* a, const int16_t* b, int16_t* out) {
   _mm256_store_si256(dst + 3, _mm256_permute2x128_si256(hi0, hi1, 0x31));
 }
 
-// Two groups of codes as the nibble tiles read them (see nibble_tile_body): register j holds 8 codes of a in its
-// low 128-bit half and the same 8 of b in its high half, elements 2k (j = 0), 2k + 16 (j = 1), 2k + 1 (j = 2) and
-// 2k + 17 (j = 3) for k = 0..7. `b` is nullptr for a row's last group when K / 32 is odd (its lanes are zero).
-inline void interleave_nibble_pair(const int16_t* a, const int16_t* b, int16_t* out) {
+// Up to `lanes` groups of codes (2: a pair, for the 256-bit nibble tiles; 4: a block, for the 512-bit ones) in the
+// order their packed int4 weights unpack in (see nibble_tile_body): register j, of lanes x 8 codes, holds in its
+// 128-bit lane l elements 2k (j = 0), 2k + 16 (j = 1), 2k + 1 (j = 2) and 2k + 17 (j = 3), k = 0..7, of group l. The
+// lanes of missing groups (past a row's last) are zero.
+inline void interleave_nibbles(const int16_t* q, int64_t num_groups, int64_t lanes, int16_t* out) {
   // Within each 128-bit lane the even 16-bit words, then the odd ones; vpermq then joins the lanes' evens.
   const __m256i split = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,  //
                                          0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
   const auto evens_odds = [&](const int16_t* codes) {  // 16 codes -> their 8 even-indexed | their 8 odd-indexed
-    if (codes == nullptr) return _mm256_setzero_si256();
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes));
     return _mm256_permute4x64_epi64(_mm256_shuffle_epi8(v, split), 0xD8);
   };
-  const __m256i a_lo = evens_odds(a), a_hi = evens_odds(a + 16);
-  const __m256i b_lo = evens_odds(b), b_hi = evens_odds(b != nullptr ? b + 16 : nullptr);
-  __m256i* dst = reinterpret_cast<__m256i*>(out);
-  _mm256_store_si256(dst + 0, _mm256_permute2x128_si256(a_lo, b_lo, 0x20));
-  _mm256_store_si256(dst + 1, _mm256_permute2x128_si256(a_hi, b_hi, 0x20));
-  _mm256_store_si256(dst + 2, _mm256_permute2x128_si256(a_lo, b_lo, 0x31));
-  _mm256_store_si256(dst + 3, _mm256_permute2x128_si256(a_hi, b_hi, 0x31));
+  const auto store = [](int16_t* dst, __m128i v) { _mm_store_si128(reinterpret_cast<__m128i*>(dst), v); };
+  const int64_t stride = 8 * lanes;  // codes per register
+  for (int64_t l = 0; l < lanes; ++l) {
+    int16_t* lane = out + 8 * l;
+    if (l >= num_groups) {
+      for (int j = 0; j < 4; ++j) store(lane + j * stride, _mm_setzero_si128());
+      continue;
+    }
+    const __m256i lo = evens_odds(q + l * kGroup), hi = evens_odds(q + l * kGroup + 16);
+    store(lane, _mm256_castsi256_si128(lo));
+    store(lane + stride, _mm256_castsi256_si128(hi));
+    store(lane + 2 * stride, _mm256_extracti128_si256(lo, 1));
+    store(lane + 3 * stride, _mm256_extracti128_si256(hi, 1));
+  }
 }
 
 QuantizedActivations quantize_activations(const float* x, int64_t M, int64_t K, Layout layout = Layout::kPlain) {
   const int64_t groups = K / kGroup;
-  const int64_t blocks = layout == Layout::kQuads ? (groups + 3) / 4 : 0;
+  const int64_t blocks = layout == Layout::kQuads || layout == Layout::kNibbleQuads ? (groups + 3) / 4 : 0;
   const int64_t pairs = layout == Layout::kPairs || layout == Layout::kNibblePairs ? (groups + 1) / 2 : 0;
   // Plain new[]: every element is written below, so the zero-fill of make_unique would be a wasted pass.
   QuantizedActivations a{std::unique_ptr<int16_t[]>(new int16_t[M * K]),
@@ -204,17 +211,22 @@ QuantizedActivations quantize_activations(const float* x, int64_t M, int64_t K, 
     }
     for (int64_t m = begin; m < end; ++m) {
       for (int64_t b = 0; b < blocks; ++b) {
-        interleave_block(a.q.get() + m * K + b * 4 * kGroup, std::min<int64_t>(4, groups - 4 * b),
-                         a.qi.get() + (m * blocks + b) * 4 * kGroup);
+        const int16_t* first = a.q.get() + m * K + b * 4 * kGroup;
+        const int64_t num_groups = std::min<int64_t>(4, groups - 4 * b);
+        int16_t* out = a.qi.get() + (m * blocks + b) * 4 * kGroup;
+        if (layout == Layout::kQuads) {
+          interleave_block(first, num_groups, out);
+        } else {
+          interleave_nibbles(first, num_groups, 4, out);
+        }
       }
       for (int64_t t = 0; t < pairs; ++t) {
         const int16_t* first = a.q.get() + m * K + 2 * t * kGroup;
-        const int16_t* second = 2 * t + 1 < groups ? first + kGroup : nullptr;
         int16_t* out = a.qp.get() + (m * pairs + t) * 2 * kGroup;
         if (layout == Layout::kPairs) {
-          interleave_pair(first, second, out);
+          interleave_pair(first, 2 * t + 1 < groups ? first + kGroup : nullptr, out);
         } else {
-          interleave_nibble_pair(first, second, out);
+          interleave_nibbles(first, std::min<int64_t>(2, groups - 2 * t), 2, out);
         }
       }
     }
@@ -324,6 +336,9 @@ template <bool kInt4, int NR, int MR, class V>
 inline void pair_tile_body(const Problem& p, const int16_t* wbuf, int64_t n0, int64_t m0);
 template <int NR, int MR, class V>
 inline void nibble_tile_body(const Problem& p, int64_t n0, int64_t m0, bool prefetch);
+template <int NR, int MR, class V>
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline void nibble_quad_tile_body(const Problem& p, int64_t n0,
+                                                                                        int64_t m0, bool prefetch);
 
 struct Avx2 : Ymm {
   static inline __m256i dot(const Weights& w, const Codes& x) {
@@ -423,6 +438,20 @@ struct Avx512 {
                                                                             bool prefetch) {
     tile_body<kInt4, NR, MR, Avx512>(p, n0, m0, prefetch);
   }
+  // The block dot products of four groups, one per 128-bit lane: four weight registers `w` times the four code
+  // registers at `x`.
+  __attribute__((target(AVX512_TARGET))) static inline __m512i dot_quad(const __m512i (&w)[4], const __m512i* x) {
+    const __m512i d01 = _mm512_add_epi32(_mm512_madd_epi16(w[0], _mm512_load_si512(x)),
+                                         _mm512_madd_epi16(w[1], _mm512_load_si512(x + 1)));
+    const __m512i d23 = _mm512_add_epi32(_mm512_madd_epi16(w[2], _mm512_load_si512(x + 2)),
+                                         _mm512_madd_epi16(w[3], _mm512_load_si512(x + 3)));
+    return _mm512_add_epi32(d01, d23);
+  }
+  template <int NR, int MR>
+  __attribute__((noinline, flatten, target(AVX512_TARGET))) static void nibble_tile(const Problem& p, int64_t n0,
+                                                                                   int64_t m0, bool prefetch) {
+    nibble_quad_tile_body<NR, MR, Avx512>(p, n0, m0, prefetch);
+  }
 };
 
 // AVX-512 VNNI on int16 codes (vpdpwssd; Ice Lake, Zen 4 and later), variant avx512_vnni16, for int4
@@ -435,8 +464,9 @@ struct Avx512 {
 // weights need no new layout: four groups' 64 bytes, split into low and high nibbles and unpacked with zeros
 // within each 128-bit lane, give that order directly; the activations are laid out to match (interleave_block).
 // A row's last block may hold fewer than four groups (K = 576: 18); masked loads leave the rest zero.
-// Under kVnniMinRows rows the 2-row weight tiles stream memory worse than Avx512's 4, so matmul runs Avx512's
-// tiles there; int8 weights always do, since gathering their bytes into this order costs what it saves.
+// Under kPairMinRows rows these 2-row weight tiles stream memory worse than 4-row ones, so matmul runs the nibble
+// tiles there (nibble_quad_tile_body); int8 weights run Avx512's tiles, since gathering their bytes into this order
+// costs what it saves.
 #define AVX512_VNNI_TARGET "avx512f,avx512bw,avx512vl,avx512vnni"
 struct Avx512Vnni {
   // 2 weight rows per tile: with four registers per weight row, 4 would need more than the 32 there are.
@@ -504,6 +534,18 @@ struct Avx512Vnni {
       }
     }
     finish_tile<true, NR, MR, Avx512>(p, n0, m0, acc);
+  }
+  __attribute__((target(AVX512_VNNI_TARGET))) static inline __m512i dot_quad(const __m512i (&w)[4],
+                                                                             const __m512i* x) {
+    __m512i dot = _mm512_madd_epi16(w[0], _mm512_load_si512(x));
+    UNROLL
+    for (int j = 1; j < 4; ++j) dot = _mm512_dpwssd_epi32(dot, w[j], _mm512_load_si512(x + j));
+    return dot;
+  }
+  template <int NR, int MR>
+  __attribute__((noinline, flatten, target(AVX512_VNNI_TARGET))) static void nibble_tile(const Problem& p, int64_t n0,
+                                                                                        int64_t m0, bool prefetch) {
+    nibble_quad_tile_body<NR, MR, Avx512Vnni>(p, n0, m0, prefetch);
   }
 };
 
@@ -716,34 +758,40 @@ inline void finish_pair_tile(const Problem& p, int64_t n0, int64_t m0, __m256 (&
   }
 }
 
-// The loop of the tiles that take two groups at a time (pair and nibble tiles): zeroed accumulators, then per
-// chunk of groups their scale products and `pair(t, scale)` for each pair t of the chunk, where scale(r, i) points
-// at dw dx of the pair's two groups for weight row r and activation row i.
-template <int NR, int MR, class Pair>
-inline void for_each_pair(const Problem& p, int64_t n0, int64_t m0, __m256 (&acc)[NR][MR], Pair&& pair) {
+// The loop of the tiles that take kSpan groups at a time (the pair tiles and the 256-bit nibble tiles: 2; the
+// 512-bit nibble tiles: 4): per chunk of groups their scale products, zero for the groups missing after a row's
+// last, then `step(t, scale)` for each span t of the chunk, where scale(r, i) points at dw dx of the span's groups
+// for weight row r and activation row i.
+template <int kSpan, int NR, int MR, class Step>
+inline void for_each_span(const Problem& p, int64_t n0, int64_t m0, Step&& step) {
+  static_assert(kScaleChunk % kSpan == 0, "chunks hold whole spans");
   const int64_t groups = p.groups;
   const float* xd = p.act->d.get() + m0 * groups;
   const uint16_t* wd = p.scales + n0 * groups;
+  alignas(64) float scale[NR][MR][kScaleChunk];
+  for (int64_t g0 = 0; g0 < groups; g0 += kScaleChunk) {
+    const int64_t g_end = std::min(g0 + kScaleChunk, groups);
+    scale_products<NR, MR>(wd, xd, groups, g0, g_end, scale);
+    for (int64_t g = g_end; g % kSpan != 0; ++g) {
+      UNROLL
+      for (int r = 0; r < NR; ++r) {
+        UNROLL
+        for (int i = 0; i < MR; ++i) scale[r][i][g - g0] = 0.0f;
+      }
+    }
+    for (int64_t t = g0 / kSpan; t < (g_end + kSpan - 1) / kSpan; ++t) {
+      step(t, [&](int r, int i) -> const float* { return &scale[r][i][kSpan * t - g0]; });
+    }
+  }
+}
+
+// Zeroed 256-bit accumulators for a tile.
+template <int NR, int MR>
+inline void zero_acc(__m256 (&acc)[NR][MR]) {
   UNROLL
   for (int r = 0; r < NR; ++r) {
     UNROLL
     for (int i = 0; i < MR; ++i) acc[r][i] = _mm256_setzero_ps();
-  }
-  // kScaleChunk is even, so chunks hold whole pairs; a zero scale for the missing group after an odd count.
-  alignas(32) float scale[NR][MR][kScaleChunk];
-  for (int64_t g0 = 0; g0 < groups; g0 += kScaleChunk) {
-    const int64_t g_end = std::min(g0 + kScaleChunk, groups);
-    scale_products<NR, MR>(wd, xd, groups, g0, g_end, scale);
-    if (g_end % 2 == 1) {
-      UNROLL
-      for (int r = 0; r < NR; ++r) {
-        UNROLL
-        for (int i = 0; i < MR; ++i) scale[r][i][g_end - g0] = 0.0f;
-      }
-    }
-    for (int64_t t = g0 / 2; t < (g_end + 1) / 2; ++t) {
-      pair(t, [&](int r, int i) { return reinterpret_cast<const double*>(&scale[r][i][2 * t - g0]); });
-    }
   }
 }
 
@@ -753,7 +801,8 @@ inline void pair_tile_body(const Problem& p, const int16_t* wbuf, int64_t n0, in
   const int64_t pairs = (p.groups + 1) / 2;
   const int16_t* xq = p.act->qp.get() + m0 * pairs * kPairCodes;
   __m256 acc[NR][MR];
-  for_each_pair<NR, MR>(p, n0, m0, acc, [&](int64_t t, auto scale) {
+  zero_acc(acc);
+  for_each_span<2, NR, MR>(p, n0, m0, [&](int64_t t, auto scale) {
     // A weight row's four registers meet every activation row's, whose loads fold into vpmaddwd: 4 + 1 loads
     // (the scale pair) per output and pair of groups, where holding both in registers would spill.
     UNROLL
@@ -765,7 +814,7 @@ inline void pair_tile_body(const Problem& p, const int16_t* wbuf, int64_t n0, in
       for (int i = 0; i < MR; ++i) {
         const __m256i dot = V::dot_pair(w, reinterpret_cast<const __m256i*>(xq + (i * pairs + t) * kPairCodes));
         // dw * dx of the two groups, alternating as the dot product's lanes do.
-        const __m256 s = _mm256_castpd_ps(_mm256_broadcast_sd(scale(r, i)));
+        const __m256 s = _mm256_castpd_ps(_mm256_broadcast_sd(reinterpret_cast<const double*>(scale(r, i))));
         acc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, acc[r][i]);
       }
     }
@@ -773,16 +822,16 @@ inline void pair_tile_body(const Problem& p, const int16_t* wbuf, int64_t n0, in
   finish_pair_tile<kInt4, NR, MR>(p, n0, m0, acc);
 }
 
-// The nibble tiles: avx2 and avx_vnni for int4 weights at 1 to kNibbleMaxRows activation rows (decode), where Ymm's
-// tiles are bound by instructions, not memory: widening each group's nibbles to int16 takes 5 instructions, 2 of them the
-// cross-lane vpmovzxbw, and each group ends in its own conversion and scaled add. Here one 32-byte load takes two
-// groups a and b (a in the low 128-bit half, b in the high), and shifts and masks on its 16-bit words give four
-// registers of int16 weights without a shuffle: word k of a group's 16 bytes holds elements 2k, 2k + 16, 2k + 1 and
-// 2k + 17 in its four nibbles, lowest first (interleave_nibble_pair lays the activation codes out to match). Their
-// products (V::dot_pair) sum into int32 lanes 0..3 for a and 4..7 for b, so one conversion and one scaled add (the
-// two groups' scale products spread to match) take both groups: per two groups and weight row 6 + 7 (avx2) or
-// 6 + 4 (avx_vnni) + 3 instructions, against 2 x 10 or 2 x 9. Four weight rows per tile keep four independent
-// accumulator chains in flight.
+// The nibble tiles: avx2 and avx_vnni for int4 weights at 1 to kNibbleMaxRows activation rows (decode), where
+// Ymm's tiles are bound by instructions, not memory: widening each group's nibbles to int16 takes 5 instructions,
+// 2 of them the cross-lane vpmovzxbw, and each group ends in its own conversion and scaled add. Here one 32-byte
+// load takes two groups a and b (a in the low 128-bit half, b in the high), and shifts and masks on its 16-bit
+// words give four registers of int16 weights without a shuffle: word k of a group's 16 bytes holds elements 2k,
+// 2k + 16, 2k + 1 and 2k + 17 in its four nibbles, lowest first (interleave_nibbles lays the activation codes out
+// to match). Their products (V::dot_pair) sum into int32 lanes 0..3 for a and 4..7 for b, so one conversion and
+// one scaled add (the two groups' scale products spread to match) take both groups: per two groups and weight row
+// 6 + 7 (avx2) or 6 + 4 (avx_vnni) + 3 instructions, against 2 x 10 or 2 x 9. Four weight rows per tile keep four
+// independent accumulator chains in flight.
 template <int NR, int MR, class V>
 inline void nibble_tile_body(const Problem& p, int64_t n0, int64_t m0, bool prefetch) {
   const int64_t groups = p.groups;
@@ -792,7 +841,8 @@ inline void nibble_tile_body(const Problem& p, int64_t n0, int64_t m0, bool pref
   const __m256i nibble = _mm256_set1_epi16(0x000F);
   const __m256i spread = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);  // (dw dx of a, of b) -> a's lanes, b's lanes
   __m256 acc[NR][MR];
-  for_each_pair<NR, MR>(p, n0, m0, acc, [&](int64_t t, auto scale) {
+  zero_acc(acc);
+  for_each_span<2, NR, MR>(p, n0, m0, [&](int64_t t, auto scale) {
     const bool full = 2 * t + 1 < groups;  // only a row's last pair may lack its second group
     UNROLL
     for (int r = 0; r < NR; ++r) {
@@ -805,7 +855,8 @@ inline void nibble_tile_body(const Problem& p, int64_t n0, int64_t m0, bool pref
       UNROLL
       for (int i = 0; i < MR; ++i) {
         const __m256i dot = V::dot_pair(q, reinterpret_cast<const __m256i*>(xq + (i * pairs + t) * kPairCodes));
-        const __m256 s = _mm256_permutevar8x32_ps(_mm256_castpd_ps(_mm256_broadcast_sd(scale(r, i))), spread);
+        const __m256d pair = _mm256_broadcast_sd(reinterpret_cast<const double*>(scale(r, i)));
+        const __m256 s = _mm256_permutevar8x32_ps(_mm256_castpd_ps(pair), spread);
         acc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, acc[r][i]);
       }
     }
@@ -813,7 +864,49 @@ inline void nibble_tile_body(const Problem& p, int64_t n0, int64_t m0, bool pref
   finish_pair_tile<true, NR, MR>(p, n0, m0, acc);
 }
 
-// The nibble tiles as a variant `run` takes: kNibbleWeightTile weight rows, up to kActTile activation rows.
+// The nibble tiles on 512-bit vectors: avx512 and avx512_vnni16 for int4 weights at 1 to kNibbleMaxRows rows. As
+// nibble_tile_body, with four groups per 64-byte load, one per 128-bit lane (the activation codes laid out to match
+// by interleave_nibbles): per four groups and weight row 6 + 7 (avx512) or 6 + 4 (avx512_vnni16) + 3 instructions,
+// against Avx512's 4 x 7 (its 512-bit vpmovzxbw crossing lanes). A row's last block may hold fewer than four
+// groups: masked loads leave the rest zero, and their scale products are zeroed.
+template <int NR, int MR, class V>
+__attribute__((target(AVX512_TARGET))) inline void nibble_quad_tile_body(const Problem& p, int64_t n0, int64_t m0,
+                                                                         bool prefetch) {
+  const int64_t groups = p.groups;
+  const int64_t blocks = (groups + 3) / 4;
+  const int16_t* xq = p.act->qi.get() + m0 * blocks * 4 * kGroup;
+  const uint8_t* w = p.w + n0 * p.row_bytes;
+  const __m512i nibble = _mm512_set1_epi16(0x000F);
+  const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  __m512 acc[NR][MR];
+  UNROLL
+  for (int r = 0; r < NR; ++r) {
+    UNROLL
+    for (int i = 0; i < MR; ++i) acc[r][i] = _mm512_setzero_ps();
+  }
+  for_each_span<4, NR, MR>(p, n0, m0, [&](int64_t b, auto scale) __attribute__((target(AVX512_TARGET))) {
+    const int64_t num_groups = std::min<int64_t>(4, groups - 4 * b);
+    const __mmask64 byte_mask = num_groups == 4 ? ~__mmask64{0} : (__mmask64{1} << (16 * num_groups)) - 1;
+    UNROLL
+    for (int r = 0; r < NR; ++r) {
+      const uint8_t* src = w + r * p.row_bytes + b * 64;  // 16 bytes per group
+      if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(src) + kPrefetchBytes, _MM_HINT_T0);
+      const __m512i v = _mm512_maskz_loadu_epi8(byte_mask, src);
+      const __m512i q[4] = {_mm512_and_si512(v, nibble), _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble),
+                            _mm512_and_si512(_mm512_srli_epi16(v, 8), nibble), _mm512_srli_epi16(v, 12)};
+      UNROLL
+      for (int i = 0; i < MR; ++i) {
+        const __m512i dot = V::dot_quad(q, reinterpret_cast<const __m512i*>(xq + (i * blocks + b) * 4 * kGroup));
+        const __m512 s = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_load_ps(scale(r, i))));
+        acc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, acc[r][i]);
+      }
+    }
+  });
+  finish_tile<true, NR, MR, Avx512>(p, n0, m0, acc);
+}
+
+// The nibble tiles (V: Avx2, AvxVnni, Avx512 or Avx512Vnni) as a variant `run` takes: kNibbleWeightTile weight
+// rows, up to kActTile activation rows.
 constexpr int64_t kNibbleWeightTile = 4;
 template <class V>
 struct Nibbles {
@@ -965,7 +1058,7 @@ void run(const Problem& p) {
 // into the pair layout once (widen_pairs) and runs every activation tile over that buffer. Below, one activation
 // tile covers every row and the buffer's round trip costs more than widening in registers (Ymm's tiles).
 constexpr int64_t kPairMinRows = 5;
-// int4 weights under kPairMinRows rows take the nibble tiles on avx2 and avx_vnni (1.20-1.25x Ymm's at 1 to 4).
+// int4 weights under kPairMinRows rows (decode, short drafts) take the nibble tiles, on every variant but amx's tiles.
 constexpr int64_t kNibbleMaxRows = kPairMinRows - 1;
 // 3 x 3 tiles: 9 accumulators, a weight row's 4 registers and the temporaries fit AVX2's 16 registers without
 // spilling (2 x 4 and 3 x 4 measured within a few per cent of it, 3 x 4 spilling accumulators).
@@ -1204,14 +1297,22 @@ void run_on(const Problem& p, Isa isa, bool amx) {
     case Isa::kAvx512Vnni:
       if constexpr (!tokenmill::kBuildAvx512Vnni) {
         break;
-      } else if constexpr (kInt4) {
-        run<true, Avx512Vnni>(p);
-      } else {
+      } else if constexpr (!kInt4) {
         run<false, Avx512>(p);  // matmul never asks: int8 weights take Avx512's tiles
+      } else if (p.M <= kNibbleMaxRows) {
+        run<true, Nibbles<Avx512Vnni>>(p);
+      } else {
+        run<true, Avx512Vnni>(p);
       }
       break;
     case Isa::kAvx512:
-      if constexpr (tokenmill::kBuildAvx512) run<kInt4, Avx512>(p);
+      if constexpr (tokenmill::kBuildAvx512) {
+        if (kInt4 && p.M <= kNibbleMaxRows) {
+          run<true, Nibbles<Avx512>>(p);
+        } else {
+          run<kInt4, Avx512>(p);
+        }
+      }
       break;
     case Isa::kAvxVnni:
       if constexpr (tokenmill::kBuildAvxVnni) {
@@ -1315,9 +1416,12 @@ void matmul_into(const float* x, int64_t M, const QuantWeight& w, float* out,
     Isa isa = g_isa.get();
     const bool amx = isa == Isa::kAmx && rows >= kAmxMinRows;
     if (isa == Isa::kAmx) isa = Isa::kAvx512Vnni;  // amx is avx512_vnni16 but for amx's tiles
-    if (isa == Isa::kAvx512Vnni && !(w.int4() && rows >= kVnniMinRows)) isa = Isa::kAvx512;
+    if (isa == Isa::kAvx512Vnni && !w.int4()) isa = Isa::kAvx512;
     Layout layout = Layout::kPlain;
     if (isa == Isa::kAvx512Vnni && !amx) layout = Layout::kQuads;
+    if ((isa == Isa::kAvx512 || isa == Isa::kAvx512Vnni) && w.int4() && rows <= kNibbleMaxRows) {
+      layout = Layout::kNibbleQuads;
+    }
     if ((isa == Isa::kAvx2 || isa == Isa::kAvxVnni) && rows >= kPairMinRows) layout = Layout::kPairs;
     if ((isa == Isa::kAvx2 || isa == Isa::kAvxVnni) && w.int4() && rows <= kNibbleMaxRows) {
       layout = Layout::kNibblePairs;
