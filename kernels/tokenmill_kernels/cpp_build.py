@@ -2,8 +2,10 @@
 
 Wheels ship the C++ sources, not binaries tied to one torch build: ``torch.utils.cpp_extension.load``
 compiles each extension the first time a process asks for it and caches the result under
-``~/.cache/torch_extensions`` (or ``$TORCH_EXTENSIONS_DIR``). torch's build takes a file lock in
-that directory, so two engine processes starting together wait for one build. The kernels use
+``~/.cache/torch_extensions`` (or ``$TORCH_EXTENSIONS_DIR``). A build holds an ``flock`` in its
+directory, so two engine processes starting together wait for one build; torch's own lock file,
+which a killed build leaves behind for every later start to wait on, is removed by the next build
+that holds the ``flock`` (:func:`_build_lock`). The kernels use
 AVX2, FMA and F16C: :meth:`CppExtension.load` says what is missing instead of letting the process
 die of an illegal instruction.
 
@@ -38,6 +40,7 @@ one torch has loaded, so ``torch.set_num_threads`` governs the kernels' threads 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import hashlib
 import importlib.machinery
@@ -49,7 +52,7 @@ import shutil
 import subprocess
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import ModuleType
 
@@ -66,6 +69,9 @@ _OPENMP_FLAGS = ("-fopenmp",)
 INCLUDE_ROOT = Path(__file__).resolve().parent
 
 _WAIT_LOG_SECONDS = 15.0
+
+#: The file in a build directory whose ``flock`` a building process holds (:func:`_build_lock`).
+_BUILD_LOCK = "tokenmill-build.lock"
 
 #: The header whose TOKENMILL_BUILD_<SET> macros :func:`variant_flags` sets.
 _ISA_HEADER = "cpu_common/isa.h"
@@ -134,7 +140,7 @@ class CppExtension:
         """Start building (or loading) the extension on a background thread and return at once; :meth:`load` waits
         for it. Does nothing when it is loaded or started already, or cannot build here (:meth:`load` then says
         why). The thread is not a daemon: a process that exits meanwhile finishes the build, rather than leaving
-        torch's lock file behind for the next start to wait on."""
+        the next start to build it again."""
         # Not self._lock, which the build holds throughout: a second prepare() (the int4 quantizer's int8 output
         # projection's) would wait for the build it meant to leave running.
         with self._start_lock:
@@ -234,6 +240,21 @@ class CppExtension:
         source = self.source.read_bytes()
         headers = local_headers(source, self.include_root)
         directory = self.build_directory(source, headers)
+        with _build_lock(directory):
+            library = self._built_library()  # built by the process this one waited for
+            if library is not None:
+                return _import_library(self.name, library)
+            return self._build(directory, source, headers)
+
+    def _build(self, directory: Path, source: bytes, headers: Mapping[str, bytes]) -> ModuleType:
+        baton = directory / "lock"
+        if baton.exists():
+            # We hold the build lock, so no live process is building here: a build was killed and left torch's
+            # lock file, on which torch's loader would wait forever.
+            logger.warning(
+                "removing %s, left by a build of tokenmill's %s that did not finish", baton, self.description
+            )
+            baton.unlink(missing_ok=True)
         # Compile copies kept beside the build: ninja's command then names no clone's own path.
         _write_if_changed(directory / self.source.name, source)
         include = directory / "include"
@@ -255,6 +276,19 @@ class CppExtension:
         if not is_built:
             logger.info("built tokenmill's %s in %.0f s", self.description, time.monotonic() - started)
         return module
+
+
+@contextlib.contextmanager
+def _build_lock(directory: Path) -> Iterator[None]:
+    """Held while this process builds in ``directory``: an exclusive ``flock`` beside torch's lock file. The kernel
+    drops it when its holder dies, so unlike torch's lock file it cannot outlive a killed build."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / _BUILD_LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process building this extension: wait for it
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def build_key(

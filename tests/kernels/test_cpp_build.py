@@ -190,9 +190,65 @@ def test_a_build_logs_its_start_and_end_and_a_cached_load_nothing(
     # The library imported as it is, without torch's loader (and its ninja run); the first load changed nothing the
     # key depends on.
     assert len(calls) == 1 and imported == [Path(build_directory) / "tokenmill_test.so"]
-    (Path(build_directory) / "lock").write_text("")  # another process building it: torch's loader waits on the lock
+    # torch's lock file, left by a killed build: not a library to import; the next build removes it, or torch's
+    # loader would wait on it forever.
+    (Path(build_directory) / "lock").write_text("")
     CppExtension("tokenmill_test", source, ["-O3"], "test kernels").load()
     assert len(calls) == 2 and len(imported) == 1
+    assert not (Path(build_directory) / "lock").exists()
+    assert any(r.levelno == logging.WARNING and "did not finish" in r.getMessage() for r in caplog.records)
+
+
+def test_a_live_build_in_another_process_is_waited_for_and_its_lock_file_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another process holding the build lock is building: ``load`` waits for it, leaves torch's lock file alone
+    meanwhile, and imports what it built without building again."""
+    calls: list[str] = []
+
+    def fake_load(name: str, build_directory: str, **_: object) -> ModuleType:
+        calls.append(name)
+        return ModuleType(name)
+
+    extension = _extension_built_by(fake_load, tmp_path, monkeypatch)
+    directory = extension.build_directory(extension.source.read_bytes())
+    directory.mkdir(parents=True)
+    imported = []
+    monkeypatch.setattr(
+        cpp_build, "_import_library", lambda name, library: imported.append(library) or ModuleType(name)
+    )
+    # The other process: a child holding the flock while its torch lock file stands.
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD_BUILD_LOCK, str(directory), cpp_build._BUILD_LOCK],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "locked\n"
+        loader = threading.Thread(target=extension.load)
+        loader.start()
+        time.sleep(0.5)
+        assert loader.is_alive() and (directory / "lock").exists() and not calls
+        (directory / "tokenmill_test.so").write_bytes(b"")  # the other build's result
+        (directory / "lock").unlink()
+        assert holder.stdin is not None
+        holder.stdin.close()  # the child exits, and the kernel drops its flock
+        loader.join(timeout=10)
+        assert not loader.is_alive()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert not calls and imported == [directory / "tokenmill_test.so"]
+
+
+_HOLD_BUILD_LOCK = """
+import fcntl, pathlib, sys
+directory = pathlib.Path(sys.argv[1])
+lock = open(directory / sys.argv[2], "a")
+fcntl.flock(lock, fcntl.LOCK_EX)
+(directory / "lock").write_text("")
+print("locked", flush=True)
+sys.stdin.read()
+"""
 
 
 def test_prepared_extensions_build_side_by_side_and_load_waits_for_them(
