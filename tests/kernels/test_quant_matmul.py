@@ -121,8 +121,8 @@ def _skip_unless_supported(isa: str) -> None:
 def test_every_isa_variant_matches_reference(kind: str, isa: str) -> None:
     """``test_kernel_matches_reference`` runs the best variant; this runs each, on every tile shape (M up to 33
     covers full and partial activation tiles: avx512_vnni16 splits 5..12 rows into tiles of 5 or 6 and 4..6; N =
-    1, 7 partial weight tiles of 2 and 4 rows; K = 128 is one block of four groups for avx512_vnni16's int4
-    tiles, 32 and 576 end in a partial block)."""
+    1, 7 partial weight tiles of 4 rows and strips of 32; K = 128 is one block of four groups for the 512-bit
+    nibble tiles, 32 and 576 end in a partial block)."""
     _assert_variant_matches_reference(kind, isa, (32, 128, 576), (1, 3, 4, 5, 6, 7, 9, 32, 33), N_VALUES)
 
 
@@ -157,6 +157,19 @@ def test_pair_tiles_match_reference(kind: str, isa: str) -> None:
     than 8 groups, a multiple of 8 and a last 8 that overlaps the previous block (K = 96, 256, 544), partial
     activation tiles (M = 5, 7, 10) and weight rows left after whole tiles (N = 1, 2, 4, 5, 7)."""
     _assert_variant_matches_reference(kind, isa, (32, 96, 256, 288, 544), (5, 6, 7, 10), (1, 2, 4, 5, 7, 64))
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_column_tiles_match_reference(kind: str) -> None:
+    """From 5 rows on, avx512_vnni16 lays out strips of 32 weight rows with one pair of codes per lane and 16 rows
+    per register (the column tiles): strips cut short in their first or second register and one row past whole
+    strips (N = 1, 16, 17, 31, 33, 97), one group and a group count that is not a multiple of anything (K = 32,
+    96, 544), every activation tile height (M = 5 to 13: tiles of 5 and 6, 6 and 7 rows split 4 + 3 ...) and
+    two passes (M = 130)."""
+    _assert_variant_matches_reference(
+        kind, "avx512_vnni16", (32, 96, 544), (5, 6, 7, 11, 12, 13, 130), (1, 16, 17, 31, 33, 97)
+    )
 
 
 @needs_cpu_kernels

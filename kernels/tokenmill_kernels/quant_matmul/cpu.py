@@ -10,8 +10,10 @@ widened to int16: ``"avx2"`` (``vpmaddwd`` on 256-bit vectors, a group of 32 in 
 groups in four registers whose int32 lanes alternate between them, one conversion and scaled add for both, the
 weights widened once per row group for every activation tile), ``"avx_vnni"`` (the same with ``vpdpwssd``
 adding the products) and ``"avx512"`` (one 512-bit ``vpmaddwd`` per group, 32 vector registers, 4 x 4 tiles),
-``"avx512_vnni16"`` (AVX512-VNNI ``vpdpwssd`` over four groups at once, for int4 weights and inputs of 5 rows
-or more, in tiles of up to 6 rows, faster than ``"avx512"`` there; ``"avx512"``'s tiles for int8), and ``"amx"``
+``"avx512_vnni16"`` (AVX512-VNNI ``vpdpwssd``; from 5 rows on for int4 weights and 8 for int8, the column tiles:
+16 weight rows to a register, one pair of codes per lane, each activation row's code pair broadcast against all
+16, a strip of 32 weight rows laid out once for every tile of up to 6 activation rows; ``"avx512"``'s tiles for
+int8 under 8 rows), and ``"amx"``
 (``"avx512_vnni16"``, and for inputs of 16 rows or more AMX int8 tile products: each int16 code
 split exactly into a signed high and an unsigned low byte, two tile products a group, the same integer dot
 products; Sapphire Rapids on, where Linux grants the tile state). Under 5 rows every variant runs int4 weights
@@ -20,8 +22,9 @@ the order the activation codes are laid out in, one conversion and scaled add fo
 tile. The best variant the CPU supports is used;
 :func:`supported_isas` lists them and :func:`set_isa` forces one, e.g. to compare speeds. ``"avx2"`` and
 ``"avx_vnni"`` give bit-identical outputs; the 512-bit variants sum 16 float32 lanes instead of 8
-(``"avx512_vnni16"`` four groups before converting them; ``"amx"`` each group's scaled product and its min term
-apart), so their outputs differ from the others' in float32 rounding only.
+(``"avx512_vnni16"`` four groups before converting them, or with the column tiles one group at a time and its min
+term after its scaled product; ``"amx"`` each group's scaled product and its min term apart), so their outputs
+differ from the others' in float32 rounding only.
 """
 
 from __future__ import annotations

@@ -17,7 +17,9 @@
 // kPairMinRows rows: the nibble tiles; from kPairMinRows rows on: the pair tiles), and run the same float32
 // operations in the same order, so they give bit-identical outputs; avx512 holds a group in one 512-bit register,
 // or (int4 under kPairMinRows rows) takes four groups in four, and sums 16 float lanes instead of 8 (outputs within
-// float32 rounding of the others); amx runs AMX tile products at many rows (run_amx, below).
+// float32 rounding of the others); avx512_vnni16 runs those four-group tiles with vpdpwssd and, at several rows,
+// tiles with 16 weight rows to a register (the column tiles, run_columns); amx runs AMX tile products at many rows
+// (run_amx, below).
 // set_isa forces one (for tests and benchmarks).
 
 #include <immintrin.h>
@@ -86,9 +88,8 @@ inline int32_t hsum_i32(__m256i v) {
 }
 
 // Activations quantized per 32-block: q int16 [M, K], d = absmax / 32767 and s = d * sum(q), both [M, K / 32].
-// For the avx512_vnni16 tiles also the same codes four groups at a time, in the order those tiles multiply them
-// (interleave_block, or interleave_nibbles for the 512-bit nibble tiles): qi int16 [M, ceil(K / 128), 128], 64-byte
-// aligned so that no load splits a cache line.
+// For the 512-bit nibble tiles also the same codes four groups at a time, in the order those tiles multiply them
+// (interleave_nibbles): qi int16 [M, ceil(K / 128), 128], 64-byte aligned so that no load splits a cache line.
 // For the avx2 / avx_vnni tiles also the codes two groups at a time in the order those tiles multiply them:
 // qp int16 [M, ceil(K / 64), 64], 32-byte aligned, as the pair tiles (several rows, interleave_pair) or the nibble
 // tiles (int4 weights at fewer rows, interleave_nibbles) read them.
@@ -100,9 +101,9 @@ struct QuantizedActivations {
   std::unique_ptr<int16_t[], void (*)(int16_t*)> qp{nullptr, [](int16_t* ptr) { std::free(ptr); }};
 };
 
-// Which extra copy of the codes a variant's tiles read besides q: none, four groups at a time for avx512_vnni16's
-// tiles (kQuads) or the 512-bit nibble tiles, or two for the pair tiles or the 256-bit nibble tiles.
-enum class Layout { kPlain, kQuads, kNibbleQuads, kPairs, kNibblePairs };
+// Which extra copy of the codes a variant's tiles read besides q: none (the column tiles read q), four groups at a
+// time for the 512-bit nibble tiles, or two for the pair tiles or the 256-bit nibble tiles.
+enum class Layout { kPlain, kNibbleQuads, kPairs, kNibblePairs };
 
 void quantize_block(const float* x, int16_t* q, float* d_out, float* s_out) {
   const __m256 sign_bit = _mm256_set1_ps(-0.0f);
@@ -129,16 +130,6 @@ void quantize_block(const float* x, int16_t* q, float* d_out, float* s_out) {
   }
   *d_out = d;
   *s_out = d * static_cast<float>(sum);
-}
-
-// Up to four groups of codes as the avx512_vnni16 tiles read them: register j (0..3) holds in its 128-bit lane l
-// the codes of elements 8j .. 8j+7 of group l, which is where unpacking the four groups' packed int4 weights
-// puts the matching weights (Avx512Vnni::tile). The lanes of missing groups (a row's last block) are zero.
-inline void interleave_block(const int16_t* q, int64_t num_groups, int16_t* qi) {
-  std::fill_n(qi, 4 * kGroup, int16_t{0});
-  for (int j = 0; j < 4; ++j) {
-    for (int64_t l = 0; l < num_groups; ++l) std::copy_n(q + l * kGroup + 8 * j, 8, qi + 32 * j + 8 * l);
-  }
 }
 
 // Two groups of codes as the pair tiles read them (see kPairCodes): `b` is the second group's codes, or nullptr
@@ -190,7 +181,7 @@ inline void interleave_nibbles(const int16_t* q, int64_t num_groups, int64_t lan
 
 QuantizedActivations quantize_activations(const float* x, int64_t M, int64_t K, Layout layout = Layout::kPlain) {
   const int64_t groups = K / kGroup;
-  const int64_t blocks = layout == Layout::kQuads || layout == Layout::kNibbleQuads ? (groups + 3) / 4 : 0;
+  const int64_t blocks = layout == Layout::kNibbleQuads ? (groups + 3) / 4 : 0;
   const int64_t pairs = layout == Layout::kPairs || layout == Layout::kNibblePairs ? (groups + 1) / 2 : 0;
   // Plain new[]: every element is written below, so the zero-fill of make_unique would be a wasted pass.
   QuantizedActivations a{std::unique_ptr<int16_t[]>(new int16_t[M * K]),
@@ -214,11 +205,7 @@ QuantizedActivations quantize_activations(const float* x, int64_t M, int64_t K, 
         const int16_t* first = a.q.get() + m * K + b * 4 * kGroup;
         const int64_t num_groups = std::min<int64_t>(4, groups - 4 * b);
         int16_t* out = a.qi.get() + (m * blocks + b) * 4 * kGroup;
-        if (layout == Layout::kQuads) {
-          interleave_block(first, num_groups, out);
-        } else {
-          interleave_nibbles(first, num_groups, 4, out);
-        }
+        interleave_nibbles(first, num_groups, 4, out);
       }
       for (int64_t t = 0; t < pairs; ++t) {
         const int16_t* first = a.q.get() + m * K + 2 * t * kGroup;
@@ -454,87 +441,12 @@ struct Avx512 {
   }
 };
 
-// AVX-512 VNNI on int16 codes (vpdpwssd; Ice Lake, Zen 4 and later), variant avx512_vnni16, for int4
-// weights: four groups at a time.
-// Avx512 spends three instructions per group and pair of rows (vpmaddwd, the int32 -> float32 conversion, the
-// scaled add), which makes several-row inputs (verifying drafts, small batches) compute-bound. Here one 512-bit
-// register holds a quarter of each of four groups, one per 128-bit lane, so four vpdpwssd sum a block of four
-// groups into int32 lanes that each belong to one group, and one conversion and one scaled add (the scales
-// spread to match) take all four: 7 instructions per four groups and pair of rows instead of 12. The packed
-// weights need no new layout: four groups' 64 bytes, split into low and high nibbles and unpacked with zeros
-// within each 128-bit lane, give that order directly; the activations are laid out to match (interleave_block).
-// A row's last block may hold fewer than four groups (K = 576: 18); masked loads leave the rest zero.
-// Under kPairMinRows rows these 2-row weight tiles stream memory worse than 4-row ones, so matmul runs the nibble
-// tiles there (nibble_quad_tile_body); int8 weights run Avx512's tiles, since gathering their bytes into this order
-// costs what it saves.
+// AVX-512 VNNI on int16 codes (vpdpwssd; Ice Lake, Zen 4 and later), variant avx512_vnni16. Under kPairMinRows
+// rows, int4 weights run the nibble tiles (nibble_quad_tile_body), whose block of four groups' products dot_quad
+// sums with one vpmaddwd and three vpdpwssd; from column_min_rows rows on, int4 and int8 weights run the column
+// tiles (run_columns); int8 weights under that run Avx512's tiles.
 #define AVX512_VNNI_TARGET "avx512f,avx512bw,avx512vl,avx512vnni"
 struct Avx512Vnni {
-  // 2 weight rows per tile: with four registers per weight row, 4 would need more than the 32 there are.
-  static constexpr int64_t kWeightTile = 2;
-  // Up to 6 activation rows per tile: 12 accumulators, 8 weight and 4 code registers, the scales and constants fit
-  // the 32 registers, and 5..12 rows take one or two tiles instead of two or three.
-  static constexpr int64_t kMaxActTile = 6;
-
-  template <bool kInt4, int NR, int MR>
-  __attribute__((noinline, flatten, target(AVX512_VNNI_TARGET))) static void tile(const Problem& p, int64_t n0,
-                                                                                  int64_t m0, bool prefetch) {
-    static_assert(kInt4, "int8 weights run Avx512's tiles");
-    const int64_t groups = p.groups;
-    const int64_t blocks = (groups + 3) / 4;  // the last may hold fewer than four groups
-    const uint8_t* w = p.w + n0 * p.row_bytes;
-    const uint16_t* wd = p.scales + n0 * groups;
-    const __m512i nibble = _mm512_set1_epi8(0x0F);
-    const __m512i zero = _mm512_setzero_si512();
-    const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-
-    __m512 acc[NR][MR];
-    UNROLL
-    for (int r = 0; r < NR; ++r) {
-      UNROLL
-      for (int i = 0; i < MR; ++i) acc[r][i] = _mm512_setzero_ps();
-    }
-    for (int64_t b = 0; b < blocks; ++b) {
-      // Masked loads read only this row's groups (zeros in the lanes of missing ones) and never fault beyond.
-      const int64_t num_groups = std::min<int64_t>(4, groups - 4 * b);
-      const __mmask64 byte_mask = num_groups == 4 ? ~__mmask64{0} : (__mmask64{1} << (16 * num_groups)) - 1;
-      const __mmask8 group_mask = static_cast<__mmask8>((1u << num_groups) - 1);
-      __m512i wq[NR][4];  // register j: elements 8j .. 8j+7 of each group, as int16
-      __m512 dw[NR];      // the groups' scales, each in its group's four lanes
-      UNROLL
-      for (int r = 0; r < NR; ++r) {
-        const uint8_t* src = w + r * p.row_bytes + b * 64;
-        if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(src) + kPrefetchBytes, _MM_HINT_T0);
-        // 16 bytes per group: lane l, byte t holds elements t and 16 + t of group l.
-        const __m512i bytes = _mm512_maskz_loadu_epi8(byte_mask, src);
-        const __m512i lo = _mm512_and_si512(bytes, nibble);
-        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);
-        wq[r][0] = _mm512_unpacklo_epi8(lo, zero);
-        wq[r][1] = _mm512_unpackhi_epi8(lo, zero);
-        wq[r][2] = _mm512_unpacklo_epi8(hi, zero);
-        wq[r][3] = _mm512_unpackhi_epi8(hi, zero);
-        const __m128 d4 = _mm_cvtph_ps(_mm_maskz_loadu_epi16(group_mask, wd + r * groups + 4 * b));
-        dw[r] = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(d4));
-      }
-      UNROLL
-      for (int i = 0; i < MR; ++i) {
-        const int16_t* xq = p.act->qi.get() + ((m0 + i) * blocks + b) * 4 * kGroup;
-        const __m128 d4 = _mm_maskz_loadu_ps(group_mask, p.act->d.get() + (m0 + i) * groups + 4 * b);
-        const __m512 dx = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(d4));
-        __m512i x[4];
-        UNROLL
-        for (int j = 0; j < 4; ++j) x[j] = Avx512::load_codes(xq + 32 * j);  // once for all NR weight rows
-        UNROLL
-        for (int r = 0; r < NR; ++r) {
-          __m512i dot = _mm512_madd_epi16(wq[r][0], x[0]);
-          UNROLL
-          for (int j = 1; j < 4; ++j) dot = _mm512_dpwssd_epi32(dot, wq[r][j], x[j]);
-          // The same float32 products dw * dx as the other variants' scales.
-          acc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw[r], dx), acc[r][i]);
-        }
-      }
-    }
-    finish_tile<true, NR, MR, Avx512>(p, n0, m0, acc);
-  }
   __attribute__((target(AVX512_VNNI_TARGET))) static inline __m512i dot_quad(const __m512i (&w)[4],
                                                                              const __m512i* x) {
     __m512i dot = _mm512_madd_epi16(w[0], _mm512_load_si512(x));
@@ -1108,6 +1020,263 @@ void run_pairs(const Problem& p) {
   run_side(p.side, p.out, p.N);
 }
 
+// The column tiles: avx512_vnni16 from column_min_rows activation rows on (prompt chunks, batched decode, draft
+// verification), for int4 and int8 weights. Tiles that spread a group's codes across a register's lanes end every
+// group of every (weight row, activation row) pair in its own conversion and scaled add, and read the activation
+// codes again for every few weight rows. Here a register's 16 lanes are 16 weight rows (16 output columns), each
+// lane one pair of consecutive codes (k, k + 1) as int16, and the activation row's code pair at k, broadcast,
+// meets all 16 in one vpdpwssd. A tile of kColumnVectors x 16 weight rows and up to kColumnActTile activation rows
+// keeps its int32 group dot products and float32 sums in registers: per group, activation row and 16 outputs,
+// 16 vpdpwssd, then one conversion and the scaled adds (scale, Q4_1's min) for all 16. Each task lays out a strip
+// of weight rows once (column_weights: 4 x 4 transposes of 32-bit words) into a buffer that every activation tile
+// of the strip reads, and asks for the next strip's weights while it computes.
+constexpr int64_t kColumnLanes = 16;
+// Activation rows from which avx512_vnni16 runs the column tiles: under it, laying out a strip costs more than the
+// tiles save (int8 weights, which Avx512's tiles read as they are stored, to 8 rows).
+constexpr int64_t column_min_rows(bool int4) { return int4 ? kPairMinRows : 8; }
+constexpr int64_t kColumnVectors = 2;
+constexpr int64_t kColumnStrip = kColumnVectors * kColumnLanes;  // weight rows per strip
+// 12 int32 dot products, 12 float32 sums and the two weight registers: 26 of the 32 zmm registers.
+constexpr int64_t kColumnActTile = 6;
+// Words of a strip's buffer per group: 16 code pairs x kColumnVectors registers of 16 lanes.
+constexpr int64_t kColumnGroupWords = kGroup / 2 * kColumnStrip;
+
+// The float16 values in the low (shift 0) or high (16) halves of 16 words, as float32.
+__attribute__((target(AVX512_VNNI_TARGET))) inline __m512 float16_halves(__m512i words, unsigned shift) {
+  return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(words, shift)));
+}
+
+// out[g][v * 16 + l] = the float16 value of rows n0 + 16v + l (`rows` of them; past: zero) at group g, from
+// `values` [N, groups]. There is no 16-bit gather: each 32-bit one takes groups g and g + 1 of 16 rows (the last,
+// when `groups` is odd, g - 1 and g), never reading outside a row.
+__attribute__((target(AVX512_VNNI_TARGET))) void column_scales(const uint16_t* values, int64_t n0, int64_t rows,
+                                                               int64_t groups, float* out) {
+  if (groups == 1) {
+    std::fill_n(out, kColumnStrip, 0.0f);
+    for (int64_t r = 0; r < rows; ++r) out[r] = _cvtsh_ss(values[n0 + r]);
+    return;
+  }
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (int64_t v = 0; v < kColumnVectors; ++v) {
+    const __mmask16 valid = static_cast<__mmask16>(
+        rows >= 16 * (v + 1) ? 0xFFFF : rows <= 16 * v ? 0 : (1u << (rows - 16 * v)) - 1);
+    const __m512i offsets = _mm512_mullo_epi32(_mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(16 * v))),
+                                               _mm512_set1_epi32(static_cast<int>(groups * sizeof(uint16_t))));
+    const uint16_t* base = values + n0 * groups;
+    float* dst = out + v * kColumnLanes;
+    for (int64_t g = 0; g + 1 < groups; g += 2) {
+      const __m512i words = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), valid, offsets, base + g, 1);
+      _mm512_store_ps(dst + g * kColumnStrip, float16_halves(words, 0));
+      _mm512_store_ps(dst + (g + 1) * kColumnStrip, float16_halves(words, 16));
+    }
+    if (groups % 2 == 1) {
+      const __m512i words =
+          _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), valid, offsets, base + groups - 2, 1);
+      _mm512_store_ps(dst + (groups - 1) * kColumnStrip, float16_halves(words, 16));
+    }
+  }
+}
+
+// The 32-bit words of one group of 16 weight rows, word u of row l in lane l of d[u]: a 4 x 4 transpose of words
+// within each 128-bit lane (int4: rows l, l + 4, l + 8, l + 12 of a register's lanes; int8 twice, then the
+// halves of two registers interleaved).
+template <bool kInt4>
+__attribute__((target(AVX512_VNNI_TARGET))) inline void column_words(const uint8_t* const (&row)[kColumnLanes],
+                                                                     int64_t offset, __m512i (&d)[kInt4 ? 4 : 8]) {
+  const auto transpose4 = [](const __m512i (&a)[4], __m512i* out) __attribute__((target(AVX512_VNNI_TARGET))) {
+    const __m512i t0 = _mm512_unpacklo_epi32(a[0], a[1]), t1 = _mm512_unpackhi_epi32(a[0], a[1]);
+    const __m512i t2 = _mm512_unpacklo_epi32(a[2], a[3]), t3 = _mm512_unpackhi_epi32(a[2], a[3]);
+    out[0] = _mm512_unpacklo_epi64(t0, t2);
+    out[1] = _mm512_unpackhi_epi64(t0, t2);
+    out[2] = _mm512_unpacklo_epi64(t1, t3);
+    out[3] = _mm512_unpackhi_epi64(t1, t3);
+  };
+  const auto load128 = [&](int l) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(row[l] + offset)); };
+  const auto load256 = [&](int l) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row[l] + offset)); };
+  if constexpr (kInt4) {
+    __m512i a[4];
+    UNROLL
+    for (int k = 0; k < 4; ++k) {
+      a[k] = _mm512_inserti32x4(_mm512_castsi128_si512(load128(k)), load128(k + 4), 1);
+      a[k] = _mm512_inserti32x4(_mm512_inserti32x4(a[k], load128(k + 8), 2), load128(k + 12), 3);
+    }
+    transpose4(a, d);
+  } else {
+    // a[k]: row k (words 0..7) in the low half, row k + 8 in the high; after the transposes lo[u] holds word u (128-bit
+    // lane 0) and u + 4 (lane 1) of rows 0..3, the same of rows 8..11 in lanes 2 and 3; hi[u] those of 4..7, 12..15.
+    __m512i a[8], lo[4], hi[4];
+    UNROLL
+    for (int k = 0; k < 8; ++k) a[k] = _mm512_inserti64x4(_mm512_castsi256_si512(load256(k)), load256(k + 8), 1);
+    transpose4(reinterpret_cast<const __m512i(&)[4]>(a[0]), lo);
+    transpose4(reinterpret_cast<const __m512i(&)[4]>(a[4]), hi);
+    const __m512i first = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13);
+    const __m512i second = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+    UNROLL
+    for (int u = 0; u < 4; ++u) {
+      d[u] = _mm512_permutex2var_epi64(lo[u], first, hi[u]);
+      d[u + 4] = _mm512_permutex2var_epi64(lo[u], second, hi[u]);
+    }
+  }
+}
+
+// Weight rows n0 .. n0 + kColumnStrip as the column tiles read them: buf[g][t][v] holds in lane l the codes 2t and
+// 2t + 1 of group g of row n0 + 16v + l, as int16 (the low word first); dw and mw [g][v * 16 + l] their scales
+// and (int4) mins as float32. Lanes past row N repeat its last row (their outputs are not stored) with zero scales.
+template <bool kInt4>
+__attribute__((target(AVX512_VNNI_TARGET))) void column_weights(const Problem& p, int64_t n0, int32_t* buf, float* dw,
+                                                                float* mw) {
+  const int64_t groups = p.groups, rows = std::min(kColumnStrip, p.N - n0);
+  constexpr int64_t kGroupBytes = kInt4 ? kGroup / 2 : kGroup;
+  // vpshufb controls, per 32-bit lane of 4 bytes b0 b1 b2 b3: (b0, b1) or (b2, b3) as 16-bit words, zero-extended
+  // (int4: the nibbles are masked already) or in the words' high bytes (int8: shifted down with the sign after).
+  const __m512i low_pair = _mm512_set4_epi32(0x800D800C, 0x80098008, 0x80058004, 0x80018000);
+  const __m512i high_pair = _mm512_set4_epi32(0x800F800E, 0x800B800A, 0x80078006, 0x80038002);
+  const __m512i low_pair_hi = _mm512_set4_epi32(0x0D800C80, 0x09800880, 0x05800480, 0x01800080);
+  const __m512i high_pair_hi = _mm512_set4_epi32(0x0F800E80, 0x0B800A80, 0x07800680, 0x03800280);
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  for (int64_t v = 0; v < kColumnVectors; ++v) {
+    const uint8_t* row[kColumnLanes];
+    for (int64_t l = 0; l < kColumnLanes; ++l) row[l] = p.w + (n0 + std::min(16 * v + l, rows - 1)) * p.row_bytes;
+    for (int64_t g = 0; g < groups; ++g) {
+      int32_t* dst = buf + g * kColumnGroupWords + v * kColumnLanes;
+      __m512i words[kGroupBytes / 4];  // lane l of words[u]: bytes 4u .. 4u + 3 of the group in row n0 + 16v + l
+      column_words<kInt4>(row, g * kGroupBytes, words);
+      UNROLL
+      for (int u = 0; u < kGroupBytes / 4; ++u) {
+        if constexpr (kInt4) {
+          // Byte j holds code j (low nibble) and j + 16 (high): pairs 2u, 2u + 1 and 8 + 2u, 9 + 2u.
+          const __m512i lo = _mm512_and_si512(words[u], nibble);
+          const __m512i hi = _mm512_and_si512(_mm512_srli_epi32(words[u], 4), nibble);
+          _mm512_store_si512(dst + (2 * u) * kColumnStrip, _mm512_shuffle_epi8(lo, low_pair));
+          _mm512_store_si512(dst + (2 * u + 1) * kColumnStrip, _mm512_shuffle_epi8(lo, high_pair));
+          _mm512_store_si512(dst + (8 + 2 * u) * kColumnStrip, _mm512_shuffle_epi8(hi, low_pair));
+          _mm512_store_si512(dst + (9 + 2 * u) * kColumnStrip, _mm512_shuffle_epi8(hi, high_pair));
+        } else {
+          _mm512_store_si512(dst + (2 * u) * kColumnStrip,
+                             _mm512_srai_epi16(_mm512_shuffle_epi8(words[u], low_pair_hi), 8));
+          _mm512_store_si512(dst + (2 * u + 1) * kColumnStrip,
+                             _mm512_srai_epi16(_mm512_shuffle_epi8(words[u], high_pair_hi), 8));
+        }
+      }
+    }
+  }
+  column_scales(p.scales, n0, rows, groups, dw);
+  if constexpr (kInt4) column_scales(p.mins, n0, rows, groups, mw);
+}
+
+// out[m0 .. m0+MR, n0 .. n0+columns] from a strip laid out by column_weights.
+template <bool kInt4, int MR>
+__attribute__((noinline, flatten, target(AVX512_VNNI_TARGET))) void column_tile(const Problem& p, const int32_t* buf,
+                                                                               const float* dw, const float* mw,
+                                                                               int64_t n0, int64_t columns,
+                                                                               int64_t m0) {
+  const int64_t groups = p.groups;
+  // Row i's code pairs as 32-bit words: K / 2 of them.
+  const int32_t* x = reinterpret_cast<const int32_t*>(p.act->q.get() + m0 * p.K);
+  const int64_t row_pairs = p.K / 2;
+  const float* xd = p.act->d.get() + m0 * groups;
+  const float* sx = p.act->s.get() + m0 * groups;
+  __m512 acc[MR][kColumnVectors];
+  UNROLL
+  for (int i = 0; i < MR; ++i) {
+    UNROLL
+    for (int v = 0; v < kColumnVectors; ++v) acc[i][v] = _mm512_setzero_ps();
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+    const __m512i* wg = reinterpret_cast<const __m512i*>(buf + g * kColumnGroupWords);
+    __m512i dot[MR][kColumnVectors];
+    UNROLL
+    for (int i = 0; i < MR; ++i) {
+      UNROLL
+      for (int v = 0; v < kColumnVectors; ++v) dot[i][v] = _mm512_setzero_si512();
+    }
+#pragma GCC unroll 16
+    for (int t = 0; t < kGroup / 2; ++t) {
+      __m512i w[kColumnVectors];
+      UNROLL
+      for (int v = 0; v < kColumnVectors; ++v) w[v] = _mm512_load_si512(wg + t * kColumnVectors + v);
+      UNROLL
+      for (int i = 0; i < MR; ++i) {
+        const __m512i xb = _mm512_set1_epi32(x[i * row_pairs + g * (kGroup / 2) + t]);
+        UNROLL
+        for (int v = 0; v < kColumnVectors; ++v) dot[i][v] = _mm512_dpwssd_epi32(dot[i][v], w[v], xb);
+      }
+    }
+    UNROLL
+    for (int v = 0; v < kColumnVectors; ++v) {
+      const __m512 scale = _mm512_load_ps(dw + g * kColumnStrip + v * kColumnLanes);
+      UNROLL
+      for (int i = 0; i < MR; ++i) {
+        // The same float32 products dw * dx as the other variants' scales.
+        const __m512 s = _mm512_mul_ps(scale, _mm512_set1_ps(xd[i * groups + g]));
+        acc[i][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i][v]), s, acc[i][v]);
+      }
+      if constexpr (kInt4) {
+        const __m512 min = _mm512_load_ps(mw + g * kColumnStrip + v * kColumnLanes);
+        UNROLL
+        for (int i = 0; i < MR; ++i) acc[i][v] = _mm512_fmadd_ps(min, _mm512_set1_ps(sx[i * groups + g]), acc[i][v]);
+      }
+    }
+  }
+  UNROLL
+  for (int v = 0; v < kColumnVectors; ++v) {
+    const int64_t lanes = std::clamp<int64_t>(columns - v * kColumnLanes, 0, kColumnLanes);
+    if (lanes == 0) break;
+    const __mmask16 mask = static_cast<__mmask16>((1u << lanes) - 1);
+    const __m512 bias =
+        p.bias != nullptr ? _mm512_maskz_loadu_ps(mask, p.bias + n0 + v * kColumnLanes) : _mm512_setzero_ps();
+    UNROLL
+    for (int i = 0; i < MR; ++i) {
+      _mm512_mask_storeu_ps(p.out + (m0 + i) * p.N + n0 + v * kColumnLanes, mask, _mm512_add_ps(acc[i][v], bias));
+    }
+  }
+}
+
+// The column tiles over the whole problem: tasks are ranges of strips, each with its own buffer; each strip's
+// activation rows go in the fewest tiles, as even as can be (as row_group's).
+template <bool kInt4>
+void run_columns(const Problem& p) {
+  const int64_t groups = p.groups;
+  const int64_t strips = (p.N + kColumnStrip - 1) / kColumnStrip;
+  const int64_t scale_bytes = groups * static_cast<int64_t>(sizeof(uint16_t)) * (kInt4 ? 2 : 1);
+  const int64_t grain = std::max<int64_t>(1, kMinBytesPerTask / (kColumnStrip * (p.row_bytes + scale_bytes)));
+  at::parallel_for(0, strips, grain, [&](int64_t begin, int64_t end) {
+    const auto aligned = [](int64_t count, auto* type) {
+      using T = std::remove_pointer_t<decltype(type)>;
+      T* ptr = static_cast<T*>(std::aligned_alloc(64, count * sizeof(T)));
+      TORCH_CHECK(ptr != nullptr, "out of memory for a strip of ", kColumnStrip, " weight rows");
+      return std::unique_ptr<T[], void (*)(T*)>(ptr, [](T* q) { std::free(q); });
+    };
+    const auto buf = aligned(groups * kColumnGroupWords, static_cast<int32_t*>(nullptr));
+    const auto dw = aligned(groups * kColumnStrip, static_cast<float*>(nullptr));
+    const auto mw = aligned(groups * kColumnStrip, static_cast<float*>(nullptr));
+    for (int64_t s = begin; s < end; ++s) {
+      const int64_t n0 = s * kColumnStrip, columns = std::min(kColumnStrip, p.N - n0);
+      int64_t tiles = (p.M + kColumnActTile - 1) / kColumnActTile;
+      // The next strip's weights, scales and mins asked for into L2 while this one computes (a decode step's come
+      // from memory), a share after each activation tile.
+      tokenmill::Trickle next;
+      if (s + 1 < end) {
+        const int64_t n1 = n0 + kColumnStrip, rows = std::min(kColumnStrip, p.N - n1);
+        next.add(p.w + n1 * p.row_bytes, rows * p.row_bytes);
+        next.add(p.scales + n1 * groups, rows * groups * static_cast<int64_t>(sizeof(uint16_t)));
+        if (kInt4) next.add(p.mins + n1 * groups, rows * groups * static_cast<int64_t>(sizeof(uint16_t)));
+        next.spread(tiles);
+      }
+      column_weights<kInt4>(p, n0, buf.get(), dw.get(), mw.get());
+      for (int64_t m0 = 0; m0 < p.M; --tiles) {
+        const int64_t rows = (p.M - m0 + tiles - 1) / tiles;
+        with_rows<kColumnActTile>(rows, [&](auto mr) {
+          column_tile<kInt4, decltype(mr)::value>(p, buf.get(), dw.get(), mw.get(), n0, columns, m0);
+        });
+        m0 += rows;
+        next.step();
+      }
+    }
+  });
+  run_side(p.side, p.out, p.N);
+}
+
 // amx: avx512_vnni16, and at kAmxMinRows activation rows or more (prompt chunks, batched decode) the group dot
 // products as AMX tile products. Each int16 activation code q splits exactly into a signed high and an unsigned low
 // byte, q = 256 hi + lo; the tiles multiply each by the weight codes (int4: unsigned 0..15, int8: signed) over one
@@ -1297,12 +1466,12 @@ void run_on(const Problem& p, Isa isa, bool amx) {
     case Isa::kAvx512Vnni:
       if constexpr (!tokenmill::kBuildAvx512Vnni) {
         break;
-      } else if constexpr (!kInt4) {
-        run<false, Avx512>(p);  // matmul never asks: int8 weights take Avx512's tiles
-      } else if (p.M <= kNibbleMaxRows) {
+      } else if (p.M >= column_min_rows(kInt4)) {
+        run_columns<kInt4>(p);
+      } else if constexpr (kInt4) {
         run<true, Nibbles<Avx512Vnni>>(p);
       } else {
-        run<true, Avx512Vnni>(p);
+        run<false, Avx512>(p);  // matmul never asks: int8 weights under column_min_rows take Avx512's tiles
       }
       break;
     case Isa::kAvx512:
@@ -1416,9 +1585,8 @@ void matmul_into(const float* x, int64_t M, const QuantWeight& w, float* out,
     Isa isa = g_isa.get();
     const bool amx = isa == Isa::kAmx && rows >= kAmxMinRows;
     if (isa == Isa::kAmx) isa = Isa::kAvx512Vnni;  // amx is avx512_vnni16 but for amx's tiles
-    if (isa == Isa::kAvx512Vnni && !w.int4()) isa = Isa::kAvx512;
+    if (isa == Isa::kAvx512Vnni && !w.int4() && rows < column_min_rows(false)) isa = Isa::kAvx512;
     Layout layout = Layout::kPlain;
-    if (isa == Isa::kAvx512Vnni && !amx) layout = Layout::kQuads;
     if ((isa == Isa::kAvx512 || isa == Isa::kAvx512Vnni) && w.int4() && rows <= kNibbleMaxRows) {
       layout = Layout::kNibbleQuads;
     }
