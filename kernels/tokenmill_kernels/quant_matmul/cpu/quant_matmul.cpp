@@ -1171,9 +1171,7 @@ __attribute__((noinline, flatten, target(AVX512_VNNI_TARGET))) void column_tile(
                                                                                int64_t n0, int64_t columns,
                                                                                int64_t m0) {
   const int64_t groups = p.groups;
-  // Row i's code pairs as 32-bit words: K / 2 of them.
-  const int32_t* x = reinterpret_cast<const int32_t*>(p.act->q.get() + m0 * p.K);
-  const int64_t row_pairs = p.K / 2;
+  const int16_t* x = p.act->q.get() + m0 * p.K;
   const float* xd = p.act->d.get() + m0 * groups;
   const float* sx = p.act->s.get() + m0 * groups;
   __m512 acc[MR][kColumnVectors];
@@ -1197,7 +1195,10 @@ __attribute__((noinline, flatten, target(AVX512_VNNI_TARGET))) void column_tile(
       for (int v = 0; v < kColumnVectors; ++v) w[v] = _mm512_load_si512(wg + t * kColumnVectors + v);
       UNROLL
       for (int i = 0; i < MR; ++i) {
-        const __m512i xb = _mm512_set1_epi32(x[i * row_pairs + g * (kGroup / 2) + t]);
+        // Codes 2t and 2t + 1 of row i's group g as one 32-bit word (memcpy: the codes are int16).
+        int32_t pair;
+        std::memcpy(&pair, x + i * p.K + g * kGroup + 2 * t, sizeof(pair));
+        const __m512i xb = _mm512_set1_epi32(pair);
         UNROLL
         for (int v = 0; v < kColumnVectors; ++v) dot[i][v] = _mm512_dpwssd_epi32(dot[i][v], w[v], xb);
       }
