@@ -1083,7 +1083,7 @@ __attribute__((target(AVX512_VNNI_TARGET))) void column_scales(const uint16_t* v
 template <bool kInt4>
 __attribute__((target(AVX512_VNNI_TARGET))) inline void column_words(const uint8_t* const (&row)[kColumnLanes],
                                                                      int64_t offset, __m512i (&d)[kInt4 ? 4 : 8]) {
-  const auto transpose4 = [](const __m512i (&a)[4], __m512i* out) __attribute__((target(AVX512_VNNI_TARGET))) {
+  const auto transpose4 = [](const __m512i* a, __m512i* out) __attribute__((target(AVX512_VNNI_TARGET))) {
     const __m512i t0 = _mm512_unpacklo_epi32(a[0], a[1]), t1 = _mm512_unpackhi_epi32(a[0], a[1]);
     const __m512i t2 = _mm512_unpacklo_epi32(a[2], a[3]), t3 = _mm512_unpackhi_epi32(a[2], a[3]);
     out[0] = _mm512_unpacklo_epi64(t0, t2);
@@ -1107,8 +1107,8 @@ __attribute__((target(AVX512_VNNI_TARGET))) inline void column_words(const uint8
     __m512i a[8], lo[4], hi[4];
     UNROLL
     for (int k = 0; k < 8; ++k) a[k] = _mm512_inserti64x4(_mm512_castsi256_si512(load256(k)), load256(k + 8), 1);
-    transpose4(reinterpret_cast<const __m512i(&)[4]>(a[0]), lo);
-    transpose4(reinterpret_cast<const __m512i(&)[4]>(a[4]), hi);
+    transpose4(a, lo);
+    transpose4(a + 4, hi);
     const __m512i first = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13);
     const __m512i second = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
     UNROLL
