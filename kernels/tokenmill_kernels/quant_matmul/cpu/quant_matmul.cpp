@@ -280,7 +280,6 @@ struct Ymm {
   using Acc = __m256;
   static constexpr int kMinLanes = 8;
   static constexpr int64_t kWeightTile = 2;
-  static constexpr int64_t kMaxActTile = kActTile;
 
   static inline Weights widen_int4(const uint8_t* p) {
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
@@ -394,7 +393,6 @@ struct Avx512 {
   using Acc = __m512;
   static constexpr int kMinLanes = 16;
   static constexpr int64_t kWeightTile = 4;  // 4 x 4 accumulators fit AVX-512's 32 registers
-  static constexpr int64_t kMaxActTile = kActTile;
 
   __attribute__((target(AVX512_TARGET))) static inline Weights widen_int4(const uint8_t* p) {
     return _mm512_cvtepu8_epi16(unpack_nibbles(p));
@@ -823,7 +821,6 @@ constexpr int64_t kNibbleWeightTile = 4;
 template <class V>
 struct Nibbles {
   static constexpr int64_t kWeightTile = kNibbleWeightTile;
-  static constexpr int64_t kMaxActTile = kActTile;
   template <bool kInt4, int NR, int MR>
   static void tile(const Problem& p, int64_t n0, int64_t m0, bool prefetch) {
     static_assert(kInt4, "the nibble tiles read int4 weights");
@@ -899,28 +896,17 @@ void with_rows(int64_t rows, F&& f) {
   }
 }
 
-// One tile of `rows` (1 .. I::kMaxActTile) activation rows against weight rows n0 .. n0+NR.
+// One tile of `rows` (1 .. kActTile) activation rows against weight rows n0 .. n0+NR.
 template <bool kInt4, int NR, class I>
 void act_tile(const Problem& p, int64_t n0, int64_t m0, int64_t rows, bool prefetch) {
-  with_rows<I::kMaxActTile>(rows, [&](auto mr) {
+  with_rows<kActTile>(rows, [&](auto mr) {
     I::template tile<kInt4, NR, decltype(mr)::value>(p, n0, m0, prefetch);
   });
 }
 
-// Rows n0 .. n0+NR against every activation row. Each tile widens the weight rows' codes again, so a variant with
-// registers for more than kActTile rows (I::kMaxActTile) takes the fewest tiles, as even as can be (M = 9: 5 and
-// 4 rows, not 4, 4 and 1); the others take kActTile rows at a time and then the 1..kActTile-1 left over.
+// Rows n0 .. n0+NR against every activation row: kActTile rows at a time, then the 1..kActTile-1 left over.
 template <bool kInt4, int NR, class I>
 void row_group(const Problem& p, int64_t n0, bool prefetch) {
-  if constexpr (I::kMaxActTile > kActTile) {
-    int64_t tiles = (p.M + I::kMaxActTile - 1) / I::kMaxActTile;
-    for (int64_t m0 = 0; m0 < p.M; --tiles) {
-      const int64_t rows = (p.M - m0 + tiles - 1) / tiles;
-      act_tile<kInt4, NR, I>(p, n0, m0, rows, prefetch && m0 == 0);
-      m0 += rows;
-    }
-    return;
-  }
   int64_t m0 = 0;
   for (; m0 + kActTile <= p.M; m0 += kActTile) {
     I::template tile<kInt4, NR, kActTile>(p, n0, m0, prefetch && m0 == 0);
@@ -1233,8 +1219,9 @@ __attribute__((noinline, flatten, target(AVX512_VNNI_TARGET))) void column_tile(
   }
 }
 
-// The column tiles over the whole problem: tasks are ranges of strips, each with its own buffer; each strip's
-// activation rows go in the fewest tiles, as even as can be (as row_group's).
+// The column tiles over the whole problem: tasks are ranges of strips, each with its own buffer. Each tile reads
+// the strip's buffer again, so a strip's activation rows go in the fewest tiles, as even as can be (M = 9: 5 and 4
+// rows, not 6 and 3).
 template <bool kInt4>
 void run_columns(const Problem& p) {
   const int64_t groups = p.groups;
@@ -1472,7 +1459,7 @@ void run_on(const Problem& p, Isa isa, bool amx) {
       } else if constexpr (kInt4) {
         run<true, Nibbles<Avx512Vnni>>(p);
       } else {
-        run<false, Avx512>(p);  // matmul never asks: int8 weights under column_min_rows take Avx512's tiles
+        run<false, Avx512>(p);  // int8 weights under column_min_rows: Avx512's tiles
       }
       break;
     case Isa::kAvx512:
@@ -1586,7 +1573,6 @@ void matmul_into(const float* x, int64_t M, const QuantWeight& w, float* out,
     Isa isa = g_isa.get();
     const bool amx = isa == Isa::kAmx && rows >= kAmxMinRows;
     if (isa == Isa::kAmx) isa = Isa::kAvx512Vnni;  // amx is avx512_vnni16 but for amx's tiles
-    if (isa == Isa::kAvx512Vnni && !w.int4() && rows < column_min_rows(false)) isa = Isa::kAvx512;
     Layout layout = Layout::kPlain;
     if ((isa == Isa::kAvx512 || isa == Isa::kAvx512Vnni) && w.int4() && rows <= kNibbleMaxRows) {
       layout = Layout::kNibbleQuads;
