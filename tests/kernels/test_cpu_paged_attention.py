@@ -165,6 +165,48 @@ def test_draft_trees_match_the_reference_backend(block_size, cache_dtype, isa):
         torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("threads", [2, 4])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (8, 1, 128), (5, 1, 40)])
+@pytest.mark.parametrize(("block_size", "sliding_window"), [(16, None), (1, None), (16, 2100)])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.int8])
+def test_decode_keys_split_across_threads_match_the_reference(
+    threads, num_heads, num_kv_heads, head_dim, block_size, sliding_window, cache_dtype, isa
+):
+    """A decode step of fewer (token, kv head) items than the threads can share evenly (3 here) over long
+    contexts (parts of 512 keys or more) splits each item's keys into runs of spans and merges their softmax sums:
+    the same result as the reference, and not bit for bit the single-threaded one (each item whole), which shows
+    the split ran."""
+    query_lens, computed = ([1], [2500]) if num_kv_heads == 3 else ([1, 1, 1], [2500, 2300, 2200])
+    num_blocks = 7600 // block_size + 8
+    _, metadata = _step(query_lens, computed, block_size, num_blocks, seed=block_size + head_dim)
+    generator = torch.Generator().manual_seed(2)
+    query = 3 * torch.randn(metadata.num_tokens, num_heads, head_dim, generator=generator)
+    key = torch.randn(metadata.num_tokens, num_kv_heads, head_dim, generator=generator)
+    value = torch.randn(metadata.num_tokens, num_kv_heads, head_dim, generator=generator)
+    rows = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=generator)
+    cache = quantize_kv(rows, cache_dtype) if is_quantized_kv(cache_dtype) else rows.to(cache_dtype)
+    spec = AttentionLayerSpec(num_heads, num_kv_heads, head_dim, head_dim**-0.5, sliding_window)
+    reference = TorchAttentionBackend()
+    reference.prepare(metadata, block_size)
+    expected = reference.forward(spec, query, key, value, cache.clone(), metadata)
+    kernels.write_kv_cache(key, value, cache[0], cache[1], metadata.slot_mapping)
+    token_req = torch.arange(len(query_lens), dtype=torch.int32)
+    before = torch.get_num_threads()
+    try:
+        outputs = {}
+        for n in (1, threads):
+            torch.set_num_threads(n)
+            outputs[n] = kernels.paged_attention(
+                query, cache[0], cache[1], metadata.block_tables, token_req, metadata.positions, spec.scale,
+                sliding_window,
+            )  # fmt: skip
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(outputs[threads], expected, atol=ATOL, rtol=0)
+    torch.testing.assert_close(outputs[1], expected, atol=ATOL, rtol=0)
+    assert not torch.equal(outputs[threads], outputs[1])
+
+
 def test_rejects_bad_shapes():
     cache = torch.zeros(4, 16, 2, 64)
     query = torch.zeros(3, 5, 64)  # 5 heads cannot share 2 kv heads

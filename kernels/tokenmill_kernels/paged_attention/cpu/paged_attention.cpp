@@ -1,6 +1,7 @@
 // Paged attention on CPU: float32 queries over a float32, float16, fp8 (e4m3) or int8 cache,
 // AVX2/FMA/F16C (the loops over head_dim on AVX-512 where present: Avx512Ops), parallel over
-// (token, kv head).
+// (token, kv head), and for a decode step of fewer of those than the threads share evenly over its long
+// contexts, over runs of each one's keys too, merged after (key_parts).
 //
 // Each query token attends to the keys of its own request at positions <= its own position
 // (within the sliding window, and on its own branch of a draft tree), read straight from the
@@ -24,6 +25,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "cpu_common/extension.h"
@@ -38,6 +40,10 @@ constexpr int kMaxHeadDim = 256;
 constexpr int kMaxBlockSize = 256;  // also the most keys taken at a time
 // Keys taken at a time where blocks are smaller (see attend_items); a multiple of every smaller block size.
 constexpr int kSpanKeys = 64;
+// The most parts one item's keys are split into, and the fewest keys a part takes (key_parts): below about 512,
+// a part's fixed costs (its setup, its partial sums written and merged) outweigh the threads it evens out.
+constexpr int kMaxParts = 16;
+constexpr int kMinPartKeys = 512;
 
 // One float8 e4m3 (torch.float8_e4m3fn) code: sign, 4 exponent bits (bias 7), 3 mantissa bits.
 struct Fp8 {
@@ -323,6 +329,11 @@ struct Problem {
   int64_t max_blocks, sliding_window;
   float scale;
   float soft_cap;  // scores pass through soft_cap * tanh(score / soft_cap) (Gemma 2); 0: none
+  // Work units: each item (token, kv head) split into `parts` runs of its key spans (see key_parts). With more
+  // than one, each unit leaves its heads' unnormalised sums, maximum and sum in `partial`
+  // ([units, group, head_dim + 2]) for merge_parts.
+  int parts;
+  float* partial;
 };
 
 template <typename T, class V>
@@ -455,7 +466,8 @@ struct Avx512Ops {
   }
 };
 
-// Work items [begin, end) of one step's attention: item = token * num_kv_heads + kv head.
+// Work units [begin, end) of one step's attention: unit = item * parts + part, item = token * num_kv_heads + kv
+// head, each part a run of the item's key spans.
 template <typename T, class V>
 void attend_items(const Problem<T>& p, int64_t begin, int64_t end) {
   const int group = p.num_heads / p.num_kv_heads, head_dim = p.head_dim, block_size = p.block_size;
@@ -481,10 +493,21 @@ void attend_items(const Problem<T>& p, int64_t begin, int64_t end) {
   const auto first_key = [&](int64_t last) {
     return p.sliding_window > 0 ? std::max<int64_t>(0, last - p.sliding_window + 1) : 0;
   };
-  for (int64_t item = begin; item < end; ++item) {
+  // The start of the first span of unit `u`'s keys and the end of its last (exclusive): spans start at the first
+  // key's block and are `span` keys long; part k of n takes spans [S k / n, S (k + 1) / n) of the item's S.
+  const auto span_range = [&](int64_t u) {
+    const int64_t last = p.pos[u / p.parts / p.num_kv_heads];
+    const int64_t start = first_key(last) - first_key(last) % block_size;
+    const int64_t spans = (last - start) / span + 1, part = u % p.parts;
+    return std::pair<int64_t, int64_t>{start + spans * part / p.parts * span,
+                                       std::min(last + 1, start + spans * (part + 1) / p.parts * span)};
+  };
+  for (int64_t unit = begin; unit < end; ++unit) {
+    const int64_t item = unit / p.parts;
     const int t = item / p.num_kv_heads, kv_head = item % p.num_kv_heads;
     const int64_t last = p.pos[t];
     const int64_t first = first_key(last);
+    const auto [spans_begin, spans_end] = span_range(unit);
     const int64_t tree_start = p.tree_start != nullptr ? p.tree_start[t] : -1;
     const uint64_t tree_bits = p.tree_bits != nullptr ? uint64_t(p.tree_bits[t]) : 0;
     const int32_t* table = p.tables + int64_t(p.reqs[t]) * p.max_blocks;
@@ -494,7 +517,7 @@ void attend_items(const Problem<T>& p, int64_t begin, int64_t end) {
       running_sum[g] = 0.f;
       std::fill(acc[g], acc[g] + head_dim, 0.f);
     }
-    for (int64_t span_start = first - first % block_size; span_start <= last; span_start += span) {
+    for (int64_t span_start = spans_begin; span_start < spans_end; span_start += span) {
       const int64_t lo = std::max(span_start, first), hi = std::min<int64_t>(span_start + span - 1, last);
       const int n = int(hi - lo + 1);
       // This span's key and value rows, padded to a multiple of 8 with the last one. Every
@@ -525,18 +548,20 @@ void attend_items(const Problem<T>& p, int64_t begin, int64_t end) {
           key_rows[j] = k;
         }
       }
-      // Ask for the next span's rows now: this item's, or after its last span the next item's first. They are
+      // Ask for the next span's rows now: this unit's, or after its last span the next unit's first. They are
       // short strided runs in blocks the hardware prefetcher cannot guess (they come from the block table), and a
       // step's caches are far larger than L3. One span ahead is enough.
-      const bool more = span_start + span <= last;
-      if (more || item + 1 < end) {
-        const int64_t next_item = more ? item : item + 1;
+      const bool more = span_start + span < spans_end;
+      if (more || unit + 1 < end) {
+        const int64_t next_unit = more ? unit : unit + 1;
+        const int64_t next_item = next_unit / p.parts;
         const int64_t next_t = next_item / p.num_kv_heads;
         const int next_kv_head = int(next_item % p.num_kv_heads);
         const int32_t* next_table = p.tables + int64_t(p.reqs[next_t]) * p.max_blocks;
-        const int64_t next_last = more ? last : p.pos[next_t];
-        const int64_t next_start = more ? span_start + span : first_key(next_last);
-        const int next_n = int(std::min<int64_t>(span, next_last - next_start + 1));
+        const auto [next_begin, next_end] = more ? std::pair<int64_t, int64_t>{span_start + span, spans_end}
+                                                 : span_range(next_unit);
+        const int64_t next_start = std::max(next_begin, first_key(p.pos[next_t]));
+        const int next_n = int(std::min<int64_t>(next_begin + span, next_end) - next_start);
         for (int j = 0; j < next_n; ++j) {
           const int64_t next = row_of(next_table, next_kv_head, next_start + j);
           const char* k_row = reinterpret_cast<const char*>(p.key_cache + next);
@@ -550,7 +575,7 @@ void attend_items(const Problem<T>& p, int64_t begin, int64_t end) {
           // run) into L2. Not over a float32 cache: twice the bytes, and the prefetch costs more
           // than it saves (a quantized cache, half float16's bytes, does it too).
           if constexpr (sizeof(T) <= 2) {
-            if (next_kv_head == 0 || next_item == begin) {
+            if (next_kv_head == 0 || next_unit == begin) {
               const char* k_slot = k_row - next_kv_head * row_len * sizeof(T);
               const char* v_slot = v_row - next_kv_head * row_len * sizeof(T);
               for (int64_t byte = (next_kv_head + 1) * row_len * sizeof(T); byte < slot_row * int64_t(sizeof(T));
@@ -614,12 +639,74 @@ void attend_items(const Problem<T>& p, int64_t begin, int64_t end) {
         accumulate_values<V>(acc + g, scores + g, correction + g, std::min(4, group - g), value_rows, n, head_dim);
       }
     }
+    if (p.parts > 1) {
+      float* partial = p.partial + unit * group * (head_dim + 2);
+      for (int g = 0; g < group; ++g, partial += head_dim + 2) {
+        std::copy(acc[g], acc[g] + head_dim, partial);
+        partial[head_dim] = running_max[g];
+        partial[head_dim + 1] = running_sum[g];
+      }
+      continue;
+    }
     float* o = p.out + (int64_t(t) * p.num_heads + int64_t(kv_head) * group) * head_dim;
     for (int g = 0; g < group; ++g) {
       const float inv = 1.f / running_sum[g];
       for (int d = 0; d < head_dim; ++d) o[g * head_dim + d] = acc[g][d] * inv;
     }
   }
+}
+
+// Into each item's output, its parts' sums rescaled to their common maximum (as flash decoding merges them).
+template <typename T>
+void merge_parts(const Problem<T>& p) {
+  const int group = p.num_heads / p.num_kv_heads, head_dim = p.head_dim, stride = group * (head_dim + 2);
+  const int64_t items = int64_t(p.num_tokens) * p.num_kv_heads;
+  for (int64_t item = 0; item < items; ++item) {
+    const float* parts = p.partial + item * p.parts * stride;
+    float* o = p.out + item * group * head_dim;  // (token, kv head)'s heads: item * group is their first
+    for (int g = 0; g < group; ++g, o += head_dim) {
+      const int at = g * (head_dim + 2);
+      float max = -std::numeric_limits<float>::infinity();
+      for (int k = 0; k < p.parts; ++k) max = std::max(max, parts[k * stride + at + head_dim]);
+      float sum = 0.f;
+      std::fill(o, o + head_dim, 0.f);
+      for (int k = 0; k < p.parts; ++k) {
+        const float* part = parts + k * stride + at;
+        const float weight = std::exp(part[head_dim] - max);
+        sum += part[head_dim + 1] * weight;
+        for (int d = 0; d < head_dim; ++d) o[d] += part[d] * weight;
+      }
+      const float inv = 1.f / sum;
+      for (int d = 0; d < head_dim; ++d) o[d] *= inv;
+    }
+  }
+}
+
+// How many parts to split each item's keys into. A step of few items (decode at batch 1: one per kv head) leaves
+// threads idle or unevenly loaded, since a thread takes whole items: 3 kv heads on 2 threads run as 2 and 1. The
+// parts are runs of whole spans, at least one span each; the smallest number that loads the threads most evenly,
+// counted as at::parallel_for hands out contiguous ranges. Draft trees stay whole: a part could hold only masked
+// keys.
+template <typename T>
+int key_parts(const Problem<T>& p, int threads) {
+  const int64_t items = int64_t(p.num_tokens) * p.num_kv_heads;
+  if (threads < 2 || p.tree_start != nullptr || items >= 4 * threads) return 1;
+  const int64_t span = std::max<int64_t>(p.block_size, kSpanKeys);
+  int64_t spans = std::numeric_limits<int64_t>::max();  // the fewest any token has
+  for (int t = 0; t < p.num_tokens; ++t) {
+    const int64_t last = p.pos[t];
+    const int64_t first = p.sliding_window > 0 ? std::max<int64_t>(0, last - p.sliding_window + 1) : 0;
+    spans = std::min(spans, (last - (first - first % p.block_size)) / span + 1);
+  }
+  int best = 1;
+  double best_load = 0.;
+  const int64_t most = std::min<int64_t>(spans / std::max<int64_t>(1, kMinPartKeys / span), kMaxParts);
+  for (int parts = 1; parts <= most; ++parts) {
+    const int64_t units = items * parts, per_thread = (units + threads - 1) / threads;
+    const double load = double(units) / double(per_thread * threads);
+    if (load > best_load + 1e-9) best = parts, best_load = load;
+  }
+  return best;
 }
 
 enum class Isa { kAvx2, kAvx512 };
@@ -636,14 +723,19 @@ tokenmill::IsaChoice<Isa> g_isa({"avx2", "avx512"}, [] {
 });
 
 template <typename T>
-void attend(const Problem<T>& p) {
+void attend(Problem<T> p) {
   const Isa isa = g_isa.get();
-  at::parallel_for(0, int64_t(p.num_tokens) * p.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  p.parts = key_parts(p, at::get_num_threads());
+  const int64_t units = int64_t(p.num_tokens) * p.num_kv_heads * p.parts;
+  std::vector<float> partial(p.parts > 1 ? units * (p.num_heads / p.num_kv_heads) * (p.head_dim + 2) : 0);
+  p.partial = partial.data();
+  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
     if constexpr (tokenmill::kBuildAvx512) {
       if (isa == Isa::kAvx512) return Avx512Ops::attend_range(p, begin, end);
     }
     Avx2Ops::attend_range(p, begin, end);
   });
+  if (p.parts > 1) merge_parts(p);
 }
 
 }  // namespace
@@ -734,7 +826,9 @@ at::Tensor paged_attention(const at::Tensor& query,         // [num_tokens, head
                       block_tables.size(1),
                       sliding_window,
                       float(scale),
-                      float(std::max(logits_soft_cap, 0.0))};
+                      float(std::max(logits_soft_cap, 0.0)),
+                      1,
+                      nullptr};
   };
   if (key_cache.scalar_type() == at::kFloat8_e4m3fn) {
     attend(problem(static_cast<Fp8*>(nullptr)));
