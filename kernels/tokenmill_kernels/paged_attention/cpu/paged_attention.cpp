@@ -90,21 +90,7 @@ inline void store8(at::Half* p, __m256 v) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
-// The dot products of q with 8 rows at once, as one vector: the horizontal sums of the 8
-// accumulators share one reduction tree instead of one reduction each.
-inline __m256 sum8(const __m256 acc[8]);
-
-inline __m256 dot8(const float* q, const float* const rows[8], int n) {
-  __m256 acc[8];
-  for (int r = 0; r < 8; ++r) acc[r] = _mm256_setzero_ps();
-  for (int i = 0; i < n; i += 8) {
-    const __m256 vq = _mm256_loadu_ps(q + i);
-    for (int r = 0; r < 8; ++r) acc[r] = _mm256_fmadd_ps(vq, _mm256_loadu_ps(rows[r] + i), acc[r]);
-  }
-  return sum8(acc);
-}
-
-// The horizontal sums of 8 accumulators, as one vector.
+// The horizontal sums of 8 accumulators, as one vector: one reduction tree for the 8 rather than one each.
 inline __m256 sum8(const __m256 acc[8]) {
   // hadd works within 128-bit lanes: after two rounds each lane holds four rows' partial sums.
   const __m256 h01 = _mm256_hadd_ps(acc[0], acc[1]), h23 = _mm256_hadd_ps(acc[2], acc[3]);
@@ -344,11 +330,41 @@ void attend_items(const Problem<T>& p, int64_t begin, int64_t end);
 // registers to score 8 keys for three heads at once). The rest of attend_items (softmax, masks, widening
 // keys) is the same code for both. set_isa forces one.
 struct Avx2Ops {
+  // Scores of 4 keys for H heads at once: each key slice is loaded once for all H (4 x H accumulators; H = 3
+  // with the 3 query slices and a key slice fills the 16 registers). One head at a time over 8 keys loaded every
+  // key slice once per head: 9 loads per 8 FMAs, which bound the loop.
+  template <int H>
+  static inline void scores4_heads(const float* q, int head_dim, const float* const rows[4], float scale,
+                                   float (*scores)[kMaxBlockSize + 8], int j) {
+    __m256 acc[H][4];
+    for (int h = 0; h < H; ++h) {
+      for (int r = 0; r < 4; ++r) acc[h][r] = _mm256_setzero_ps();
+    }
+    for (int i = 0; i < head_dim; i += 8) {
+      __m256 vq[H];
+      for (int h = 0; h < H; ++h) vq[h] = _mm256_loadu_ps(q + h * head_dim + i);
+      for (int r = 0; r < 4; ++r) {
+        const __m256 k = _mm256_loadu_ps(rows[r] + i);
+        for (int h = 0; h < H; ++h) acc[h][r] = _mm256_fmadd_ps(vq[h], k, acc[h][r]);
+      }
+    }
+    for (int h = 0; h < H; ++h) {
+      // hadd works within 128-bit lanes: after two rounds each lane holds the four keys' partial sums.
+      const __m256 sums = _mm256_hadd_ps(_mm256_hadd_ps(acc[h][0], acc[h][1]), _mm256_hadd_ps(acc[h][2], acc[h][3]));
+      const __m128 total = _mm_add_ps(_mm256_castps256_ps128(sums), _mm256_extractf128_ps(sums, 1));
+      _mm_storeu_ps(scores[h] + j, _mm_mul_ps(total, _mm_set1_ps(scale)));
+    }
+  }
+
   // scores[g][j .. j+8] = scale * (q_g . rows[0..8]) for the group's heads g (q_g = q + g * head_dim).
   static inline void scores8(const float* q, int group, int head_dim, const float* const rows[8], float scale,
                              float (*scores)[kMaxBlockSize + 8], int j) {
-    for (int g = 0; g < group; ++g) {
-      _mm256_storeu_ps(scores[g] + j, _mm256_mul_ps(dot8(q + g * head_dim, rows, head_dim), _mm256_set1_ps(scale)));
+    for (int half = 0; half < 8; half += 4) {
+      int g = 0;
+      const float* const* keys = rows + half;
+      for (; g + 3 <= group; g += 3) scores4_heads<3>(q + g * head_dim, head_dim, keys, scale, scores + g, j + half);
+      if (group - g == 2) scores4_heads<2>(q + g * head_dim, head_dim, keys, scale, scores + g, j + half);
+      if (group - g == 1) scores4_heads<1>(q + g * head_dim, head_dim, keys, scale, scores + g, j + half);
     }
   }
   template <int G, typename T>
