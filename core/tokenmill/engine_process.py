@@ -49,6 +49,9 @@ from tokenmill.transport.serde import decode_to_engine, encode
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 0.5
+#: How long an engine serving a front end has had no request before it builds its grammar backend: the build holds
+#: the GIL for about half a second, which would hold up the steps of the requests that come right after a start.
+IDLE_BEFORE_PREPARE_S = 2.0
 
 
 def run_engine_process(
@@ -102,6 +105,7 @@ def run_engine_process(
         gc.collect()
         gc.freeze()
         logger.info("serving %s on %s (transport %r)", engine.loaded.path, address, config.transport.backend)
+        idle_since: float | None = time.monotonic()  # None while requests run
         while not stopping and not (stop is not None and stop.is_set()):
             if watch_parent and os.getppid() != parent:
                 logger.warning("parent process died; exiting")
@@ -111,9 +115,14 @@ def run_engine_process(
             else:
                 timeout_ms = 0 if engine.has_unfinished_requests() else int(HEARTBEAT_INTERVAL_S * 1000)
             server.receive(timeout_ms=timeout_ms)
-            if server.clients and not engine.has_unfinished_requests():
-                # Serving and idle: build the grammar backend now, not beside the steps of the first constrained
-                # request, nor beside the front end's start-up (once; later calls do nothing).
+            if engine.has_unfinished_requests():
+                idle_since = None
+            elif idle_since is None:
+                idle_since = time.monotonic()
+            elif server.clients and time.monotonic() - idle_since >= IDLE_BEFORE_PREPARE_S:
+                # Serving and idle for a while: build the grammar backend now, not beside the steps of the first
+                # constrained request, nor beside those of the requests that follow a start (once; later calls do
+                # nothing). A constrained request that comes first builds it itself.
                 engine.structured_outputs.prepare()
             if engine.has_unfinished_requests():
                 num_steps = engine.num_steps
