@@ -26,6 +26,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -105,7 +106,7 @@ def run_engine_process(
         gc.collect()
         gc.freeze()
         logger.info("serving %s on %s (transport %r)", engine.loaded.path, address, config.transport.backend)
-        idle_since: float | None = time.monotonic()  # None while requests run
+        idle = _IdleWatch()
         while not stopping and not (stop is not None and stop.is_set()):
             if watch_parent and os.getppid() != parent:
                 logger.warning("parent process died; exiting")
@@ -115,11 +116,7 @@ def run_engine_process(
             else:
                 timeout_ms = 0 if engine.has_unfinished_requests() else int(HEARTBEAT_INTERVAL_S * 1000)
             server.receive(timeout_ms=timeout_ms)
-            if engine.has_unfinished_requests():
-                idle_since = None
-            elif idle_since is None:
-                idle_since = time.monotonic()
-            elif server.clients and time.monotonic() - idle_since >= IDLE_BEFORE_PREPARE_S:
+            if idle.long_enough(busy=engine.has_unfinished_requests()) and server.clients:
                 # Serving and idle for a while: build the grammar backend now, not beside the steps of the first
                 # constrained request, nor beside those of the requests that follow a start (once; later calls do
                 # nothing). A constrained request that comes first builds it itself.
@@ -134,6 +131,23 @@ def run_engine_process(
         if engine is not None:
             engine.close()  # flushes the KV tiers' pending writes (a disk tier outlives the process)
         endpoint.close()
+
+
+class _IdleWatch:
+    """Whether the engine has had no unfinished request for ``IDLE_BEFORE_PREPARE_S``, counted from its start or
+    from the last step that had one."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.idle_since: float | None = clock()  # None while requests run
+
+    def long_enough(self, busy: bool) -> bool:
+        if busy:
+            self.idle_since = None
+            return False
+        if self.idle_since is None:
+            self.idle_since = self.clock()
+        return self.clock() - self.idle_since >= IDLE_BEFORE_PREPARE_S
 
 
 class _EngineServer:

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from tokenmill.engine_launcher import _BOOTSTRAP
-from tokenmill.engine_process import _EngineServer
+from tokenmill.engine_process import IDLE_BEFORE_PREPARE_S, _EngineServer, _IdleWatch
 from tokenmill.messages import (
     PROTOCOL_VERSION,
     EngineCoreOutput,
@@ -257,3 +257,21 @@ def test_a_local_engine_runs_the_engine_process_entry_point() -> None:
     assert imports == [("tokenmill.engine_process", "run_engine_process")]
     entry_point = importlib.import_module("tokenmill.engine_process").run_engine_process
     inspect.signature(entry_point).bind({}, "ipc:///tmp/engine.sock", watch_parent=True)
+
+
+def test_the_grammar_backend_waits_for_the_engine_to_be_idle_a_while() -> None:
+    """The engine builds its grammar backend (about half a second with the GIL held) only after
+    IDLE_BEFORE_PREPARE_S without an unfinished request, counted from its start or its last busy step, so the
+    requests that follow a start do not wait for it."""
+    now = [100.0]
+    idle = _IdleWatch(clock=lambda: now[0])
+    assert not idle.long_enough(busy=False)  # just started
+    now[0] += IDLE_BEFORE_PREPARE_S - 0.1
+    assert not idle.long_enough(busy=True)  # the first request came in time
+    now[0] += 10.0
+    assert not idle.long_enough(busy=True)  # busy for a long time
+    assert not idle.long_enough(busy=False)  # idle from now on
+    now[0] += IDLE_BEFORE_PREPARE_S - 0.1
+    assert not idle.long_enough(busy=False)
+    now[0] += 0.1
+    assert idle.long_enough(busy=False)
